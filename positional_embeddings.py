@@ -15,6 +15,10 @@ Encodings (class, paper):
   arXiv:1706.03762.
 * ``LearnedPositionalEmbedding``: Devlin et al., "BERT", arXiv:1810.04805;
   Radford et al., GPT-2 (2019).
+* ``RotaryPositionalEmbedding``: Su et al., "RoFormer: Enhanced Transformer with Rotary
+  Position Embedding", arXiv:2104.09864; scalings: Chen et al. (position interpolation)
+  arXiv:2306.15595, Peng et al. (YaRN) arXiv:2309.00071, Ding et al. (LongRoPE)
+  arXiv:2402.13753, Meta's Llama 3.1; M-RoPE: Wang et al. (Qwen2-VL) arXiv:2409.12191.
 
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
@@ -33,6 +37,9 @@ __all__ = [
     "attention",
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
+    "RotaryPositionalEmbedding",
+    "ROPE_SCALING",
+    "permute_rotary_weight",
 ]
 
 Tensor = torch.Tensor
@@ -541,6 +548,480 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
 
 
 # ---------------------------------------------------------------------------
+# Rotary position embedding and its scaling functions
+# ---------------------------------------------------------------------------
+#
+# Every scaling function has one signature,
+#     fn(dim, base, params, seq_len) -> (inv_freq [dim/2] float64, attention_factor)
+# where ``params`` is a Hugging Face ``rope_parameters`` dict and ``seq_len`` is
+# ``max(position) + 1`` of the current call (None at construction; an int in eager,
+# a 0-d tensor under torch.compile). The formulas follow the papers and Hugging Face's
+# definitions (``modeling_rope_utils.py``), computed in float64.
+
+
+def _rope_default(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """Su et al.: ``theta_i = base ** (-2i / dim)``."""
+    return _inverse_frequencies(dim, base), 1.0
+
+
+def _rope_linear(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """Position interpolation (Chen et al. 2023, arXiv:2306.15595): positions / factor."""
+    return _inverse_frequencies(dim, base) / params["factor"], 1.0
+
+
+def _rope_dynamic(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """Dynamic NTK: the base grows with the current length ``L > M`` (``M`` the trained length).
+
+    ``base' = base * (factor * L / M - (factor - 1)) ** (dim / (dim - 2))``; unchanged for ``L <= M``.
+    """
+    reference = params.get("original_max_position_embeddings", params.get("max_position_embeddings"))
+    if seq_len is None:
+        return _inverse_frequencies(dim, base), 1.0
+    length = torch.clamp(torch.as_tensor(seq_len, dtype=torch.float64), min=reference)
+    new_base = base * (params["factor"] * length / reference - (params["factor"] - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=new_base.device) / dim
+    return new_base ** -exponents, 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_yarn(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): interpolate slow pairs, keep fast ones, ramp between.
+
+    Pair ``i`` keeps its frequency below the correction index of ``beta_fast`` rotations over
+    the original length, is divided by ``factor`` above that of ``beta_slow``, and is mixed
+    linearly in between; cos and sin are scaled by the attention factor ``0.1 ln(factor) + 1``.
+    """
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+
+    def correction_index(rotations: float) -> float:  # pair whose wavelength fits `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_index(params.get("beta_fast") or 32)
+    high = correction_index(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)    # [F]
+    inv_freq = _inverse_frequencies(dim, base)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor
+
+
+def _rope_longrope(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """LongRoPE (Ding et al. 2024, arXiv:2402.13753): per-pair rescale factors, long ones past the original length."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = torch.tensor(params["short_factor"], dtype=torch.float64)
+    long = torch.tensor(params["long_factor"], dtype=torch.float64)
+    if seq_len is None:
+        rescale = short
+    else:
+        rescale = torch.where(torch.as_tensor(seq_len) > original, long, short)
+    return _inverse_frequencies(dim, base) / rescale, attention_factor
+
+
+def _rope_llama3(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """Llama 3.1: wavelengths above ``L / low_freq_factor`` are divided by ``factor``, below
+    ``L / high_freq_factor`` kept, and smoothly interpolated in between (``L`` the original length)."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    original = params["original_max_position_embeddings"]
+    inv_freq = _inverse_frequencies(dim, base)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+
+
+ROPE_SCALING = {
+    "default": _rope_default,
+    "linear": _rope_linear,
+    "dynamic": _rope_dynamic,
+    "yarn": _rope_yarn,
+    "longrope": _rope_longrope,
+    "llama3": _rope_llama3,
+}
+
+# Keys each rope_type needs (a tuple is "one of"), and the optional ones it understands.
+_ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", ("original_max_position_embeddings", "max_position_embeddings")),
+    "yarn": ("original_max_position_embeddings", ("factor", "max_position_embeddings")),
+    "longrope": ("original_max_position_embeddings", "short_factor", "long_factor",
+                 ("factor", "max_position_embeddings", "attention_factor")),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_ROPE_OPTIONAL = {
+    "rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "max_position_embeddings",
+    "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "truncate", "short_factor", "long_factor", "low_freq_factor", "high_freq_factor",
+}
+_LENGTH_DEPENDENT = {"dynamic", "longrope"}
+
+
+def _check_scaling(owner: str, scaling: Optional[dict], base: float, rotary_dim: int) -> dict:
+    """Validate a ``rope_parameters`` dict; return a normalised copy with ``rope_type`` set."""
+    if scaling is None:
+        return {"rope_type": "default"}
+    if not isinstance(scaling, dict):
+        raise TypeError(f"{owner}: scaling must be a dict in Hugging Face rope_parameters format or None, "
+                        f"got {type(scaling).__name__}")
+    params = dict(scaling)
+    rope_type = params.pop("type", None) or params.get("rope_type", "default")
+    params["rope_type"] = rope_type
+    if rope_type not in ROPE_SCALING:
+        raise ValueError(f"{owner}: scaling['rope_type'] must be one of {sorted(ROPE_SCALING)}, got {rope_type!r}")
+    unknown = sorted(set(params) - _ROPE_OPTIONAL)
+    if unknown:
+        raise ValueError(f"{owner}: scaling has unknown keys {unknown} for rope_type={rope_type!r}")
+    for need in _ROPE_REQUIRED[rope_type]:
+        options = need if isinstance(need, tuple) else (need,)
+        if all(params.get(key) is None for key in options):
+            raise ValueError(f"{owner}: scaling with rope_type={rope_type!r} needs "
+                             f"{' or '.join(repr(key) for key in options)}, got keys {sorted(params)}")
+    if "rope_theta" in params and float(params["rope_theta"]) != float(base):
+        raise ValueError(f"{owner}: scaling['rope_theta']={params['rope_theta']} disagrees with base={base}")
+    if "factor" in params and params["factor"] is not None and not params["factor"] > 0:
+        raise ValueError(f"{owner}: scaling['factor'] must be positive, got {params['factor']!r}")
+    for key in ("short_factor", "long_factor"):
+        if key in params and len(params[key]) != rotary_dim // 2:
+            raise ValueError(f"{owner}: scaling[{key!r}] must have rotary_dim / 2 = {rotary_dim // 2} "
+                             f"entries, got {len(params[key])}")
+    return params
+
+
+def _pair_views(x: Tensor, interleaved: bool) -> tuple:
+    """The two members of every rotated pair: (2i, 2i+1) interleaved, (i, i + R/2) half-split."""
+    return (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+
+
+def _complex_viewable(t: Tensor) -> bool:
+    """Whether the last dim of ``t`` can be viewed as complex pairs without a copy."""
+    return (t.dtype in (torch.float32, torch.float64) and t.stride(-1) == 1 and t.storage_offset() % 2 == 0
+            and all(s % 2 == 0 for s in t.stride()[:-1]))
+
+
+def _rotate_pairs_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, interleaved: bool) -> None:
+    """Write ``x`` with every pair rotated by its angle into ``out`` (eager fast path).
+
+    x, out: [..., N, R]; cos, sin: [..., N, R/2] (broadcastable), float32 or float64.
+    Interleaved float inputs take one complex multiply; otherwise one multiply per pair
+    member and one fused multiply-add over the whole width, with no temporaries.
+    """
+    if interleaved and x.dtype == out.dtype and _complex_viewable(x) and _complex_viewable(out):
+        as_complex = lambda t: torch.view_as_complex(t.unflatten(-1, (-1, 2)))            # [..., N, R/2]
+        torch.mul(as_complex(x), torch.complex(cos, sin), out=as_complex(out))
+        return
+    a, b = _pair_views(x, interleaved)
+    out_a, out_b = _pair_views(out, interleaved)
+    torch.mul(b, -sin, out=out_a)        # -b sin
+    torch.mul(a, sin, out=out_b)         #  a sin
+    cos_full = cos.repeat_interleave(2, dim=-1) if interleaved else torch.cat([cos, cos], dim=-1)  # [..., N, R]
+    out.addcmul_(x, cos_full)            # + (a cos, b cos): one contiguous fused multiply-add
+
+
+def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """The same rotation, out of place (for torch.compile, which fuses it into one kernel)."""
+    a, b = _pair_views(x, interleaved)
+    a, b = a * cos - b * sin, b * cos + a * sin
+    return torch.stack([a, b], dim=-1).flatten(-2) if interleaved else torch.cat([a, b], dim=-1)
+
+
+class _RotateFunction(torch.autograd.Function):
+    """Rotation of the first ``R`` channels (the rest pass through) in the compute dtype.
+
+    Forward uses the allocation-free path; the backward of a rotation is the rotation
+    by minus the angle, so it runs the same fast path with ``-sin``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved, ctx.rotary_dim = interleaved, rotary_dim
+        out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)                   # [..., N, Dh]
+        if rotary_dim < x.shape[-1]:
+            out[..., rotary_dim:] = x[..., rotary_dim:]
+        _rotate_pairs_into(x[..., :rotary_dim], cos, sin, out[..., :rotary_dim], interleaved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        grad_x = _RotateFunction.apply(grad, cos, -sin, ctx.interleaved, ctx.rotary_dim)
+        return grad_x, None, None, None, None
+
+
+def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_split", "interleaved"],
+                          rotary_dim: Optional[int] = None) -> Tensor:
+    """Reorder the rows of a q or k projection between the two RoPE layouts.
+
+    A checkpoint trained with interleaved pairs (Meta's Llama, GPT-J, RoFormer, torchtune)
+    runs with ``interleaved=False`` (Hugging Face, GPT-NeoX) after
+    ``permute_rotary_weight(w, head_dim, to="half_split")``, and back with ``to="interleaved"``:
+    the same permutation of q and k leaves every attention logit unchanged. Works on a
+    weight ``[heads * head_dim, in]`` or a bias ``[heads * head_dim]``; with partial rotary
+    only the first ``rotary_dim`` rows of each head move.
+
+    Example:
+        >>> w = torch.randn(8 * 64, 512)
+        >>> w_hf = permute_rotary_weight(w, 64, to="half_split")
+    """
+    owner = "permute_rotary_weight"
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if to not in ("half_split", "interleaved"):
+        raise ValueError(f"{owner}: to must be 'half_split' or 'interleaved', got {to!r}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or weight.shape[0] % head_dim:
+        raise ValueError(f"{owner}: need an even rotary_dim <= head_dim and rows divisible by head_dim, "
+                         f"got rotary_dim={rotary_dim}, head_dim={head_dim}, weight {tuple(weight.shape)}")
+    half = rotary_dim // 2
+    rows = torch.arange(head_dim)
+    if to == "half_split":  # new row c*half + j <- old row 2j + c
+        rows[:rotary_dim] = 2 * (rows[:rotary_dim] % half) + rows[:rotary_dim] // half
+    else:                   # new row 2j + c <- old row c*half + j
+        rows[:rotary_dim] = (rows[:rotary_dim] % 2) * half + rows[:rotary_dim] // 2
+    heads = weight.shape[0] // head_dim
+    return weight.unflatten(0, (heads, head_dim))[:, rows.to(weight.device)].flatten(0, 1)
+
+
+class RotaryPositionalEmbedding(PositionalEmbedding):
+    """Rotary position embedding: rotate q and k pairwise by position-proportional angles.
+
+    Su et al., "RoFormer", arXiv:2104.09864. Pair ``i`` of a head is rotated by
+    ``p * theta_i`` with ``theta_i = base ** (-2i / rotary_dim)``, so
+    ``<f(q, m), f(k, n)>`` depends on ``n - m`` only. Pairs are ``(i, i + R/2)``
+    (half-split: Hugging Face, GPT-NeoX; the default) or ``(2i, 2i+1)`` (interleaved:
+    RoFormer, GPT-J, Meta's Llama, torchtune); ``permute_rotary_weight`` converts
+    checkpoints between the two. With ``rotary_dim < dim`` only the first ``rotary_dim``
+    channels rotate (GPT-NeoX ``rotary_pct``, Phi's ``partial_rotary_factor``) and the
+    frequencies use ``rotary_dim`` as denominator, as Hugging Face does.
+
+    ``scaling`` takes a Hugging Face ``rope_parameters`` dict (``linear``, ``dynamic``,
+    ``yarn``, ``longrope``, ``llama3``) and gives the same cos/sin, attention factor
+    included. Where Hugging Face reads a length from the model config, the dict carries
+    ``original_max_position_embeddings`` (and ``max_position_embeddings`` where needed).
+    ``dynamic`` and ``longrope`` are driven by the largest position of each call.
+
+    Multi-axis positions (Qwen2-VL's M-RoPE, axial 2-D RoPE for ViTs): ``sections`` gives
+    the number of frequency pairs for each axis, in order (``[16, 24, 24]`` for ``(t, h, w)``
+    with ``dim=128``); positions are then ``[..., N, A]``. With ``axis_spectrum="shared"``
+    the axes take consecutive slices of one spectrum (Qwen2-VL); with ``"per_axis"`` each
+    axis has its own full spectrum over ``2 * sections[a]`` channels (axial ViT RoPE).
+
+    Angles come from float64 positions and frequencies, so position 1e6 is as accurate as
+    position 1; the rotation runs in float32 (float64 for float64 inputs) and rounds once
+    to the input dtype. A float32 cos/sin table serves integer positions and grows on demand.
+
+    Args:
+        dim (int): head dim ``Dh`` of the tensors to rotate.
+        base (float): frequency base (``rope_theta``). Default: 10000.0.
+        interleaved (bool): pair layout, see above. Default: False.
+        rotary_dim (int, optional): rotated channels ``R`` (even, ``<= dim``). Default: ``dim``.
+        scaling (dict, optional): Hugging Face ``rope_parameters``. Default: None.
+        sections (list of int, optional): frequency pairs per position axis, summing to
+            ``R / 2``. Default: None (one axis).
+        axis_spectrum (str): ``"shared"`` or ``"per_axis"``. Default: ``"shared"``.
+        cache_len (int): positions whose cos/sin are tabulated at construction; the table
+            grows on demand in eager mode, and under ``torch.compile`` positions past it are
+            computed on the fly. Default: 4096.
+
+    Shape:
+        - x: ``[..., N, Dh]`` (``[B, H, N, Dh]`` for attention); positions ``[N]``, ``[B, N]``
+          (``[N, A]``, ``[B, N, A]`` with sections).
+        - Output: same as x.
+
+    Example:
+        >>> rope = RotaryPositionalEmbedding(64)
+        >>> q = rope(torch.randn(2, 8, 100, 64))
+        >>> q_next = rope(torch.randn(2, 8, 1, 64), offset=100)
+    """
+
+    kind = "qk"
+    relative = True
+
+    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
+                 rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
+                 sections: Optional[list] = None,
+                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        rotary_dim = dim if rotary_dim is None else rotary_dim
+        if not isinstance(dim, int) or dim <= 0 or dim % 2:
+            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
+        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+            raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
+                             f"got rotary_dim={rotary_dim!r}")
+        if not base > 1:
+            raise ValueError(f"{owner}: base must be > 1, got base={base!r}")
+        sections = None if sections is None else [int(s) for s in sections]
+        if sections is not None and (sum(sections) != rotary_dim // 2 or min(sections) <= 0):
+            raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
+                             f"{rotary_dim // 2}, got sections={sections}")
+        if axis_spectrum not in ("shared", "per_axis") or (axis_spectrum == "per_axis" and sections is None):
+            raise ValueError(f"{owner}: axis_spectrum must be 'shared', or 'per_axis' with sections, "
+                             f"got {axis_spectrum!r} with sections={sections}")
+        self.dim, self.base, self.interleaved, self.rotary_dim = dim, float(base), interleaved, rotary_dim
+        if not isinstance(cache_len, int) or cache_len < 0:
+            raise ValueError(f"{owner}: cache_len must be a non-negative int, got cache_len={cache_len!r}")
+        self.sections, self.axis_spectrum, self.cache_len = sections, axis_spectrum, cache_len
+        self.num_axes = 1 if sections is None else len(sections)
+        self.scaling = scaling  # validates, builds the buffers
+
+    def extra_repr(self) -> str:
+        text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
+        if self._scaling["rope_type"] != "default":
+            text += f", scaling={self._scaling}"
+        if self.sections is not None:
+            text += f", sections={self.sections}, axis_spectrum={self.axis_spectrum!r}"
+        return text
+
+    @property
+    def scaling(self) -> dict:
+        """The normalised ``rope_parameters`` (a copy); assign a new dict to change them."""
+        return dict(self._scaling)
+
+    @scaling.setter
+    def scaling(self, value: Optional[dict]) -> None:
+        owner = type(self).__name__
+        self._scaling = _check_scaling(owner, value, self.base, self.rotary_dim)
+        if self.axis_spectrum == "per_axis" and self._scaling["rope_type"] != "default":
+            raise ValueError(f"{owner}: axis_spectrum='per_axis' takes no scaling, got "
+                             f"rope_type={self._scaling['rope_type']!r}")
+        self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
+        self._init_buffers(self._buffer_device())
+
+    def _init_buffers(self, device) -> None:
+        if self.axis_spectrum == "per_axis":
+            inv_freq, self.attention_factor = torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
+        else:
+            inv_freq, self.attention_factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+        # construction-time frequencies [F] (float64) and their cos/sin for positions
+        # 0 .. cache_len - 1, attention factor included ([L, F] float32)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("cos_cached", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False)
+        if self.sections is None:
+            self._grow_cache(self.cache_len)
+        if self.sections is not None:  # which position axis drives each pair, [F]
+            axis_of_pair = [axis for axis, size in enumerate(self.sections) for _ in range(size)]
+            self.register_buffer("axis_of_pair", torch.tensor(axis_of_pair, device=device), persistent=False)
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """Rotate ``x`` ``[..., N, Dh]`` (call it for q and for k); default positions ``arange(N) + offset``."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.dim)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
+        cos, sin = self.cos_sin(positions, x.shape[-2], offset=offset, device=x.device,
+                                dtype=_compute_dtype(x.dtype))
+        return self._apply_rotation(x, cos, sin)
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        dtype = _compute_dtype(q.dtype)
+        cos_k, sin_k = self.cos_sin(positions_k, k_len, offset=0, device=k.device, dtype=dtype)
+        if positions_q is None and positions_k is None and q_len == k_len:
+            cos_q, sin_q = cos_k, sin_k
+        else:
+            cos_q, sin_q = self.cos_sin(positions_q, q_len, offset=_query_offset(q_len, k_len),
+                                        device=q.device, dtype=dtype)
+        return self._apply_rotation(q, cos_q, sin_q), self._apply_rotation(k, cos_k, sin_k)
+
+    def cos_sin(self, positions: Optional[Tensor], n: int, *, offset: int = 0, device=None,
+                dtype: torch.dtype = torch.float32) -> tuple:
+        """cos and sin of every pair's angle, attention factor included: two ``[..., N, R/2]``.
+
+        ``positions`` as validated by ``forward`` (or None for ``arange(n) + offset``).
+        """
+        owner = type(self).__name__
+        device = self.inv_freq.device if device is None else device
+        if positions is not None and positions.is_floating_point() and not _is_compiling() \
+                and not torch.isfinite(positions).all():
+            raise ValueError(f"{owner}: positions must be finite, got {positions[~torch.isfinite(positions)][:3]}")
+        default = positions is None
+        positions = _or_default(owner, "positions", positions, n, offset, device, self.num_axes)
+        inv_freq, factor = self.inv_freq, self.attention_factor
+        if self._scaling["rope_type"] in _LENGTH_DEPENDENT:
+            inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, self._max_position(positions) + 1)
+            inv_freq = inv_freq.to(device)
+        cached = self._from_cache(None if default else positions, offset, n, inv_freq, factor, device, dtype)
+        if cached is not None:
+            return cached
+        if self.sections is not None:  # pair i turns with the position on its axis
+            positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
+            angles = positions.to(torch.float64) * inv_freq.to(torch.float64)
+        else:
+            angles = _angles(positions, inv_freq)                                                  # [..., N, F]
+        return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+    @staticmethod
+    def _max_position(positions: Tensor):
+        """The largest position (a tensor while tracing, else an int)."""
+        top = positions.max()
+        if _is_compiling():
+            return top
+        return math.ceil(top.item()) if positions.is_floating_point() else int(top)
+
+    def _from_cache(self, positions: Optional[Tensor], offset: int, n: int, inv_freq: Tensor, factor: float,
+                    device, dtype) -> Optional[tuple]:
+        """cos, sin looked up in the float32 cache, or None when it cannot serve this call.
+
+        The cache holds the construction-time frequencies; it serves integer positions in
+        float32 on its own device, growing (eagerly) unless the call would leave it mostly
+        unused: one decoding step at position 1e6 computes its angles directly instead.
+        """
+        compiling = _is_compiling()
+        if dtype != torch.float32 or self.sections is not None or self.cos_cached.device != torch.device(device):
+            return None
+        if not (inv_freq is self.inv_freq or (not compiling and factor == self.attention_factor
+                                              and torch.equal(inv_freq, self.inv_freq))):
+            return None
+        if positions is None:
+            low, high, count = offset, offset + n - 1, n
+        elif compiling or positions.is_floating_point() or positions.numel() == 0:
+            return None
+        else:
+            low, high, count = int(positions.min()), int(positions.max()), positions.shape[-1]
+        length = self.cos_cached.shape[0]
+        if low < 0 or (high >= length and (compiling or high + 1 > max(4 * count, length))):
+            return None
+        if high >= length:
+            self._grow_cache(max(high + 1, 2 * length))
+        if positions is None:  # views, no copy
+            return self.cos_cached[offset : offset + n], self.sin_cached[offset : offset + n]
+        return F.embedding(positions, self.cos_cached), F.embedding(positions, self.sin_cached)
+
+    def _grow_cache(self, length: int) -> None:
+        angles = _angles(torch.arange(length, device=self.inv_freq.device), self.inv_freq)          # [L, F]
+        self.cos_cached = (angles.cos() * self.attention_factor).float()
+        self.sin_cached = (angles.sin() * self.attention_factor).float()
+
+    def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [..., N, Dh], cos/sin [..., N, R/2] -> rotated x in x's dtype."""
+        rotary_dim = self.rotary_dim
+        if not (_is_compiling() or cos.requires_grad or sin.requires_grad):
+            return _RotateFunction.apply(x, cos, sin, self.interleaved, rotary_dim).to(x.dtype)
+        # traced (inductor fuses this into one kernel) or differentiable positions
+        rotated = _rotate_pairs(x[..., :rotary_dim].to(cos.dtype), cos, sin, self.interleaved)
+        if rotary_dim < self.dim:
+            rotated = torch.cat([rotated, x[..., rotary_dim:].to(cos.dtype)], dim=-1)
+        return rotated.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
 # Registry and demo
 # ---------------------------------------------------------------------------
 
@@ -551,6 +1032,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
     return {
         "sinusoidal": SinusoidalPositionalEmbedding(dim),
         "learned": LearnedPositionalEmbedding(seq_len, dim),
+        "rotary": RotaryPositionalEmbedding(head_dim),
     }
 
 

@@ -19,6 +19,7 @@ import positional_embeddings as pe_lib
 from positional_embeddings import (
     LearnedPositionalEmbedding,
     PositionalEmbedding,
+    RotaryPositionalEmbedding,
     SinusoidalPositionalEmbedding,
     attention,
 )
@@ -67,6 +68,14 @@ CASES = [
     Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
     Case("sinusoidal_concat", lambda: SinusoidalPositionalEmbedding(D, layout="concat")),
     Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
+    Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
+    Case("rotary_interleaved_partial", lambda: RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)),
+    Case("rotary_yarn", lambda: RotaryPositionalEmbedding(
+        DH, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+    Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1),
+         has_offset=False),
 ]
 
 
@@ -479,6 +488,378 @@ class TestLearned:
     def test_bad_arguments(self, kwargs):
         with pytest.raises(ValueError, match="LearnedPositionalEmbedding: "):
             LearnedPositionalEmbedding(**kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Rotary
+# ---------------------------------------------------------------------------
+
+
+def rope_oracle(x, positions, inv_freq, *, interleaved=False, rotary_dim=None, factor=1.0):
+    """Rotate x [..., N, D] by explicit D x D rotation matrices built per position, in float64.
+
+    positions: a list (one per token) of positions; a position is a number, or a tuple of
+    per-axis numbers with ``axis_of_pair`` giving the axis of each pair.
+    """
+    x = x.double()
+    d = x.shape[-1]
+    r = d if rotary_dim is None else rotary_dim
+    out = torch.empty_like(x)
+    for n, p in enumerate(positions):
+        rot = torch.eye(d, dtype=torch.float64)
+        for i in range(r // 2):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+            theta = float(p[i] if isinstance(p, (tuple, list)) else p) * inv_freq[i]
+            c, s = math.cos(theta) * factor, math.sin(theta) * factor
+            rot[a, a], rot[a, b], rot[b, a], rot[b, b] = c, -s, s, c
+        out[..., n, :] = x[..., n, :] @ rot.T
+    return out
+
+
+def plain_inv_freq(dim, base=10000.0):
+    return [base ** (-2 * i / dim) for i in range(dim // 2)]
+
+
+def yarn_oracle(dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True, mscale=None,
+                mscale_all_dim=None):
+    """YaRN, written from the paper and Hugging Face's definition, one pair at a time."""
+    def m(scale, ms=1.0):
+        return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+    attention = m(factor, mscale) / m(factor, mscale_all_dim) if mscale and mscale_all_dim else m(factor)
+    def index(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = index(beta_fast), index(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    freqs = []
+    for i, f in enumerate(plain_inv_freq(dim, base)):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        freqs.append(f / factor * ramp + f * (1 - ramp))
+    return freqs, attention
+
+
+def llama3_oracle(dim, base, factor, low_ff, high_ff, original):
+    freqs = []
+    for f in plain_inv_freq(dim, base):
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high_ff:
+            freqs.append(f)
+        elif wavelength > original / low_ff:
+            freqs.append(f / factor)
+        else:
+            s = (original / wavelength - low_ff) / (high_ff - low_ff)
+            freqs.append((1 - s) * f / factor + s * f)
+    return freqs
+
+
+class TestRotary:
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("rotary_dim", [None, 8])
+    def test_matches_rotation_matrix_oracle(self, interleaved, rotary_dim):
+        rope = RotaryPositionalEmbedding(16, interleaved=interleaved, rotary_dim=rotary_dim)
+        x = torch.randn(2, 3, 7, 16)
+        positions = [0, 1, 2, 5, 11, 100, 4097]
+        got = rope(x, torch.tensor(positions))
+        want = rope_oracle(x, positions, plain_inv_freq(rotary_dim or 16), interleaved=interleaved,
+                           rotary_dim=rotary_dim)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+    def test_preserves_norms(self):
+        rope = RotaryPositionalEmbedding(64)
+        x = torch.randn(2, 4, 50, 64)
+        torch.testing.assert_close(rope(x, torch.arange(50) * 37).norm(dim=-1), x.norm(dim=-1))
+
+    @pytest.mark.parametrize("dtype", [torch.long, torch.float64])
+    def test_scores_depend_only_on_distance(self, dtype):
+        rope = RotaryPositionalEmbedding(32)
+        q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+        scores = []
+        for m in (0, 7, 1000, 123456):
+            shift = torch.tensor([m], dtype=dtype) + (torch.tensor([0.25], dtype=dtype) if dtype != torch.long else 0)
+            scores.append((rope(q, shift) * rope(k, shift + 5)).sum().item())
+        assert max(scores) - min(scores) < 2e-5 * abs(scores[0]) + 1e-5
+
+    def test_attention_logits_relative_with_float_positions(self):
+        rope = RotaryPositionalEmbedding(DH)
+        q, k, _ = qkv(dtype=torch.float64)
+        positions = torch.rand(N, dtype=torch.float64) * 50
+        base = rope.forward_attn(q, k, positions, positions)
+        shifted = rope.forward_attn(q, k, positions + 1234.5, positions + 1234.5)
+        torch.testing.assert_close(shifted, base)
+
+    def test_fp32_accurate_at_a_million(self):
+        rope = RotaryPositionalEmbedding(128, base=500000.0)
+        x = torch.randn(1, 2, 4, 128)
+        positions = [999_997, 999_998, 999_999, 1_000_000]
+        got = rope(x, torch.tensor(positions))
+        want = rope_oracle(x, positions, plain_inv_freq(128, 500000.0))
+        assert (got.double() - want).abs().max() < 1e-4
+        got_default = rope(x, offset=999_997)
+        assert (got_default.double() - want).abs().max() < 1e-4
+
+    def test_bf16_as_accurate_as_rounding_allows(self):
+        rope = RotaryPositionalEmbedding(64)
+        x = torch.randn(2, 2, 8, 64).bfloat16()
+        positions = list(range(999_992, 1_000_000))
+        got = rope(x, offset=999_992)
+        assert got.dtype == torch.bfloat16
+        want = rope_oracle(x, positions, plain_inv_freq(64))
+        spacing = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)   # bf16 ulp
+        assert ((got.double() - want).abs() <= 0.5 * spacing * 1.001 + 1e-6).all()
+
+    def test_module_cast_to_bf16_keeps_fp32_tables(self):
+        rope = RotaryPositionalEmbedding(64).bfloat16()
+        assert rope.inv_freq.dtype == torch.float64
+        x = torch.randn(1, 1, 4, 64)
+        want = RotaryPositionalEmbedding(64)(x, offset=1_000_000)
+        torch.testing.assert_close(rope(x, offset=1_000_000), want)
+
+    def test_cache_grows_and_serves_explicit_positions(self):
+        rope = RotaryPositionalEmbedding(32, cache_len=16)
+        x = torch.randn(1, 1, 3000, 32)
+        rope(x[..., :10, :])
+        assert rope.cos_cached.shape[0] == 16
+        out = rope(x)
+        assert rope.cos_cached.shape[0] >= 3000
+        torch.testing.assert_close(out, RotaryPositionalEmbedding(32, cache_len=0)(x))
+        torch.testing.assert_close(rope(x[..., 5:9, :], torch.tensor([5, 6, 7, 8])), out[..., 5:9, :])
+        # a lone position far past the table is computed directly, without growing it
+        rope(x[..., :1, :], torch.tensor([10**7]))
+        assert rope.cos_cached.shape[0] < 10**7
+        assert "cos_cached" not in rope.state_dict()
+
+    def test_batched_positions_left_padding(self):
+        rope = RotaryPositionalEmbedding(DH)
+        x = torch.randn(B, H, N, DH)
+        positions = torch.stack([torch.arange(N), (torch.arange(N) - 3).clamp(min=0)])
+        out = rope(x, positions)
+        torch.testing.assert_close(out[0], rope(x[0:1], torch.arange(N))[0])
+        torch.testing.assert_close(out[1, :, 3:], rope(x[1:2, :, 3:], torch.arange(N - 3))[0])
+
+    def test_float64_input_runs_in_float64(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(1, 1, 3, 16, dtype=torch.float64)
+        positions = [0.5, 1e6 + 0.25, 3.0]
+        want = rope_oracle(x, positions, plain_inv_freq(16))
+        torch.testing.assert_close(rope(x, torch.tensor(positions, dtype=torch.float64)), want, rtol=0, atol=1e-9)
+
+    def test_gradient_is_inverse_rotation(self):
+        rope = RotaryPositionalEmbedding(8, interleaved=True, rotary_dim=6)
+        x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda t: rope(t, torch.arange(5) * 3), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: rope(t), (x,))
+
+    def test_gradient_reaches_float_positions(self):
+        rope = RotaryPositionalEmbedding(8)
+        positions = torch.tensor([0.5, 2.0, 3.25], dtype=torch.float64, requires_grad=True)
+        x = torch.randn(2, 3, 8, dtype=torch.float64)
+        assert torch.autograd.gradcheck(lambda p: rope(x, p), (positions,))
+
+    # -- layouts ----------------------------------------------------------------
+
+    def test_permuted_weights_give_same_attention(self):
+        heads, head_dim, model_dim, n = 2, 8, 12, 6
+        wq, wk = torch.randn(heads * head_dim, model_dim), torch.randn(heads * head_dim, model_dim)
+        x = torch.randn(1, n, model_dim)
+
+        def logits(wq, wk, interleaved):
+            rope = RotaryPositionalEmbedding(head_dim, interleaved=interleaved)
+            q = (x @ wq.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            k = (x @ wk.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            return rope.forward_attn(q, k)
+
+        want = logits(wq, wk, interleaved=True)
+        to_half = [pe_lib.permute_rotary_weight(w, head_dim, to="half_split") for w in (wq, wk)]
+        torch.testing.assert_close(logits(*to_half, interleaved=False), want)
+        back = [pe_lib.permute_rotary_weight(w, head_dim, to="interleaved") for w in to_half]
+        torch.testing.assert_close(back[0], wq, rtol=0, atol=0)
+        torch.testing.assert_close(back[1], wk, rtol=0, atol=0)
+
+    def test_permutation_index_map(self):
+        # Meta row 2j + c goes to Hugging Face row c * D/2 + j (D = 8)
+        w = torch.arange(8.0)[:, None]
+        got = pe_lib.permute_rotary_weight(w, 8, to="half_split")[:, 0].tolist()
+        assert got == [0, 2, 4, 6, 1, 3, 5, 7]
+        partial = pe_lib.permute_rotary_weight(w, 8, to="half_split", rotary_dim=4)[:, 0].tolist()
+        assert partial == [0, 2, 1, 3, 4, 5, 6, 7]
+
+    # -- scaling --------------------------------------------------------------
+
+    def test_linear(self):
+        rope = RotaryPositionalEmbedding(16, scaling={"rope_type": "linear", "factor": 4.0})
+        x = torch.randn(1, 1, 5, 16)
+        torch.testing.assert_close(rope(x, torch.arange(5) * 4), RotaryPositionalEmbedding(16)(x))
+
+    def test_dynamic_is_driven_by_the_largest_position(self):
+        scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        x = torch.randn(1, 1, 100, 16)
+        torch.testing.assert_close(rope(x[..., :64, :]), RotaryPositionalEmbedding(16)(x[..., :64, :]))
+        # length 100 > 64: base' = base * (2 * 100 / 64 - 1) ** (16 / 14)
+        new_base = 10000.0 * (2.0 * 100 / 64 - 1.0) ** (16 / 14)
+        want = rope_oracle(x, list(range(100)), plain_inv_freq(16, new_base))
+        torch.testing.assert_close(rope(x).double(), want, rtol=0, atol=2e-6)
+        # stateless: a short call afterwards is plain RoPE again
+        torch.testing.assert_close(rope(x[..., :10, :]), RotaryPositionalEmbedding(16)(x[..., :10, :]))
+
+    @pytest.mark.parametrize("config", [
+        dict(base=1e6, dim=128, factor=4.0, original=32768),                     # Qwen3-style
+        dict(base=150000.0, dim=64, factor=32.0, original=4096, truncate=False),  # gpt-oss-style
+        dict(base=10000.0, dim=64, factor=40.0, original=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+             mscale_all_dim=0.707),                                               # DeepSeek-style
+    ])
+    def test_yarn(self, config):
+        dim, base = config.pop("dim"), config.pop("base")
+        factor, original = config["factor"], config["original"]
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        scaling.update({k: v for k, v in config.items() if k not in ("factor", "original")})
+        rope = RotaryPositionalEmbedding(dim, base=base, scaling=scaling)
+        freqs, attention = yarn_oracle(dim, base, **config)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
+        assert rope.attention_factor == pytest.approx(attention, rel=1e-12)
+        x = torch.randn(1, 1, 3, dim)
+        want = rope_oracle(x, [0, 1000, 50000], freqs, factor=attention)
+        torch.testing.assert_close(rope(x, torch.tensor([0, 1000, 50000])).double(), want, rtol=0, atol=1e-5)
+
+    def test_yarn_published_values(self):
+        # Qwen3 with factor 4 over 32768 positions: ramp from pair 23 to 40, attention factor 1 + 0.1 ln 4
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+        rope = RotaryPositionalEmbedding(128, base=1e6, scaling=scaling)
+        plain = torch.tensor(plain_inv_freq(128, 1e6), dtype=torch.float64)
+        kept = (rope.inv_freq == plain).nonzero().flatten().tolist()
+        divided = torch.isclose(rope.inv_freq, plain / 4, rtol=1e-12).nonzero().flatten().tolist()
+        assert kept == list(range(0, 24)) and divided == list(range(40, 64))
+        assert rope.attention_factor == pytest.approx(1.1386294361, rel=1e-9)
+
+    def test_longrope_switches_past_original_length(self):
+        short, long = [1.0 + 0.1 * i for i in range(8)], [2.0 + 0.5 * i for i in range(8)]
+        scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                   "original_max_position_embeddings": 32, "max_position_embeddings": 1024}
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        attention = math.sqrt(1 + math.log(1024 / 32) / math.log(32))
+        x = torch.randn(1, 1, 33, 16)
+        for n, factors in ((32, short), (33, long)):
+            freqs = [f / s for f, s in zip(plain_inv_freq(16), factors)]
+            want = rope_oracle(x[..., :n, :], list(range(n)), freqs, factor=attention)
+            torch.testing.assert_close(rope(x[..., :n, :]).double(), want, rtol=0, atol=2e-6)
+
+    def test_longrope_published_attention_factor(self):
+        # Phi-3-mini-128k: 131072 / 4096 positions -> sqrt(1 + ln 32 / ln 4096) = 1.190238
+        scaling = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48,
+                   "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+        assert RotaryPositionalEmbedding(96, scaling=scaling).attention_factor == pytest.approx(1.190238, abs=1e-6)
+
+    def test_llama3(self):
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+        rope = RotaryPositionalEmbedding(128, base=500000.0, scaling=scaling)
+        freqs = llama3_oracle(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
+        # Llama-3.1-8B: pairs 0-28 unchanged, 29-34 smoothed, 35-63 divided by 8
+        plain = torch.tensor(plain_inv_freq(128, 500000.0), dtype=torch.float64)
+        assert (rope.inv_freq[:29] == plain[:29]).all()
+        torch.testing.assert_close(rope.inv_freq[35:], plain[35:] / 8, rtol=1e-12, atol=0)
+        assert ((rope.inv_freq[29:35] < plain[29:35]) & (rope.inv_freq[29:35] > plain[29:35] / 8)).all()
+
+    def test_scaling_setter_rebuilds_tables(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(1, 1, 8, 16)
+        rope(x)
+        rope.scaling = {"rope_type": "linear", "factor": 2.0}
+        torch.testing.assert_close(rope(x, torch.arange(8) * 2), RotaryPositionalEmbedding(16)(x))
+
+    @pytest.mark.parametrize("scaling", [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 256},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 16},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 128},
+        {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)],
+         "long_factor": [2.0 + i / 8 for i in range(32)], "original_max_position_embeddings": 128},
+    ])
+    def test_same_cos_sin_as_hugging_face_when_installed(self, scaling):
+        llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+        config = llama.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=256,
+                                   rope_parameters={**scaling, "rope_theta": 10000.0})
+        ours_scaling = dict(scaling, max_position_embeddings=256) if scaling["rope_type"] == "longrope" else scaling
+        rope = RotaryPositionalEmbedding(64, scaling=ours_scaling)
+        for n in (100, 500):  # below and above the original length (dynamic, longrope switch)
+            cos, sin = llama.LlamaRotaryEmbedding(config)(torch.zeros(1, 64), torch.arange(n)[None])
+            ours_cos, ours_sin = rope.cos_sin(None, n)
+            # Hugging Face builds angles in fp32: ~1e-7 relative error per unit of angle
+            torch.testing.assert_close(torch.cat([ours_cos] * 2, -1), cos[0], rtol=0, atol=2e-4)
+            torch.testing.assert_close(torch.cat([ours_sin] * 2, -1), sin[0], rtol=0, atol=2e-4)
+
+    # -- multi-axis -------------------------------------------------------------
+
+    def test_mrope_sections_match_oracle(self):
+        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
+        positions = torch.tensor([[0, 0, 0], [1, 2, 3], [4, 0, 7], [9, 9, 2]])
+        axis = [0] * 4 + [1] * 6 + [2] * 6
+        x = torch.randn(2, 4, 32)
+        per_pair = [tuple(int(p[axis[i]]) for i in range(16)) for p in positions]
+        want = rope_oracle(x, per_pair, plain_inv_freq(32))
+        torch.testing.assert_close(rope(x, positions).double(), want, rtol=0, atol=2e-6)
+
+    def test_mrope_text_tokens_equal_1d_rope(self):
+        # Qwen2-VL: a text token has t = h = w = its index
+        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
+        x = torch.randn(1, 2, 10, 32)
+        torch.testing.assert_close(rope(x, torch.arange(10)[:, None].expand(10, 3)), RotaryPositionalEmbedding(32)(x))
+
+    def test_axial_per_axis_spectrum(self):
+        rope = RotaryPositionalEmbedding(16, interleaved=True, sections=[4, 4], axis_spectrum="per_axis")
+        positions = torch.tensor([[2, 5], [7, 1]])
+        freqs = plain_inv_freq(8) + plain_inv_freq(8)
+        per_pair = [tuple([int(p[0])] * 4 + [int(p[1])] * 4) for p in positions]
+        x = torch.randn(3, 2, 16)
+        torch.testing.assert_close(rope(x, positions).double(),
+                                   rope_oracle(x, per_pair, freqs, interleaved=True), rtol=0, atol=2e-6)
+
+    def test_multi_axis_scores_relative_per_axis(self):
+        rope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        q, k, _ = qkv(dtype=torch.float64)
+        grid = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(4), indexing="ij"), -1)
+        positions = grid.reshape(N, 3)
+        base = rope.forward_attn(q, k, positions, positions)
+        shift = torch.tensor([5, -3, 11])
+        torch.testing.assert_close(rope.forward_attn(q, k, positions + shift, positions + shift), base)
+
+    # -- bad input --------------------------------------------------------------
+
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(dim=15), ValueError, "dim must be a positive even int, got dim=15"),
+        (dict(dim=16, rotary_dim=7), ValueError, "rotary_dim must be a positive even int <= dim=16, got rotary_dim=7"),
+        (dict(dim=16, rotary_dim=32), ValueError, "rotary_dim must be .*, got rotary_dim=32"),
+        (dict(dim=16, scaling={"rope_type": "ntk"}), ValueError, "scaling\\['rope_type'\\] must be one of .*got 'ntk'"),
+        (dict(dim=16, scaling={"rope_type": "linear"}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
+        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError, "scaling with rope_type='yarn' needs 'original_max_position_embeddings'"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]"),
+        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8,
+                               "original_max_position_embeddings": 8, "factor": 2.0}),
+         ValueError, "scaling\\['short_factor'\\] must have rotary_dim / 2 = 8 entries, got 1"),
+        (dict(dim=16, scaling="yarn"), TypeError, "scaling must be a dict"),
+        (dict(dim=16, sections=[2, 2]), ValueError, "sections must be positive and sum to rotary_dim / 2 = 8"),
+    ])
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="RotaryPositionalEmbedding: " + message):
+            RotaryPositionalEmbedding(**kwargs)
+
+    def test_bad_inputs(self):
+        rope = RotaryPositionalEmbedding(16)
+        with pytest.raises(ValueError, match="x must have at least 2 dims"):
+            rope(torch.randn(16))
+        with pytest.raises(ValueError, match="x must have last dim 16"):
+            rope(torch.randn(2, 3, 8))
+        with pytest.raises(ValueError, match="positions must have shape \\[3\\] or \\[2, 3\\], got \\(4,\\)"):
+            rope(torch.randn(2, 3, 16), torch.arange(4))
+        with pytest.raises(ValueError, match="positions must be finite"):
+            rope(torch.randn(2, 3, 16), torch.tensor([0.0, float("nan"), 1.0]))
+        with pytest.raises(ValueError, match="positions is required for 3 axes"):
+            RotaryPositionalEmbedding(16, sections=[2, 3, 3])(torch.randn(2, 3, 16))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,204 @@
+"""Speed and memory of positional_embeddings.py, as ratios to baselines measured in the same run.
+
+Not a test: wall-clock numbers on shared machines are noisy, so every figure is the median
+of interleaved repetitions and is reported as a ratio to a floor or a peer timed in the
+same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when absent.
+
+    python benchmarks/bench.py                 # everything
+    python benchmarks/bench.py rope --reps 50  # one section
+
+glibc's malloc decides, from its history, whether a large tensor gets fresh pages (the
+kernel zero-fills them on first touch, which can cost more than the arithmetic) or reuses
+freed memory, so one process can swing 3x between runs. The script therefore runs every
+section twice, in child processes with the allocator pinned: "fresh pages"
+(``MALLOC_MMAP_THRESHOLD_=131072``: every large tensor is a new mapping, as for tensors
+over 32 MiB by default) and "reused memory" (large threshold: no page faults after warm-up,
+like PyTorch's caching allocators on GPU).
+"""
+
+import argparse
+import importlib
+import importlib.util
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import positional_embeddings as pe_lib  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+# ---------------------------------------------------------------------------
+# Harness
+# ---------------------------------------------------------------------------
+
+
+def medians(fns: dict, reps: int, warmup: int = 3) -> dict:
+    """Median seconds of each function, timed in interleaved rounds so drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def peak_memory(fn) -> int:
+    """Peak resident memory (bytes) added while ``fn`` runs (Linux VmHWM, reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    fn()
+    return _status("VmHWM") - before
+
+
+def optional(module: str, file: str = None):
+    """A peer module, or None when it is not installed (or fails to import).
+
+    ``file`` loads one file of the package without running its ``__init__`` (torchtune's
+    imports torchao, which may not match the installed torch).
+    """
+    try:
+        if file is None:
+            return importlib.import_module(module)
+        spec = importlib.util.find_spec(module)
+        path = os.path.join(os.path.dirname(spec.origin), file)
+        loaded = importlib.util.module_from_spec(importlib.util.spec_from_file_location(f"_peer_{module}", path))
+        loaded.__spec__.loader.exec_module(loaded)
+        return loaded
+    except Exception:
+        return None
+
+
+def report(title: str, times: dict, baseline: str, memory: dict = None) -> None:
+    print(f"\n{title}")
+    print(f"  {'implementation':<44}{'median ms':>10}{'ratio':>8}" + (f"{'peak MiB':>11}" if memory else ""))
+    for name, t in times.items():
+        line = f"  {name:<44}{t * 1e3:>10.2f}{t / times[baseline]:>8.2f}"
+        if memory:
+            line += f"{memory.get(name, float('nan')) / 2**20:>11.1f}"
+        print(line)
+
+
+# ---------------------------------------------------------------------------
+# Rotary
+# ---------------------------------------------------------------------------
+
+
+def bench_rope(reps: int, compile: bool) -> None:
+    b, h, n, d = 1, 32, 2048, 128
+    q, k = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    fns = {"clone q and k (memory-traffic floor)": lambda: (q.clone(), k.clone())}
+    half, inter = pe_lib.RotaryPositionalEmbedding(d), pe_lib.RotaryPositionalEmbedding(d, interleaved=True)
+    fns["ours, half-split (eager)"] = lambda: (half(q), half(k))
+    fns["ours, interleaved (eager)"] = lambda: (inter(q), inter(k))
+    if compile:
+        compiled = torch.compile(half, dynamic=False)
+        compiled_inter = torch.compile(inter, dynamic=False)
+        fns["ours, half-split (torch.compile)"] = lambda: (compiled(q), compiled(k))
+        fns["ours, interleaved (torch.compile)"] = lambda: (compiled_inter(q), compiled_inter(k))
+    llama = optional("transformers.models.llama.modeling_llama")
+    if llama is not None:
+        config = optional("transformers").LlamaConfig(hidden_size=h * d, num_attention_heads=h, head_dim=d)
+        cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(n)[None])
+        fns["Hugging Face apply_rotary_pos_emb"] = lambda: llama.apply_rotary_pos_emb(q, k, cos, sin)
+    tune = optional("torchtune", "modules/position_embeddings.py")
+    if tune is not None:
+        tune_rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=4096)
+        qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()   # torchtune: [b, s, h, d]
+        fns["torchtune RotaryPositionalEmbeddings"] = lambda: (tune_rope(qt), tune_rope(kt))
+    report(f"RoPE: rotate q and k [{b}, {h}, {n}, {d}] fp32", medians(fns, reps), baseline=next(iter(fns)))
+
+
+def _rope_float64(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Half-split RoPE of x [..., N, D] computed entirely in float64 (the reference)."""
+    d = x.shape[-1]
+    inv_freq = base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.double()[:, None] * inv_freq
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x = x.double()
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def bench_rope_precision(reps: int, compile: bool) -> None:
+    """Max |error| against float64 at positions near 1e6, fp32 and bf16 inputs."""
+    d, base = 128, 10000.0
+    positions = torch.arange(1_000_000 - 64, 1_000_000)
+    x = torch.randn(1, 8, 64, d)
+    rows, want = {}, {}
+    ours = pe_lib.RotaryPositionalEmbedding(d, base=base)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        want[dtype] = _rope_float64(xd, positions, base)  # exact rotation of the (rounded) input
+        rows.setdefault("ours", {})[dtype] = ours(xd, positions)
+        llama = optional("transformers.models.llama.modeling_llama")
+        if llama is not None:
+            config = optional("transformers").LlamaConfig(hidden_size=8 * d, num_attention_heads=8, head_dim=d)
+            cos, sin = llama.LlamaRotaryEmbedding(config)(xd, positions[None])
+            rows.setdefault("Hugging Face (Llama)", {})[dtype] = llama.apply_rotary_pos_emb(xd, xd, cos, sin)[0]
+        tune = optional("torchtune", "modules/position_embeddings.py")
+        if tune is not None:
+            rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=1_000_000, base=base)
+            perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # interleaved -> half-split rows
+            inverse = torch.argsort(perm)
+            out = rope(xd[..., inverse].transpose(1, 2), input_pos=positions[None]).transpose(1, 2)
+            rows.setdefault("torchtune", {})[dtype] = out[..., perm]
+    exact = want[torch.bfloat16]
+    rounding = (exact.to(torch.bfloat16).double() - exact).abs().max().item()
+    print(f"\nRoPE precision at positions 999,936 .. 999,999 (max |error| vs float64; outputs ~1;"
+          f" rounding the exact result to bf16 costs {rounding:.1e})")
+    print(f"  {'implementation':<30}{'fp32':>12}{'bf16':>12}")
+    for name, by_dtype in rows.items():
+        errors = [(by_dtype[t].double() - want[t]).abs().max().item() for t in (torch.float32, torch.bfloat16)]
+        print(f"  {name:<30}{errors[0]:>12.1e}{errors[1]:>12.1e}")
+
+
+SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision}
+
+
+REGIMES = {
+    "fresh pages": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    "reused memory": {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**34),
+                      "MALLOC_TOP_PAD_": str(2**28)},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", choices=[[], *SECTIONS], default=[], help="default: all")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per implementation")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
+    parser.add_argument("--regime", choices=[*REGIMES, "both"], default="both",
+                        help="allocator regime (default: both, each in a child process)")
+    args = parser.parse_args()
+    if args.regime == "both":
+        for regime, env in REGIMES.items():
+            argv = [a for a in sys.argv[1:] if not a.startswith("--regime")] + ["--regime", regime]
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **env}, check=True)
+        return
+    print(f"\n===== allocator: {args.regime} ({' '.join(f'{k}={v}' for k, v in REGIMES[args.regime].items())}) =====")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"python {platform.python_version()}")
+    for name in args.sections or SECTIONS:
+        SECTIONS[name](args.reps, compile=not args.no_compile)
+
+
+if __name__ == "__main__":
+    main()
