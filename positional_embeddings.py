@@ -19,6 +19,15 @@ Encodings (class, paper):
   Position Embedding", arXiv:2104.09864; scalings: Chen et al. (position interpolation)
   arXiv:2306.15595, Peng et al. (YaRN) arXiv:2309.00071, Ding et al. (LongRoPE)
   arXiv:2402.13753, Meta's Llama 3.1; M-RoPE: Wang et al. (Qwen2-VL) arXiv:2409.12191.
+* ``T5PositionalEmbedding``: Raffel et al., "Exploring the Limits of Transfer Learning
+  with a Unified Text-to-Text Transformer", arXiv:1910.10683.
+* ``ALiBiPositionalEmbedding``: Press, Smith and Lewis, "Train Short, Test Long",
+  arXiv:2108.12409.
+* ``UnifiedPositionalEmbedding`` (TUPE): Ke, He and Liu, "Rethinking Positional Encoding
+  in Language Pre-training", arXiv:2006.15595.
+* ``TransformerXLPositionalEmbedding``: Dai et al., "Transformer-XL", arXiv:1901.02860.
+* ``EnformerPositionalEmbedding``: Avsec et al., "Effective gene expression prediction
+  from sequence by integrating long-range interactions", Nature Methods 18 (2021).
 
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
@@ -40,6 +49,13 @@ __all__ = [
     "RotaryPositionalEmbedding",
     "ROPE_SCALING",
     "permute_rotary_weight",
+    "T5PositionalEmbedding",
+    "t5_relative_position_bucket",
+    "ALiBiPositionalEmbedding",
+    "alibi_slopes",
+    "UnifiedPositionalEmbedding",
+    "TransformerXLPositionalEmbedding",
+    "EnformerPositionalEmbedding",
 ]
 
 Tensor = torch.Tensor
@@ -177,7 +193,7 @@ class PositionalEmbedding(nn.Module):
     """
 
     kind: str = "input"
-    relative: bool = False  # logits depend only on position differences
+    translation_invariant: bool = False  # logits depend only on position differences
     num_axes: int = 1       # position axes A: positions are [..., N] or, for A > 1, [..., N, A]
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
@@ -209,7 +225,7 @@ class PositionalEmbedding(nn.Module):
         """Pre-mask, pre-softmax logits ``scale * <q', k'> + bias``: [B, H, Nq, Nk]."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
         q, k = self.encode_qk(q, k, positions_q, positions_k)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale                          # [B, H, Nq, Nk]
         bias = self.attention_bias(q.shape[-2], k.shape[-2], positions_q, positions_k, device=q.device)
         return logits if bias is None else logits + bias.to(logits.dtype)
@@ -222,6 +238,10 @@ class PositionalEmbedding(nn.Module):
         lead = tuple(q.shape[:-2])
         return (_check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes),
                 _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes))
+
+    def logit_scale(self, head_dim: int) -> float:
+        """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
+        return head_dim ** -0.5
 
     def reset_parameters(self) -> None:
         """Re-initialise parameters and rebuild every derived buffer."""
@@ -296,6 +316,7 @@ def attention(
     attn_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
+    use_flex: Optional[bool] = None,
 ) -> Tensor:
     """Softmax attention with positional encoding ``pe``, through the cheapest correct path.
 
@@ -318,6 +339,10 @@ def attention(
             broadcastable to ``[B, H, Nq, Nk]``. Default: None.
         scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)``.
         dropout_p (float): dropout on the attention weights. Default: 0.0.
+        use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
+            their ``score_mod`` (no dense bias). None: on CUDA when there is no
+            ``attn_mask`` and no dropout; True: also on the CPU (eager FlexAttention, for
+            testing). Default: None.
 
     Shape:
         - Output: ``[B, H, Nq, Dv]``.
@@ -345,8 +370,14 @@ def attention(
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
         return torch.matmul(weights, v)                                                 # [B, H, Nq, Dv]
+    if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
+            and (use_flex or (use_flex is None and q.is_cuda)):
+        positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k)
+        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
+        return _flex_attention(q, k, v, pe.score_mod(q_len, k_len, positions_q, positions_k), causal, scale)
     bias = None
     if pe is not None:
+        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
         positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k)
         q, k = pe.encode_qk(q, k, positions_q, positions_k)
         bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
@@ -354,6 +385,19 @@ def attention(
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, add_bias, causal: bool, scale: float) -> Tensor:
+    """FlexAttention with a bias ``score_mod`` (and the bottom-right causal mask)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    offset = _query_offset(q.shape[-2], k.shape[-2])
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = add_bias(score, b, h, q_idx, kv_idx)
+        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal else score
+
+    return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
 
 
 # ---------------------------------------------------------------------------
@@ -489,7 +533,7 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
 
     def embed(self, positions: Tensor) -> Tensor:
         """Rows of the table for integer ``positions`` ``[..., N]``: ``[..., N, D]``."""
-        self._check_range(positions)
+        _check_table_range(type(self).__name__, "positions", positions, self.max_len)
         return F.embedding(positions, self.weight)
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
@@ -498,21 +542,6 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
         return x + self.embed(_token_positions(owner, positions, x, offset)).to(x.dtype)
-
-    def _check_range(self, positions: Tensor) -> None:
-        owner = type(self).__name__
-        if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-            raise TypeError(f"{owner}: positions must be an integer tensor, got "
-                            f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
-        if _is_compiling() or positions.numel() == 0:
-            return
-        low, high = int(positions.min()), int(positions.max())
-        if low < 0 or high >= self.max_len:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"{owner}: positions must lie in [0, max_len={self.max_len}), got position {bad}; "
-                f"resize() the table for longer inputs"
-            )
 
     @torch.no_grad()
     def resize(self, new_size: Union[int, tuple], *, old_grid: Optional[tuple] = None,
@@ -850,7 +879,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "qk"
-    relative = True
+    translation_invariant = True
 
     def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
@@ -1022,6 +1051,660 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
 
 # ---------------------------------------------------------------------------
+# Attention biases: T5, ALiBi, TUPE
+# ---------------------------------------------------------------------------
+
+
+def _toeplitz(values: Tensor, q_len: int, k_len: int) -> Tensor:
+    """Expand per-distance values into the bias of default (bottom-right) positions.
+
+    values: [..., Nq + Nk - 1], entry ``t`` for the key - query distance
+    ``t - (Nq - 1) - offset`` -> [..., Nq, Nk] with ``out[i, j] = values[j - i + Nq - 1]``.
+    One strided pass over the output; nothing of size N x N is computed twice.
+    """
+    windows = values.unfold(-1, k_len, 1)          # [..., Nq, Nk]; window r starts at t = r (row Nq - 1 - r)
+    return windows.flip(-2)                         # contiguous copy, rows in query order
+
+
+def _default_distances(q_len: int, k_len: int, device) -> Tensor:
+    """Key - query distance of every diagonal of the default-positions grid: [Nq + Nk - 1]."""
+    start = -(q_len - 1) - _query_offset(q_len, k_len)
+    return torch.arange(start, start + q_len + k_len - 1, device=device)
+
+
+def _pair_distances(owner: str, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                    positions_k: Optional[Tensor], device) -> Tensor:
+    """``positions_k[j] - positions_q[i]`` for explicit positions: [Nq, Nk] or [B, Nq, Nk]."""
+    positions_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
+    positions_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
+    flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p   # [B, 1, .., N] -> [B, N]
+    return flat(positions_k).unsqueeze(-2) - flat(positions_q).unsqueeze(-1)
+
+
+def _check_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {name}={value!r}")
+
+
+def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                     positions_k: Optional[Tensor]) -> tuple:
+    """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions."""
+    owner = type(module).__name__
+    _check_positive_int(owner, "q_len", q_len)
+    _check_positive_int(owner, "k_len", k_len)
+    lead = lambda p: tuple(p.shape[:1]) if isinstance(p, Tensor) and p.dim() == 2 else ()
+    return (_check_positions(owner, "positions_q", positions_q, lead(positions_q), q_len),
+            _check_positions(owner, "positions_k", positions_k, lead(positions_k), k_len))
+
+
+class _RelativeBias(PositionalEmbedding):
+    """An additive bias that is a function of (key - query distance, head) only.
+
+    Subclasses define ``bias_at(distance, head)`` elementwise (broadcasting); this class
+    builds the dense ``[H, Nq, Nk]`` bias from the ``Nq + Nk - 1`` distinct distances of
+    default positions (an O(N) evaluation and one pass over the output), evaluates it on the
+    distance grid of explicit positions, and hands it to FlexAttention as a ``score_mod``.
+    """
+
+    kind = "bias"
+    translation_invariant = True
+    integer_distances = True   # distances must be integers (buckets)
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        """Bias for key - query ``distance`` at head index ``head`` (broadcasting tensors)."""
+        raise NotImplementedError
+
+    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None) -> Tensor:
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
+        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        device = self._buffer_device() if device is None else device
+        heads = torch.arange(self.num_heads, device=device)
+        if positions_q is None and positions_k is None:
+            distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
+            return _toeplitz(self.bias_at(distances, heads[:, None]), q_len, k_len)       # [H, Nq, Nk]
+        distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
+        self._check_integer(distances)
+        return self.bias_at(distances.unsqueeze(-3), heads[:, None, None])              # [(B,) H, Nq, Nk]
+
+    def _check_integer(self, *tensors: Tensor) -> None:
+        for tensor in tensors:
+            if self.integer_distances and tensor.is_floating_point():
+                raise TypeError(f"{type(self).__name__}: positions must be integer tensors (distances are "
+                                f"bucketed), got dtype={tensor.dtype}")
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod`` adding this bias: ``flex_attention(q, k, v, score_mod=...)``.
+
+        Default positions close over the ``Nq + Nk - 1`` per-distance values only; explicit
+        ``[N]`` or ``[B, N]`` positions are looked up per element.
+        """
+        owner = type(self).__name__
+        device = self._buffer_device()
+        heads = torch.arange(self.num_heads, device=device)
+        if positions_q is None and positions_k is None:
+            values = self.bias_at(_default_distances(q_len, k_len, device), heads[:, None])   # [H, Nq + Nk - 1]
+            return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + q_len - 1].to(score.dtype)
+        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
+        positions_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        positions_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        self._check_integer(positions_q, positions_k)
+        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            distance = pick(positions_k, b, kv_idx) - pick(positions_q, b, q_idx)
+            return score + self.bias_at(distance, h).to(score.dtype)
+        return add_bias
+
+
+def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
+                                max_distance: int = 128) -> Tensor:
+    """T5's bucket of each key - query distance (Raffel et al. 2020; Mesh TensorFlow's definition).
+
+    Bidirectional: half the buckets for keys at or before the query, half (offset by
+    ``num_buckets / 2``) for keys after it. Within a half, distances below ``max_exact``
+    (half of the half) get their own bucket, and larger ones share logarithmically wider
+    buckets up to ``max_distance``, beyond which they all land in the last bucket.
+    Causal: future keys share bucket 0. The logarithm is taken in float32, in the
+    reference's order of operations, so every distance lands where T5's does.
+
+    Args:
+        relative_position (Tensor): integer ``key - query`` distances, any shape.
+
+    Returns:
+        int64 buckets in ``[0, num_buckets)``, same shape.
+    """
+    buckets = torch.zeros_like(relative_position, dtype=torch.long)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        n = relative_position.abs()
+    else:
+        n = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    scaled = torch.log(n.clamp(min=max_exact).float() / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (scaled * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(n < max_exact, n, large)
+
+
+class T5PositionalEmbedding(_RelativeBias):
+    """T5's bucketed relative position bias (Raffel et al., arXiv:1910.10683).
+
+    ``bias[h, i, j] = relative_attention_bias.weight[bucket(pos_k[j] - pos_q[i]), h]``, with
+    the buckets of ``t5_relative_position_bucket``. The table is
+    ``self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)``, so a T5 or
+    Hugging Face checkpoint's ``...relative_attention_bias.weight`` loads unchanged. A bucket
+    is computed once per distinct distance (distances past ``max_distance`` all share the
+    last bucket), never on the N x N grid. T5 applies no ``1/sqrt(Dh)`` scaling: pass
+    ``scale=1.0`` to ``attention()`` to reproduce it.
+
+    Args:
+        num_heads (int): heads ``H``.
+        num_buckets (int): buckets. Default: 32.
+        max_distance (int): distance from which all keys share the last bucket. Default: 128.
+        bidirectional (bool): encoder (True) or decoder (False) bucketing. Default: True.
+        init_std (float): std of the normal init of the table. Default: 0.02.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32.
+
+    Example:
+        >>> t5 = T5PositionalEmbedding(8)
+        >>> t5(16, 16).shape
+        torch.Size([8, 16, 16])
+    """
+
+    def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = True, init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("num_heads", num_heads), ("num_buckets", num_buckets), ("max_distance", max_distance)):
+            _check_positive_int(owner, name, value)
+        exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+        if exact < 1:
+            raise ValueError(f"{owner}: num_buckets must be >= {4 if bidirectional else 2} "
+                             f"(bidirectional={bidirectional}), got num_buckets={num_buckets}")
+        if max_distance <= exact:
+            raise ValueError(f"{owner}: max_distance must exceed the {exact} exact buckets, "
+                             f"got max_distance={max_distance}")
+        self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
+        self.bidirectional, self.init_std = bidirectional, init_std
+        self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)            # [buckets, H]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+                f"bidirectional={self.bidirectional}")
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.relative_attention_bias.weight, std=self.init_std)
+        self._init_buffers(self.relative_attention_bias.weight.device)
+
+    def _init_buffers(self, device) -> None:
+        # bucket of every distance in [-(max_distance + 1), max_distance + 1]; farther ones clamp
+        reach = self.max_distance + 1
+        distances = torch.arange(-reach, reach + 1, device=device)
+        buckets = t5_relative_position_bucket(distances, bidirectional=self.bidirectional,
+                                              num_buckets=self.num_buckets, max_distance=self.max_distance)
+        self.register_buffer("bucket_of_distance", buckets, persistent=False)          # [2 * reach + 1]
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        reach = self.max_distance + 1
+        bucket = self.bucket_of_distance[distance.clamp(-reach, reach) + reach]
+        weight = self.relative_attention_bias.weight
+        return weight[bucket, head].to(_compute_dtype(weight.dtype))
+
+
+def alibi_slopes(num_heads: int) -> list:
+    """Press et al.'s head slopes: ``2 ** (-8 (h + 1) / H)`` for a power-of-two ``H``.
+
+    Otherwise the slopes of the nearest lower power of two ``P``, followed by every other
+    slope of ``2P`` heads (the ones not already used), up to ``H`` in all.
+    """
+    def geometric(n: int) -> list:
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return geometric(num_heads)
+    lower = 2 ** int(math.log2(num_heads))
+    return geometric(lower) + alibi_slopes(2 * lower)[0::2][: num_heads - lower]
+
+
+class ALiBiPositionalEmbedding(_RelativeBias):
+    """Attention with Linear Biases (Press et al., arXiv:2108.12409).
+
+    ``bias[h, i, j] = -slopes[h] * |pos_q[i] - pos_k[j]|``; in the paper's causal mode
+    (``bidirectional=False``) keys after the query get ``-inf``. Positions may be any
+    integers or floats. The reference adds ``+slope * j`` instead, which differs by a
+    constant per row and so gives the same softmax.
+
+    Args:
+        num_heads (int): heads ``H``.
+        bidirectional (bool): symmetric ``|i - j|`` without the causal mask. Default: False.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32; ``self.slopes``: ``[H]``.
+
+    Example:
+        >>> alibi = ALiBiPositionalEmbedding(8)
+        >>> alibi.slopes[:2]
+        tensor([0.5000, 0.2500])
+    """
+
+    integer_distances = False
+
+    def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
+        super().__init__()
+        _check_positive_int(type(self).__name__, "num_heads", num_heads)
+        self.num_heads, self.bidirectional = num_heads, bidirectional
+        self._init_buffers(None)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
+
+    def _init_buffers(self, device) -> None:
+        self.register_buffer("slopes", torch.tensor(alibi_slopes(self.num_heads), device=device), persistent=False)
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        slope = self.slopes[head]
+        bias = -slope * distance.abs().to(slope.dtype)
+        if self.bidirectional:
+            return bias
+        return bias.masked_fill(distance > 0, float("-inf"))
+
+
+class UnifiedPositionalEmbedding(PositionalEmbedding):
+    """TUPE: untied positional attention (Ke, He and Liu, arXiv:2006.15595).
+
+    Positions never touch the token states. Instead a learned absolute table ``p`` (shared
+    by all layers) gives, per head, the positional correlation
+    ``(U_q LN(p_i)) . (U_k LN(p_j)) / sqrt(2 Dh)`` with its own projections ``U_q``, ``U_k``
+    (``pos_q_linear``, ``pos_k_linear``, as in the reference), plus optionally T5's bucketed
+    relative bias (``self.relative``). With ``cls_token=True`` the token at position 0 is
+    untied from positions: its row gets a learned ``cls_to_others[h]`` and its column a
+    learned ``others_to_cls[h]`` (the paper's theta_1, theta_2). TUPE also scales the content
+    logits by ``1/sqrt(2 Dh)``; ``forward_attn`` and ``attention()`` use that scale unless
+    told otherwise.
+
+    The reference's relative bias uses T5's bucket function, as here; its [CLS] values are
+    realised as ``p_0 . p_0`` and ``p_1 . p_1`` plus two extra buckets, which is the same
+    family of per-head constants as the learned ones here.
+
+    Args:
+        max_len (int): positions in the table.
+        num_heads (int): heads ``H``.
+        head_dim (int): head dim ``Dh`` (the table has width ``H * Dh``).
+        relative_bias (bool): add T5's bucketed relative bias. Default: True.
+        num_buckets, max_distance, bidirectional: of the relative bias. Defaults: 32, 128, True.
+        cls_token (bool): untie position 0 as a ``[CLS]`` token. Default: False.
+        init_std (float): std of the normal init (BERT's). Default: 0.02.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32.
+
+    Example:
+        >>> tupe = UnifiedPositionalEmbedding(512, 12, 64, cls_token=True)
+        >>> tupe(128, 128).shape
+        torch.Size([12, 128, 128])
+    """
+
+    kind = "bias"
+
+    def __init__(self, max_len: int, num_heads: int, head_dim: int, *, relative_bias: bool = True,
+                 num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
+                 cls_token: bool = False, init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)):
+            _check_positive_int(owner, name, value)
+        self.max_len, self.num_heads, self.head_dim = max_len, num_heads, head_dim
+        self.cls_token, self.init_std = cls_token, init_std
+        width = num_heads * head_dim
+        self.position_embeddings = nn.Embedding(max_len, width)                         # p: [max_len, H * Dh]
+        self.pos_ln = nn.LayerNorm(width)
+        self.pos_q_linear = nn.Linear(width, width)                                     # U_q
+        self.pos_k_linear = nn.Linear(width, width)                                     # U_k
+        self.relative = T5PositionalEmbedding(num_heads, num_buckets=num_buckets, max_distance=max_distance,
+                                              bidirectional=bidirectional, init_std=init_std) if relative_bias else None
+        if cls_token:
+            self.cls_to_others = nn.Parameter(torch.empty(num_heads))                  # theta_1: [H]
+            self.others_to_cls = nn.Parameter(torch.empty(num_heads))                  # theta_2: [H]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"max_len={self.max_len}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"cls_token={self.cls_token}")
+
+    def reset_parameters(self) -> None:
+        for linear in (self.pos_q_linear, self.pos_k_linear):
+            nn.init.normal_(linear.weight, std=self.init_std)
+            nn.init.zeros_(linear.bias)
+        nn.init.normal_(self.position_embeddings.weight, std=self.init_std)
+        self.pos_ln.reset_parameters()
+        if self.relative is not None:
+            self.relative.reset_parameters()
+        if self.cls_token:
+            nn.init.normal_(self.cls_to_others, std=self.init_std)
+            nn.init.normal_(self.others_to_cls, std=self.init_std)
+
+    def logit_scale(self, head_dim: int) -> float:
+        return (2 * head_dim) ** -0.5
+
+    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None) -> Tensor:
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
+        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        owner = type(self).__name__
+        device = self.position_embeddings.weight.device if device is None else device
+        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
+        pos_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        pos_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        bias = self._correlation(pos_q, pos_k)                                          # [(B,) H, Nq, Nk]
+        if self.relative is not None:
+            bias = bias + self.relative.attention_bias(q_len, k_len, positions_q, positions_k, device=device)
+        if self.cls_token:  # column first, then row: the [CLS] query keeps cls_to_others on itself
+            heads = (-1, 1, 1)
+            bias = torch.where((pos_k == 0).unsqueeze(-2).unsqueeze(-3), self.others_to_cls.view(heads).to(bias.dtype), bias)
+            bias = torch.where((pos_q == 0).unsqueeze(-1).unsqueeze(-3), self.cls_to_others.view(heads).to(bias.dtype), bias)
+        return bias
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod`` adding this bias (it indexes the dense bias: the
+        absolute part is a learned ``[H, Nq, Nk]`` correlation, not a function of distance)."""
+        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(B,) H, Nq, Nk]
+        if bias.dim() == 4:
+            return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+        return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx].to(score.dtype)
+
+    def _correlation(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """``(U_q LN(p_i)) . (U_k LN(p_j)) / sqrt(2 Dh)`` per head: [(B,) H, Nq, Nk], float32."""
+        for name, positions in (("positions_q", pos_q), ("positions_k", pos_k)):
+            _check_table_range(type(self).__name__, name, positions, self.max_len)
+
+        def project(linear: nn.Linear, positions: Tensor) -> Tensor:                  # -> [(B,) H, N, Dh]
+            rows = self.pos_ln(self.position_embeddings(positions))
+            return linear(rows).unflatten(-1, (self.num_heads, self.head_dim)).transpose(-2, -3)
+
+        pos_query = project(self.pos_q_linear, pos_q) * self.logit_scale(self.head_dim)
+        correlation = torch.matmul(pos_query, project(self.pos_k_linear, pos_k).transpose(-1, -2))
+        return correlation.to(_compute_dtype(correlation.dtype))
+
+
+def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
+    """Integer positions inside a table of ``size`` rows (the range check is skipped while tracing)."""
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        kind = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(f"{owner}: {name} must be an integer tensor, got {kind}")
+    if _is_compiling() or positions.numel() == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= size:
+        raise ValueError(f"{owner}: {name} must lie in [0, max_len={size}), got position {low if low < 0 else high}")
+
+
+# ---------------------------------------------------------------------------
+# Content-dependent relative encodings: Transformer-XL, Enformer
+# ---------------------------------------------------------------------------
+
+
+def _diagonals(scores: Tensor, q_len: int, k_len: int) -> Tensor:
+    """Exact relative shift: ``out[..., i, j] = scores[..., i, j - i + Nq - 1]``.
+
+    scores: [..., Nq, L] (``L = Nq + Nk - 1``) with column ``t`` for key - query distance
+    ``t - (Nq - 1) - offset``. In the flattened rows that element sits at
+    ``i (L - 1) + j + Nq - 1``, so skipping ``Nq - 1`` entries and re-reading rows of length
+    ``L - 1`` lines every distance up: a view, with no padding and no garbage in the upper
+    triangle, hence exact for bidirectional attention too.
+    """
+    if q_len == 1:
+        return scores
+    length = scores.shape[-1]
+    flat = scores.contiguous().flatten(-2)[..., q_len - 1 : q_len - 1 + q_len * (length - 1)]   # [..., Nq (L - 1)]
+    return flat.unflatten(-1, (q_len, length - 1))[..., :k_len]                                  # [..., Nq, Nk]
+
+
+class _RelativeLogits(PositionalEmbedding):
+    """Logits ``q_c . k + q_r . r(pos_k - pos_q)`` with learned per-distance keys ``r``.
+
+    Subclasses give ``biased_queries`` (the content and position queries, with the paper's
+    ``u``/``v`` biases and scale) and ``relative_keys(distance) -> [H, L, Dh]``. Default
+    positions evaluate the ``Nq + Nk - 1`` distinct distances once and shift them exactly
+    into place; explicit positions evaluate each distinct distance once and gather.
+    """
+
+    kind = "logits"
+    translation_invariant = True
+
+    def biased_queries(self, q: Tensor, scale: float) -> tuple:
+        raise NotImplementedError
+
+    def relative_keys(self, distance: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``)."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        owner = type(self).__name__
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        if q.dim() < 3 or q.shape[-3] != self.num_heads or q.shape[-1] != self.head_dim:
+            raise ValueError(f"{owner}: q and k must be [..., H={self.num_heads}, N, Dh={self.head_dim}], "
+                             f"got q {tuple(q.shape)}")
+        q_len, k_len, dtype = q.shape[-2], k.shape[-2], q.dtype
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        q = q.to(_compute_dtype(dtype))
+        q_content, q_position = self.biased_queries(q, scale)                           # [B, H, Nq, Dh] each
+        logits = torch.matmul(q_content, k.to(q.dtype).transpose(-1, -2))                # [B, H, Nq, Nk]
+        if positions_q is None and positions_k is None:
+            keys = self.relative_keys(_default_distances(q_len, k_len, q.device)).to(q.dtype)   # [H, Nq + Nk - 1, Dh]
+            by_distance = torch.matmul(q_position, keys.transpose(-1, -2))             # [B, H, Nq, Nq + Nk - 1]
+            return (logits + _diagonals(by_distance, q_len, k_len)).to(dtype)
+        distances = _pair_distances(owner, q_len, k_len, positions_q, positions_k, q.device)   # [(B,) Nq, Nk]
+        return (logits + self._pair_logits(q_position, distances)).to(dtype)
+
+    def _pair_logits(self, q_position: Tensor, distances: Tensor) -> Tensor:
+        """q_position [B, H, Nq, Dh], distances [(B,) Nq, Nk] -> [B, H, Nq, Nk]."""
+        if _is_compiling():  # no data-dependent shapes: relative keys for every pair
+            keys = self.relative_keys(distances.flatten()).to(q_position.dtype).unflatten(1, distances.shape)
+            keys = keys.movedim(0, -4) if distances.dim() == 3 else keys               # [(B,) H, Nq, Nk, Dh]
+            return torch.einsum("...hid,...hijd->...hij", q_position, keys)
+        distinct, index = torch.unique(distances, return_inverse=True)
+        keys = self.relative_keys(distinct).to(q_position.dtype)                        # [H, U, Dh]
+        by_distance = torch.matmul(q_position, keys.transpose(-1, -2))                  # [B, H, Nq, U]
+        index = index.unsqueeze(-3) if index.dim() == 3 else index                      # [(B, 1,) Nq, Nk]
+        return by_distance.gather(-1, index.expand(*by_distance.shape[:-1], index.shape[-1]))
+
+
+class TransformerXLPositionalEmbedding(_RelativeLogits):
+    """Transformer-XL's relative attention (Dai et al., arXiv:1901.02860).
+
+    ``logits[i, j] = scale * ((q_i + u) . k_j + (q_i + v) . W_r R(pos_q[i] - pos_k[j]))``
+    with ``R`` the concatenated ``[sin | cos]`` sinusoid of width ``d_model`` (Vaswani's
+    frequencies), ``u = r_w_bias``, ``v = r_r_bias`` and ``W_r = r_net`` (the reference's
+    names). Memory (``Nk > Nq``) puts the queries at the last positions. The classic
+    pad-and-reshape shift is only right below the diagonal; here every distance is
+    evaluated and shifted exactly, so bidirectional attention and explicit positions are
+    exact too. ``clamp_len`` caps ``|pos_q - pos_k|`` as the reference's ``clamp_len`` does.
+
+    Args:
+        num_heads (int): heads ``H``.
+        head_dim (int): head dim ``Dh``.
+        d_model (int, optional): width of ``R`` (even). Default: ``H * Dh``.
+        base (float): sinusoid base. Default: 10000.0.
+        clamp_len (int, optional): largest distance encoded. Default: None (no cap).
+        init_std (float): std of the normal init (the reference's). Default: 0.02.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` -> logits ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> xl = TransformerXLPositionalEmbedding(8, 64)
+        >>> q, k = torch.randn(2, 8, 16, 64), torch.randn(2, 8, 48, 64)   # 32 tokens of memory
+        >>> xl(q, k).shape
+        torch.Size([2, 8, 16, 48])
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, *, d_model: Optional[int] = None, base: float = 10000.0,
+                 clamp_len: Optional[int] = None, init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int(owner, "num_heads", num_heads)
+        _check_positive_int(owner, "head_dim", head_dim)
+        d_model = num_heads * head_dim if d_model is None else d_model
+        if not isinstance(d_model, int) or d_model <= 0 or d_model % 2:
+            raise ValueError(f"{owner}: d_model must be a positive even int, got d_model={d_model!r}")
+        if clamp_len is not None:
+            _check_positive_int(owner, "clamp_len", clamp_len)
+        self.num_heads, self.head_dim, self.d_model = num_heads, head_dim, d_model
+        self.base, self.clamp_len, self.init_std = float(base), clamp_len, init_std
+        self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh]
+        self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
+        self.r_net = nn.Linear(d_model, num_heads * head_dim, bias=False)               # W_r
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, d_model={self.d_model}, "
+                f"clamp_len={self.clamp_len}")
+
+    def reset_parameters(self) -> None:
+        for weight in (self.r_w_bias, self.r_r_bias, self.r_net.weight):
+            nn.init.normal_(weight, std=self.init_std)
+        self._init_buffers(self.r_w_bias.device)
+
+    def _init_buffers(self, device) -> None:
+        self.register_buffer("inv_freq", _inverse_frequencies(self.d_model, self.base, device), persistent=False)
+
+    def biased_queries(self, q: Tensor, scale: float) -> tuple:
+        u, v = self.r_w_bias.to(q.dtype), self.r_r_bias.to(q.dtype)
+        return (q + u.unsqueeze(-2)) * scale, (q + v.unsqueeze(-2)) * scale
+
+    def relative_keys(self, distance: Tensor) -> Tensor:
+        """``W_r R(query - key)`` for key - query ``distance`` [L]: [H, L, Dh]."""
+        offset = -distance                                                              # R is indexed by i - j
+        if self.clamp_len is not None:
+            offset = offset.clamp(-self.clamp_len, self.clamp_len)
+        angles = _angles(offset, self.inv_freq)                                         # [L, d_model / 2]
+        sinusoid = torch.cat([angles.sin(), angles.cos()], dim=-1).to(self.r_net.weight.dtype)   # [L, d_model]
+        return self.r_net(sinusoid).unflatten(-1, (self.num_heads, self.head_dim)).transpose(0, 1)
+
+
+def _enformer_basis(distance: Tensor, num_basis: int, length: int, min_half_life: float,
+                    gamma_peak: Tensor) -> Tensor:
+    """Enformer's exponential, central-mask and gamma basis functions of ``|distance|``, float64.
+
+    distance: [L] -> [L, 3 * num_basis]; each gamma density (plus 1e-8) is divided by
+    ``gamma_peak`` [num_basis].
+    """
+    d = distance.to(torch.float64).abs().unsqueeze(-1)                                  # [L, 1]
+    device = d.device
+    half_life = 2.0 ** torch.linspace(min_half_life, math.log2(length), num_basis, dtype=torch.float64, device=device)
+    exponential = torch.exp(-math.log(2.0) / half_life * d)
+    widths = 2.0 ** torch.arange(1, num_basis + 1, dtype=torch.float64, device=device) - 1
+    central_mask = (widths > d).to(torch.float64)
+    stddev = length / (2 * num_basis)
+    mean = torch.linspace(length / num_basis, length, num_basis, dtype=torch.float64, device=device)
+    concentration, rate = (mean / stddev) ** 2, mean / stddev ** 2
+    log_pdf = torch.xlogy(concentration - 1, d) - rate * d - (torch.lgamma(concentration) - concentration * rate.log())
+    gamma = torch.exp(log_pdf) + 1e-8
+    return torch.cat([exponential, central_mask, gamma / gamma_peak.to(device)], dim=-1)
+
+
+class EnformerPositionalEmbedding(_RelativeLogits):
+    """Enformer's relative attention (Avsec et al. 2021, Nature Methods; bioRxiv 2021.04.07.438649).
+
+    ``logits[i, j] = (s q_i + u) . k_j + (s q_i + v) . W_r f(pos_k[j] - pos_q[i])`` with
+    ``s`` the logit scale (applied to q before the biases, as in Enformer), ``u = r_w_bias``,
+    ``v = r_r_bias``, ``W_r = r_k`` and ``f`` the relative basis: exponential decays (half
+    lives ``2**3 .. length_scale``), central masks (widths ``2**k - 1``) and gamma densities
+    (means up to ``length_scale``), each of ``|d|``, followed by the same features times
+    ``sign(d)`` (dropped with ``symmetric=True``). The gamma densities are normalised to a
+    peak of 1 over ``|d| < length_scale``, as DeepMind's code does. The basis takes its
+    length scale from the constructor, never from the input, so a pair's logit does not
+    depend on the other tokens. Features are computed in float64.
+
+    Args:
+        num_heads (int): heads ``H``.
+        head_dim (int): head dim ``Dh``.
+        num_features (int): width of ``f``; a multiple of 6 (3 with ``symmetric``). Default: 192.
+        length_scale (int): the length the basis is scaled to (Enformer's attention
+            length). Default: 1536.
+        min_half_life (float): log2 of the shortest exponential half life. Default: 3.0.
+        symmetric (bool): drop the sign-asymmetric copies. Default: False.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` -> logits ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> enformer = EnformerPositionalEmbedding(8, 64)
+        >>> q = k = torch.randn(1, 8, 100, 64)
+        >>> enformer(q, k).shape
+        torch.Size([1, 8, 100, 100])
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, *, num_features: int = 192, length_scale: int = 1536,
+                 min_half_life: float = 3.0, symmetric: bool = False) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("length_scale", length_scale)):
+            _check_positive_int(owner, name, value)
+        components = 3 if symmetric else 6
+        if not isinstance(num_features, int) or num_features <= 0 or num_features % components:
+            raise ValueError(f"{owner}: num_features must be a positive multiple of {components} "
+                             f"(symmetric={symmetric}), got num_features={num_features!r}")
+        if not 0 < min_half_life < math.log2(length_scale):
+            raise ValueError(f"{owner}: min_half_life must lie in (0, log2(length_scale)={math.log2(length_scale):.2f}), "
+                             f"got min_half_life={min_half_life!r}")
+        self.num_heads, self.head_dim, self.num_features = num_heads, head_dim, num_features
+        self.length_scale, self.min_half_life, self.symmetric = length_scale, float(min_half_life), symmetric
+        self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh]
+        self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
+        self.r_k = nn.Linear(num_features, num_heads * head_dim, bias=False)            # W_r
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_features={self.num_features}, "
+                f"length_scale={self.length_scale}, symmetric={self.symmetric}")
+
+    def reset_parameters(self) -> None:
+        # Enformer (Sonnet) draws these with variance scaling 2.0 over the fan-in
+        nn.init.normal_(self.r_w_bias, std=math.sqrt(2.0 / self.num_heads))
+        nn.init.normal_(self.r_r_bias, std=math.sqrt(2.0 / self.num_heads))
+        nn.init.normal_(self.r_k.weight, std=math.sqrt(2.0 / self.num_features))
+        self._init_buffers(self.r_w_bias.device)
+
+    def _init_buffers(self, device) -> None:
+        num_basis = self.num_features // (3 if self.symmetric else 6)
+        # each gamma density's peak over |d| < length_scale (DeepMind normalises over positions)
+        unscaled = _enformer_basis(torch.arange(self.length_scale, device=device), num_basis, self.length_scale,
+                                   self.min_half_life, torch.ones(num_basis, dtype=torch.float64, device=device))
+        self.register_buffer("gamma_peak", unscaled[:, 2 * num_basis:].amax(0), persistent=False)   # [F] float64
+
+    def features(self, distance: Tensor) -> Tensor:
+        """The relative basis ``f`` of key - query ``distance`` [L]: [L, num_features], float64."""
+        num_basis = self.num_features // (3 if self.symmetric else 6)
+        basis = _enformer_basis(distance, num_basis, self.length_scale, self.min_half_life, self.gamma_peak)
+        if self.symmetric:
+            return basis
+        return torch.cat([basis, torch.sign(distance).to(basis.dtype).unsqueeze(-1) * basis], dim=-1)
+
+    def biased_queries(self, q: Tensor, scale: float) -> tuple:
+        u, v = self.r_w_bias.to(q.dtype), self.r_r_bias.to(q.dtype)
+        return q * scale + u.unsqueeze(-2), q * scale + v.unsqueeze(-2)
+
+    def relative_keys(self, distance: Tensor) -> Tensor:
+        features = self.features(distance).to(self.r_k.weight.dtype)                   # [L, C]
+        return self.r_k(features).unflatten(-1, (self.num_heads, self.head_dim)).transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------
 # Registry and demo
 # ---------------------------------------------------------------------------
 
@@ -1033,6 +1716,11 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "sinusoidal": SinusoidalPositionalEmbedding(dim),
         "learned": LearnedPositionalEmbedding(seq_len, dim),
         "rotary": RotaryPositionalEmbedding(head_dim),
+        "t5": T5PositionalEmbedding(num_heads),
+        "alibi": ALiBiPositionalEmbedding(num_heads),
+        "tupe": UnifiedPositionalEmbedding(seq_len, num_heads, head_dim, cls_token=True),
+        "transformer_xl": TransformerXLPositionalEmbedding(num_heads, head_dim),
+        "enformer": EnformerPositionalEmbedding(num_heads, head_dim),
     }
 
 
@@ -1044,7 +1732,7 @@ def _demo() -> None:
     x = torch.randn(batch, seq_len, heads * head_dim)
     q, k, v = torch.randn(3, batch, heads, seq_len, head_dim).unbind(0)
     print(f"every encoding on B={batch}, H={heads}, N={seq_len}, Dh={head_dim} (CPU, float32)\n")
-    print(f"{'encoding':<14}{'class':<42}{'kind':<8}{'params':>9}  {'output':<18}{'ms':>8}  translation")
+    print(f"{'encoding':<16}{'class':<40}{'kind':<8}{'params':>9}  {'output':<18}{'ms':>8}  translation")
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
         start = time.perf_counter()
         tokens = pe.forward_input(x) if pe.kind == "input" else x
@@ -1052,12 +1740,13 @@ def _demo() -> None:
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
         invariance = "n/a (absolute)"
-        if pe.relative:
+        if pe.translation_invariant:
             shift = torch.arange(seq_len) + 1000
-            gap = (pe.forward_attn(q, k) - pe.forward_attn(q, k, shift, shift)).abs().max().item()
+            base, shifted = pe.forward_attn(q, k), pe.forward_attn(q, k, shift, shift)
+            gap = torch.where(base == shifted, 0.0, base - shifted).abs().max().item()   # -inf == -inf
             invariance = f"max |logits(p) - logits(p + 1000)| = {gap:.1e}"
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
-        print(f"{name:<14}{type(pe).__name__:<42}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
+        print(f"{name:<16}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
 
 
 if __name__ == "__main__":

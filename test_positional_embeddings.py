@@ -17,10 +17,15 @@ import torch.nn.functional as F
 
 import positional_embeddings as pe_lib
 from positional_embeddings import (
+    ALiBiPositionalEmbedding,
+    EnformerPositionalEmbedding,
     LearnedPositionalEmbedding,
     PositionalEmbedding,
     RotaryPositionalEmbedding,
     SinusoidalPositionalEmbedding,
+    T5PositionalEmbedding,
+    TransformerXLPositionalEmbedding,
+    UnifiedPositionalEmbedding,
     attention,
 )
 
@@ -75,6 +80,15 @@ CASES = [
     Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
+         has_offset=False),
+    Case("t5", lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), has_offset=False),
+    Case("t5_causal", lambda: T5PositionalEmbedding(H, bidirectional=False), has_offset=False),
+    Case("alibi", lambda: ALiBiPositionalEmbedding(H), has_offset=False),
+    Case("alibi_bidirectional", lambda: ALiBiPositionalEmbedding(H, bidirectional=True), has_offset=False),
+    Case("tupe", lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12),
+         has_offset=False),
+    Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
+    Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
          has_offset=False),
 ]
 
@@ -174,6 +188,20 @@ class TestEveryClass:
         x = tokens(case)
         torch.testing.assert_close(pe.forward_input(x, torch.arange(N)), pe.forward_input(x))
 
+    def test_pair_alone_equals_pair_in_full_call(self, case):
+        if not case.takes_positions:
+            pytest.skip("order is encoded by the recurrence")
+        pe = case.make()
+        q, k, _ = qkv(N - 4, N, dtype=torch.float64)
+        pe = pe.double()
+        pos_q, pos_k = case.positions(N - 4, N)
+        full = pe.forward_attn(q, k, pos_q, pos_k)
+        if pos_q is None:
+            pos_q, pos_k = torch.arange(4, N), torch.arange(N)
+        for i, j in ((0, 0), (1, N - 1), (N - 5, 2), (3, 9), (6, 6)):   # upper triangle included
+            alone = pe.forward_attn(q[..., i : i + 1, :], k[..., j : j + 1, :], pos_q[i : i + 1], pos_k[j : j + 1])
+            torch.testing.assert_close(alone, full[..., i : i + 1, j : j + 1])
+
     def test_token_by_token_attn_equals_full(self, case):
         pe = case.make()
         q, k, _ = qkv()
@@ -195,7 +223,9 @@ class TestEveryClass:
         pe = case.make()
         q, k, _ = qkv()
         q.requires_grad_(True)
-        loss = case.attn(pe, q, k).square().sum() + pe.forward_input(tokens(case)).square().sum()
+        logits = case.attn(pe, q, k)
+        logits = logits.masked_fill(logits == float("-inf"), 0.0)   # causal ALiBi
+        loss = logits.square().sum() + pe.forward_input(tokens(case)).square().sum()
         loss.backward()
         assert q.grad is not None and q.grad.abs().sum() > 0
         for name, p in pe.named_parameters():
@@ -860,6 +890,411 @@ class TestRotary:
             rope(torch.randn(2, 3, 16), torch.tensor([0.0, float("nan"), 1.0]))
         with pytest.raises(ValueError, match="positions is required for 3 axes"):
             RotaryPositionalEmbedding(16, sections=[2, 3, 3])(torch.randn(2, 3, 16))
+
+
+# ---------------------------------------------------------------------------
+# Relative biases: T5, ALiBi, TUPE
+# ---------------------------------------------------------------------------
+
+
+def t5_bucket_oracle(rp, bidirectional=True, num_buckets=32, max_distance=128):
+    """Mesh TensorFlow's _relative_position_bucket for one int, in plain Python."""
+    bucket, n = 0, -rp
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if n < 0 else 0
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def from_ranges(ranges):
+    """{n: bucket} from (first n, last n, bucket) runs."""
+    return {n: b for lo, hi, b in ranges for n in range(lo, hi + 1)}
+
+
+# n = query - key. Bidirectional (16 buckets a side, 8 exact): n >= 8 -> 8 + floor(2 log2(n / 8)),
+# boundaries at 8 * 2**(k/2) = 8, 11.3, 16, 22.6, 32, 45.3, 64, 90.5, 128; keys after the query add 16.
+T5_BIDIRECTIONAL = from_ranges([(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3), (4, 4, 4), (5, 5, 5), (6, 6, 6),
+                                (7, 7, 7), (8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12),
+                                (46, 63, 13), (64, 90, 14), (91, 400, 15)])
+# Causal (32 buckets, 16 exact): n >= 16 -> 16 + floor(16/3 log2(n / 16)), boundaries at 16 * 2**(3k/16)
+T5_CAUSAL = from_ranges([(n, n, n) for n in range(16)] + [
+    (16, 18, 16), (19, 20, 17), (21, 23, 18), (24, 26, 19), (27, 30, 20), (31, 34, 21), (35, 39, 22), (40, 45, 23),
+    (46, 51, 24), (52, 58, 25), (59, 66, 26), (67, 76, 27), (77, 86, 28), (87, 98, 29), (99, 112, 30),
+    (113, 400, 31)])
+
+
+class TestT5:
+    def test_buckets_match_hand_table(self):
+        n = torch.arange(0, 401)
+        bidirectional = pe_lib.t5_relative_position_bucket(-n)        # keys at or before the query
+        after = pe_lib.t5_relative_position_bucket(n[1:])              # keys after the query
+        assert bidirectional.tolist() == [T5_BIDIRECTIONAL[int(d)] for d in n]
+        assert after.tolist() == [T5_BIDIRECTIONAL[int(d)] + 16 for d in n[1:]]
+        causal = pe_lib.t5_relative_position_bucket(-n, bidirectional=False)
+        assert causal.tolist() == [T5_CAUSAL[int(d)] for d in n]
+        assert pe_lib.t5_relative_position_bucket(n, bidirectional=False).eq(0).all()   # future keys: bucket 0
+
+    @pytest.mark.parametrize("bidirectional", [True, False])
+    @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (64, 1000), (6, 4)])
+    def test_buckets_match_mesh_tensorflow_oracle(self, bidirectional, num_buckets, max_distance):
+        rp = torch.arange(-3000, 3001)
+        got = pe_lib.t5_relative_position_bucket(rp, bidirectional=bidirectional, num_buckets=num_buckets,
+                                                 max_distance=max_distance)
+        want = [t5_bucket_oracle(int(r), bidirectional, num_buckets, max_distance) for r in rp]
+        assert got.tolist() == want
+
+    @pytest.mark.parametrize("bidirectional", [True, False])
+    def test_bias_matches_loop_oracle(self, bidirectional):
+        t5 = T5PositionalEmbedding(3, num_buckets=16, max_distance=20, bidirectional=bidirectional)
+        table = t5.relative_attention_bias.weight
+        for nq, nk in ((7, 7), (3, 40), (40, 3)):
+            bias = t5(nq, nk)
+            offset = max(nk - nq, 0)
+            for h in range(3):
+                for i in range(nq):
+                    for j in range(nk):
+                        bucket = t5_bucket_oracle(j - (i + offset), bidirectional, 16, 20)
+                        assert bias[h, i, j] == table[bucket, h]
+
+    def test_explicit_positions_far_beyond_max_distance(self):
+        t5 = T5PositionalEmbedding(2)
+        positions_q, positions_k = torch.tensor([0, 10**9, 500]), torch.tensor([10**9 + 5, 3, -7, 127, 128])
+        bias = t5(3, 5, positions_q=positions_q, positions_k=positions_k)
+        for i, p in enumerate(positions_q.tolist()):
+            for j, r in enumerate(positions_k.tolist()):
+                assert bias[1, i, j] == t5.relative_attention_bias.weight[t5_bucket_oracle(r - p), 1]
+
+    def test_checkpoint_table_loads_unchanged(self):
+        t5 = T5PositionalEmbedding(8)
+        checkpoint = {"relative_attention_bias.weight": torch.randn(32, 8)}
+        t5.load_state_dict(checkpoint)
+        assert t5(4, 4)[5, 0, 3] == checkpoint["relative_attention_bias.weight"][t5_bucket_oracle(3), 5]
+
+    def test_decoding_with_cache_is_bottom_right(self):
+        t5 = T5PositionalEmbedding(4, bidirectional=False)
+        full = t5(20, 20)
+        torch.testing.assert_close(t5(1, 20), full[:, -1:])
+        torch.testing.assert_close(t5(5, 20), full[:, -5:])
+
+    def test_no_logarithm_on_the_grid(self):
+        from torch.overrides import TorchFunctionMode
+
+        sizes = []
+
+        class RecordLog(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in (torch.log, torch.Tensor.log):
+                    sizes.append(args[0].numel())
+                return func(*args, **(kwargs or {}))
+
+        t5 = T5PositionalEmbedding(4)
+        with RecordLog():
+            t5(300, 300)
+            t5(300, 300, positions_q=torch.arange(300) * 7, positions_k=torch.arange(300) * 3)
+        assert max(sizes, default=0) <= 2 * 128 + 3
+
+    def test_translation_invariant(self):
+        t5 = T5PositionalEmbedding(2)
+        positions = torch.tensor([3, 9, 200, 201])
+        torch.testing.assert_close(t5(4, 4, positions_q=positions, positions_k=positions),
+                                   t5(4, 4, positions_q=positions + 10**6, positions_k=positions + 10**6))
+
+    def test_float_positions_are_type_error(self):
+        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions must be integer"):
+            T5PositionalEmbedding(2)(2, 2, positions_q=torch.tensor([0.0, 1.0]))
+
+    @pytest.mark.parametrize("kwargs, message", [
+        (dict(num_heads=0), "num_heads must be a positive int, got num_heads=0"),
+        (dict(num_heads=2, num_buckets=0), "num_buckets must be a positive int, got num_buckets=0"),
+        (dict(num_heads=2, num_buckets=3), "num_buckets must be >= 4 \\(bidirectional=True\\), got num_buckets=3"),
+        (dict(num_heads=2, max_distance=8), "max_distance must exceed the 8 exact buckets, got max_distance=8"),
+        (dict(num_heads=2, num_buckets=32, max_distance=16, bidirectional=False),
+         "max_distance must exceed the 16 exact buckets, got max_distance=16"),
+    ])
+    def test_bad_arguments(self, kwargs, message):
+        with pytest.raises(ValueError, match="T5PositionalEmbedding: " + message):
+            T5PositionalEmbedding(**kwargs)
+
+    def test_bad_call(self):
+        t5 = T5PositionalEmbedding(2)
+        with pytest.raises(ValueError, match="q_len must be a positive int, got q_len=0"):
+            t5(0, 4)
+        with pytest.raises(ValueError, match="positions_k must have shape \\[4\\]"):
+            t5(4, 4, positions_k=torch.arange(5))
+
+
+class TestALiBi:
+    def test_published_slopes_for_8_heads(self):
+        assert ALiBiPositionalEmbedding(8).slopes.tolist() == [2.0 ** -k for k in range(1, 9)]
+
+    def test_non_power_of_two_rule(self):
+        # 12 heads: the 8-head slopes, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...)
+        assert pe_lib.alibi_slopes(12) == pytest.approx([2.0 ** -k for k in range(1, 9)]
+                                                        + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5])
+        # 6 heads: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then 2^-1, 2^-3 from 8 heads
+        assert pe_lib.alibi_slopes(6) == pytest.approx([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+
+    def test_slopes_stay_float32_after_cast(self):
+        alibi = ALiBiPositionalEmbedding(12).bfloat16()
+        assert alibi.slopes.dtype == torch.float32
+        assert alibi.slopes[8].item() == pytest.approx(2.0 ** -0.5, rel=1e-7)
+
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    def test_bias_matches_loop_oracle(self, bidirectional):
+        alibi = ALiBiPositionalEmbedding(4, bidirectional=bidirectional)
+        slopes = pe_lib.alibi_slopes(4)
+        for nq, nk, positions_q, positions_k in ((6, 6, None, None), (2, 9, None, None),
+                                                 (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6, -2.0]))):
+            bias = alibi(nq, nk, positions_q=positions_q, positions_k=positions_k)
+            pq = positions_q.tolist() if positions_q is not None else [i + max(nk - nq, 0) for i in range(nq)]
+            pk = positions_k.tolist() if positions_k is not None else list(range(nk))
+            for h in range(4):
+                for i in range(nq):
+                    for j in range(nk):
+                        want = -slopes[h] * abs(pq[i] - pk[j])
+                        if not bidirectional and pk[j] > pq[i]:
+                            want = float("-inf")
+                        assert bias[h, i, j].item() == pytest.approx(want, rel=1e-6)
+
+    def test_softmax_equals_reference_ramp(self):
+        # the reference adds +slope * j (per key) under a causal mask; same softmax
+        alibi = ALiBiPositionalEmbedding(8)
+        ramp = alibi.slopes[:, None, None] * torch.arange(10.0)
+        ramp = ramp.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
+        torch.testing.assert_close(torch.softmax(alibi(10, 10), -1), torch.softmax(ramp, -1))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: num_heads must be a positive int, got num_heads=-2"):
+            ALiBiPositionalEmbedding(-2)
+
+
+def layer_norm_oracle(x, weight, bias, eps=1e-5):
+    mean = sum(x) / len(x)
+    var = sum((v - mean) ** 2 for v in x) / len(x)
+    return [(v - mean) / math.sqrt(var + eps) * w + b for v, w, b in zip(x, weight, bias)]
+
+
+class TestTUPE:
+    def test_matches_loop_oracle(self):
+        heads, head_dim = 2, 3
+        tupe = UnifiedPositionalEmbedding(10, heads, head_dim, num_buckets=8, max_distance=6, cls_token=True).double()
+        for p in tupe.parameters():
+            torch.nn.init.normal_(p)
+        bias = tupe(4, 6)          # queries at positions 2..5 (bottom-right), keys 0..5
+        param = lambda t: t.detach().tolist()
+        table, ln_w, ln_b = param(tupe.position_embeddings.weight), param(tupe.pos_ln.weight), param(tupe.pos_ln.bias)
+        wq, bq = param(tupe.pos_q_linear.weight), param(tupe.pos_q_linear.bias)
+        wk, bk = param(tupe.pos_k_linear.weight), param(tupe.pos_k_linear.bias)
+        rel = param(tupe.relative.relative_attention_bias.weight)
+
+        def project(w, b, p):
+            row = layer_norm_oracle(table[p], ln_w, ln_b)
+            return [sum(w[o][c] * row[c] for c in range(len(row))) + b[o] for o in range(len(b))]
+
+        for h in range(heads):
+            for i in range(4):
+                for j in range(6):
+                    p, r = i + 2, j
+                    pq, pk = project(wq, bq, p), project(wk, bk, r)
+                    dims = range(h * head_dim, (h + 1) * head_dim)
+                    want = sum(pq[c] * pk[c] for c in dims) / math.sqrt(2 * head_dim)
+                    want += rel[t5_bucket_oracle(r - p, True, 8, 6)][h]
+                    if r == 0:
+                        want = tupe.others_to_cls[h].item()
+                    assert bias[h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-9)
+        cls_row = tupe(3, 3)[:, 0]
+        torch.testing.assert_close(cls_row, tupe.cls_to_others.detach()[:, None].expand(heads, 3))
+
+    def test_logit_scale_is_one_over_sqrt_two_d(self):
+        tupe = UnifiedPositionalEmbedding(16, 2, 8, relative_bias=False)
+        q, k, _ = qkv(5, 5, dh=8)
+        q, k = q[:, :2], k[:, :2]
+        want = q @ k.transpose(-1, -2) / 4.0 + tupe(5, 5)
+        torch.testing.assert_close(tupe.forward_attn(q, k), want)
+
+    def test_positions_past_the_table(self):
+        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: positions_k must lie in \\[0, max_len=8\\), got position 8"):
+            UnifiedPositionalEmbedding(8, 2, 4)(2, 9, positions_q=torch.tensor([0, 1]))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: head_dim must be a positive int, got head_dim=0"):
+            UnifiedPositionalEmbedding(8, 2, 0)
+
+
+class TestFlexAttention:
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
+                                      lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+                                      lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True)])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, make, causal):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        pe = make()
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, pe, causal=causal, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal, use_flex=True), want)
+        if not causal:
+            got = flex_attention(q, k, v, score_mod=pe.score_mod(N - 3, N), scale=pe.logit_scale(DH))
+            torch.testing.assert_close(got, want)
+
+    def test_score_mod_with_batched_positions(self):
+        pe = T5PositionalEmbedding(H)
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 3, torch.arange(N) + 50])
+        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
+        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------
+# Content-dependent relative: Transformer-XL, Enformer
+# ---------------------------------------------------------------------------
+
+
+def sinusoid_concat(d, d_model, base=10000.0):
+    return ([math.sin(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)]
+            + [math.cos(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)])
+
+
+def matvec(w, x):
+    return [sum(wr[c] * x[c] for c in range(len(x))) for wr in w]
+
+
+class TestTransformerXL:
+    def xl_oracle(self, xl, q, k, pos_q, pos_k, scale):
+        u, v, w_r = xl.r_w_bias.tolist(), xl.r_r_bias.tolist(), xl.r_net.weight.tolist()
+        out = torch.zeros(q.shape[0], q.shape[1], len(pos_q), len(pos_k), dtype=torch.float64)
+        for i, p in enumerate(pos_q):
+            for j, r in enumerate(pos_k):
+                distance = p - r
+                if xl.clamp_len is not None:
+                    distance = max(-xl.clamp_len, min(xl.clamp_len, distance))
+                rel = matvec(w_r, sinusoid_concat(distance, xl.d_model))
+                for b in range(q.shape[0]):
+                    for h in range(q.shape[1]):
+                        qi, kj = q[b, h, i].tolist(), k[b, h, j].tolist()
+                        rh = rel[h * xl.head_dim : (h + 1) * xl.head_dim]
+                        ac = sum((qi[c] + u[h][c]) * kj[c] for c in range(xl.head_dim))
+                        bd = sum((qi[c] + v[h][c]) * rh[c] for c in range(xl.head_dim))
+                        out[b, h, i, j] = scale * (ac + bd)
+        return out
+
+    @pytest.mark.parametrize("nq, nk", [(5, 5), (3, 8)])
+    def test_bidirectional_and_memory_match_oracle(self, nq, nk):
+        xl = TransformerXLPositionalEmbedding(2, 4, d_model=6).double()
+        q, k = torch.randn(1, 2, nq, 4, dtype=torch.float64), torch.randn(1, 2, nk, 4, dtype=torch.float64)
+        want = self.xl_oracle(xl, q, k, [i + nk - nq for i in range(nq)], list(range(nk)), 0.5)
+        torch.testing.assert_close(xl(q, k), want)
+
+    def test_explicit_float_positions_and_clamp_match_oracle(self):
+        xl = TransformerXLPositionalEmbedding(2, 4, clamp_len=3).double()
+        q, k = torch.randn(2, 2, 3, 4, dtype=torch.float64), torch.randn(2, 2, 4, 4, dtype=torch.float64)
+        pos_q, pos_k = [0.5, 10.0, 4.0], [1.0, -6.5, 2.0, 4.0]
+        got = xl(q, k, torch.tensor(pos_q, dtype=torch.float64), torch.tensor(pos_k, dtype=torch.float64))
+        torch.testing.assert_close(got, self.xl_oracle(xl, q, k, pos_q, pos_k, 0.5))
+
+    def test_equals_reference_rel_shift_below_the_diagonal(self):
+        # the reference: BD against R(klen-1 .. 0), zero-pad, reshape, drop a row (valid where j <= i + mlen)
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        qlen, mlen = 4, 3
+        klen = qlen + mlen
+        q, k = torch.randn(1, 2, qlen, 4), torch.randn(1, 2, klen, 4)
+        r = xl.relative_keys(-torch.arange(klen - 1, -1, -1))                          # R(klen-1), ..., R(0)
+        bd = torch.einsum("bhid,hjd->bhij", q + xl.r_r_bias[:, None], r)                # [1, 2, qlen, klen]
+        padded = torch.cat([torch.zeros(1, 2, qlen, 1), bd], -1).view(1, 2, klen + 1, qlen)
+        shifted = padded[:, :, 1:].reshape(1, 2, qlen, klen)
+        ac = torch.einsum("bhid,bhjd->bhij", q + xl.r_w_bias[:, None], k)
+        reference = (ac + shifted) * 0.5
+        ours = xl(q, k)
+        valid = torch.arange(klen)[None, :] <= torch.arange(qlen)[:, None] + mlen
+        torch.testing.assert_close(ours[..., valid], reference[..., valid])
+        assert not torch.allclose(ours[..., ~valid], reference[..., ~valid])   # the reference's garbage
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: d_model must be a positive even int, got d_model=7"):
+            TransformerXLPositionalEmbedding(2, 4, d_model=7)
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        with pytest.raises(ValueError, match="q and k must be \\[..., H=2, N, Dh=4\\]"):
+            xl(torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4))
+
+
+def enformer_features_oracle(d, num_basis, length, min_half_life=3.0, symmetric=False):
+    """Enformer's basis functions of one distance, in plain Python (DeepMind's normalisation)."""
+    def gamma_raw(x):
+        out = []
+        stddev = length / (2 * num_basis)
+        for k in range(num_basis):
+            mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
+            c, rate = (mean / stddev) ** 2, mean / stddev ** 2
+            log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
+            out.append(math.exp(log_pdf) + 1e-8)
+        return out
+
+    x = abs(d)
+    exponential = []
+    for k in range(num_basis):
+        half_life = 2 ** (min_half_life + k * (math.log2(length) - min_half_life) / (num_basis - 1))
+        exponential.append(math.exp(-math.log(2) / half_life * x))
+    central = [1.0 if 2 ** (k + 1) - 1 > x else 0.0 for k in range(num_basis)]
+    peaks = [max(col) for col in zip(*[gamma_raw(y) for y in range(length)])]
+    gamma = [g / p for g, p in zip(gamma_raw(x), peaks)]
+    features = exponential + central + gamma
+    if symmetric:
+        return features
+    sign = (d > 0) - (d < 0)
+    return features + [sign * f for f in features]
+
+
+class TestEnformer:
+    def test_features_match_oracle(self):
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=50)
+        distances = [-49, -7, -1, 0, 1, 3, 20, 49, 120]
+        got = enformer.features(torch.tensor(distances))
+        want = torch.tensor([enformer_features_oracle(d, 4, 50) for d in distances], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+    def test_logits_match_oracle(self):
+        enformer = EnformerPositionalEmbedding(2, 3, num_features=12, length_scale=16).double()
+        q, k = torch.randn(1, 2, 3, 3, dtype=torch.float64), torch.randn(1, 2, 5, 3, dtype=torch.float64)
+        u, v, w_r = enformer.r_w_bias.tolist(), enformer.r_r_bias.tolist(), enformer.r_k.weight.tolist()
+        scale = 3 ** -0.5
+        got = enformer(q, k)
+        for i in range(3):
+            for j in range(5):
+                rel = matvec(w_r, enformer_features_oracle(j - (i + 2), 2, 16))
+                for h in range(2):
+                    qi, kj, rh = q[0, h, i].tolist(), k[0, h, j].tolist(), rel[h * 3 : h * 3 + 3]
+                    want = sum((scale * qi[c] + u[h][c]) * kj[c] + (scale * qi[c] + v[h][c]) * rh[c] for c in range(3))
+                    assert got[0, h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+    def test_equals_deepmind_relative_shift(self):
+        # DeepMind: distances -T+1 .. T-1, logits against them, then pad/reshape/slice
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
+        t = 6
+        q, k = torch.randn(1, 2, t, 4), torch.randn(1, 2, t, 4)
+        keys = enformer.relative_keys(torch.arange(-t + 1, t))                          # [H, 2T-1, Dh]
+        rel = torch.einsum("bhid,hjd->bhij", q * 0.5 + enformer.r_r_bias[:, None], keys)
+        padded = torch.cat([torch.zeros_like(rel[..., :1]), rel], -1).reshape(1, 2, 2 * t, t)
+        shifted = padded[:, :, 1:].reshape(1, 2, t, 2 * t - 1)[..., : (2 * t + 1) // 2]
+        content = torch.einsum("bhid,bhjd->bhij", q * 0.5 + enformer.r_w_bias[:, None], k)
+        torch.testing.assert_close(enformer(q, k), content + shifted)
+
+    def test_pair_does_not_depend_on_sequence_length(self):
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
+        q, k = torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4)
+        torch.testing.assert_close(enformer(q[..., :10, :], k[..., :10, :]), enformer(q, k)[..., :10, :10])
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: num_features must be a positive multiple of 6 "
+                                             "\\(symmetric=False\\), got num_features=8"):
+            EnformerPositionalEmbedding(2, 4, num_features=8)
 
 
 # ---------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def optional(module: str, file: str = None):
 
 def report(title: str, times: dict, baseline: str, memory: dict = None) -> None:
     print(f"\n{title}")
-    print(f"  {'implementation':<44}{'median ms':>10}{'ratio':>8}" + (f"{'peak MiB':>11}" if memory else ""))
+    print(f"  {'implementation':<52}{'median ms':>10}{'ratio':>8}" + (f"{'peak MiB':>11}" if memory else ""))
     for name, t in times.items():
-        line = f"  {name:<44}{t * 1e3:>10.2f}{t / times[baseline]:>8.2f}"
+        line = f"  {name:<52}{t * 1e3:>10.2f}{t / times[baseline]:>8.2f}"
         if memory:
             line += f"{memory.get(name, float('nan')) / 2**20:>11.1f}"
         print(line)
@@ -170,7 +170,38 @@ def bench_rope_precision(reps: int, compile: bool) -> None:
         print(f"  {name:<30}{errors[0]:>12.1e}{errors[1]:>12.1e}")
 
 
-SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision}
+# ---------------------------------------------------------------------------
+# Attention biases
+# ---------------------------------------------------------------------------
+
+
+def bench_t5(reps: int, compile: bool) -> None:
+    h, n = 8, 4096
+    t5 = pe_lib.T5PositionalEmbedding(h)
+    row = torch.randn(h, 1, n)
+    fns = {"write [8, 4096, 4096] (expand().contiguous())": lambda: row.expand(h, n, n).contiguous(),
+           "ours T5PositionalEmbedding(4096, 4096)": lambda: t5(n, n)}
+    t5_module = optional("transformers.models.t5.modeling_t5")
+    if t5_module is not None:
+        config = optional("transformers").T5Config(num_heads=h, d_model=512, d_kv=64)
+        hf = t5_module.T5Attention(config, has_relative_attention_bias=True)
+        fns["Hugging Face T5Attention.compute_bias"] = lambda: hf.compute_bias(n, n)
+    xt = optional("x_transformers.x_transformers")
+    if xt is not None:
+        x_bias = xt.RelativePositionBias(scale=1.0, heads=h)
+        fns["x-transformers RelativePositionBias"] = lambda: x_bias(n, n)
+    report(f"T5 bias: build [{h}, {n}, {n}] fp32", medians(fns, max(3, reps // 6)), baseline=next(iter(fns)))
+
+    alibi = pe_lib.ALiBiPositionalEmbedding(h)
+    fns = {"write [8, 4096, 4096] (expand().contiguous())": lambda: row.expand(h, n, n).contiguous(),
+           "ours ALiBiPositionalEmbedding(4096, 4096)": lambda: alibi(n, n)}
+    if xt is not None:
+        x_alibi = xt.AlibiPositionalBias(heads=h)
+        fns["x-transformers AlibiPositionalBias (returns its cached table)"] = lambda: x_alibi(n, n)
+    report(f"ALiBi bias: build [{h}, {n}, {n}] fp32", medians(fns, max(3, reps // 6)), baseline=next(iter(fns)))
+
+
+SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5}
 
 
 REGIMES = {
