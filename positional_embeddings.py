@@ -28,6 +28,8 @@ Encodings (class, paper):
 * ``TransformerXLPositionalEmbedding``: Dai et al., "Transformer-XL", arXiv:1901.02860.
 * ``EnformerPositionalEmbedding``: Avsec et al., "Effective gene expression prediction
   from sequence by integrating long-range interactions", Nature Methods 18 (2021).
+* ``HeinsenPositionalEmbedding`` (alias ``EmbedPosition``): Heinsen, "Encoding Position by
+  Decaying and Updating Different Exponentiated States Differently" (2024).
 
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
@@ -56,6 +58,8 @@ __all__ = [
     "UnifiedPositionalEmbedding",
     "TransformerXLPositionalEmbedding",
     "EnformerPositionalEmbedding",
+    "HeinsenPositionalEmbedding",
+    "EmbedPosition",
 ]
 
 Tensor = torch.Tensor
@@ -1705,6 +1709,203 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
 
 # ---------------------------------------------------------------------------
+# Recurrent: Heinsen's exponentiated-state position encoding
+# ---------------------------------------------------------------------------
+
+
+def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+    """``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))`` from ``s_0 = initial``, in parallel.
+
+    log_p, h: [..., N, d]; initial: [..., 1, d] -> s: [..., N, d]. The closed form
+    ``s = a + log(exp(s_0) + cumsum(exp(h - a)))`` with ``a = cumsum(log_p)`` (Heinsen;
+    Martin and Cundy, arXiv:1709.04057) cancels two numbers of size ``|a|``, which grows with
+    N. So it runs within blocks of ``_SCAN_BLOCK`` tokens, where ``|a|`` stays small, and the
+    blocks are chained by the same recurrence over their summaries in float64, which is
+    exact enough at any length and costs ``1 / _SCAN_BLOCK`` of the work.
+    """
+    n = log_p.shape[-2]
+    if n <= _SCAN_BLOCK:
+        return _log_linear_scan_exact(log_p, h, initial)
+    pad = -n % _SCAN_BLOCK
+    if pad:  # zero decay and -inf updates leave the state alone
+        log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad), value=float("-inf"))
+    blocks = (n + pad) // _SCAN_BLOCK
+    a = log_p.unflatten(-2, (blocks, _SCAN_BLOCK)).cumsum(dim=-2)                      # [..., nb, T, d]
+    local = torch.logcumsumexp(h.unflatten(-2, (blocks, _SCAN_BLOCK)) - a, dim=-2)     # [..., nb, T, d]
+    decay = a[..., -1, :].double()                                                      # [..., nb, d]
+    after = _log_linear_scan_exact(decay, decay + local[..., -1, :].double(), initial.double())
+    entering = torch.cat([initial.double(), after[..., :-1, :]], dim=-2).to(a.dtype)   # [..., nb, d]
+    s = torch.logaddexp(entering.unsqueeze(-2), local).add_(a)                          # [..., nb, T, d]
+    return s.flatten(-3, -2)[..., :n, :]
+
+
+def _log_linear_scan_exact(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+    """The closed form in one piece: accurate while ``|cumsum(log_p)|`` stays small for the dtype."""
+    a = log_p.cumsum(dim=-2)                                                            # [..., N, d]
+    return torch.logaddexp(initial, torch.logcumsumexp(h - a, dim=-2)).add_(a)
+
+
+_SCAN_BLOCK = 128
+
+
+class _LogLinearScanFunction(torch.autograd.Function):
+    """``_log_linear_scan`` with an analytic backward that keeps only (log_p, h, s).
+
+    With ``c_t = exp(log_p_t + s_{t-1} - s_t)`` (the share of the old state) and
+    ``w_t = exp(h_t - s_t)`` (the share of the update), the gradient ``G`` reaching ``s``
+    satisfies ``G_t = g_t + c_{t+1} G_{t+1}``; its positive and negative parts are two
+    reversed log-space scans of the same kind. Then ``dL/dh = G w``, ``dL/dlog_p = G c``.
+    Autograd through the closed form would keep three more ``[..., N, d]`` tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+        s = _log_linear_scan(log_p, h, initial)                                         # [..., N, d]
+        ctx.save_for_backward(log_p, h, initial, s)
+        return s
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        log_p, h, initial, s = ctx.saved_tensors
+        # The reversed scan at step tau (token t = N + 1 - tau) applies c_{t+1}: log c flipped, shifted by one.
+        # Temporaries are reused in place: this runs on [..., N, d] tensors and peak memory matters.
+        log_next = torch.zeros_like(s)
+        log_next[..., 1:, :] = _log_keep(log_p, s, initial)[..., 1:, :].flip(-2)
+        flipped = grad.flip(-2)
+        positive = _log_linear_scan(log_next, flipped.clamp(min=0).log(), torch.full_like(initial, float("-inf")))
+        negative = _log_linear_scan(log_next, flipped.neg_().clamp_(min=0).log_(), torch.full_like(initial, float("-inf")))
+        del log_next, flipped
+        total = positive.exp_().sub_(negative.exp_()).flip(-2)                           # G: [..., N, d]
+        del positive, negative
+        grad_h = (h - s).exp_().mul_(total)                                              # G w
+        grad_log_p = total.mul_(_log_keep(log_p, s, initial).exp_())                     # G c
+        return grad_log_p, grad_h, grad_log_p[..., :1, :].clone()
+
+
+def _log_keep(log_p: Tensor, s: Tensor, initial: Tensor) -> Tensor:
+    """``log c_t = log_p_t + s_{t-1} - s_t``: the log share of the old state in ``s_t``, [..., N, d]."""
+    previous = torch.cat([initial.expand_as(s[..., :1, :]), s[..., :-1, :]], dim=-2)   # s_{t-1}
+    return previous.sub_(s).add_(log_p)
+
+
+class HeinsenPositionalEmbedding(PositionalEmbedding):
+    """Position by decaying and updating exponentiated states (Heinsen 2024).
+
+    Heinsen, "Encoding Position by Decaying and Updating Different Exponentiated States
+    Differently". Each token gives log-decays ``log_p = logsigmoid(H(x)[..., :d_hid])`` and
+    updates ``h = H(x)[..., d_hid:]``; the log-states follow
+    ``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))`` from ``s_0 = 0``, and the tokens become
+    ``x + R(s)``. Order is encoded by the recurrence itself, so there are no positions and
+    no maximum length. ``H`` and ``R`` are the paper's functions (``nn.Linear`` by default,
+    any module with the same input and output sizes works), and a checkpoint of the
+    reference ``EmbedPosition`` (``H.weight, H.bias, R.weight, R.bias``) loads unchanged.
+
+    The scan runs in float32 (float64 for float64 inputs) whatever the input dtype, in
+    blocks chained in float64, so it stays accurate at a million tokens; the reference's
+    single ``cumsum`` + ``logcumsumexp`` loses accuracy linearly with length.
+
+    Streaming: ``using_prev_context=True`` continues from the state cached by the previous
+    call (detached, as the reference does: truncated backprop). For explicit control pass
+    ``state=`` (the log-state before the chunk, ``[..., 1, d_hid]``) and ask for
+    ``return_state=True``: the returned state is not detached, so gradients flow across
+    chunks unless you detach it.
+
+    Args:
+        d_emb (int): token width ``D``.
+        d_hid (int): number of exponentiated states.
+        H (nn.Module, optional): ``[..., D] -> [..., 2 * d_hid]``. Default: ``nn.Linear``.
+        R (nn.Module, optional): ``[..., d_hid] -> [..., D]``. Default: ``nn.Linear``.
+
+    Shape:
+        - x: ``[..., N, D]`` -> ``[..., N, D]``; state: ``[..., 1, d_hid]``.
+
+    Example:
+        >>> embed = HeinsenPositionalEmbedding(d_emb=512, d_hid=512)
+        >>> y = embed(torch.randn(2, 1000, 512))
+        >>> y_next = embed(torch.randn(2, 1000, 512), using_prev_context=True)
+    """
+
+    kind = "input"
+
+    def __init__(self, d_emb: int, d_hid: int, *, H: Optional[nn.Module] = None,
+                 R: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int(owner, "d_emb", d_emb)
+        _check_positive_int(owner, "d_hid", d_hid)
+        self.d_emb, self.d_hid = d_emb, d_hid
+        self.H = nn.Linear(d_emb, 2 * d_hid) if H is None else H                        # paper's H (no sigmoid)
+        self.R = nn.Linear(d_hid, d_emb) if R is None else R                            # paper's R
+        self.register_buffer("prev_context", None, persistent=False)                    # [..., 1, d_hid]
+
+    def extra_repr(self) -> str:
+        return f"d_emb={self.d_emb}, d_hid={self.d_hid}"
+
+    def reset_parameters(self) -> None:
+        for module in (self.H, self.R):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.reset_context()
+
+    def reset_context(self) -> None:
+        """Forget the cached state (the next call must not use ``using_prev_context``)."""
+        self.prev_context = None
+
+    def _apply(self, fn, recurse=True):
+        # the cached state follows device moves but keeps its float32 precision under casts
+        context, self.prev_context = self.prev_context, None
+        super()._apply(fn, recurse)
+        if context is not None:
+            self.prev_context = context.to(fn(torch.empty(0, device=context.device)).device)
+        return self
+
+    def forward(self, x: Tensor, using_prev_context: bool = False, *, state: Optional[Tensor] = None,
+                return_state: bool = False):
+        """``x + R(s)``; with ``return_state=True`` also the final log-state ``[..., 1, d_hid]``."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.d_emb)
+        if using_prev_context and state is not None:
+            raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+        if using_prev_context:
+            if self.prev_context is None:
+                raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "
+                                 f"call once without it first (or after reset_context())")
+            state = self.prev_context
+        logits = self.H(x)                                                              # [..., N, 2 * d_hid]
+        dtype = _compute_dtype(logits.dtype)
+        log_p = F.logsigmoid(logits[..., : self.d_hid].to(dtype))                      # [..., N, d_hid]
+        h = logits[..., self.d_hid :].to(dtype)                                         # [..., N, d_hid]
+        initial = self._initial_state(state, x, dtype, "cached context" if using_prev_context else "state")
+        s = _LogLinearScanFunction.apply(log_p, h, initial)                            # [..., N, d_hid]
+        final = s[..., -1:, :]                                                          # [..., 1, d_hid]
+        self.prev_context = final.detach()
+        y = x + self.R(s.to(logits.dtype)).to(x.dtype)                                  # [..., N, D]
+        return (y, final) if return_state else y
+
+    def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        if positions is not None:
+            raise ValueError(f"{type(self).__name__}: positions must be None: order is encoded by the "
+                             f"recurrence, got a tensor of shape {tuple(positions.shape)}")
+        return self(x)
+
+    def _initial_state(self, state: Optional[Tensor], x: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+        """The log-state before the first token: zeros, or ``state`` checked against x: [..., 1, d_hid]."""
+        want = (*x.shape[:-2], 1, self.d_hid)
+        if state is None:
+            return torch.zeros(want, dtype=dtype, device=x.device)
+        if not isinstance(state, Tensor):
+            raise TypeError(f"{type(self).__name__}: {name} must be a Tensor, got {type(state).__name__}")
+        if tuple(state.shape) != want:
+            raise ValueError(f"{type(self).__name__}: {name} must have shape {list(want)} to continue a chunk "
+                             f"of shape {list(x.shape)}, got {list(state.shape)}")
+        return state.to(device=x.device, dtype=dtype)
+
+
+EmbedPosition = HeinsenPositionalEmbedding
+
+
+# ---------------------------------------------------------------------------
 # Registry and demo
 # ---------------------------------------------------------------------------
 
@@ -1721,6 +1922,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "tupe": UnifiedPositionalEmbedding(seq_len, num_heads, head_dim, cls_token=True),
         "transformer_xl": TransformerXLPositionalEmbedding(num_heads, head_dim),
         "enformer": EnformerPositionalEmbedding(num_heads, head_dim),
+        "heinsen": HeinsenPositionalEmbedding(dim, dim),
     }
 
 
@@ -1739,7 +1941,7 @@ def _demo() -> None:
         out = attention(q, k, v, pe, causal=True)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
-        invariance = "n/a (absolute)"
+        invariance = "n/a (acts on the tokens)" if pe.kind == "input" else "n/a (absolute positions)"
         if pe.translation_invariant:
             shift = torch.arange(seq_len) + 1000
             base, shifted = pe.forward_attn(q, k), pe.forward_attn(q, k, shift, shift)

@@ -19,6 +19,7 @@ import positional_embeddings as pe_lib
 from positional_embeddings import (
     ALiBiPositionalEmbedding,
     EnformerPositionalEmbedding,
+    HeinsenPositionalEmbedding,
     LearnedPositionalEmbedding,
     PositionalEmbedding,
     RotaryPositionalEmbedding,
@@ -90,6 +91,7 @@ CASES = [
     Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
     Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
          has_offset=False),
+    Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
 ]
 
 
@@ -1295,6 +1297,168 @@ class TestEnformer:
         with pytest.raises(ValueError, match="EnformerPositionalEmbedding: num_features must be a positive multiple of 6 "
                                              "\\(symmetric=False\\), got num_features=8"):
             EnformerPositionalEmbedding(2, 4, num_features=8)
+
+
+# ---------------------------------------------------------------------------
+# Heinsen
+# ---------------------------------------------------------------------------
+
+
+def heinsen_oracle(pe, x, state=None):
+    """A plain loop over tokens in float64: s_t = logaddexp(log_p_t + s_{t-1}, h_t), y = x + R(s)."""
+    x64 = x.double()
+    w_h, b_h = pe.H.weight.double(), pe.H.bias.double()
+    w_r, b_r = pe.R.weight.double(), pe.R.bias.double()
+    logits = x64 @ w_h.T + b_h
+    log_p, h = F.logsigmoid(logits[..., : pe.d_hid]), logits[..., pe.d_hid :]
+    s = torch.zeros(*x.shape[:-2], pe.d_hid, dtype=torch.float64) if state is None else state.double()[..., 0, :]
+    states = []
+    for t in range(x.shape[-2]):
+        s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
+        states.append(s)
+    states = torch.stack(states, dim=-2)
+    return x64 + states @ w_r.T + b_r, states
+
+
+def heinsen_reference(pe, x, prev_context=None):
+    """The reference algorithm (cumsum + logcumsumexp over the sequence, zero or cached state first)."""
+    log_p, h = pe.H(x).split(pe.d_hid, dim=-1)
+    log_p = F.logsigmoid(log_p)
+    first = torch.zeros_like(h[..., :1, :]) if prev_context is None else prev_context
+    prepended = torch.cat([first, h], dim=-2)
+    a = F.pad(log_p.cumsum(dim=-2), (0, 0, 1, 0))
+    s = (a + torch.logcumsumexp(prepended - a, dim=-2))[..., 1:, :]
+    return x + pe.R(s), s[..., -1:, :]
+
+
+class TestHeinsen:
+    @pytest.mark.parametrize("n", [1, 5, 128, 300, 517])
+    def test_matches_float64_loop_oracle(self, n):
+        pe = HeinsenPositionalEmbedding(12, 7)
+        x = torch.randn(2, n, 12)
+        want, _ = heinsen_oracle(pe, x)
+        torch.testing.assert_close(pe(x).double(), want, rtol=0, atol=2e-5)
+        torch.testing.assert_close(pe.double()(x.double()), want, rtol=0, atol=1e-10)
+
+    def test_equals_reference_algorithm(self):
+        pe = HeinsenPositionalEmbedding(8, 6).double()
+        x = torch.randn(3, 200, 8, dtype=torch.float64)
+        want, _ = heinsen_reference(pe, x)
+        torch.testing.assert_close(pe(x), want)
+
+    def test_reference_checkpoint_loads_unchanged(self):
+        pe = HeinsenPositionalEmbedding(8, 6)
+        assert set(pe.state_dict()) == {"H.weight", "H.bias", "R.weight", "R.bias"}
+        checkpoint = {"H.weight": torch.randn(12, 8), "H.bias": torch.randn(12),
+                      "R.weight": torch.randn(8, 6), "R.bias": torch.randn(8)}
+        pe.load_state_dict(checkpoint)
+        x = torch.randn(40, 8)
+        pe(x)
+        assert "prev_context" not in pe.state_dict()
+        torch.testing.assert_close(pe(x), heinsen_oracle(pe, x)[0].float(), rtol=1e-5, atol=5e-5)
+        assert pe_lib.EmbedPosition is HeinsenPositionalEmbedding
+
+    def test_chunks_with_cached_context_equal_one_pass(self):
+        pe = HeinsenPositionalEmbedding(10, 8)
+        x = torch.randn(2, 400, 10)
+        full = pe(x)
+        chunks = [pe(x[:, :50])] + [pe(x[:, a:b], using_prev_context=True) for a, b in ((50, 120), (120, 400))]
+        torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
+
+    def test_chunks_match_reference_streaming(self):
+        pe = HeinsenPositionalEmbedding(6, 4).double()
+        x = torch.randn(3, 90, 6, dtype=torch.float64)
+        y1, context = heinsen_reference(pe, x[:, :40])
+        y2, _ = heinsen_reference(pe, x[:, 40:], context)
+        torch.testing.assert_close(pe(x[:, :40]), y1)
+        torch.testing.assert_close(pe(x[:, 40:], using_prev_context=True), y2)
+
+    def test_explicit_state_and_gradients_across_chunks(self):
+        pe = HeinsenPositionalEmbedding(6, 5).double()
+        x = torch.randn(2, 30, 6, dtype=torch.float64, requires_grad=True)
+        full = pe(x)
+        grad_full, = torch.autograd.grad(full[:, -1].sum(), x)
+        y1, state = pe(x[:, :12], return_state=True)
+        y2, final = pe(x[:, 12:], state=state, return_state=True)
+        torch.testing.assert_close(torch.cat([y1, y2], 1), full)
+        torch.testing.assert_close(final, heinsen_oracle(pe, x.detach())[1][:, -1:])
+        grad_chunked, = torch.autograd.grad(y2[:, -1].sum(), x)
+        torch.testing.assert_close(grad_chunked, grad_full)               # flows into the first chunk
+        y2_cut = pe(x[:, 12:], state=state.detach())
+        grad_cut, = torch.autograd.grad(y2_cut[:, -1].sum(), x)
+        assert grad_cut[:, :12].abs().max() == 0                           # truncated
+
+    def test_gradients_match_autograd_of_the_reference(self):
+        # the scan has a hand-written backward; compare it with autograd through the reference
+        pe = HeinsenPositionalEmbedding(5, 4).double()
+        x = torch.randn(2, 300, 5, dtype=torch.float64, requires_grad=True)
+        state = torch.randn(2, 1, 4, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(2, 300, 5, dtype=torch.float64)
+        ours = torch.autograd.grad((pe(x, state=state) * weights).sum(), [x, state, *pe.parameters()])
+        reference = torch.autograd.grad((heinsen_reference(pe, x, state)[0] * weights).sum(),
+                                        [x, state, *pe.parameters()])
+        for got, want in zip(ours, reference):
+            torch.testing.assert_close(got, want)
+        assert torch.autograd.gradcheck(lambda t, s: pe(t, state=s), (x[:, :40].detach().requires_grad_(), state))
+
+    def test_per_sequence_states_for_batched_streaming(self):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        a, b = torch.randn(1, 20, 4), torch.randn(1, 20, 4)
+        _, state_a = pe(a[:, :10], return_state=True)
+        _, state_b = pe(b[:, :10], return_state=True)
+        batch = pe(torch.cat([a[:, 10:], b[:, 10:]]), state=torch.cat([state_a, state_b]))
+        torch.testing.assert_close(batch[1:], pe(b)[:, 10:], rtol=0, atol=1e-6)
+
+    def test_cached_context_follows_to_and_keeps_precision(self):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        pe(torch.randn(2, 7, 4))
+        context = pe.prev_context.clone()
+        pe.bfloat16()
+        assert pe.prev_context.dtype == torch.float32
+        torch.testing.assert_close(pe.prev_context, context, rtol=0, atol=0)
+        pe.to("meta")
+        assert pe.prev_context.is_meta
+        pe.reset_context()
+        assert pe.prev_context is None
+
+    def test_bf16_is_within_a_few_roundings(self):
+        pe = HeinsenPositionalEmbedding(32, 32).bfloat16()
+        x = torch.randn(2, 1000, 32).bfloat16()
+        want, _ = heinsen_oracle(pe, x)
+        got = pe(x)
+        assert got.dtype == torch.bfloat16
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)        # bf16 spacing at the largest output
+        assert (got.double() - want).abs().max() <= 4 * ulp
+
+    def test_precision_at_length(self):
+        torch.manual_seed(1)
+        pe = HeinsenPositionalEmbedding(8, 8)
+        x = torch.randn(1, 30_000, 8)
+        want = pe.double()(x.double())        # the blocked scan in float64: ~1e-11 from exact
+        pe.float()
+        ours = (pe(x).double() - want).abs().max().item()
+        reference = (heinsen_reference(pe, x)[0].double() - want).abs().max().item()
+        assert ours < 3e-5 < reference
+
+    def test_custom_h_and_r(self):
+        h = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        pe = HeinsenPositionalEmbedding(6, 4, H=h, R=torch.nn.Linear(4, 6, bias=False))
+        assert pe(torch.randn(3, 9, 6)).shape == (3, 9, 6)
+
+    def test_bad_input(self):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: using_prev_context=True but no context"):
+            pe(torch.randn(2, 5, 4), using_prev_context=True)
+        pe(torch.randn(2, 5, 4))
+        with pytest.raises(ValueError, match="cached context must have shape \\[3, 1, 3\\] to continue a chunk "
+                                             "of shape \\[3, 5, 4\\], got \\[2, 1, 3\\]"):
+            pe(torch.randn(3, 5, 4), using_prev_context=True)
+        with pytest.raises(ValueError, match="x must have last dim 4"):
+            pe(torch.randn(2, 5, 5))
+        with pytest.raises(ValueError, match="positions must be None"):
+            pe.forward_input(torch.randn(2, 5, 4), torch.arange(5))
+        with pytest.raises(ValueError, match="d_hid must be a positive int, got d_hid=0"):
+            HeinsenPositionalEmbedding(4, 0)
 
 
 # ---------------------------------------------------------------------------

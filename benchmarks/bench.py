@@ -60,8 +60,16 @@ def _status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
 
 
-def peak_memory(fn) -> int:
-    """Peak resident memory (bytes) added while ``fn`` runs (Linux VmHWM, reset first)."""
+REGIME = None  # set by main()
+
+
+def peak_memory(fn) -> float:
+    """Peak resident memory (bytes) added while ``fn`` runs (Linux VmHWM, reset first).
+
+    Only meaningful with fresh pages: when freed memory is reused, nothing new is resident.
+    """
+    if REGIME != "fresh pages":
+        return float("nan")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status("VmRSS")
@@ -201,7 +209,80 @@ def bench_t5(reps: int, compile: bool) -> None:
     report(f"ALiBi bias: build [{h}, {n}, {n}] fp32", medians(fns, max(3, reps // 6)), baseline=next(iter(fns)))
 
 
-SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5}
+# ---------------------------------------------------------------------------
+# Heinsen
+# ---------------------------------------------------------------------------
+
+
+def heinsen_reference(module, x: torch.Tensor) -> torch.Tensor:
+    """The reference algorithm: one cumsum + logcumsumexp over the sequence, zero state first."""
+    log_p, h = module.H(x).split(module.d_hid, dim=-1)
+    log_p = torch.nn.functional.logsigmoid(log_p)
+    a = torch.nn.functional.pad(log_p.cumsum(dim=-2), (0, 0, 1, 0))
+    prepended = torch.nn.functional.pad(h, (0, 0, 1, 0))
+    s = (a + torch.logcumsumexp(prepended - a, dim=-2))[..., 1:, :]
+    return x + module.R(s)
+
+
+def bench_heinsen(reps: int, compile: bool) -> None:
+    b, n, d = 8, 4096, 512
+    ours = pe_lib.HeinsenPositionalEmbedding(d, d)
+    x = torch.randn(b, n, d)
+    xg = x.clone().requires_grad_(True)
+
+    def train_step(fn):
+        def step():
+            fn(xg).sum().backward()
+            xg.grad = None
+            ours.zero_grad(set_to_none=True)
+        return step
+
+    fns = {"reference algorithm, forward": lambda: heinsen_reference(ours, x).detach(),
+           "ours, forward": lambda: ours(x).detach(),
+           "reference algorithm, forward + backward": train_step(lambda t: heinsen_reference(ours, t)),
+           "ours, forward + backward": train_step(ours)}
+    with torch.no_grad():
+        forward = {name: fn for name, fn in fns.items() if "backward" not in name}
+        times = medians(forward, max(3, reps // 6))
+        memory = {name: peak_memory(fn) for name, fn in forward.items()}
+    report(f"Heinsen: B={b}, N={n}, d_emb=d_hid={d} fp32, no grad", times, next(iter(times)), memory)
+    training = {name: fn for name, fn in fns.items() if "backward" in name}
+    times = medians(training, max(3, reps // 6))
+    memory = {name: peak_memory(fn) for name, fn in training.items()}
+    report(f"Heinsen: B={b}, N={n}, d_emb=d_hid={d} fp32, forward + backward", times, next(iter(times)), memory)
+
+
+def bench_heinsen_precision(reps: int, compile: bool) -> None:
+    """Max |error| against the reference algorithm run in float64 (~1e-10 from exact)."""
+    torch.manual_seed(0)
+    d = 64
+    module = pe_lib.HeinsenPositionalEmbedding(d, d)
+    print(f"\nHeinsen precision: max |y - exact| (d_emb = d_hid = {d}, B = 1; outputs' max |y| in brackets)")
+    print(f"  {'N':>9}{'ours fp32':>12}{'reference fp32':>16}{'ours bf16':>12}{'reference bf16':>16}")
+    for n in (1_000, 100_000, 1_000_000):
+        x = torch.randn(1, n, d)
+        with torch.no_grad():
+            exact = heinsen_reference(module.double(), x.double())
+            module.float()
+            row = [ours_error := (module(x).double() - exact).abs().max().item(),
+                   (heinsen_reference(module, x).double() - exact).abs().max().item()]
+            if n <= 100_000:  # bf16 against the exact result of the bf16-rounded weights and input
+                module.bfloat16()
+                xb = x.bfloat16()
+                exact_b = heinsen_reference(module.double(), xb.double())
+                module.bfloat16()
+                row += [(module(xb).double() - exact_b).abs().max().item(),
+                        (heinsen_reference(module, xb).double() - exact_b).abs().max().item()]
+                module.float()
+            else:
+                row += [float("nan"), float("nan")]
+        cells = "".join(f"{v:>12.1e}" if i % 2 == 0 else f"{v:>16.1e}" for i, v in enumerate(row))
+        print(f"  {n:>9}{cells}   [{exact.abs().max().item():.1f}]")
+        del ours_error
+
+
+SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
+            "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision}
 
 
 REGIMES = {
@@ -224,6 +305,8 @@ def main() -> None:
             argv = [a for a in sys.argv[1:] if not a.startswith("--regime")] + ["--regime", regime]
             subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **env}, check=True)
         return
+    global REGIME
+    REGIME = args.regime
     print(f"\n===== allocator: {args.regime} ({' '.join(f'{k}={v}' for k, v in REGIMES[args.regime].items())}) =====")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}")
