@@ -28,6 +28,9 @@ Encodings (class, paper):
 * ``TransformerXLPositionalEmbedding``: Dai et al., "Transformer-XL", arXiv:1901.02860.
 * ``EnformerPositionalEmbedding``: Avsec et al., "Effective gene expression prediction
   from sequence by integrating long-range interactions", Nature Methods 18 (2021).
+* ``AlgebraicSequencePositionalEmbedding``, ``AlgebraicGridPositionalEmbedding``,
+  ``AlgebraicTreePositionalEmbedding``: Kogkalidis, Bernardy and Garg, "Algebraic
+  Positional Encodings", NeurIPS 2024, arXiv:2312.16045.
 * ``HeinsenPositionalEmbedding`` (alias ``EmbedPosition``): Heinsen, "Encoding Position by
   Decaying and Updating Different Exponentiated States Differently" (2024).
 
@@ -58,6 +61,9 @@ __all__ = [
     "UnifiedPositionalEmbedding",
     "TransformerXLPositionalEmbedding",
     "EnformerPositionalEmbedding",
+    "AlgebraicSequencePositionalEmbedding",
+    "AlgebraicGridPositionalEmbedding",
+    "AlgebraicTreePositionalEmbedding",
     "HeinsenPositionalEmbedding",
     "EmbedPosition",
 ]
@@ -798,6 +804,21 @@ class _RotateFunction(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> Tensor:
+    """Rotate the pairs of the first ``rotary_dim`` channels of x [..., N, Dh] (the rest pass),
+    cos/sin [..., N, R/2] in the compute dtype -> x's dtype.
+
+    Eager uses the allocation-free function; traced code (inductor fuses it into one kernel)
+    and differentiable angles (learned frequencies, float positions) use the plain formula.
+    """
+    if not (_is_compiling() or cos.requires_grad or sin.requires_grad):
+        return _RotateFunction.apply(x, cos, sin, interleaved, rotary_dim).to(x.dtype)
+    rotated = _rotate_pairs(x[..., :rotary_dim].to(cos.dtype), cos, sin, interleaved)
+    if rotary_dim < x.shape[-1]:
+        rotated = torch.cat([rotated, x[..., rotary_dim:].to(cos.dtype)], dim=-1)
+    return rotated.to(x.dtype)
+
+
 def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_split", "interleaved"],
                           rotary_dim: Optional[int] = None) -> Tensor:
     """Reorder the rows of a q or k projection between the two RoPE layouts.
@@ -1043,15 +1064,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self.sin_cached = (angles.sin() * self.attention_factor).float()
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [..., N, Dh], cos/sin [..., N, R/2] -> rotated x in x's dtype."""
-        rotary_dim = self.rotary_dim
-        if not (_is_compiling() or cos.requires_grad or sin.requires_grad):
-            return _RotateFunction.apply(x, cos, sin, self.interleaved, rotary_dim).to(x.dtype)
-        # traced (inductor fuses this into one kernel) or differentiable positions
-        rotated = _rotate_pairs(x[..., :rotary_dim].to(cos.dtype), cos, sin, self.interleaved)
-        if rotary_dim < self.dim:
-            rotated = torch.cat([rotated, x[..., rotary_dim:].to(cos.dtype)], dim=-1)
-        return rotated.to(x.dtype)
+        return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
 
 
 # ---------------------------------------------------------------------------
@@ -1709,6 +1722,441 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
 
 # ---------------------------------------------------------------------------
+# Algebraic (orthogonal) encodings: sequences, grids, trees
+# ---------------------------------------------------------------------------
+
+
+def _rotation_matrices(angles: Tensor) -> Tensor:
+    """Block rotations acting on the pairs ``(i, i + F)``: angles [..., F] -> [..., 2F, 2F]."""
+    cos, sin = angles.cos().diag_embed(), angles.sin().diag_embed()                    # [..., F, F]
+    return torch.cat([torch.cat([cos, -sin], dim=-1), torch.cat([sin, cos], dim=-1)], dim=-2)
+
+
+def _rotation_planes(w: Tensor) -> tuple:
+    """Write a special orthogonal ``w`` [n, n] as ``Q R(theta) Q^T`` (float64, n even).
+
+    ``R(theta)`` rotates the pairs ``(i, i + n/2)``; ``Q`` is special orthogonal. The
+    invariant planes are read off the symmetric part ``(w + w^T)/2``, whose eigenvalues
+    are ``cos(theta)``: for a unit ``u`` in such an eigenspace the skew part gives the
+    plane's second axis ``v = K u / |K u|`` and ``sin(theta) = |K u|``. Eigenvalues
+    +-1 (angles 0 and pi) pair the eigenspace's vectors as they come.
+    """
+    n = w.shape[-1]
+    sym, skew = (w + w.T) / 2, (w - w.T) / 2
+    cosines, vectors = torch.linalg.eigh(sym)                                          # ascending
+    chosen = torch.zeros(n, 0, dtype=w.dtype, device=w.device)
+    firsts, seconds, angles = [], [], []
+    residual = lambda t: t - chosen @ (chosen.T @ t)
+    for i in range(n):
+        u = residual(vectors[:, i])
+        if u.norm() < 0.5:  # already spanned by a chosen plane
+            continue
+        u = u / u.norm()
+        v = residual(skew @ u)
+        sine = v.norm()
+        if sine > 1e-7:
+            v, angle = v / sine, math.atan2(sine.item(), (u @ sym @ u).item())
+        else:  # angle 0 or pi: any other vector of the same eigenspace completes the plane
+            same = [j for j in range(i + 1, n) if abs(cosines[j] - cosines[i]) < 1e-6]
+            candidates = [residual(vectors[:, j]) - u * (u @ vectors[:, j]) for j in same]
+            v = max(candidates, key=lambda t: t.norm(), default=torch.zeros_like(u))
+            if v.norm() < 0.5:
+                raise ValueError("the primitive has an unpaired eigenvalue +-1 (it is not special orthogonal)")
+            v, angle = v / v.norm(), 0.0 if cosines[i] > 0 else math.pi
+        firsts.append(u), seconds.append(v), angles.append(angle)
+        chosen = torch.cat([chosen, u[:, None], v[:, None]], dim=1)
+    q = torch.stack(firsts + seconds, dim=1)                                            # [n, n]
+    theta = torch.tensor(angles, dtype=w.dtype, device=w.device)
+    if torch.linalg.det(q) < 0:  # flip one plane's second axis: same w, angle negated
+        q[:, n // 2] = -q[:, n // 2]
+        theta[0] = -theta[0]
+    return q, theta
+
+
+def _skew_log(w: Tensor) -> Tensor:
+    """A real skew-symmetric ``G`` with ``matrix_exp(G) = w`` for special orthogonal ``w`` [n, n]."""
+    q, theta = _rotation_planes(w)
+    zeros = torch.zeros_like(theta).diag_embed()
+    generator = torch.cat([torch.cat([zeros, -theta.diag_embed()], -1), torch.cat([theta.diag_embed(), zeros], -1)], -2)
+    return q @ generator @ q.T
+
+
+def _check_special_orthogonal(owner: str, w: Tensor, shape: tuple) -> Tensor:
+    """Validate primitives to load: shape, orthogonality, det +1; return them in float64."""
+    if not isinstance(w, Tensor) or not w.is_floating_point():
+        raise TypeError(f"{owner}: primitives must be a floating tensor, got "
+                        f"{w.dtype if isinstance(w, Tensor) else type(w).__name__}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{owner}: primitives must have shape {list(shape)}, got {list(w.shape)}")
+    w = w.detach().to(torch.float64)
+    error = (w @ w.mT - torch.eye(shape[-1], dtype=torch.float64, device=w.device)).abs().max().item()
+    if error > 1e-4:
+        raise ValueError(f"{owner}: every primitive must be orthogonal (W W^T = I), got max |W W^T - I| = {error:.2e}")
+    if (torch.linalg.det(w) < 0).any():
+        raise ValueError(f"{owner}: every primitive must have determinant +1 (a rotation, as matrix_exp(P - P^T) "
+                         f"is), got a reflection")
+    return w
+
+
+class _OrthogonalRotation(PositionalEmbedding):
+    """Shared machinery of the sequence and grid encodings (Kogkalidis et al.).
+
+    Per axis ``a`` and head ``h`` the primitive is ``W = Q R(theta) Q^T``: a rotation with
+    learned frequencies ``theta`` (``frequencies``) in a learned orthonormal basis
+    ``Q = matrix_exp(S - S^T)`` (``basis_generator``), which keeps ``W`` exactly orthogonal
+    while training and has eigendecomposition-free gradients. Then
+    ``W^p = Q R(p theta) Q^T``: applying it costs a change of basis and a rotation, with
+    nothing of size ``N x Dh x Dh`` ever built. At initialisation ``Q = I`` and ``theta`` are
+    RoPE's frequencies, so the scores equal ``RotaryPositionalEmbedding``'s.
+    """
+
+    kind = "qk"
+    translation_invariant = True
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int, base: float) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("head_dim", head_dim), ("num_heads", num_heads), ("num_axes", num_axes)):
+            _check_positive_int(owner, name, value)
+        if head_dim % (2 * num_axes):
+            raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * num_axes} (each axis "
+                             f"rotates pairs), got head_dim={head_dim}")
+        self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, float(base)
+        width = head_dim // num_axes
+        self.basis_generator = nn.Parameter(torch.empty(num_axes, num_heads, width, width))   # S: [A, H, d, d]
+        self.frequencies = nn.Parameter(torch.empty(num_axes, num_heads, width // 2))         # theta: [A, H, d/2]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_heads={self.num_heads}, num_axes={self.num_axes}"
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.basis_generator.zero_()
+            width = self.head_dim // self.num_axes
+            self.frequencies.copy_(_inverse_frequencies(width, self.base).expand_as(self.frequencies))
+
+    def _basis(self) -> Tensor:
+        """Q = matrix_exp(S - S^T): [A, H, d, d], exactly orthogonal."""
+        generator = self.basis_generator
+        return torch.matrix_exp(generator - generator.mT)
+
+    def _primitives(self) -> Tensor:
+        """W = Q R(theta) Q^T: [A, H, d, d]."""
+        q = self._basis()
+        return q @ _rotation_matrices(self.frequencies.to(q.dtype)) @ q.mT
+
+    @torch.no_grad()
+    def _set_primitives(self, w: Tensor) -> None:
+        """Load special orthogonal primitives [A, H, d, d]."""
+        flat = w.reshape(-1, *w.shape[-2:])
+        planes = [_rotation_planes(matrix) for matrix in flat]
+        basis = torch.stack([q for q, _ in planes]).view_as(w)
+        frequencies = torch.stack([theta for _, theta in planes]).view(*w.shape[:-2], -1)
+        generator = torch.stack([_skew_log(q) / 2 for q in basis.reshape(-1, *w.shape[-2:])]).view_as(w)
+        self.basis_generator.copy_(generator)
+        self.frequencies.copy_(frequencies)
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple:
+        """cos and sin of ``p_a theta_{a,h}``: positions [..., N, A] -> two [..., H, A, N, d/2]."""
+        angles = positions.to(torch.float64).movedim(-1, -2).unsqueeze(-1) * \
+            self.frequencies.transpose(0, 1).to(torch.float64).unsqueeze(-2)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _transform(self, x: Tensor, cos: Tensor, sin: Tensor, full: bool) -> Tensor:
+        """``blockdiag_a(W_a^{p_a}) x`` (``full``), or ``R(p theta) Q^T x`` (enough for dot products).
+
+        x: [..., H, N, Dh]; cos, sin: [..., H, A, N, d/2] -> [..., H, N, Dh].
+        """
+        owner = type(self).__name__
+        if x.dim() < 3 or x.shape[-3] != self.num_heads:
+            raise ValueError(f"{owner}: x must be [..., H={self.num_heads}, N, Dh={self.head_dim}], got {tuple(x.shape)}")
+        basis = self._basis().to(cos.dtype).transpose(0, 1)                              # [H, A, d, d]
+        slices = x.to(cos.dtype).unflatten(-1, (self.num_axes, -1)).transpose(-2, -3)  # [..., H, A, N, d]
+        rotated = _rotate(torch.matmul(slices, basis), cos, sin, False, slices.shape[-1])   # R(p theta) Q^T x
+        if full:
+            rotated = torch.matmul(rotated, basis.mT)                                   # Q R(p theta) Q^T x
+        return rotated.transpose(-2, -3).flatten(-2).to(x.dtype)                        # [..., H, N, Dh]
+
+    def _positions_or_default(self, positions: Optional[Tensor], n: int, offset: int, device) -> Tensor:
+        """[..., N, A] positions (one axis: arange(N) + offset by default)."""
+        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
+        return positions.unsqueeze(-1) if self.num_axes == 1 else positions
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``W^p x`` for every token (per axis on grids): x [..., H, N, Dh]."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 3)
+        _check_last_dim(owner, "x", x, self.head_dim)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
+        positions = self._positions_or_default(positions, x.shape[-2], offset, x.device)
+        return self._transform(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), full=True)
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
+        cos_k, sin_k = self._cos_sin(self._positions_or_default(positions_k, k_len, 0, k.device), dtype)
+        if positions_q is None and positions_k is None and q_len == k_len:
+            cos_q, sin_q = cos_k, sin_k
+        else:
+            positions_q = self._positions_or_default(positions_q, q_len, _query_offset(q_len, k_len), q.device)
+            cos_q, sin_q = self._cos_sin(positions_q, dtype)
+        return self._transform(q, cos_q, sin_q, full=False), self._transform(k, cos_k, sin_k, full=False)
+
+
+class AlgebraicSequencePositionalEmbedding(_OrthogonalRotation):
+    """Algebraic positional encoding of sequences (Kogkalidis, Bernardy and Garg, NeurIPS 2024).
+
+    "Algebraic Positional Encodings", arXiv:2312.16045. Each head has a learned orthogonal
+    primitive ``W`` and a token at position ``p`` is mapped to ``W^p x``, so
+    ``<f(q, p), f(k, r)> = q^T W^(r - p) k``. ``W = Q R(theta) Q^T`` is parameterised by a
+    basis and frequencies (every rotation has this form), so applying ``W^p`` costs
+    ``O(Dh^2)`` per token (a change of basis) plus a rotation, in ``O(B H N Dh)`` memory,
+    where the reference materialises ``W^p`` for every position. Initialisation is
+    RoPE's, in closed form. ``set_primitives`` loads given special orthogonal matrices
+    (a reference checkpoint's ``matrix_exp(P - P^T)``).
+
+    Args:
+        head_dim (int): head dim ``Dh`` (even).
+        num_heads (int): heads ``H``.
+        base (float): RoPE base of the initial frequencies. Default: 10000.0.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions: ``[N]`` or ``[B, N]``; ``primitives``: ``[H, Dh, Dh]``.
+
+    Example:
+        >>> ape = AlgebraicSequencePositionalEmbedding(64, 8)
+        >>> q = k = v = torch.randn(2, 8, 100, 64)
+        >>> out = attention(q, k, v, ape, causal=True)
+    """
+
+    def __init__(self, head_dim: int, num_heads: int, *, base: float = 10000.0) -> None:
+        super().__init__(head_dim, num_heads, 1, base)
+
+    @property
+    def primitives(self) -> Tensor:
+        """The current primitives ``W``: [H, Dh, Dh]."""
+        return self._primitives()[0]
+
+    def set_primitives(self, primitives: Tensor) -> None:
+        """Load special orthogonal primitives ``[H, Dh, Dh]`` (``ValueError`` otherwise)."""
+        shape = (self.num_heads, self.head_dim, self.head_dim)
+        self._set_primitives(_check_special_orthogonal(type(self).__name__, primitives, shape)[None])
+
+
+class AlgebraicGridPositionalEmbedding(_OrthogonalRotation):
+    """Algebraic positional encoding of grids (Kogkalidis, Bernardy and Garg, NeurIPS 2024).
+
+    Axis ``a`` (rows, columns, depth, ...) acts on slice ``a`` of the head dim with its own
+    primitive ``W_a`` per head: ``f(x, P) = (W_1^{P_1} (+) W_2^{P_2} (+) ...) x``, so scores depend
+    on the per-axis differences only. Queries and keys each use their own positions (the
+    reference code applies the query maps to the keys). Parameterised and initialised as
+    ``AlgebraicSequencePositionalEmbedding``, per axis.
+
+    Args:
+        head_dim (int): head dim ``Dh``, divisible by ``2 * num_axes``.
+        num_heads (int): heads ``H``.
+        num_axes (int): grid axes ``A``. Default: 2.
+        base (float): RoPE base of the initial frequencies. Default: 10000.0.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions: ``[N, A]`` or ``[B, N, A]``;
+          ``primitives``: ``[A, H, Dh/A, Dh/A]``.
+
+    Example:
+        >>> grid = AlgebraicGridPositionalEmbedding(64, 8)
+        >>> rows, cols = torch.meshgrid(torch.arange(14), torch.arange(14), indexing="ij")
+        >>> q = grid(torch.randn(2, 8, 196, 64), torch.stack([rows, cols], -1).reshape(196, 2))
+    """
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, base: float = 10000.0) -> None:
+        super().__init__(head_dim, num_heads, num_axes, base)
+
+    @property
+    def primitives(self) -> Tensor:
+        """The current primitives ``W_a``: [A, H, Dh/A, Dh/A]."""
+        return self._primitives()
+
+    def set_primitives(self, primitives: Tensor) -> None:
+        """Load special orthogonal primitives ``[A, H, Dh/A, Dh/A]`` (``ValueError`` otherwise)."""
+        width = self.head_dim // self.num_axes
+        shape = (self.num_axes, self.num_heads, width, width)
+        self._set_primitives(_check_special_orthogonal(type(self).__name__, primitives, shape))
+
+
+class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
+    """Algebraic positional encoding of trees (Kogkalidis, Bernardy and Garg, NeurIPS 2024).
+
+    Nodes of a complete ``branching_factor``-ary tree are numbered breadth-first (root 0,
+    children of ``n`` are ``b n + 1 ... b n + b``). Branch ``c`` has a learned orthogonal
+    primitive ``W_c`` per head (``matrix_exp(G - G^T)`` of ``generators``, as in the
+    reference), ``M(root) = I``, ``M(child c of n) = M(n) W_c`` and ``f(x, n) = M(n) x``, so
+    ``<f(q, n), f(k, m)> = q^T M(n)^T M(m) k`` depends only on the path between ``n`` and
+    ``m``. Each token applies its path's primitives to its own vector, one tree level per
+    step (at most ``max_depth`` steps): ``O(B H N Dh)`` memory, no per-node matrices.
+
+    Trees that are not complete or not numbered breadth-first convert with
+    ``node_ids_from_paths`` (root-to-node branch indices) or ``node_ids_from_parents``
+    (a parent array). Initialisation: every branch starts as RoPE's rotation plus a small
+    random rotation (std ``init_std``) so siblings differ.
+
+    Args:
+        head_dim (int): head dim ``Dh`` (even).
+        num_heads (int): heads ``H``.
+        branching_factor (int): children per node ``b``.
+        max_depth (int): deepest level (the root is level 0).
+        base (float): RoPE base of the initial rotation. Default: 10000.0.
+        init_std (float): std of the random part of the generators. Default: 0.02.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions: integer node ids ``[N]`` or ``[B, N]``;
+          ``primitives``: ``[b, H, Dh, Dh]``.
+
+    Example:
+        >>> tree = AlgebraicTreePositionalEmbedding(32, 4, branching_factor=2, max_depth=3)
+        >>> nodes = tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]])   # tensor([0, 1, 2, 4, 13])
+        >>> q = tree(torch.randn(1, 4, 5, 32), nodes)
+    """
+
+    kind = "qk"
+
+    def __init__(self, head_dim: int, num_heads: int, branching_factor: int, max_depth: int, *,
+                 base: float = 10000.0, init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("head_dim", head_dim), ("num_heads", num_heads),
+                            ("branching_factor", branching_factor), ("max_depth", max_depth)):
+            _check_positive_int(owner, name, value)
+        if head_dim % 2:
+            raise ValueError(f"{owner}: head_dim must be even, got head_dim={head_dim}")
+        self.head_dim, self.num_heads, self.branching_factor, self.max_depth = head_dim, num_heads, branching_factor, max_depth
+        self.base, self.init_std = float(base), init_std
+        self.generators = nn.Parameter(torch.empty(branching_factor, num_heads, head_dim, head_dim))  # G: [b, H, Dh, Dh]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, num_heads={self.num_heads}, branching_factor={self.branching_factor}, "
+                f"max_depth={self.max_depth}")
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            theta = _inverse_frequencies(self.head_dim, self.base, self.generators.device)   # [Dh/2]
+            half = theta.diag_embed() / 2                                                 # G - G^T = J(theta)
+            zeros = torch.zeros_like(half)
+            rope = torch.cat([torch.cat([zeros, -half], -1), torch.cat([half, zeros], -1)], -2)
+            self.generators.copy_(rope + self.init_std * torch.randn_like(self.generators))
+
+    @property
+    def primitives(self) -> Tensor:
+        """The current primitives ``W_c``: [b, H, Dh, Dh]."""
+        return torch.matrix_exp(self.generators - self.generators.mT)
+
+    @torch.no_grad()
+    def set_primitives(self, primitives: Tensor) -> None:
+        """Load special orthogonal primitives ``[b, H, Dh, Dh]`` (``ValueError`` otherwise)."""
+        shape = (self.branching_factor, self.num_heads, self.head_dim, self.head_dim)
+        w = _check_special_orthogonal(type(self).__name__, primitives, shape)
+        logs = torch.stack([_skew_log(matrix) for matrix in w.reshape(-1, *shape[-2:])]).view(shape)
+        self.generators.copy_(logs / 2)
+
+    def node_ids_from_paths(self, paths: list) -> Tensor:
+        """Breadth-first ids of nodes given as root-to-node branch lists (``[]`` is the root)."""
+        ids = []
+        for path in paths:
+            node = 0
+            for branch in path:
+                if not 0 <= branch < self.branching_factor:
+                    raise ValueError(f"{type(self).__name__}: branch indices must lie in [0, {self.branching_factor}), "
+                                     f"got {branch} in path {path}")
+                node = self.branching_factor * node + 1 + branch
+            ids.append(node)
+        return torch.tensor(ids)
+
+    def node_ids_from_parents(self, parents: list) -> Tensor:
+        """Breadth-first ids of a tree given as a parent array (``-1`` for the root).
+
+        A node's branch is its rank among its siblings, in the order they appear.
+        """
+        owner = type(self).__name__
+        ids, rank = [None] * len(parents), [0] * len(parents)
+        for node in self._topological(parents):
+            parent = parents[node]
+            if parent < 0:
+                ids[node] = 0
+                continue
+            if rank[parent] >= self.branching_factor:
+                raise ValueError(f"{owner}: node {parent} has more than branching_factor={self.branching_factor} children")
+            ids[node] = self.branching_factor * ids[parent] + 1 + rank[parent]
+            rank[parent] += 1
+        return torch.tensor(ids)
+
+    @staticmethod
+    def _topological(parents: list) -> list:
+        """Node indices, parents before children, siblings in input order."""
+        children = {}
+        for node, parent in enumerate(parents):
+            children.setdefault(parent, []).append(node)
+        if len(children.get(-1, [])) != 1:
+            raise ValueError(f"AlgebraicTreePositionalEmbedding: parents must contain exactly one root (-1), got {parents}")
+        order, frontier = [], children[-1]
+        while frontier:
+            order += frontier
+            frontier = [child for node in frontier for child in children.get(node, [])]
+        if len(order) != len(parents):
+            raise ValueError(f"AlgebraicTreePositionalEmbedding: parents must form one tree, got {parents}")
+        return order
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``M(n) x`` for every token at node ``n``: x [..., H, N, Dh]; default nodes ``arange(N) + offset``."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 3)
+        _check_last_dim(owner, "x", x, self.head_dim)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2])
+        return self._transform(x, _or_default(owner, "positions", positions, x.shape[-2], offset, x.device))
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        owner = type(self).__name__
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        positions_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), q.device)
+        positions_k = _or_default(owner, "positions_k", positions_k, k_len, 0, k.device)
+        return self._transform(q, positions_q), self._transform(k, positions_k)
+
+    def _transform(self, x: Tensor, nodes: Tensor) -> Tensor:
+        """x [..., H, N, Dh], nodes [..., N] -> M(node) x, applying the deepest branch first."""
+        owner = type(self).__name__
+        if x.dim() < 3 or x.shape[-3] != self.num_heads:
+            raise ValueError(f"{owner}: x must be [..., H={self.num_heads}, N, Dh={self.head_dim}], got {tuple(x.shape)}")
+        steps = self._check_nodes(nodes)
+        dtype = _compute_dtype(x.dtype)
+        primitives = self.primitives.to(dtype)                                           # [b, H, Dh, Dh]
+        out, nodes = x.to(dtype), nodes.unsqueeze(-1)                                    # nodes: [..., N, 1]
+        for _ in range(steps):  # M(n) x = W_c1 (W_c2 (... W_cd x)): peel the last branch off n
+            active, branch = nodes > 0, (nodes - 1) % self.branching_factor
+            for c in range(self.branching_factor):
+                out = torch.where(active & (branch == c), torch.matmul(out, primitives[c].mT), out)
+            nodes = torch.where(active, (nodes - 1) // self.branching_factor, nodes)
+        return out.to(x.dtype)
+
+    def _check_nodes(self, nodes: Tensor) -> int:
+        """Validate node ids; return how many levels to peel (max_depth while tracing)."""
+        owner = type(self).__name__
+        if nodes.is_floating_point():
+            raise TypeError(f"{owner}: positions must be integer node ids, got dtype={nodes.dtype}")
+        if _is_compiling() or nodes.numel() == 0:
+            return self.max_depth
+        b = self.branching_factor
+        last = (b ** (self.max_depth + 1) - 1) // (b - 1) - 1 if b > 1 else self.max_depth   # last node id
+        low, high = int(nodes.min()), int(nodes.max())
+        if low < 0 or high > last:
+            bad = low if low < 0 else high
+            raise ValueError(f"{owner}: node ids must lie in [0, {last}] (depth <= max_depth={self.max_depth} "
+                             f"of a {b}-ary tree), got {bad}")
+        depth, first = 0, 1  # first id of level depth + 1
+        while high >= first:
+            depth, first = depth + 1, first * b + 1
+        return depth
+
+
+# ---------------------------------------------------------------------------
 # Recurrent: Heinsen's exponentiated-state position encoding
 # ---------------------------------------------------------------------------
 
@@ -1922,8 +2370,20 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "tupe": UnifiedPositionalEmbedding(seq_len, num_heads, head_dim, cls_token=True),
         "transformer_xl": TransformerXLPositionalEmbedding(num_heads, head_dim),
         "enformer": EnformerPositionalEmbedding(num_heads, head_dim),
+        "algebraic_seq": AlgebraicSequencePositionalEmbedding(head_dim, num_heads),
+        "algebraic_grid": AlgebraicGridPositionalEmbedding(head_dim, num_heads),
+        "algebraic_tree": AlgebraicTreePositionalEmbedding(head_dim, num_heads, branching_factor=2, max_depth=8),
         "heinsen": HeinsenPositionalEmbedding(dim, dim),
     }
+
+
+def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
+    """Positions for encodings that need them: a square grid for multi-axis ones."""
+    if pe.num_axes == 1:
+        return None
+    side = math.isqrt(seq_len)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    return torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)
 
 
 def _demo() -> None:
@@ -1936,15 +2396,19 @@ def _demo() -> None:
     print(f"every encoding on B={batch}, H={heads}, N={seq_len}, Dh={head_dim} (CPU, float32)\n")
     print(f"{'encoding':<16}{'class':<40}{'kind':<8}{'params':>9}  {'output':<18}{'ms':>8}  translation")
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
+        positions = _demo_positions(pe, seq_len)
         start = time.perf_counter()
         tokens = pe.forward_input(x) if pe.kind == "input" else x
-        out = attention(q, k, v, pe, causal=True)
+        out = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=pe.num_axes == 1)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
         invariance = "n/a (acts on the tokens)" if pe.kind == "input" else "n/a (absolute positions)"
+        if isinstance(pe, AlgebraicTreePositionalEmbedding):
+            invariance = "n/a (depends on tree paths)"
         if pe.translation_invariant:
-            shift = torch.arange(seq_len) + 1000
-            base, shifted = pe.forward_attn(q, k), pe.forward_attn(q, k, shift, shift)
+            shift = (torch.arange(seq_len) if positions is None else positions) + 1000
+            base = pe.forward_attn(q, k, positions, positions)
+            shifted = pe.forward_attn(q, k, shift, shift)
             gap = torch.where(base == shifted, 0.0, base - shifted).abs().max().item()   # -inf == -inf
             invariance = f"max |logits(p) - logits(p + 1000)| = {gap:.1e}"
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 import positional_embeddings as pe_lib
 from positional_embeddings import (
+    AlgebraicGridPositionalEmbedding,
+    AlgebraicSequencePositionalEmbedding,
+    AlgebraicTreePositionalEmbedding,
     ALiBiPositionalEmbedding,
     EnformerPositionalEmbedding,
     HeinsenPositionalEmbedding,
@@ -91,6 +94,10 @@ CASES = [
     Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
     Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
          has_offset=False),
+    Case("algebraic_sequence", lambda: AlgebraicSequencePositionalEmbedding(DH, H)),
+    Case("algebraic_grid", lambda: AlgebraicGridPositionalEmbedding(DH, H),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 4, torch.arange(n) % 4], -1), has_offset=False),
+    Case("algebraic_tree", lambda: AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)),
     Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
 ]
 
@@ -1297,6 +1304,221 @@ class TestEnformer:
         with pytest.raises(ValueError, match="EnformerPositionalEmbedding: num_features must be a positive multiple of 6 "
                                              "\\(symmetric=False\\), got num_features=8"):
             EnformerPositionalEmbedding(2, 4, num_features=8)
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: sequences, grids, trees
+# ---------------------------------------------------------------------------
+
+
+def random_rotations(*shape, dtype=torch.float64):
+    """Special orthogonal matrices matrix_exp(P - P^T) with random P: [*shape[:-1], n, n]."""
+    p = torch.randn(*shape, shape[-1], dtype=dtype)
+    return torch.matrix_exp(p - p.mT)
+
+
+def orthogonality_error(w):
+    return (w @ w.mT - torch.eye(w.shape[-1], dtype=w.dtype)).abs().max().item()
+
+
+def train_a_few_steps(pe, case_positions):
+    optimiser = torch.optim.AdamW(pe.parameters(), lr=0.05)
+    for _ in range(5):
+        q, k = torch.randn(2, H, N, DH), torch.randn(2, H, N, DH)
+        loss = pe.forward_attn(q, k, *case_positions).logsumexp(-1).mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+
+
+def sequence_oracle(w, q, k, pos_q, pos_k):
+    """scores[h, i, j] = q_i^T W_h^(r_j - p_i) k_j, with explicit matrix powers in float64."""
+    out = torch.zeros(w.shape[0], len(pos_q), len(pos_k), dtype=torch.float64)
+    for h in range(w.shape[0]):
+        for i, p in enumerate(pos_q):
+            for j, r in enumerate(pos_k):
+                out[h, i, j] = q[h, i] @ torch.linalg.matrix_power(w[h], r - p) @ k[h, j]
+    return out
+
+
+class TestAlgebraicSequence:
+    def test_scores_equal_rope_at_init(self):
+        ape, rope = AlgebraicSequencePositionalEmbedding(DH, H), RotaryPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        torch.testing.assert_close(ape.forward_attn(q, k), rope.forward_attn(q, k), rtol=1e-5, atol=1e-5)
+        assert (ape.basis_generator == 0).all()
+
+    def test_primitives_orthogonal_before_and_after_training(self):
+        ape = AlgebraicSequencePositionalEmbedding(DH, H)
+        assert orthogonality_error(ape.primitives) < 1e-5
+        before = ape.primitives.detach().clone()
+        train_a_few_steps(ape, (None, None))
+        assert orthogonality_error(ape.primitives) < 1e-5
+        assert (ape.primitives - before).abs().max() > 1e-3        # training moved them
+
+    def test_matches_matrix_power_oracle_after_set_primitives(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        w = random_rotations(2, 8)
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+        q, k = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+        pos_q, pos_k = [3, 0, 7, 2, 11], [0, 1, 5, 9, 4, 2]
+        got = ape.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k), scale=1.0)
+        torch.testing.assert_close(got[0], sequence_oracle(w, q[0], k[0], pos_q, pos_k))
+
+    def test_forward_applies_w_to_the_power_p(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 1).double()
+        w = random_rotations(1, 6)
+        ape.set_primitives(w)
+        x = torch.randn(1, 4, 6, dtype=torch.float64)
+        got = ape(x, offset=3)
+        for i, p in enumerate(range(3, 7)):
+            torch.testing.assert_close(got[0, i], torch.linalg.matrix_power(w[0], p) @ x[0, i])
+
+    def test_scores_depend_only_on_distance(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        ape.set_primitives(random_rotations(2, 8))
+        q, k = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64)
+        scores = [ape.forward_attn(q, k, torch.tensor([p]), torch.tensor([p + 4])) for p in (0, 9, 1000)]
+        torch.testing.assert_close(scores[1], scores[0])
+        torch.testing.assert_close(scores[2], scores[0])
+
+    def test_set_primitives_handles_repeated_and_trivial_angles(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 3).double()
+        rotation_pi = torch.block_diag(-torch.eye(2), torch.eye(4)).double()            # angles pi, 0, 0
+        w = torch.stack([torch.eye(6, dtype=torch.float64), rotation_pi, random_rotations(1, 6)[0]])
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+
+    def test_rejects_non_orthogonal_and_reflections(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: every primitive must be orthogonal"):
+            ape.set_primitives(torch.randn(1, 4, 4))
+        with pytest.raises(ValueError, match="determinant \\+1"):
+            ape.set_primitives(torch.diag(torch.tensor([1.0, 1.0, 1.0, -1.0]))[None])
+        with pytest.raises(ValueError, match="primitives must have shape \\[1, 4, 4\\], got \\[2, 4, 4\\]"):
+            ape.set_primitives(random_rotations(2, 4))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 2 .*got head_dim=7"):
+            AlgebraicSequencePositionalEmbedding(7, 2)
+        with pytest.raises(ValueError, match="x must be \\[..., H=2, N, Dh=8\\]"):
+            AlgebraicSequencePositionalEmbedding(8, 2)(torch.randn(1, 3, 5, 8))
+
+
+class TestAlgebraicGrid:
+    def test_matches_blockwise_matrix_power_oracle(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 2, num_axes=2).double()
+        w = random_rotations(2, 2, 4)                                                   # [A, H, 4, 4]
+        grid.set_primitives(w)
+        torch.testing.assert_close(grid.primitives, w, rtol=0, atol=1e-10)
+        pos_q = torch.tensor([[0, 0], [2, 5], [1, 3]])
+        pos_k = torch.tensor([[4, 1], [0, 0], [3, 3], [1, 7]])
+        q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        got = grid.forward_attn(q, k, pos_q, pos_k, scale=1.0)
+        for h in range(2):
+            for i in range(3):
+                for j in range(4):
+                    blocks = [torch.linalg.matrix_power(w[a, h], int(pos_k[j, a] - pos_q[i, a])) for a in range(2)]
+                    want = q[0, h, i] @ torch.block_diag(*blocks) @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_queries_and_keys_use_their_own_positions(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 1).double()
+        grid.set_primitives(random_rotations(2, 1, 4))
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda pq, pk: grid.forward_attn(q, k, torch.tensor([pq]), torch.tensor([pk]))
+        torch.testing.assert_close(at([1, 2], [4, 9]), at([11, 7], [14, 14]))          # same per-axis differences
+        assert not torch.allclose(at([1, 2], [4, 9]), at([1, 2], [9, 4]))
+
+    def test_three_axes_volume(self):
+        volume = AlgebraicGridPositionalEmbedding(12, 2, num_axes=3)
+        assert volume.primitives.shape == (3, 2, 4, 4)
+        positions = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
+        assert volume(torch.randn(1, 2, 12, 12), positions.reshape(12, 3)).shape == (1, 2, 12, 12)
+
+    def test_orthogonal_after_training(self):
+        grid = AlgebraicGridPositionalEmbedding(DH, H)
+        positions = torch.stack([torch.arange(N) // 4, torch.arange(N) % 4], -1)
+        train_a_few_steps(grid, (positions, positions))
+        assert orthogonality_error(grid.primitives) < 1e-5
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 6"):
+            AlgebraicGridPositionalEmbedding(8, 2, num_axes=3)
+        grid = AlgebraicGridPositionalEmbedding(8, 2)
+        with pytest.raises(ValueError, match="positions must have shape \\[5, 2\\]"):
+            grid(torch.randn(1, 2, 5, 8), torch.zeros(5, 3, dtype=torch.long))
+        with pytest.raises(ValueError, match="positions is required for 2 axes"):
+            grid(torch.randn(1, 2, 5, 8))
+
+
+def tree_map_oracle(w, node, b):
+    """M(node) for breadth-first ids: M(root) = I, M(child c of n) = M(n) @ W_c (float64 loop)."""
+    path = []
+    while node > 0:
+        path.append((node - 1) % b)
+        node = (node - 1) // b
+    m = torch.eye(w.shape[-1], dtype=torch.float64)
+    for branch in reversed(path):
+        m = m @ w[branch]
+    return m
+
+
+class TestAlgebraicTree:
+    def test_matches_path_product_oracle(self):
+        tree = AlgebraicTreePositionalEmbedding(6, 2, branching_factor=3, max_depth=3).double()
+        w = random_rotations(3, 2, 6)                                                   # [b, H, 6, 6]
+        tree.set_primitives(w)
+        torch.testing.assert_close(tree.primitives, w, rtol=0, atol=1e-10)
+        nodes_q, nodes_k = [0, 5, 17, 39], [3, 0, 12, 17, 2]
+        q, k = torch.randn(1, 2, 4, 6, dtype=torch.float64), torch.randn(1, 2, 5, 6, dtype=torch.float64)
+        got = tree.forward_attn(q, k, torch.tensor(nodes_q), torch.tensor(nodes_k), scale=1.0)
+        for h in range(2):
+            for i, n in enumerate(nodes_q):
+                for j, m in enumerate(nodes_k):
+                    mq, mk = tree_map_oracle(w[:, h], n, 3), tree_map_oracle(w[:, h], m, 3)
+                    want = q[0, h, i] @ mq.T @ mk @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_scores_depend_only_on_the_path(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 1, branching_factor=2, max_depth=6).double()
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda a, b: tree.forward_attn(q, k, tree.node_ids_from_paths([a]), tree.node_ids_from_paths([b]))
+        # the same two steps (up one, down branch 1) from different ancestors
+        torch.testing.assert_close(at([0], [1]), at([1, 1, 0], [1, 1, 1]))
+        torch.testing.assert_close(at([0, 1], [0, 0, 1]), at([1, 0, 1, 1], [1, 0, 1, 0, 1]))
+        assert not torch.allclose(at([0], [1]), at([1], [0]))
+
+    def test_node_id_helpers(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=4)
+        assert tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]]).tolist() == [0, 1, 2, 4, 13]
+        #        0            parents: node 1 and 2 are children of 0, node 3 child of 2, node 4 child of 3
+        #       / \
+        #      1   2
+        #          |
+        #          3 - 4
+        assert tree.node_ids_from_parents([-1, 0, 0, 2, 3]).tolist() == [0, 1, 2, 5, 11]
+        with pytest.raises(ValueError, match="more than branching_factor=2 children"):
+            tree.node_ids_from_parents([-1, 0, 0, 0])
+        with pytest.raises(ValueError, match="exactly one root"):
+            tree.node_ids_from_parents([-1, -1])
+
+    def test_orthogonal_after_training(self):
+        tree = AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)
+        assert orthogonality_error(tree.primitives) < 1e-5
+        train_a_few_steps(tree, (None, None))
+        assert orthogonality_error(tree.primitives) < 1e-5
+
+    def test_bad_nodes(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        x = torch.randn(1, 1, 2, 4)
+        with pytest.raises(ValueError, match="node ids must lie in \\[0, 6\\] \\(depth <= max_depth=2 of a 2-ary tree\\), got 7"):
+            tree(x, torch.tensor([0, 7]))
+        with pytest.raises(ValueError, match="got -1"):
+            tree(x, torch.tensor([-1, 0]))
+        with pytest.raises(TypeError, match="positions must be integer node ids"):
+            tree(x, torch.tensor([0.0, 1.0]))
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -55,26 +54,23 @@ def medians(fns: dict, reps: int, warmup: int = 3) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+def peak_memory(fn) -> int:
+    """Peak bytes of tensors allocated (and not yet freed) while ``fn`` runs.
 
-
-REGIME = None  # set by main()
-
-
-def peak_memory(fn) -> float:
-    """Peak resident memory (bytes) added while ``fn`` runs (Linux VmHWM, reset first).
-
-    Only meaningful with fresh pages: when freed memory is reused, nothing new is resident.
+    Read from the PyTorch profiler's allocation events, so it does not depend on whether
+    the allocator hands out fresh pages or reuses memory (resident-set figures do).
     """
-    if REGIME != "fresh pages":
-        return float("nan")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
-    fn()
-    return _status("VmHWM") - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
 
 
 def optional(module: str, file: str = None):
@@ -281,8 +277,72 @@ def bench_heinsen_precision(reps: int, compile: bool) -> None:
         del ours_error
 
 
+# ---------------------------------------------------------------------------
+# Algebraic (APE)
+# ---------------------------------------------------------------------------
+
+
+def naive_algebraic(primitives: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The reference's approach: W^p for every position by repeated doubling, then each token's
+    matrix gathered by its position id ([B, N] ids, as the reference indexes ``maps[position_ids]``)."""
+    b, n = q.shape[0], q.shape[-2]
+    maps = primitives.unsqueeze(0)                                                    # [1, H, Dh, Dh]
+    while maps.shape[0] < n:
+        maps = torch.cat([maps, maps @ maps[-1]], dim=0)                                # W^1 .. W^(2m)
+    eye = torch.eye(primitives.shape[-1], dtype=primitives.dtype).expand_as(primitives)
+    maps = torch.cat([eye[None], maps[: n - 1]], dim=0)                                 # W^0 .. W^(n-1): [N, H, Dh, Dh]
+    gathered = maps[torch.arange(n).expand(b, n)]                                       # [B, N, H, Dh, Dh]
+    apply = lambda x: torch.einsum("bnhij,bhnj->bhni", gathered, x)
+    return apply(q), apply(k)
+
+
+def reference_rope_like_init(dim: int, steps: int = 10_000) -> torch.Tensor:
+    """The reference's initialisation: scipy's logm of a RoPE matrix, then AdamW fits P - P^T to it."""
+    from scipy.linalg import logm
+
+    angles = torch.tensor([1 / (10000 ** (2 * (j // 2) / (dim // 2))) for j in range(dim // 2)])
+    rope = torch.block_diag(*[torch.tensor([[a.cos(), a.sin()], [-a.sin(), a.cos()]]) for a in angles])
+    target = torch.tensor(logm(rope.numpy()).real)
+    base = torch.rand_like(target, requires_grad=True)
+    optimiser = torch.optim.AdamW([base], lr=1e-3)
+    for _ in range(steps):
+        loss = torch.norm(target - (base - base.mT)) ** 2
+        loss.backward()
+        optimiser.step()
+        optimiser.zero_grad()
+    return base.detach()
+
+
+def bench_algebraic(reps: int, compile: bool) -> None:
+    b, h, n, d = 4, 8, 1024, 64
+    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h)
+    with torch.no_grad():
+        ape.set_primitives(torch.matrix_exp((lambda p: p - p.mT)(torch.randn(h, d, d) * 0.1)))
+        primitives = ape.primitives
+    q, k = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    fns = {"naive: W^p per position (repeated doubling)": lambda: naive_algebraic(primitives, q, k),
+           "ours: basis change + rotation": lambda: ape.encode_qk(q, k)}
+    with torch.no_grad():
+        times = medians(fns, max(3, reps // 3))
+        memory = {name: peak_memory(fn) for name, fn in fns.items()}
+        exact = pe_lib.AlgebraicSequencePositionalEmbedding(d, h).double()
+        exact.load_state_dict(ape.state_dict())                                          # same parameters, float64 W
+        want, got = naive_algebraic(exact.primitives, q.double(), k.double()), ape.encode_qk(q, k)
+        scores_want = want[0] @ want[1].transpose(-1, -2)
+        scores_got = got[0] @ got[1].transpose(-1, -2)
+    report(f"Algebraic sequence: transform q and k, B={b}, H={h}, N={n}, Dh={d} fp32 (ours vs float64 W^p: "
+           f"max |score error| {(scores_got.double() - scores_want).abs().max().item():.1e} on scores up to "
+           f"{scores_want.abs().max().item():.0f})",
+           times, next(iter(times)), memory)
+    init = {"ours: AlgebraicSequencePositionalEmbedding(64, 8)": lambda: pe_lib.AlgebraicSequencePositionalEmbedding(d, h)}
+    if optional("scipy.linalg") is not None:
+        init["reference init: logm + 10,000 AdamW steps"] = lambda: reference_rope_like_init(d)
+    times = medians(init, 1, warmup=0)
+    print(f"\n  init time: " + ", ".join(f"{name}: {t * 1e3:.1f} ms" for name, t in times.items()))
+
+
 SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
-            "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision}
+            "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic}
 
 
 REGIMES = {
@@ -305,8 +365,6 @@ def main() -> None:
             argv = [a for a in sys.argv[1:] if not a.startswith("--regime")] + ["--regime", regime]
             subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **env}, check=True)
         return
-    global REGIME
-    REGIME = args.regime
     print(f"\n===== allocator: {args.regime} ({' '.join(f'{k}={v}' for k, v in REGIMES[args.regime].items())}) =====")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}")
