@@ -394,6 +394,8 @@ def attention(
     if bias is None and attn_mask is None and causal and q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
+    if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
+        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
@@ -1079,6 +1081,9 @@ def _toeplitz(values: Tensor, q_len: int, k_len: int) -> Tensor:
     ``t - (Nq - 1) - offset`` -> [..., Nq, Nk] with ``out[i, j] = values[j - i + Nq - 1]``.
     One strided pass over the output; nothing of size N x N is computed twice.
     """
+    if _is_compiling():  # unfold would specialise on the length; inductor fuses this gather instead
+        queries, keys = torch.arange(q_len, device=values.device), torch.arange(k_len, device=values.device)
+        return values[..., keys - queries[:, None] + q_len - 1]
     windows = values.unfold(-1, k_len, 1)          # [..., Nq, Nk]; window r starts at t = r (row Nq - 1 - r)
     return windows.flip(-2)                         # contiguous copy, rows in query order
 
@@ -1498,6 +1503,15 @@ class _RelativeLogits(PositionalEmbedding):
     kind = "logits"
     translation_invariant = True
 
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int(owner, "num_heads", num_heads)
+        _check_positive_int(owner, "head_dim", head_dim)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh] (paper's name)
+        self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
+
     def biased_queries(self, q: Tensor, scale: float) -> tuple:
         raise NotImplementedError
 
@@ -1571,19 +1585,14 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
 
     def __init__(self, num_heads: int, head_dim: int, *, d_model: Optional[int] = None, base: float = 10000.0,
                  clamp_len: Optional[int] = None, init_std: float = 0.02) -> None:
-        super().__init__()
+        super().__init__(num_heads, head_dim)
         owner = type(self).__name__
-        _check_positive_int(owner, "num_heads", num_heads)
-        _check_positive_int(owner, "head_dim", head_dim)
         d_model = num_heads * head_dim if d_model is None else d_model
         if not isinstance(d_model, int) or d_model <= 0 or d_model % 2:
             raise ValueError(f"{owner}: d_model must be a positive even int, got d_model={d_model!r}")
         if clamp_len is not None:
             _check_positive_int(owner, "clamp_len", clamp_len)
-        self.num_heads, self.head_dim, self.d_model = num_heads, head_dim, d_model
-        self.base, self.clamp_len, self.init_std = float(base), clamp_len, init_std
-        self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh]
-        self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
+        self.d_model, self.base, self.clamp_len, self.init_std = d_model, float(base), clamp_len, init_std
         self.r_net = nn.Linear(d_model, num_heads * head_dim, bias=False)               # W_r
         self.reset_parameters()
 
@@ -1668,10 +1677,9 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
     def __init__(self, num_heads: int, head_dim: int, *, num_features: int = 192, length_scale: int = 1536,
                  min_half_life: float = 3.0, symmetric: bool = False) -> None:
-        super().__init__()
+        super().__init__(num_heads, head_dim)
         owner = type(self).__name__
-        for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("length_scale", length_scale)):
-            _check_positive_int(owner, name, value)
+        _check_positive_int(owner, "length_scale", length_scale)
         components = 3 if symmetric else 6
         if not isinstance(num_features, int) or num_features <= 0 or num_features % components:
             raise ValueError(f"{owner}: num_features must be a positive multiple of {components} "
@@ -1679,10 +1687,8 @@ class EnformerPositionalEmbedding(_RelativeLogits):
         if not 0 < min_half_life < math.log2(length_scale):
             raise ValueError(f"{owner}: min_half_life must lie in (0, log2(length_scale)={math.log2(length_scale):.2f}), "
                              f"got min_half_life={min_half_life!r}")
-        self.num_heads, self.head_dim, self.num_features = num_heads, head_dim, num_features
-        self.length_scale, self.min_half_life, self.symmetric = length_scale, float(min_half_life), symmetric
-        self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh]
-        self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
+        self.num_features, self.length_scale = num_features, length_scale
+        self.min_half_life, self.symmetric = float(min_half_life), symmetric
         self.r_k = nn.Linear(num_features, num_heads * head_dim, bias=False)            # W_r
         self.reset_parameters()
 
@@ -2128,11 +2134,14 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         steps = self._check_nodes(nodes)
         dtype = _compute_dtype(x.dtype)
         primitives = self.primitives.to(dtype)                                           # [b, H, Dh, Dh]
+        eye = torch.eye(self.head_dim, dtype=dtype, device=x.device).expand_as(primitives[:1])
+        maps = torch.cat([primitives, eye]).mT                                           # [b + 1, H, Dh, Dh]: W_c^T, I
         out, nodes = x.to(dtype), nodes.unsqueeze(-1)                                    # nodes: [..., N, 1]
         for _ in range(steps):  # M(n) x = W_c1 (W_c2 (... W_cd x)): peel the last branch off n
-            active, branch = nodes > 0, (nodes - 1) % self.branching_factor
-            for c in range(self.branching_factor):
-                out = torch.where(active & (branch == c), torch.matmul(out, primitives[c].mT), out)
+            active = nodes > 0
+            choice = torch.where(active, (nodes - 1) % self.branching_factor, self.branching_factor)  # b: stay
+            candidates = torch.matmul(out.unsqueeze(0), maps.unsqueeze(-4))              # [b + 1, ..., H, N, Dh]
+            out = candidates.gather(0, choice.expand_as(out).unsqueeze(0)).squeeze(0)
             nodes = torch.where(active, (nodes - 1) // self.branching_factor, nodes)
         return out.to(x.dtype)
 
@@ -2372,7 +2381,8 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "enformer": EnformerPositionalEmbedding(num_heads, head_dim),
         "algebraic_seq": AlgebraicSequencePositionalEmbedding(head_dim, num_heads),
         "algebraic_grid": AlgebraicGridPositionalEmbedding(head_dim, num_heads),
-        "algebraic_tree": AlgebraicTreePositionalEmbedding(head_dim, num_heads, branching_factor=2, max_depth=8),
+        "algebraic_tree": AlgebraicTreePositionalEmbedding(head_dim, num_heads, branching_factor=2,
+                                                           max_depth=seq_len.bit_length()),   # nodes 0 .. N-1
         "heinsen": HeinsenPositionalEmbedding(dim, dim),
     }
 

@@ -72,6 +72,17 @@ class Case:
     def attn(self, pe, q, k):
         return pe.forward_attn(q, k, *self.positions(q.shape[-2], k.shape[-2]))
 
+    def own_call_args(self, pe, q, k, x):
+        """Arguments of the class's own forward: tokens, one of q/k, lengths, or q and k."""
+        if pe.kind == "input":
+            return (x,)
+        if pe.kind == "bias":
+            return (q.shape[-2], k.shape[-2])
+        positions_q, positions_k = self.positions(q.shape[-2], k.shape[-2])
+        if pe.kind == "logits":
+            return (q, k, positions_q, positions_k)
+        return (q,) if positions_q is None else (q, positions_q)
+
 
 CASES = [
     Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
@@ -185,6 +196,17 @@ class TestEveryClass:
         moved = copy.deepcopy(pe).to("meta")
         assert all(t.is_meta for t in list(moved.parameters()) + list(moved.buffers()))
 
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    def test_cuda_matches_cpu(self, case):
+        pe = case.make()
+        q, k, v = qkv()
+        positions = case.positions(N, N)
+        want = attention(q, k, v, pe, positions_q=positions[0], positions_k=positions[1])
+        on_gpu = [None if p is None else p.cuda() for p in positions]
+        got = attention(q.cuda(), k.cuda(), v.cuda(), copy.deepcopy(pe).cuda(), positions_q=on_gpu[0],
+                        positions_k=on_gpu[1])
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
     def test_explicit_arange_positions_equal_default(self, case):
         if not case.takes_positions or case.required_positions is not None:
             pytest.skip("no default positions")
@@ -240,6 +262,41 @@ class TestEveryClass:
         for name, p in pe.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
+    def test_gradcheck_float64(self, case):
+        pe = case.make().double()
+        q, k, _ = qkv(4, 5, dtype=torch.float64)
+        x = tokens(case, n=5, dtype=torch.float64)[:1]
+        q, k = q[:1].requires_grad_(), k[:1].requires_grad_()
+        positions = case.positions(4, 5)
+        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)
+        assert torch.autograd.gradcheck(lambda q, k: finite(pe.forward_attn(q, k, *positions)), (q, k), fast_mode=True)
+        if pe.kind == "input":
+            assert torch.autograd.gradcheck(pe.forward_input, (x.requires_grad_(),), fast_mode=True)
+        # parameters: the derivative along a random direction against central differences
+        params = [p for p in pe.parameters()]
+        if not params:
+            return
+        weights = torch.randn_like(finite(pe.forward_attn(q, k, *positions)))
+
+        def loss():
+            total = (finite(pe.forward_attn(q, k, *positions)) * weights).sum()
+            return total + (pe.forward_input(x) * x).sum() if pe.kind == "input" else total
+
+        grads = torch.autograd.grad(loss(), params)
+        direction = [torch.randn_like(p) for p in params]
+        analytic = sum((g * d).sum() for g, d in zip(grads, direction))
+        eps = 1e-6
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(eps * d)
+            plus = loss()
+            for p, d in zip(params, direction):
+                p.sub_(2 * eps * d)
+            minus = loss()
+            for p, d in zip(params, direction):
+                p.add_(eps * d)
+        assert (plus - minus).item() / (2 * eps) == pytest.approx(analytic.item(), rel=1e-5, abs=1e-6)
+
     def test_attention_matches_explicit_softmax(self, case):
         pe = case.make()
         for nq, causal in ((N, False), (N, True), (N - 6, True)):
@@ -256,14 +313,36 @@ class TestEveryClass:
 
     def test_compile_fullgraph(self, case):
         pe = case.make()
-        q, k, _ = qkv()
+        q, k, v = qkv()
         x = tokens(case)
+        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+        entry_points = {
+            "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
+            "forward_input": (pe.forward_input, lambda: (x,)),
+            "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
+            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
+        }
+        for name, (fn, args) in entry_points.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
+
+    def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
+        pe = case.make()
+        graphs = []
+
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
         torch._dynamo.reset()
-        attn = torch.compile(pe.forward_attn, backend="eager", fullgraph=True)
-        positions = case.positions(N, N)
-        torch.testing.assert_close(attn(q, k, *positions), pe.forward_attn(q, k, *positions))
-        inp = torch.compile(pe.forward_input, backend="eager", fullgraph=True)
-        torch.testing.assert_close(inp(x), pe.forward_input(x))
+        compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
+                                 fullgraph=True)
+        for n in (16, 12, 10, 14):
+            q, k, _ = qkv(n, n)
+            want = case.attn(pe, q, k)
+            torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
+        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
 
     def test_bad_head_dims_raise_value_error(self, case):
         pe = case.make()

@@ -128,6 +128,11 @@ def bench_rope(reps: int, compile: bool) -> None:
         tune_rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=4096)
         qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()   # torchtune: [b, s, h, d]
         fns["torchtune RotaryPositionalEmbeddings"] = lambda: (tune_rope(qt), tune_rope(kt))
+    ret = optional("rotary_embedding_torch")
+    if ret is not None:
+        rotary = ret.RotaryEmbedding(d)
+        fns["rotary-embedding-torch rotate_queries_or_keys"] = lambda: (rotary.rotate_queries_or_keys(q),
+                                                                        rotary.rotate_queries_or_keys(k))
     report(f"RoPE: rotate q and k [{b}, {h}, {n}, {d}] fp32", medians(fns, reps), baseline=next(iter(fns)))
 
 
@@ -341,7 +346,84 @@ def bench_algebraic(reps: int, compile: bool) -> None:
     print(f"\n  init time: " + ", ".join(f"{name}: {t * 1e3:.1f} ms" for name, t in times.items()))
 
 
-SECTIONS = {"rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
+# ---------------------------------------------------------------------------
+# Every class in one table
+# ---------------------------------------------------------------------------
+
+
+def _peer_attentions(q, k, v, x, h: int, d: int, n: int) -> dict:
+    """Peer implementations of the same attention, where installed: name -> (q, k, v, x) -> out."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    peers = {}
+    llama = optional("transformers.models.llama.modeling_llama")
+    if llama is not None:
+        config = optional("transformers").LlamaConfig(hidden_size=h * d, num_attention_heads=h, head_dim=d)
+        cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(n)[None])
+        peers["Hugging Face RoPE + SDPA"] = lambda q, k, v, x: sdpa(*llama.apply_rotary_pos_emb(q, k, cos, sin), v,
+                                                                   is_causal=True)
+    tune = optional("torchtune", "modules/position_embeddings.py")
+    if tune is not None:
+        rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=n)
+        turn = lambda t: rope(t.transpose(1, 2)).transpose(1, 2)                          # torchtune: [b, s, h, d]
+        peers["torchtune RoPE + SDPA"] = lambda q, k, v, x: sdpa(turn(q), turn(k), v, is_causal=True)
+    ret = optional("rotary_embedding_torch")
+    if ret is not None:
+        rotary = ret.RotaryEmbedding(d)
+        peers["rotary-embedding-torch + SDPA"] = lambda q, k, v, x: sdpa(rotary.rotate_queries_or_keys(q),
+                                                                        rotary.rotate_queries_or_keys(k), v, is_causal=True)
+    xt = optional("x_transformers.x_transformers")
+    if xt is not None:
+        t5_bias, alibi = xt.RelativePositionBias(scale=1.0, heads=h), xt.AlibiPositionalBias(heads=h)
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        peers["x-transformers T5 bias + SDPA"] = lambda q, k, v, x: sdpa(q, k, v, attn_mask=t5_bias(n, n))
+        peers["x-transformers ALiBi + SDPA"] = lambda q, k, v, x: sdpa(
+            q, k, v, attn_mask=alibi(n, n).masked_fill(causal, float("-inf")))
+    heinsen = pe_lib.HeinsenPositionalEmbedding(h * d, h * d)
+    peers["Heinsen reference algorithm + SDPA"] = lambda q, k, v, x: (heinsen_reference(heinsen, x), sdpa(q, k, v))
+    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h)
+    peers["APE naive W^p + SDPA"] = lambda q, k, v, x: sdpa(*naive_algebraic(ape.primitives, q, k), v, is_causal=True)
+    return peers
+
+
+def bench_all(reps: int, compile: bool) -> None:
+    b, h, n, d = 2, 8, 1024, 64
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    x = torch.randn(b, n, h * d, requires_grad=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {"plain SDPA, causal (floor: no positions)": lambda q, k, v, x: sdpa(q, k, v, is_causal=True)}
+    for name, pe in pe_lib._demo_modules(h, d, n).items():
+        positions = pe_lib._demo_positions(pe, n)
+        if pe.kind == "input":
+            calls[f"{name} (forward_input + SDPA)"] = lambda q, k, v, x, pe=pe: (pe.forward_input(x), sdpa(q, k, v, is_causal=True))
+        else:
+            calls[name] = lambda q, k, v, x, pe=pe, p=positions: pe_lib.attention(
+                q, k, v, pe, positions_q=p, positions_k=p, causal=p is None)
+    calls.update(_peer_attentions(q, k, v, x, h, d, n))
+
+    def total(out):
+        return sum(t.float().sum() for t in (out if isinstance(out, tuple) else (out,)))
+
+    def training(fn):
+        def step():
+            total(fn(q, k, v, x)).backward()
+            for t in (q, k, v, x):
+                t.grad = None
+        return step
+
+    with torch.no_grad():
+        forward = {name: (lambda fn=fn: fn(q, k, v, x)) for name, fn in calls.items()}
+        times = medians(forward, max(3, reps // 3))
+        memory = {name: peak_memory(fn) for name, fn in forward.items()}
+    report(f"Every encoding: attention forward, B={b}, H={h}, N={n}, Dh={d} fp32 (ratio to plain SDPA)",
+           times, next(iter(times)), memory)
+    train = {name: training(fn) for name, fn in calls.items()}
+    times = medians(train, max(3, reps // 3))
+    memory = {name: peak_memory(fn) for name, fn in train.items()}
+    report(f"Every encoding: attention forward + backward, B={b}, H={h}, N={n}, Dh={d} fp32",
+           times, next(iter(times)), memory)
+
+
+SECTIONS = {"all": bench_all, "rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
             "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic}
 
 
