@@ -98,6 +98,17 @@ def _check_tensor(owner: str, name: str, value, min_dim: int) -> None:
         )
 
 
+def _check_base(owner: str, base) -> None:
+    """A frequency base: a real number > 1."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+        raise ValueError(f"{owner}: base must be a number > 1, got base={base!r}")
+
+
+def _check_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {name}={value!r}")
+
+
 def _check_last_dim(owner: str, name: str, value: Tensor, size: int) -> None:
     if value.shape[-1] != size:
         raise ValueError(
@@ -125,9 +136,11 @@ def _check_positions(
 ) -> Optional[Tensor]:
     """Validate ``positions`` for a tensor ``[*lead, N, ...]``; return them broadcastable, or None.
 
-    Accepted shapes are ``[N]`` and ``[B, N]`` (``B == lead[0]``), with a trailing
-    ``A`` axis when ``num_axes > 1``. ``[B, N]`` becomes ``[B, 1, ..., 1, N]`` so it
-    applies to every head. ``None`` stays None: the caller applies its default.
+    Accepted shapes are ``[N]`` and ``[B, N]`` (``B == lead[0]``, or 1 to share one row),
+    with a trailing ``A`` axis when ``num_axes > 1``. ``[B, N]`` becomes
+    ``[B, 1, ..., 1, N]`` so it applies to every head. Integers widen to int64 and floats
+    to float64 (exact), so distances never wrap around or round. ``None`` stays None: the
+    caller applies its default.
     """
     axes = () if num_axes == 1 else (num_axes,)
     if positions is None:
@@ -137,19 +150,29 @@ def _check_positions(
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"{owner}: {name} must be an integer or float tensor, got dtype={positions.dtype}")
     core = tuple(positions.shape[: positions.dim() - len(axes)])
-    batched = len(core) == 2 and len(lead) >= 1 and core == (lead[0], n)
+    batched = len(core) == 2 and len(lead) >= 1 and core[1] == n and core[0] in (lead[0], 1)
     if tuple(positions.shape[len(core):]) != axes or not (core == (n,) or batched):
         suffix = "".join(f", {a}" for a in axes)
         want = f"[{n}{suffix}]" + (f" or [{lead[0]}, {n}{suffix}]" if lead else "")
         raise ValueError(f"{owner}: {name} must have shape {want}, got {tuple(positions.shape)}")
+    positions = positions.to(torch.float64 if positions.is_floating_point() else torch.long)
+    if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
+        raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
     if batched:  # [B, N(, A)] -> [B, 1, ..., 1, N(, A)]
-        positions = positions.reshape(lead[0], *([1] * (len(lead) - 1)), n, *axes)
+        positions = positions.reshape(core[0], *([1] * (len(lead) - 1)), n, *axes)
     return positions
+
+
+def _skip_value_checks(tensor: Tensor) -> bool:
+    """Value-dependent checks are skipped while tracing and on the meta device."""
+    return _is_compiling() or tensor.is_meta
 
 
 def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offset: int, device,
                 num_axes: int = 1) -> Tensor:
     """``positions`` on ``device``, or ``arange(n) + offset`` (an error for several axes)."""
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
     if positions is not None:
         return positions.to(device)
     if num_axes > 1:
@@ -240,14 +263,37 @@ class PositionalEmbedding(nn.Module):
         bias = self.attention_bias(q.shape[-2], k.shape[-2], positions_q, positions_k, device=q.device)
         return logits if bias is None else logits + bias.to(logits.dtype)
 
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """``forward_attn`` before any cast to the input dtype (``attention()`` softmaxes these)."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
     def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor],
                   positions_k: Optional[Tensor]) -> tuple:
         """Validate q, k and their positions; return the positions broadcastable (or None)."""
         owner = type(self).__name__
         _check_qk(owner, q, k)
+        self._check_heads(q)
         lead = tuple(q.shape[:-2])
-        return (_check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes),
-                _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes))
+        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes)
+        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes)
+        if self.num_axes > 1 and self.kind != "input" and (positions_q is None or positions_k is None):
+            raise ValueError(f"{owner}: positions_q and positions_k are required for {self.num_axes} axes "
+                             f"(shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
+        batched = any(p is not None and p.dim() > (1 if self.num_axes == 1 else 2) for p in (positions_q, positions_k))
+        if batched and getattr(self, "num_heads", None) and q.dim() < 4:
+            raise ValueError(f"{owner}: [B, N] positions need q and k of shape [B, ..., H, N, Dh], "
+                             f"got q {tuple(q.shape)}")
+        return positions_q, positions_k
+
+    def _check_heads(self, x: Tensor, name: str = "q and k") -> None:
+        """Per-head encodings: x must be [..., H, N, Dh] with this module's H (and Dh)."""
+        heads, head_dim = getattr(self, "num_heads", None), getattr(self, "head_dim", None)
+        if heads is None or self.kind == "input":
+            return
+        if x.dim() < 3 or x.shape[-3] != heads or (head_dim is not None and x.shape[-1] != head_dim):
+            want = f"[..., H={heads}, N, Dh{'' if head_dim is None else f'={head_dim}'}]"
+            raise ValueError(f"{type(self).__name__}: {name} must be {want}, got {tuple(x.shape)}")
 
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
@@ -290,6 +336,20 @@ def _check_qk(owner: str, q: Tensor, k: Tensor) -> None:
 def _causal_mask(q_len: int, k_len: int, device) -> Tensor:
     """Boolean [Nq, Nk]; True where key j may be seen by query i (bottom-right aligned)."""
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(_query_offset(q_len, k_len))
+
+
+def _check_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> None:
+    """attention(): a boolean or float mask broadcastable to [..., Nq, Nk]."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        kind = attn_mask.dtype if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+        raise TypeError(f"attention: attn_mask must be a bool (True = attend) or float (additive) tensor, got {kind}")
+    try:
+        torch.broadcast_shapes(attn_mask.shape, (*q.shape[:-1], k.shape[-2]))
+    except RuntimeError:
+        raise ValueError(f"attention: attn_mask must broadcast to {[*q.shape[:-1], k.shape[-2]]}, "
+                         f"got {list(attn_mask.shape)}") from None
 
 
 def _merge_masks(bias: Optional[Tensor], attn_mask: Optional[Tensor], causal: bool,
@@ -370,13 +430,15 @@ def attention(
         raise ValueError(f"{owner}: v must match k on every dim but the last, got v {tuple(v.shape)} and k {tuple(k.shape)}")
     if pe is not None and not isinstance(pe, PositionalEmbedding):
         raise TypeError(f"{owner}: pe must be a PositionalEmbedding or None, got {type(pe).__name__}")
+    _check_mask(attn_mask, q, k)
     q_len, k_len = q.shape[-2], k.shape[-2]
     if pe is not None and pe.kind == "logits":
-        logits = pe.forward_attn(q, k, positions_q, positions_k, scale=scale)              # [B, H, Nq, Nk]
+        logits = pe.full_precision_logits(q, k, positions_q, positions_k, scale=scale)      # [B, H, Nq, Nk] float32
         mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-        weights = torch.softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1).to(v.dtype)
+        # a fully masked row gives 0 (as SDPA does), not NaN
+        weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0).to(v.dtype)
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
         return torch.matmul(weights, v)                                                 # [B, H, Nq, Dv]
@@ -457,8 +519,7 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
         if not isinstance(dim, int) or dim <= 0 or dim % (2 * num_axes):
             raise ValueError(f"{owner}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}, "
                              f"got dim={dim!r}")
-        if not base > 0:
-            raise ValueError(f"{owner}: base must be positive, got base={base!r}")
+        _check_base(owner, base)
         if layout not in ("interleaved", "concat"):
             raise ValueError(f"{owner}: layout must be 'interleaved' or 'concat', got layout={layout!r}")
         self.dim, self.base, self.layout, self.num_axes = dim, float(base), layout, num_axes
@@ -661,9 +722,9 @@ def _rope_yarn(dim: int, base: float, params: dict, seq_len=None) -> tuple:
 def _rope_longrope(dim: int, base: float, params: dict, seq_len=None) -> tuple:
     """LongRoPE (Ding et al. 2024, arXiv:2402.13753): per-pair rescale factors, long ones past the original length."""
     original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or params["max_position_embeddings"] / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
+        factor = params.get("factor") or params["max_position_embeddings"] / original
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     short = torch.tensor(params["short_factor"], dtype=torch.float64)
     long = torch.tensor(params["long_factor"], dtype=torch.float64)
@@ -920,8 +981,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
             raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
                              f"got rotary_dim={rotary_dim!r}")
-        if not base > 1:
-            raise ValueError(f"{owner}: base must be > 1, got base={base!r}")
+        _check_base(owner, base)
         sections = None if sections is None else [int(s) for s in sections]
         if sections is not None and (sum(sections) != rotary_dim // 2 or min(sections) <= 0):
             raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
@@ -987,32 +1047,37 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len = q.shape[-2], k.shape[-2]
-        dtype = _compute_dtype(q.dtype)
-        cos_k, sin_k = self.cos_sin(positions_k, k_len, offset=0, device=k.device, dtype=dtype)
+        dtype, q_offset = _compute_dtype(q.dtype), _query_offset(q_len, k_len)
+        length = None  # dynamic / longrope: q and k must share the frequencies of the longest position
+        if self._scaling["rope_type"] in _LENGTH_DEPENDENT:
+            tops = (self._largest(positions_q, q_len, q_offset), self._largest(positions_k, k_len, 0))
+            traced = any(isinstance(top, Tensor) for top in tops)   # no data-dependent Python max while tracing
+            length = (torch.maximum(*map(torch.as_tensor, tops)) if traced else max(tops)) + 1
+        cos_k, sin_k = self.cos_sin(positions_k, k_len, offset=0, device=k.device, dtype=dtype, length=length)
         if positions_q is None and positions_k is None and q_len == k_len:
             cos_q, sin_q = cos_k, sin_k
         else:
-            cos_q, sin_q = self.cos_sin(positions_q, q_len, offset=_query_offset(q_len, k_len),
-                                        device=q.device, dtype=dtype)
+            cos_q, sin_q = self.cos_sin(positions_q, q_len, offset=q_offset, device=q.device, dtype=dtype,
+                                        length=length)
         return self._apply_rotation(q, cos_q, sin_q), self._apply_rotation(k, cos_k, sin_k)
 
     def cos_sin(self, positions: Optional[Tensor], n: int, *, offset: int = 0, device=None,
-                dtype: torch.dtype = torch.float32) -> tuple:
+                dtype: torch.dtype = torch.float32, length=None) -> tuple:
         """cos and sin of every pair's angle, attention factor included: two ``[..., N, R/2]``.
 
-        ``positions`` as validated by ``forward`` (or None for ``arange(n) + offset``).
+        ``positions`` as validated by ``forward`` (or None for ``arange(n) + offset``);
+        ``length`` (largest position + 1) drives ``dynamic`` / ``longrope``, from ``positions``
+        when not given.
         """
         owner = type(self).__name__
         device = self.inv_freq.device if device is None else device
-        if positions is not None and positions.is_floating_point() and not _is_compiling() \
-                and not torch.isfinite(positions).all():
-            raise ValueError(f"{owner}: positions must be finite, got {positions[~torch.isfinite(positions)][:3]}")
         default = positions is None
-        positions = _or_default(owner, "positions", positions, n, offset, device, self.num_axes)
         inv_freq, factor = self.inv_freq, self.attention_factor
         if self._scaling["rope_type"] in _LENGTH_DEPENDENT:
-            inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, self._max_position(positions) + 1)
+            length = self._largest(positions, n, offset) + 1 if length is None else length
+            inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
             inv_freq = inv_freq.to(device)
+        positions = _or_default(owner, "positions", positions, n, offset, device, self.num_axes)
         cached = self._from_cache(None if default else positions, offset, n, inv_freq, factor, device, dtype)
         if cached is not None:
             return cached
@@ -1024,10 +1089,12 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
     @staticmethod
-    def _max_position(positions: Tensor):
-        """The largest position (a tensor while tracing, else an int)."""
+    def _largest(positions: Optional[Tensor], n: int, offset: int):
+        """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
+        if positions is None:
+            return offset + n - 1
         top = positions.max()
-        if _is_compiling():
+        if _skip_value_checks(top):
             return top
         return math.ceil(top.item()) if positions.is_floating_point() else int(top)
 
@@ -1047,7 +1114,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             return None
         if positions is None:
             low, high, count = offset, offset + n - 1, n
-        elif compiling or positions.is_floating_point() or positions.numel() == 0:
+        elif compiling or positions.is_floating_point() or positions.numel() == 0 or positions.is_meta:
             return None
         else:
             low, high, count = int(positions.min()), int(positions.max()), positions.shape[-1]
@@ -1061,9 +1128,11 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         return F.embedding(positions, self.cos_cached), F.embedding(positions, self.sin_cached)
 
     def _grow_cache(self, length: int) -> None:
-        angles = _angles(torch.arange(length, device=self.inv_freq.device), self.inv_freq)          # [L, F]
-        self.cos_cached = (angles.cos() * self.attention_factor).float()
-        self.sin_cached = (angles.sin() * self.attention_factor).float()
+        # normal tensors even when called under inference_mode, so training can use them later
+        with torch.inference_mode(False), torch.no_grad():
+            angles = _angles(torch.arange(length, device=self.inv_freq.device), self.inv_freq.clone())   # [L, F]
+            self.cos_cached = (angles.cos() * self.attention_factor).float()
+            self.sin_cached = (angles.sin() * self.attention_factor).float()
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
@@ -1096,27 +1165,26 @@ def _default_distances(q_len: int, k_len: int, device) -> Tensor:
 
 def _pair_distances(owner: str, q_len: int, k_len: int, positions_q: Optional[Tensor],
                     positions_k: Optional[Tensor], device) -> Tensor:
-    """``positions_k[j] - positions_q[i]`` for explicit positions: [Nq, Nk] or [B, Nq, Nk]."""
+    """``positions_k[j] - positions_q[i]`` for explicit positions: [Nq, Nk], or [B, 1, ..., 1, Nq, Nk]
+    for batched ones (their singleton dims, the head's included, stay in place)."""
     positions_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
     positions_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
-    flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p   # [B, 1, .., N] -> [B, N]
-    return flat(positions_k).unsqueeze(-2) - flat(positions_q).unsqueeze(-1)
-
-
-def _check_positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {name}={value!r}")
+    return positions_k.unsqueeze(-2) - positions_q.unsqueeze(-1)
 
 
 def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
                      positions_k: Optional[Tensor]) -> tuple:
-    """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions."""
+    """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions
+    as ``attention_bias`` takes them (``[B, N]`` becomes ``[B, 1, N]``: one row for all heads)."""
     owner = type(module).__name__
     _check_positive_int(owner, "q_len", q_len)
     _check_positive_int(owner, "k_len", k_len)
-    lead = lambda p: tuple(p.shape[:1]) if isinstance(p, Tensor) and p.dim() == 2 else ()
-    return (_check_positions(owner, "positions_q", positions_q, lead(positions_q), q_len),
-            _check_positions(owner, "positions_k", positions_k, lead(positions_k), k_len))
+    batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == 2}
+    if len(batches) > 1:
+        raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size, got {sorted(batches)}")
+    lead = (batches.pop(), 1) if batches else ()
+    return (_check_positions(owner, "positions_q", positions_q, lead, q_len),
+            _check_positions(owner, "positions_k", positions_k, lead, k_len))
 
 
 class _RelativeBias(PositionalEmbedding):
@@ -1144,12 +1212,14 @@ class _RelativeBias(PositionalEmbedding):
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
         device = self._buffer_device() if device is None else device
         heads = torch.arange(self.num_heads, device=device)
+        if q_len == 0 or k_len == 0:
+            return torch.zeros(self.num_heads, q_len, k_len, device=device)
         if positions_q is None and positions_k is None:
             distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
             return _toeplitz(self.bias_at(distances, heads[:, None]), q_len, k_len)       # [H, Nq, Nk]
         distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
         self._check_integer(distances)
-        return self.bias_at(distances.unsqueeze(-3), heads[:, None, None])              # [(B,) H, Nq, Nk]
+        return self.bias_at(distances, heads[:, None, None])                            # [(B, 1..,) H, Nq, Nk]
 
     def _check_integer(self, *tensors: Tensor) -> None:
         for tensor in tensors:
@@ -1423,10 +1493,10 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
         owner = type(self).__name__
         device = self.position_embeddings.weight.device if device is None else device
-        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
-        pos_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        pos_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
-        bias = self._correlation(pos_q, pos_k)                                          # [(B,) H, Nq, Nk]
+        unhead = lambda p: p.squeeze(-2) if p.dim() > 1 else p                          # [B, 1.., 1, N] -> [B, 1.., N]
+        pos_q = unhead(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        pos_k = unhead(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        bias = self._correlation(pos_q, pos_k)                                          # [(B, 1..,) H, Nq, Nk]
         if self.relative is not None:
             bias = bias + self.relative.attention_bias(q_len, k_len, positions_q, positions_k, device=device)
         if self.cls_token:  # column first, then row: the [CLS] query keeps cls_to_others on itself
@@ -1463,7 +1533,7 @@ def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> N
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
         kind = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
         raise TypeError(f"{owner}: {name} must be an integer tensor, got {kind}")
-    if _is_compiling() or positions.numel() == 0:
+    if _skip_value_checks(positions) or positions.numel() == 0:
         return
     low, high = int(positions.min()), int(positions.max())
     if low < 0 or high >= size:
@@ -1524,33 +1594,37 @@ class _RelativeLogits(PositionalEmbedding):
         return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
 
     def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
+
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
         owner = type(self).__name__
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        if q.dim() < 3 or q.shape[-3] != self.num_heads or q.shape[-1] != self.head_dim:
-            raise ValueError(f"{owner}: q and k must be [..., H={self.num_heads}, N, Dh={self.head_dim}], "
-                             f"got q {tuple(q.shape)}")
-        q_len, k_len, dtype = q.shape[-2], k.shape[-2], q.dtype
+        q_len, k_len = q.shape[-2], k.shape[-2]
         scale = self.logit_scale(q.shape[-1]) if scale is None else scale
-        q = q.to(_compute_dtype(dtype))
+        q = q.to(_compute_dtype(q.dtype))
         q_content, q_position = self.biased_queries(q, scale)                           # [B, H, Nq, Dh] each
         logits = torch.matmul(q_content, k.to(q.dtype).transpose(-1, -2))                # [B, H, Nq, Nk]
+        if q_len == 0 or k_len == 0:
+            return logits
         if positions_q is None and positions_k is None:
             keys = self.relative_keys(_default_distances(q_len, k_len, q.device)).to(q.dtype)   # [H, Nq + Nk - 1, Dh]
             by_distance = torch.matmul(q_position, keys.transpose(-1, -2))             # [B, H, Nq, Nq + Nk - 1]
-            return (logits + _diagonals(by_distance, q_len, k_len)).to(dtype)
+            return logits + _diagonals(by_distance, q_len, k_len)
         distances = _pair_distances(owner, q_len, k_len, positions_q, positions_k, q.device)   # [(B,) Nq, Nk]
-        return (logits + self._pair_logits(q_position, distances)).to(dtype)
+        return logits + self._pair_logits(q_position, distances)
 
     def _pair_logits(self, q_position: Tensor, distances: Tensor) -> Tensor:
-        """q_position [B, H, Nq, Dh], distances [(B,) Nq, Nk] -> [B, H, Nq, Nk]."""
+        """q_position [B, .., H, Nq, Dh], distances [Nq, Nk] or [B, 1.., 1, Nq, Nk] -> [B, .., H, Nq, Nk]."""
         if _is_compiling():  # no data-dependent shapes: relative keys for every pair
-            keys = self.relative_keys(distances.flatten()).to(q_position.dtype).unflatten(1, distances.shape)
-            keys = keys.movedim(0, -4) if distances.dim() == 3 else keys               # [(B,) H, Nq, Nk, Dh]
+            pairs = distances.squeeze(-3) if distances.dim() > 2 else distances        # [(B, 1..,) Nq, Nk]
+            keys = self.relative_keys(pairs.flatten()).to(q_position.dtype).unflatten(1, pairs.shape)
+            keys = keys.movedim(0, -4)                                                  # [(B, 1..,) H, Nq, Nk, Dh]
             return torch.einsum("...hid,...hijd->...hij", q_position, keys)
-        distinct, index = torch.unique(distances, return_inverse=True)
+        distinct, index = torch.unique(distances, return_inverse=True)                 # index: like distances
         keys = self.relative_keys(distinct).to(q_position.dtype)                        # [H, U, Dh]
-        by_distance = torch.matmul(q_position, keys.transpose(-1, -2))                  # [B, H, Nq, U]
-        index = index.unsqueeze(-3) if index.dim() == 3 else index                      # [(B, 1,) Nq, Nk]
+        by_distance = torch.matmul(q_position, keys.transpose(-1, -2))                  # [B, .., H, Nq, U]
         return by_distance.gather(-1, index.expand(*by_distance.shape[:-1], index.shape[-1]))
 
 
@@ -1592,6 +1666,7 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
             raise ValueError(f"{owner}: d_model must be a positive even int, got d_model={d_model!r}")
         if clamp_len is not None:
             _check_positive_int(owner, "clamp_len", clamp_len)
+        _check_base(owner, base)
         self.d_model, self.base, self.clamp_len, self.init_std = d_model, float(base), clamp_len, init_std
         self.r_net = nn.Linear(d_model, num_heads * head_dim, bias=False)               # W_r
         self.reset_parameters()
@@ -1827,6 +1902,7 @@ class _OrthogonalRotation(PositionalEmbedding):
         if head_dim % (2 * num_axes):
             raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * num_axes} (each axis "
                              f"rotates pairs), got head_dim={head_dim}")
+        _check_base(owner, base)
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, float(base)
         width = head_dim // num_axes
         self.basis_generator = nn.Parameter(torch.empty(num_axes, num_heads, width, width))   # S: [A, H, d, d]
@@ -1843,8 +1919,9 @@ class _OrthogonalRotation(PositionalEmbedding):
             self.frequencies.copy_(_inverse_frequencies(width, self.base).expand_as(self.frequencies))
 
     def _basis(self) -> Tensor:
-        """Q = matrix_exp(S - S^T): [A, H, d, d], exactly orthogonal."""
-        generator = self.basis_generator
+        """Q = matrix_exp(S - S^T): [A, H, d, d], exactly orthogonal (float32 or better: CPU
+        matrix_exp is unusable in fp16/bf16)."""
+        generator = self.basis_generator.to(_compute_dtype(self.basis_generator.dtype))
         return torch.matrix_exp(generator - generator.mT)
 
     def _primitives(self) -> Tensor:
@@ -1874,9 +1951,6 @@ class _OrthogonalRotation(PositionalEmbedding):
 
         x: [..., H, N, Dh]; cos, sin: [..., H, A, N, d/2] -> [..., H, N, Dh].
         """
-        owner = type(self).__name__
-        if x.dim() < 3 or x.shape[-3] != self.num_heads:
-            raise ValueError(f"{owner}: x must be [..., H={self.num_heads}, N, Dh={self.head_dim}], got {tuple(x.shape)}")
         basis = self._basis().to(cos.dtype).transpose(0, 1)                              # [H, A, d, d]
         slices = x.to(cos.dtype).unflatten(-1, (self.num_axes, -1)).transpose(-2, -3)  # [..., H, A, N, d]
         rotated = _rotate(torch.matmul(slices, basis), cos, sin, False, slices.shape[-1])   # R(p theta) Q^T x
@@ -1893,7 +1967,7 @@ class _OrthogonalRotation(PositionalEmbedding):
         """``W^p x`` for every token (per axis on grids): x [..., H, N, Dh]."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
-        _check_last_dim(owner, "x", x, self.head_dim)
+        self._check_heads(x, "x")
         positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
         positions = self._positions_or_default(positions, x.shape[-2], offset, x.device)
         return self._transform(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), full=True)
@@ -2034,6 +2108,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
             _check_positive_int(owner, name, value)
         if head_dim % 2:
             raise ValueError(f"{owner}: head_dim must be even, got head_dim={head_dim}")
+        _check_base(owner, base)
         self.head_dim, self.num_heads, self.branching_factor, self.max_depth = head_dim, num_heads, branching_factor, max_depth
         self.base, self.init_std = float(base), init_std
         self.generators = nn.Parameter(torch.empty(branching_factor, num_heads, head_dim, head_dim))  # G: [b, H, Dh, Dh]
@@ -2053,8 +2128,9 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
 
     @property
     def primitives(self) -> Tensor:
-        """The current primitives ``W_c``: [b, H, Dh, Dh]."""
-        return torch.matrix_exp(self.generators - self.generators.mT)
+        """The current primitives ``W_c``: [b, H, Dh, Dh] (float32 or better)."""
+        generators = self.generators.to(_compute_dtype(self.generators.dtype))
+        return torch.matrix_exp(generators - generators.mT)
 
     @torch.no_grad()
     def set_primitives(self, primitives: Tensor) -> None:
@@ -2115,7 +2191,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         """``M(n) x`` for every token at node ``n``: x [..., H, N, Dh]; default nodes ``arange(N) + offset``."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
-        _check_last_dim(owner, "x", x, self.head_dim)
+        self._check_heads(x, "x")
         positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2])
         return self._transform(x, _or_default(owner, "positions", positions, x.shape[-2], offset, x.device))
 
@@ -2128,9 +2204,6 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
 
     def _transform(self, x: Tensor, nodes: Tensor) -> Tensor:
         """x [..., H, N, Dh], nodes [..., N] -> M(node) x, applying the deepest branch first."""
-        owner = type(self).__name__
-        if x.dim() < 3 or x.shape[-3] != self.num_heads:
-            raise ValueError(f"{owner}: x must be [..., H={self.num_heads}, N, Dh={self.head_dim}], got {tuple(x.shape)}")
         steps = self._check_nodes(nodes)
         dtype = _compute_dtype(x.dtype)
         primitives = self.primitives.to(dtype)                                           # [b, H, Dh, Dh]
@@ -2140,7 +2213,8 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         for _ in range(steps):  # M(n) x = W_c1 (W_c2 (... W_cd x)): peel the last branch off n
             active = nodes > 0
             choice = torch.where(active, (nodes - 1) % self.branching_factor, self.branching_factor)  # b: stay
-            candidates = torch.matmul(out.unsqueeze(0), maps.unsqueeze(-4))              # [b + 1, ..., H, N, Dh]
+            candidates = torch.matmul(out.unsqueeze(0), maps.view(                    # [b + 1, ..., H, N, Dh]
+                maps.shape[0], *[1] * (out.dim() - 3), *maps.shape[1:]))
             out = candidates.gather(0, choice.expand_as(out).unsqueeze(0)).squeeze(0)
             nodes = torch.where(active, (nodes - 1) // self.branching_factor, nodes)
         return out.to(x.dtype)
@@ -2150,7 +2224,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         if nodes.is_floating_point():
             raise TypeError(f"{owner}: positions must be integer node ids, got dtype={nodes.dtype}")
-        if _is_compiling() or nodes.numel() == 0:
+        if _skip_value_checks(nodes) or nodes.numel() == 0:
             return self.max_depth
         b = self.branching_factor
         last = (b ** (self.max_depth + 1) - 1) // (b - 1) - 1 if b > 1 else self.max_depth   # last node id
@@ -2222,6 +2296,7 @@ class _LogLinearScanFunction(torch.autograd.Function):
         return s
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         log_p, h, initial, s = ctx.saved_tensors
         # The reversed scan at step tau (token t = N + 1 - tau) applies c_{t+1}: log c flipped, shifted by one.
@@ -2299,7 +2374,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         return f"d_emb={self.d_emb}, d_hid={self.d_hid}"
 
     def reset_parameters(self) -> None:
-        for module in (self.H, self.R):
+        for module in (*self.H.modules(), *self.R.modules()):  # custom H, R: every layer inside
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         self.reset_context()
@@ -2334,6 +2409,9 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         log_p = F.logsigmoid(logits[..., : self.d_hid].to(dtype))                      # [..., N, d_hid]
         h = logits[..., self.d_hid :].to(dtype)                                         # [..., N, d_hid]
         initial = self._initial_state(state, x, dtype, "cached context" if using_prev_context else "state")
+        if x.shape[-2] == 0:  # an empty chunk leaves the stream where it was
+            self.prev_context = initial.detach()
+            return (x, initial) if return_state else x
         s = _LogLinearScanFunction.apply(log_p, h, initial)                            # [..., N, d_hid]
         final = s[..., -1:, :]                                                          # [..., 1, d_hid]
         self.prev_context = final.detach()
@@ -2353,6 +2431,8 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
             return torch.zeros(want, dtype=dtype, device=x.device)
         if not isinstance(state, Tensor):
             raise TypeError(f"{type(self).__name__}: {name} must be a Tensor, got {type(state).__name__}")
+        if state.is_inference() and not torch.is_inference_mode_enabled():
+            state = state.clone()  # a state cached under inference_mode, continued in training
         if tuple(state.shape) != want:
             raise ValueError(f"{type(self).__name__}: {name} must have shape {list(want)} to continue a chunk "
                              f"of shape {list(x.shape)}, got {list(state.shape)}")

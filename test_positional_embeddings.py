@@ -344,6 +344,62 @@ class TestEveryClass:
             torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
         assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
 
+    def test_low_precision_module_stays_finite_and_close(self, case):
+        pe = case.make()
+        q, k, _ = qkv()
+        want = case.attn(pe, q, k)
+        for cast in ("bfloat16", "half"):
+            got = case.attn(getattr(copy.deepcopy(pe), cast)(), q, k)
+            finite = torch.isfinite(want)
+            assert torch.equal(torch.isfinite(got), finite)
+            error = (got[finite] - want[finite]).norm() / want[finite].norm()
+            assert error < 0.05, f"{cast}: relative error {error:.3f}"
+
+    def test_batched_positions_with_extra_leading_dims(self, case):
+        if not case.takes_positions:
+            pytest.skip("order is encoded by the recurrence")
+        pe = case.make()
+        q, k = torch.randn(2, B, 3, H, N, DH, dtype=torch.float64).unbind(0)
+        pe = pe.double()
+        base_q, base_k = case.positions(N, N)
+        if base_q is None:
+            base_q = base_k = torch.arange(N)
+        pos_q, pos_k = torch.stack([base_q, base_q + 3]), torch.stack([base_k, base_k + 3])
+        if isinstance(pe, (pe_lib.LearnedPositionalEmbedding, UnifiedPositionalEmbedding)):
+            pos_q, pos_k = torch.stack([base_q, base_q.flip(0)]), torch.stack([base_k, base_k.flip(0)])
+        full = pe.forward_attn(q, k, pos_q, pos_k)
+        for b in range(B):
+            torch.testing.assert_close(full[b], pe.forward_attn(q[b], k[b], pos_q[b], pos_k[b]))
+
+    def test_narrow_integer_positions(self, case):
+        if not case.takes_positions:
+            pytest.skip("order is encoded by the recurrence")
+        pe = case.make()
+        q, k, _ = qkv()
+        pos_q, pos_k = case.positions(N, N)
+        if pos_q is None:
+            pos_q = pos_k = torch.arange(N)
+        want = pe.forward_attn(q, k, pos_q, pos_k)
+        for dtype in (torch.int32, torch.int16, torch.uint8):
+            torch.testing.assert_close(pe.forward_attn(q, k, pos_q.to(dtype), pos_k.to(dtype)), want)
+
+    def test_empty_queries(self, case):
+        pe = case.make()
+        q, k, v = qkv(0, N)
+        positions_q, positions_k = case.positions(1, N)
+        if positions_q is not None:
+            positions_q = positions_q[:0]
+        out = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k)
+        assert out.shape == (B, H, 0, DH)
+
+    def test_wrong_head_count_is_value_error(self, case):
+        pe = case.make()
+        if getattr(pe, "num_heads", None) is None:
+            pytest.skip("not per head")
+        q, k, _ = qkv()
+        with pytest.raises(ValueError, match=type(pe).__name__ + ": q and k must be \\[..., H=4"):
+            case.attn(pe, q[:, :3], k[:, :3])
+
     def test_bad_head_dims_raise_value_error(self, case):
         pe = case.make()
         q, k, _ = qkv()
@@ -403,6 +459,28 @@ class TestAttention:
         additive = torch.randn(N, N, dtype=torch.float64)
         want = torch.softmax(logits + additive, -1) @ v
         torch.testing.assert_close(attention(q, k, v, attn_mask=additive), want)
+
+    def test_integer_and_misshaped_masks_are_rejected(self):
+        q, k, v = qkv()
+        with pytest.raises(TypeError, match="attention: attn_mask must be a bool .* or float .* tensor, got torch.int64"):
+            attention(q, k, v, attn_mask=torch.ones(N, N, dtype=torch.long))
+        with pytest.raises(ValueError, match="attention: attn_mask must broadcast to \\[2, 4, 16, 16\\], got \\[3, 16\\]"):
+            attention(q, k, v, attn_mask=torch.ones(3, N, dtype=torch.bool))
+
+    def test_fully_masked_rows_give_zeros_for_every_kind(self):
+        q, k, v = qkv()
+        keep = torch.ones(N, N, dtype=torch.bool)
+        keep[3] = False
+        for pe in (None, TransformerXLPositionalEmbedding(H, DH), T5PositionalEmbedding(H)):
+            out = attention(q, k, v, pe, attn_mask=keep)
+            assert torch.isfinite(out).all() and (out[:, :, 3] == 0).all()
+
+    def test_logits_kinds_softmax_in_float32(self):
+        xl = TransformerXLPositionalEmbedding(H, DH)
+        q, k, v = qkv(64, 64)
+        want = attention(q.double(), k.double(), v.double(), copy.deepcopy(xl).double())
+        got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), xl)
+        assert (got.double() - want).abs().max() < 0.05
 
     def test_custom_scale(self):
         q, k, v = qkv(dtype=torch.float64)
@@ -511,7 +589,8 @@ class TestSinusoidal:
     @pytest.mark.parametrize("kwargs, message", [
         (dict(dim=7), "dim must be a positive multiple of 2"),
         (dict(dim=12, num_axes=4), "dim must be a positive multiple of 2 \\* num_axes = 8, got dim=12"),
-        (dict(dim=8, base=-1.0), "base must be positive"),
+        (dict(dim=8, base=-1.0), "base must be a number > 1, got base=-1.0"),
+        (dict(dim=8, base="1e4"), "base must be a number > 1, got base='1e4'"),
         (dict(dim=8, layout="sin"), "layout must be"),
     ])
     def test_bad_arguments(self, kwargs, message):
@@ -748,6 +827,27 @@ class TestRotary:
         rope(x[..., :1, :], torch.tensor([10**7]))
         assert rope.cos_cached.shape[0] < 10**7
         assert "cos_cached" not in rope.state_dict()
+
+    def test_cache_grown_under_inference_mode_serves_training(self):
+        rope = RotaryPositionalEmbedding(16, cache_len=8)
+        with torch.inference_mode():
+            rope(torch.randn(1, 1, 32, 16))
+        x = torch.randn(1, 1, 24, 16, requires_grad=True)
+        rope(x).square().sum().backward()
+        assert x.grad is not None
+
+    @pytest.mark.parametrize("scaling", [
+        {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
+         "original_max_position_embeddings": 16, "factor": 4.0},
+    ])
+    def test_length_dependent_scaling_shares_frequencies_between_q_and_k(self, scaling):
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        q = torch.randn(1, 1, 1, 16)
+        k = q.expand(1, 1, 64, 16).contiguous()
+        logits = rope.forward_attn(q, k, torch.tensor([10]), torch.arange(64), scale=1.0)
+        factor = rope._scale_fn(16, 10000.0, rope.scaling, 64)[1]
+        torch.testing.assert_close(logits[0, 0, 0, 10], (q * q).sum() * factor ** 2)
 
     def test_batched_positions_left_padding(self):
         rope = RotaryPositionalEmbedding(DH)
@@ -1589,6 +1689,14 @@ class TestAlgebraicTree:
         train_a_few_steps(tree, (None, None))
         assert orthogonality_error(tree.primitives) < 1e-5
 
+    def test_any_number_of_leading_dims(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 2, branching_factor=2, max_depth=4).double()
+        x = torch.randn(3, 2, 2, 6, 8, dtype=torch.float64)
+        nodes = torch.tensor([0, 3, 4, 9, 2, 1])
+        want = torch.stack([tree(x[i], nodes) for i in range(3)])
+        torch.testing.assert_close(tree(x, nodes), want)
+        torch.testing.assert_close(tree(x[0, 0], nodes), want[0, 0])
+
     def test_bad_nodes(self):
         tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
         x = torch.randn(1, 1, 2, 4)
@@ -1740,6 +1848,31 @@ class TestHeinsen:
         ours = (pe(x).double() - want).abs().max().item()
         reference = (heinsen_reference(pe, x)[0].double() - want).abs().max().item()
         assert ours < 3e-5 < reference
+
+    def test_meta_init_resets_layers_inside_custom_h(self):
+        make = lambda: HeinsenPositionalEmbedding(8, 8, H=torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)))
+        with torch.device("meta"):
+            pe = make()
+        pe.to_empty(device="cpu")
+        pe.reset_parameters()
+        assert pe.H[0].weight.abs().max() <= 1 / math.sqrt(8)       # nn.Linear's init bound
+
+    def test_empty_chunk_leaves_the_stream_alone(self):
+        pe = HeinsenPositionalEmbedding(8, 4)
+        x = torch.randn(2, 10, 8)
+        want = pe(x)
+        pe(x[:, :6])
+        empty, state = pe(x[:, 6:6], using_prev_context=True, return_state=True)
+        assert empty.shape == (2, 0, 8) and state.shape == (2, 1, 4)
+        torch.testing.assert_close(pe(x[:, 6:], using_prev_context=True), want[:, 6:], rtol=0, atol=1e-6)
+
+    def test_context_cached_under_inference_mode_continues_in_training(self):
+        pe = HeinsenPositionalEmbedding(8, 4)
+        with torch.inference_mode():
+            pe(torch.randn(2, 5, 8))
+        pe(torch.randn(2, 5, 8), using_prev_context=True).sum().backward()
+        assert pe.H.weight.grad is not None
 
     def test_custom_h_and_r(self):
         h = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
