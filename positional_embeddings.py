@@ -217,8 +217,8 @@ class PositionalEmbedding(nn.Module):
     * ``"logits"``: the logits themselves depend on content and position jointly.
 
     Subclasses override the hooks ``encode_qk`` and ``attention_bias`` (or, for
-    ``"logits"``, ``forward_attn``); ``forward_input`` and ``forward_attn`` are built
-    from them, and ``attention()`` picks the efficient path from ``kind``.
+    ``"logits"``, ``full_precision_logits``); ``forward_input`` and ``forward_attn`` are
+    built from them, and ``attention()`` picks the efficient path from ``kind``.
 
     Derived tables (frequencies, slopes, caches) are non-persistent buffers built by
     ``_init_buffers``; every ``.to()`` / ``.half()`` / ``to_empty()`` rebuilds them in
