@@ -2206,17 +2206,16 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         """x [..., H, N, Dh], nodes [..., N] -> M(node) x, applying the deepest branch first."""
         steps = self._check_nodes(nodes)
         dtype = _compute_dtype(x.dtype)
-        primitives = self.primitives.to(dtype)                                           # [b, H, Dh, Dh]
-        eye = torch.eye(self.head_dim, dtype=dtype, device=x.device).expand_as(primitives[:1])
-        maps = torch.cat([primitives, eye]).mT                                           # [b + 1, H, Dh, Dh]: W_c^T, I
+        b, dh = self.branching_factor, self.head_dim
+        # every branch's map side by side, so one GEMM per level applies all of them: out @ [W_0^T | ... | W_b-1^T]
+        maps = self.primitives.to(dtype).permute(1, 3, 0, 2).reshape(self.num_heads, dh, b * dh)   # [H, Dh, b Dh]
         out, nodes = x.to(dtype), nodes.unsqueeze(-1)                                    # nodes: [..., N, 1]
         for _ in range(steps):  # M(n) x = W_c1 (W_c2 (... W_cd x)): peel the last branch off n
-            active = nodes > 0
-            choice = torch.where(active, (nodes - 1) % self.branching_factor, self.branching_factor)  # b: stay
-            candidates = torch.matmul(out.unsqueeze(0), maps.view(                    # [b + 1, ..., H, N, Dh]
-                maps.shape[0], *[1] * (out.dim() - 3), *maps.shape[1:]))
-            out = candidates.gather(0, choice.expand_as(out).unsqueeze(0)).squeeze(0)
-            nodes = torch.where(active, (nodes - 1) // self.branching_factor, nodes)
+            branch = torch.where(nodes > 0, (nodes - 1) % b, b)                          # b: the root stays
+            candidates = torch.matmul(out, maps).unflatten(-1, (b, dh))                  # [..., H, N, b, Dh]
+            for c in range(b):
+                out = torch.where(branch == c, candidates[..., c, :], out)
+            nodes = torch.where(nodes > 0, (nodes - 1) // b, nodes)
         return out.to(x.dtype)
 
     def _check_nodes(self, nodes: Tensor) -> int:

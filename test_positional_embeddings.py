@@ -1918,3 +1918,21 @@ def test_readme_examples_run():
     namespace = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+def test_compare_quick_runs_end_to_end():
+    """benchmarks/compare.py --quick trains and evaluates every task kind (2 steps, 1 eval batch)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    command = [sys.executable, "benchmarks/compare.py", "--quick", "--steps", "2", "--eval-batches", "1", "--markdown"]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    table = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+             for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0][:4] == ["encoding", "task", "acc@L", "acc@2L"], result.stdout
+    rows = table[1:]
+    assert {row[1] for row in rows} == {"reverse", "recall", "grid", "tree"}, result.stdout
+    for row in rows:
+        assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
