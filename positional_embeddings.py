@@ -133,14 +133,15 @@ def _check_positions(
     lead: tuple,
     n: int,
     num_axes: int = 1,
+    integer: bool = False,
 ) -> Optional[Tensor]:
     """Validate ``positions`` for a tensor ``[*lead, N, ...]``; return them broadcastable, or None.
 
     Accepted shapes are ``[N]`` and ``[B, N]`` (``B == lead[0]``, or 1 to share one row),
     with a trailing ``A`` axis when ``num_axes > 1``. ``[B, N]`` becomes
     ``[B, 1, ..., 1, N]`` so it applies to every head. Integers widen to int64 and floats
-    to float64 (exact), so distances never wrap around or round. ``None`` stays None: the
-    caller applies its default.
+    to float64 (exact), so distances never wrap around or round; ``integer=True`` rejects
+    floats first. ``None`` stays None: the caller applies its default.
     """
     axes = () if num_axes == 1 else (num_axes,)
     if positions is None:
@@ -149,6 +150,9 @@ def _check_positions(
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(positions).__name__}")
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"{owner}: {name} must be an integer or float tensor, got dtype={positions.dtype}")
+    if integer and positions.is_floating_point():
+        raise TypeError(f"{owner}: {name} must be an integer tensor (this encoding has no float positions), "
+                        f"got dtype={positions.dtype}")
     core = tuple(positions.shape[: positions.dim() - len(axes)])
     batched = len(core) == 2 and len(lead) >= 1 and core[1] == n and core[0] in (lead[0], 1)
     if tuple(positions.shape[len(core):]) != axes or not (core == (n,) or batched):
@@ -180,10 +184,10 @@ def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offs
     return _default_positions(n, offset, device)
 
 
-def _token_positions(owner: str, positions: Optional[Tensor], x: Tensor, offset: int, num_axes: int = 1) -> Tensor:
+def _token_positions(module: "PositionalEmbedding", positions: Optional[Tensor], x: Tensor, offset: int) -> Tensor:
     """Positions for the tokens of ``x`` ``[..., N, D]``: validated, or ``arange(N) + offset``."""
-    n = x.shape[-2]
-    checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes)
+    owner, n, num_axes = type(module).__name__, x.shape[-2], module.num_axes
+    checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes, module.integer_positions)
     return _or_default(owner, "positions", checked, n, offset, x.device, num_axes)
 
 
@@ -228,6 +232,7 @@ class PositionalEmbedding(nn.Module):
     kind: str = "input"
     translation_invariant: bool = False  # logits depend only on position differences
     num_axes: int = 1       # position axes A: positions are [..., N] or, for A > 1, [..., N, A]
+    integer_positions: bool = False  # positions index buckets, tables or tree nodes: floats are a TypeError
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Tokens with position information; identity for attention-side kinds."""
@@ -275,8 +280,9 @@ class PositionalEmbedding(nn.Module):
         _check_qk(owner, q, k)
         self._check_heads(q)
         lead = tuple(q.shape[:-2])
-        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes)
-        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes)
+        integer = self.integer_positions
+        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes, integer)
+        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes, integer)
         if self.num_axes > 1 and self.kind != "input" and (positions_q is None or positions_k is None):
             raise ValueError(f"{owner}: positions_q and positions_k are required for {self.num_axes} axes "
                              f"(shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
@@ -550,8 +556,7 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
-        positions = _token_positions(owner, positions, x, offset, self.num_axes)
-        return x + self.embed(positions).to(x.dtype)
+        return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
 
     def _encode_axis(self, positions: Tensor, width: int) -> Tensor:
         """One axis: positions [..., N] -> [..., N, width]."""
@@ -587,6 +592,7 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "input"
+    integer_positions = True
 
     def __init__(self, max_len: int, dim: int, *, init_std: float = 0.02) -> None:
         super().__init__()
@@ -614,7 +620,7 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
-        return x + self.embed(_token_positions(owner, positions, x, offset)).to(x.dtype)
+        return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
 
     @torch.no_grad()
     def resize(self, new_size: Union[int, tuple], *, old_grid: Optional[tuple] = None,
@@ -1183,8 +1189,9 @@ def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positi
     if len(batches) > 1:
         raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size, got {sorted(batches)}")
     lead = (batches.pop(), 1) if batches else ()
-    return (_check_positions(owner, "positions_q", positions_q, lead, q_len),
-            _check_positions(owner, "positions_k", positions_k, lead, k_len))
+    integer = module.integer_positions
+    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, integer=integer),
+            _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=integer))
 
 
 class _RelativeBias(PositionalEmbedding):
@@ -1198,7 +1205,7 @@ class _RelativeBias(PositionalEmbedding):
 
     kind = "bias"
     translation_invariant = True
-    integer_distances = True   # distances must be integers (buckets)
+    integer_positions = True   # distances index buckets
 
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
         """Bias for key - query ``distance`` at head index ``head`` (broadcasting tensors)."""
@@ -1217,14 +1224,15 @@ class _RelativeBias(PositionalEmbedding):
         if positions_q is None and positions_k is None:
             distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
             return _toeplitz(self.bias_at(distances, heads[:, None]), q_len, k_len)       # [H, Nq, Nk]
+        self._check_integer(positions_q=positions_q, positions_k=positions_k)
         distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
-        self._check_integer(distances)
         return self.bias_at(distances, heads[:, None, None])                            # [(B, 1..,) H, Nq, Nk]
 
-    def _check_integer(self, *tensors: Tensor) -> None:
-        for tensor in tensors:
-            if self.integer_distances and tensor.is_floating_point():
-                raise TypeError(f"{type(self).__name__}: positions must be integer tensors (distances are "
+    def _check_integer(self, **positions: Optional[Tensor]) -> None:
+        """Bucketed distances need integer positions (for callers that bypass ``_check_positions``)."""
+        for name, tensor in positions.items():
+            if self.integer_positions and tensor is not None and tensor.is_floating_point():
+                raise TypeError(f"{type(self).__name__}: {name} must be an integer tensor (distances are "
                                 f"bucketed), got dtype={tensor.dtype}")
 
     def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
@@ -1243,7 +1251,7 @@ class _RelativeBias(PositionalEmbedding):
         flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
         positions_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
         positions_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
-        self._check_integer(positions_q, positions_k)
+        self._check_integer(positions_q=positions_q, positions_k=positions_k)
         pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
 
         def add_bias(score, b, h, q_idx, kv_idx):
@@ -1386,7 +1394,7 @@ class ALiBiPositionalEmbedding(_RelativeBias):
         tensor([0.5000, 0.2500])
     """
 
-    integer_distances = False
+    integer_positions = False
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
         super().__init__()
@@ -1444,6 +1452,7 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "bias"
+    integer_positions = True
 
     def __init__(self, max_len: int, num_heads: int, head_dim: int, *, relative_bias: bool = True,
                  num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
@@ -2098,6 +2107,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "qk"
+    integer_positions = True
 
     def __init__(self, head_dim: int, num_heads: int, branching_factor: int, max_depth: int, *,
                  base: float = 10000.0, init_std: float = 0.02) -> None:
@@ -2192,7 +2202,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
         self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2])
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], integer=True)
         return self._transform(x, _or_default(owner, "positions", positions, x.shape[-2], offset, x.device))
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):

@@ -416,6 +416,23 @@ class TestEveryClass:
         with pytest.raises(TypeError, match=type(pe).__name__ + ".*positions"):
             pe.forward_attn(q, k, [0, 1], torch.arange(N))
 
+    def test_float_positions_error_names_argument_and_given_dtype(self, case):
+        """Classes that index tables, buckets or nodes reject floats before widening them."""
+        pe = case.make()
+        if not pe.integer_positions:
+            pytest.skip("takes float positions")
+        q, k, v = qkv()
+        floats = torch.arange(N, dtype=torch.float32)
+        message = type(pe).__name__ + ": {} must be an integer tensor .*got dtype=torch.float32"
+        if pe.kind == "input":
+            with pytest.raises(TypeError, match=message.format("positions")):
+                pe(torch.randn(1, N, case.token_dim), floats)
+            return
+        with pytest.raises(TypeError, match=message.format("positions_k")):
+            attention(q, k, v, pe, positions_q=torch.arange(N), positions_k=floats)
+        with pytest.raises(TypeError, match=message.format("positions_q")):
+            pe.forward_attn(q, k, floats, torch.arange(N))
+
     def test_bad_tokens_raise(self, case):
         pe = case.make()
         if pe.kind != "input":
@@ -1195,7 +1212,7 @@ class TestT5:
                                    t5(4, 4, positions_q=positions + 10**6, positions_k=positions + 10**6))
 
     def test_float_positions_are_type_error(self):
-        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions must be integer"):
+        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
             T5PositionalEmbedding(2)(2, 2, positions_q=torch.tensor([0.0, 1.0]))
 
     @pytest.mark.parametrize("kwargs, message", [
@@ -1704,7 +1721,7 @@ class TestAlgebraicTree:
             tree(x, torch.tensor([0, 7]))
         with pytest.raises(ValueError, match="got -1"):
             tree(x, torch.tensor([-1, 0]))
-        with pytest.raises(TypeError, match="positions must be integer node ids"):
+        with pytest.raises(TypeError, match="positions must be an integer tensor .*got dtype=torch.float32"):
             tree(x, torch.tensor([0.0, 1.0]))
 
 
