@@ -2259,9 +2259,10 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
     log_p, h: [..., N, d]; initial: [..., 1, d] -> s: [..., N, d]. The closed form
     ``s = a + log(exp(s_0) + cumsum(exp(h - a)))`` with ``a = cumsum(log_p)`` (Heinsen;
     Martin and Cundy, arXiv:1709.04057) cancels two numbers of size ``|a|``, which grows with
-    N. So it runs within blocks of ``_SCAN_BLOCK`` tokens, where ``|a|`` stays small, and the
-    blocks are chained by the same recurrence over their summaries in float64, which is
-    exact enough at any length and costs ``1 / _SCAN_BLOCK`` of the work.
+    N. So the sequence is cut into blocks of ``_SCAN_BLOCK`` tokens, each scanned from an
+    empty state (``_scan_blocks``); the blocks are chained by the same recurrence over their
+    summaries in float64, exact enough at any length for ``1 / _SCAN_BLOCK`` of the work, and
+    each block then adds the state it inherits, decayed by ``a`` within the block.
     """
     n = log_p.shape[-2]
     if n <= _SCAN_BLOCK:
@@ -2270,13 +2271,30 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
     if pad:  # zero decay and -inf updates leave the state alone
         log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad), value=float("-inf"))
     blocks = (n + pad) // _SCAN_BLOCK
-    a = log_p.unflatten(-2, (blocks, _SCAN_BLOCK)).cumsum(dim=-2)                      # [..., nb, T, d]
-    local = torch.logcumsumexp(h.unflatten(-2, (blocks, _SCAN_BLOCK)) - a, dim=-2)     # [..., nb, T, d]
+    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, _SCAN_BLOCK)), h.unflatten(-2, (blocks, _SCAN_BLOCK)))
     decay = a[..., -1, :].double()                                                      # [..., nb, d]
-    after = _log_linear_scan_exact(decay, decay + local[..., -1, :].double(), initial.double())
+    after = _log_linear_scan_exact(decay, local[..., -1, :].double(), initial.double())
     entering = torch.cat([initial.double(), after[..., :-1, :]], dim=-2).to(a.dtype)   # [..., nb, d]
-    s = torch.logaddexp(entering.unsqueeze(-2), local).add_(a)                          # [..., nb, T, d]
+    s = torch.logaddexp(a.add_(entering.unsqueeze(-2)), local)                          # [..., nb, T, d]
     return s.flatten(-3, -2)[..., :n, :]
+
+
+def _scan_blocks(log_p: Tensor, h: Tensor) -> tuple:
+    """Every block scanned from an empty state (``s = log 0``), all blocks at once.
+
+    log_p, h: [..., nb, T, d] -> (a, local), both [..., nb, T, d]: ``a = cumsum(log_p)`` and
+    ``local_t = log(exp(log_p_t + local_{t-1}) + exp(h_t))``. Eager mode steps through the
+    ``T`` tokens of every block together: one rounding per step, and ~6x faster on CPU than
+    ``logcumsumexp``; traced code uses the closed form, one fused expression.
+    """
+    a = log_p.cumsum(dim=-2)
+    if _is_compiling():
+        return a, torch.logcumsumexp(h - a, dim=-2).add_(a)
+    local = torch.empty_like(h)
+    local[..., 0, :] = h[..., 0, :]
+    for t in range(1, h.shape[-2]):
+        torch.logaddexp(local[..., t - 1, :] + log_p[..., t, :], h[..., t, :], out=local[..., t, :])
+    return a, local
 
 
 def _log_linear_scan_exact(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:

@@ -1766,6 +1766,24 @@ class TestHeinsen:
         torch.testing.assert_close(pe(x).double(), want, rtol=0, atol=2e-5)
         torch.testing.assert_close(pe.double()(x.double()), want, rtol=0, atol=1e-10)
 
+    def test_strong_decay_and_large_updates_match_oracle(self):
+        # log_p ~ -30 per token and |h| up to ~40: within a block the closed form would cancel
+        # numbers of size ~4000; the blocks' own scan and the float64 chain must not
+        pe = HeinsenPositionalEmbedding(6, 5)
+        with torch.no_grad():
+            pe.H.bias[:5] -= 30.0
+            pe.H.weight.mul_(10.0)
+        x = torch.randn(2, 700, 6)
+        want, _ = heinsen_oracle(pe, x)
+        torch.testing.assert_close(pe(x).double(), want, rtol=0, atol=5e-5)
+
+    def test_traced_blocked_scan_matches_oracle(self):
+        # torch.compile traces the closed form inside each block instead of the eager loop
+        pe = HeinsenPositionalEmbedding(6, 5)
+        x = torch.randn(2, 300, 6)
+        compiled = torch.compile(lambda t: pe(t), backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x).double(), heinsen_oracle(pe, x)[0], rtol=0, atol=2e-5)
+
     def test_equals_reference_algorithm(self):
         pe = HeinsenPositionalEmbedding(8, 6).double()
         x = torch.randn(3, 200, 8, dtype=torch.float64)
