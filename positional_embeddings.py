@@ -2259,19 +2259,19 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
     log_p, h: [..., N, d]; initial: [..., 1, d] -> s: [..., N, d]. The closed form
     ``s = a + log(exp(s_0) + cumsum(exp(h - a)))`` with ``a = cumsum(log_p)`` (Heinsen;
     Martin and Cundy, arXiv:1709.04057) cancels two numbers of size ``|a|``, which grows with
-    N. So the sequence is cut into blocks of ``_SCAN_BLOCK`` tokens, each scanned from an
-    empty state (``_scan_blocks``); the blocks are chained by the same recurrence over their
-    summaries in float64, exact enough at any length for ``1 / _SCAN_BLOCK`` of the work, and
-    each block then adds the state it inherits, decayed by ``a`` within the block.
+    N. So the sequence is cut into blocks of ``_SCAN_BLOCK`` tokens (one block if shorter),
+    each scanned from an empty state (``_scan_blocks``); the blocks are chained by the same
+    recurrence over their summaries in float64, exact enough at any length for
+    ``1 / _SCAN_BLOCK`` of the work, and each block then adds the state it inherits, decayed
+    by ``a`` within the block.
     """
     n = log_p.shape[-2]
-    if n <= _SCAN_BLOCK:
-        return _log_linear_scan_exact(log_p, h, initial)
-    pad = -n % _SCAN_BLOCK
+    size = min(n, _SCAN_BLOCK)                                                          # T
+    pad = -n % size
     if pad:  # zero decay and -inf updates leave the state alone
         log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad), value=float("-inf"))
-    blocks = (n + pad) // _SCAN_BLOCK
-    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, _SCAN_BLOCK)), h.unflatten(-2, (blocks, _SCAN_BLOCK)))
+    blocks = (n + pad) // size
+    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)))
     decay = a[..., -1, :].double()                                                      # [..., nb, d]
     after = _log_linear_scan_exact(decay, local[..., -1, :].double(), initial.double())
     entering = torch.cat([initial.double(), after[..., :-1, :]], dim=-2).to(a.dtype)   # [..., nb, d]
