@@ -1224,12 +1224,11 @@ class _RelativeBias(PositionalEmbedding):
         if positions_q is None and positions_k is None:
             distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
             return _toeplitz(self.bias_at(distances, heads[:, None]), q_len, k_len)       # [H, Nq, Nk]
-        self._check_integer(positions_q=positions_q, positions_k=positions_k)
         distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
         return self.bias_at(distances, heads[:, None, None])                            # [(B, 1..,) H, Nq, Nk]
 
     def _check_integer(self, **positions: Optional[Tensor]) -> None:
-        """Bucketed distances need integer positions (for callers that bypass ``_check_positions``)."""
+        """Bucketed distances need integer positions (``score_mod`` takes them unvalidated)."""
         for name, tensor in positions.items():
             if self.integer_positions and tensor is not None and tensor.is_floating_point():
                 raise TypeError(f"{type(self).__name__}: {name} must be an integer tensor (distances are "
@@ -1816,10 +1815,16 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 # ---------------------------------------------------------------------------
 
 
+def _plane_blocks(a: Tensor, b: Tensor) -> Tensor:
+    """``[[diag(a), -diag(b)], [diag(b), diag(a)]]``, acting on the pairs ``(i, i + F)``:
+    a, b [..., F] -> [..., 2F, 2F]."""
+    a, b = a.diag_embed(), b.diag_embed()                                               # [..., F, F]
+    return torch.cat([torch.cat([a, -b], dim=-1), torch.cat([b, a], dim=-1)], dim=-2)
+
+
 def _rotation_matrices(angles: Tensor) -> Tensor:
-    """Block rotations acting on the pairs ``(i, i + F)``: angles [..., F] -> [..., 2F, 2F]."""
-    cos, sin = angles.cos().diag_embed(), angles.sin().diag_embed()                    # [..., F, F]
-    return torch.cat([torch.cat([cos, -sin], dim=-1), torch.cat([sin, cos], dim=-1)], dim=-2)
+    """Block rotations of the pairs ``(i, i + F)``: angles [..., F] -> [..., 2F, 2F]."""
+    return _plane_blocks(angles.cos(), angles.sin())
 
 
 def _rotation_planes(w: Tensor) -> tuple:
@@ -1866,9 +1871,7 @@ def _rotation_planes(w: Tensor) -> tuple:
 def _skew_log(w: Tensor) -> Tensor:
     """A real skew-symmetric ``G`` with ``matrix_exp(G) = w`` for special orthogonal ``w`` [n, n]."""
     q, theta = _rotation_planes(w)
-    zeros = torch.zeros_like(theta).diag_embed()
-    generator = torch.cat([torch.cat([zeros, -theta.diag_embed()], -1), torch.cat([theta.diag_embed(), zeros], -1)], -2)
-    return q @ generator @ q.T
+    return q @ _plane_blocks(torch.zeros_like(theta), theta) @ q.T
 
 
 def _check_special_orthogonal(owner: str, w: Tensor, shape: tuple) -> Tensor:
@@ -2131,9 +2134,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             theta = _inverse_frequencies(self.head_dim, self.base, self.generators.device)   # [Dh/2]
-            half = theta.diag_embed() / 2                                                 # G - G^T = J(theta)
-            zeros = torch.zeros_like(half)
-            rope = torch.cat([torch.cat([zeros, -half], -1), torch.cat([half, zeros], -1)], -2)
+            rope = _plane_blocks(torch.zeros_like(theta), theta / 2)                       # G - G^T = J(theta)
             self.generators.copy_(rope + self.init_std * torch.randn_like(self.generators))
 
     @property
@@ -2231,8 +2232,6 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
     def _check_nodes(self, nodes: Tensor) -> int:
         """Validate node ids; return how many levels to peel (max_depth while tracing)."""
         owner = type(self).__name__
-        if nodes.is_floating_point():
-            raise TypeError(f"{owner}: positions must be integer node ids, got dtype={nodes.dtype}")
         if _skip_value_checks(nodes) or nodes.numel() == 0:
             return self.max_depth
         b = self.branching_factor
