@@ -273,6 +273,16 @@ class PositionalEmbedding(nn.Module):
         """``forward_attn`` before any cast to the input dtype (``attention()`` softmaxes these)."""
         return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
 
+    def attention_values(self, weights: Tensor, positions_q: Optional[Tensor] = None,
+                         positions_k: Optional[Tensor] = None) -> Optional[Tensor]:
+        """A positional term added to the attention output, or None (the default).
+
+        ``"logits"`` kinds only: ``attention()`` calls it with the masked, normalised (and
+        dropped-out) float32 weights ``[B, H, Nq, Nk]`` and the positions it was given, and
+        adds the result ``[B, H, Nq, Dv]`` to ``weights @ v`` (Shaw et al.'s value term).
+        """
+        return None
+
     def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor],
                   positions_k: Optional[Tensor]) -> tuple:
         """Validate q, k and their positions; return the positions broadcastable (or None)."""
@@ -444,10 +454,12 @@ def attention(
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
         # a fully masked row gives 0 (as SDPA does), not NaN
-        weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0).to(v.dtype)
+        weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0)                    # [B, H, Nq, Nk]
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
-        return torch.matmul(weights, v)                                                 # [B, H, Nq, Dv]
+        out = torch.matmul(weights.to(v.dtype), v)                                      # [B, H, Nq, Dv]
+        extra = pe.attention_values(weights, positions_q, positions_k)                  # [B, H, Nq, Dv] or None
+        return out if extra is None else out + extra.to(out.dtype)
     if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
             and (use_flex or (use_flex is None and q.is_cuda)):
         positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k)
