@@ -40,6 +40,9 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 """
 
 import math
+import numbers
+import operator
+import threading
 from typing import Literal, Optional, Union
 
 import torch
@@ -104,9 +107,61 @@ def _check_base(owner: str, base) -> None:
         raise ValueError(f"{owner}: base must be a number > 1, got base={base!r}")
 
 
-def _check_positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {name}={value!r}")
+def _describe(value) -> str:
+    """A value for an error message, abbreviated: tensors by shape and dtype, long reprs cut."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_flag(owner: str, name: str, value) -> bool:
+    """A boolean option: ``True``/``False`` (numpy bools too); a string such as ``"false"`` is a TypeError."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {_describe(value)}")
+
+
+def _as_int(owner: str, name: str, value, minimum: Optional[int] = 1) -> int:
+    """An integer size (Python, numpy or torch.SymInt) ``>= minimum``, returned as such."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise TypeError(f"{owner}: {name} must be an int, got bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {_describe(value)}") from None
+    if minimum is not None and number < minimum:
+        want = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{owner}: {name} must be {want}, got {name}={number}")
+    return number
+
+
+def _check_positive_int(owner: str, name: str, value) -> int:
+    """A positive integer size; returns it as an int."""
+    return _as_int(owner, name, value, 1)
+
+
+def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
+              exclusive: bool = False) -> float:
+    """A finite real number in ``[minimum, maximum]`` (``(minimum, ...]`` when ``exclusive``)."""
+    if isinstance(value, (bool, Tensor)) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {name} must be a real number, got {type(value).__name__} {_describe(value)}")
+    number = float(value)
+    below = minimum is not None and (number <= minimum if exclusive else number < minimum)
+    if not math.isfinite(number) or below or (maximum is not None and number > maximum):
+        low = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum}"
+        high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
+        raise ValueError(f"{owner}: {name} must be a finite number{low}{high}, got {name}={value!r}")
+    return number
+
+
+def _check_choice(owner: str, name: str, value, choices: tuple):
+    """One of ``choices`` (strings), else a ValueError listing them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}, got {name}={_describe(value)}")
+    return value
 
 
 def _check_last_dim(owner: str, name: str, value: Tensor, size: int) -> None:
@@ -134,6 +189,7 @@ def _check_positions(
     n: int,
     num_axes: int = 1,
     integer: bool = False,
+    device=None,
 ) -> Optional[Tensor]:
     """Validate ``positions`` for a tensor ``[*lead, N, ...]``; return them broadcastable, or None.
 
@@ -141,7 +197,9 @@ def _check_positions(
     with a trailing ``A`` axis when ``num_axes > 1``. ``[B, N]`` becomes
     ``[B, 1, ..., 1, N]`` so it applies to every head. Integers widen to int64 and floats
     to float64 (exact), so distances never wrap around or round; ``integer=True`` rejects
-    floats first. ``None`` stays None: the caller applies its default.
+    floats first. Integers must lie in ``(-2**62, 2**62)`` so every difference fits in int64.
+    With ``device`` given, positions must be on it. ``None`` stays None: the caller applies
+    its default.
     """
     axes = () if num_axes == 1 else (num_axes,)
     if positions is None:
@@ -159,12 +217,23 @@ def _check_positions(
         suffix = "".join(f", {a}" for a in axes)
         want = f"[{n}{suffix}]" + (f" or [{lead[0]}, {n}{suffix}]" if lead else "")
         raise ValueError(f"{owner}: {name} must have shape {want}, got {tuple(positions.shape)}")
+    if device is not None and positions.device != torch.device(device) and not positions.is_meta:
+        raise ValueError(f"{owner}: {name} must be on the device of the inputs ({torch.device(device)}), "
+                         f"got {name} on {positions.device}")
     positions = positions.to(torch.float64 if positions.is_floating_point() else torch.long)
+    if not positions.is_floating_point() and not _skip_value_checks(positions) and positions.numel() \
+            and not (-_LARGEST_POSITION <= positions.min() and positions.max() <= _LARGEST_POSITION):
+        bad = positions.max() if positions.max() > _LARGEST_POSITION else positions.min()
+        raise ValueError(f"{owner}: {name} must lie in [-2**62 + 1, 2**62 - 1] so that position differences fit "
+                         f"in int64, got {int(bad)}")
     if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
         raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
     if batched:  # [B, N(, A)] -> [B, 1, ..., 1, N(, A)]
         positions = positions.reshape(core[0], *([1] * (len(lead) - 1)), n, *axes)
     return positions
+
+
+_LARGEST_POSITION = 2**62 - 1
 
 
 def _skip_value_checks(tensor: Tensor) -> bool:
@@ -175,8 +244,7 @@ def _skip_value_checks(tensor: Tensor) -> bool:
 def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offset: int, device,
                 num_axes: int = 1) -> Tensor:
     """``positions`` on ``device``, or ``arange(n) + offset`` (an error for several axes)."""
-    if not isinstance(offset, int) or isinstance(offset, bool):
-        raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
+    offset = _as_int(owner, "offset", offset, minimum=None)
     if positions is not None:
         return positions.to(device)
     if num_axes > 1:
@@ -187,7 +255,8 @@ def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offs
 def _token_positions(module: "PositionalEmbedding", positions: Optional[Tensor], x: Tensor, offset: int) -> Tensor:
     """Positions for the tokens of ``x`` ``[..., N, D]``: validated, or ``arange(N) + offset``."""
     owner, n, num_axes = type(module).__name__, x.shape[-2], module.num_axes
-    checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes, module.integer_positions)
+    checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes,
+                               module.integer_positions, x.device)
     return _or_default(owner, "positions", checked, n, offset, x.device, num_axes)
 
 
@@ -284,15 +353,18 @@ class PositionalEmbedding(nn.Module):
         return None
 
     def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor],
-                  positions_k: Optional[Tensor]) -> tuple:
-        """Validate q, k and their positions; return the positions broadcastable (or None)."""
+                  positions_k: Optional[Tensor], grouped: bool = False) -> tuple:
+        """Validate q, k and their positions; return the positions broadcastable (or None).
+        ``grouped``: k may have fewer heads than q (attention()'s grouped-query path)."""
         owner = type(self).__name__
-        _check_qk(owner, q, k)
+        _check_qk(owner, q, k, grouped)
         self._check_heads(q)
         lead = tuple(q.shape[:-2])
         integer = self.integer_positions
-        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes, integer)
-        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes, integer)
+        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q.shape[-2], self.num_axes, integer,
+                                       q.device)
+        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes, integer,
+                                       k.device)
         if self.num_axes > 1 and self.kind != "input" and (positions_q is None or positions_k is None):
             raise ValueError(f"{owner}: positions_q and positions_k are required for {self.num_axes} axes "
                              f"(shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
@@ -338,15 +410,29 @@ class PositionalEmbedding(nn.Module):
         return self
 
 
-def _check_qk(owner: str, q: Tensor, k: Tensor) -> None:
-    """q: [..., Nq, Dh], k: [..., Nk, Dh] with matching leading dims and Dh."""
+def _check_qk(owner: str, q: Tensor, k: Tensor, grouped: bool = False) -> None:
+    """q: [..., Nq, Dh], k: [..., Nk, Dh] with matching leading dims and Dh; with ``grouped``,
+    k may have fewer heads (dim -3) than q, dividing them (grouped-query attention)."""
     _check_tensor(owner, "q", q, 2)
     _check_tensor(owner, "k", k, 2)
-    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+    heads_ok = q.shape[:-3] == k.shape[:-3] and q.dim() >= 3 and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0
+    if grouped and q.dim() == k.dim() and q.shape[-3:-2] != k.shape[-3:-2] and not heads_ok:
+        raise ValueError(f"{owner}: k and v must have as many heads as q or divide them (grouped-query attention), "
+                         f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    same_lead = q.shape[:-2] == k.shape[:-2] or (grouped and heads_ok)
+    if not same_lead or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"{owner}: q and k must agree on leading dims and head dim, "
             f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
+    _check_same_kind(owner, "k", k, "q", q)
+
+
+def _check_same_kind(owner: str, name: str, value: Tensor, reference_name: str, reference: Tensor) -> None:
+    """``value`` has ``reference``'s dtype and device (no silent promotion or transfer)."""
+    if value.dtype != reference.dtype or value.device != reference.device:
+        raise ValueError(f"{owner}: {name} must have the dtype and device of {reference_name} "
+                         f"({reference.dtype} on {reference.device}), got {value.dtype} on {value.device}")
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> Tensor:
@@ -403,6 +489,7 @@ def attention(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     use_flex: Optional[bool] = None,
+    document_ids: Optional[Tensor] = None,
 ) -> Tensor:
     """Softmax attention with positional encoding ``pe``, through the cheapest correct path.
 
@@ -411,10 +498,20 @@ def attention(
     run SDPA; ``"bias"`` encodings pass their bias as a float mask to SDPA;
     ``"logits"`` encodings compute their logits explicitly and apply the softmax.
 
+    Grouped-query and multi-query attention: k and v may have fewer heads than q
+    (``Hq % Hkv == 0``; query head ``h`` reads key head ``h // (Hq / Hkv)``). Encodings that
+    do not depend on the head (RoPE, input kinds, biases) run SDPA's own grouped path with
+    k and v as given; per-head ``"qk"`` / ``"logits"`` encodings see k and v repeated per
+    query head.
+
+    Packed sequences: ``document_ids`` ``[N]`` or ``[B, N]`` (self-attention, ``Nq == Nk``)
+    stops every token from attending across documents, and default positions restart at 0
+    in every document (``document_positions``); explicit positions win.
+
     Args:
         q (Tensor): queries ``[B, H, Nq, Dh]``.
-        k (Tensor): keys ``[B, H, Nk, Dh]``.
-        v (Tensor): values ``[B, H, Nk, Dv]``.
+        k (Tensor): keys ``[B, Hkv, Nk, Dh]``.
+        v (Tensor): values ``[B, Hkv, Nk, Dv]``.
         pe (PositionalEmbedding, optional): the encoding. Default: None.
         positions_q, positions_k (Tensor, optional): ``[N]`` or ``[B, N]`` positions.
             Default: keys ``arange(Nk)``, queries the last ``Nq`` of them.
@@ -423,73 +520,168 @@ def attention(
             Default: False.
         attn_mask (Tensor, optional): boolean (True = attend) or additive float mask
             broadcastable to ``[B, H, Nq, Nk]``. Default: None.
-        scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)``.
-        dropout_p (float): dropout on the attention weights. Default: 0.0.
+        scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)`` (the encoding's own
+            default where it has one).
+        dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
         use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
             their ``score_mod`` (no dense bias). None: on CUDA when there is no
-            ``attn_mask`` and no dropout; True: also on the CPU (eager FlexAttention, for
-            testing). Default: None.
+            ``attn_mask``, no dropout and no ``document_ids``; True: also on the CPU (eager
+            FlexAttention, for testing). Default: None.
+        document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
+            documents, contiguous runs of equal ids. Default: None.
 
     Shape:
         - Output: ``[B, H, Nq, Dv]``.
 
     Example:
         >>> rope = RotaryPositionalEmbedding(64)
-        >>> q = k = v = torch.randn(2, 4, 16, 64)
+        >>> q, k, v = torch.randn(2, 8, 16, 64), torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64)
         >>> attention(q, k, v, rope, causal=True).shape
-        torch.Size([2, 4, 16, 64])
+        torch.Size([2, 8, 16, 64])
     """
     owner = "attention"
-    _check_qk(owner, q, k)
+    group = _check_attention_inputs(q, k, v, pe)
+    causal = _check_flag(owner, "causal", causal)
+    dropout_p = _as_float(owner, "dropout_p", dropout_p, minimum=0.0, maximum=1.0)
+    scale = None if scale is None else _as_float(owner, "scale", scale)
+    if use_flex is not None:
+        use_flex = _check_flag(owner, "use_flex", use_flex)
+    _check_mask(attn_mask, q, k)
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if document_ids is not None:
+        same_document = _document_mask(q, k, document_ids)                              # [(B, 1, ..,) N, N] bool
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            attn_mask = same_document if attn_mask is None else attn_mask & same_document
+        else:
+            attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
+        if pe is not None and pe.kind != "input" and positions_q is None and positions_k is None:
+            positions_q = positions_k = document_positions(document_ids)
+    if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
+        k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
+    if pe is not None and pe.kind == "logits":
+        return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p)
+    if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
+            and (use_flex or (use_flex is None and q.is_cuda)):
+        pe._check_qk(q, k, positions_q, positions_k, grouped=True)
+        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
+        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale)
+    bias = None
+    if pe is not None:
+        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
+        positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k, grouped=True)
+        q, k = pe.encode_qk(q, k, positions_q, positions_k)
+        bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
+    gqa = {"enable_gqa": True} if group > 1 else {}
+    if bias is None and attn_mask is None and causal and q_len == k_len:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+    mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
+    if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
+        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
+    """Validate attention()'s tensors and encoding; return the query heads per key head."""
+    owner = "attention"
+    _check_qk(owner, q, k, grouped=True)
     _check_tensor(owner, "v", v, 2)
+    _check_same_kind(owner, "v", v, "q", q)
     if v.shape[:-1] != k.shape[:-1]:
         raise ValueError(f"{owner}: v must match k on every dim but the last, got v {tuple(v.shape)} and k {tuple(k.shape)}")
     if pe is not None and not isinstance(pe, PositionalEmbedding):
         raise TypeError(f"{owner}: pe must be a PositionalEmbedding or None, got {type(pe).__name__}")
-    _check_mask(attn_mask, q, k)
+    return q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                        causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float) -> Tensor:
+    """The "logits" path: the encoding's float32 logits, masks, a float32 softmax, weights @ v."""
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if pe is not None and pe.kind == "logits":
-        logits = pe.full_precision_logits(q, k, positions_q, positions_k, scale=scale)      # [B, H, Nq, Nk] float32
-        mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-        # a fully masked row gives 0 (as SDPA does), not NaN
-        weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0)                    # [B, H, Nq, Nk]
-        if dropout_p > 0.0:
-            weights = F.dropout(weights, p=dropout_p)
-        out = torch.matmul(weights.to(v.dtype), v)                                      # [B, H, Nq, Dv]
-        extra = pe.attention_values(weights, positions_q, positions_k)                  # [B, H, Nq, Dv] or None
-        return out if extra is None else out + extra.to(out.dtype)
-    if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-            and (use_flex or (use_flex is None and q.is_cuda)):
-        positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k)
-        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe.score_mod(q_len, k_len, positions_q, positions_k), causal, scale)
-    bias = None
-    if pe is not None:
-        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k)
-        q, k = pe.encode_qk(q, k, positions_q, positions_k)
-        bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
-    if bias is None and attn_mask is None and causal and q_len == k_len:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-    mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
-    if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
-        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    logits = pe.full_precision_logits(q, k, positions_q, positions_k, scale=scale)      # [B, H, Nq, Nk] float32
+    mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    # a fully masked row gives 0 (as SDPA does), not NaN
+    weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0)                        # [B, H, Nq, Nk]
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = torch.matmul(weights.to(v.dtype), v)                                          # [B, H, Nq, Dv]
+    extra = pe.attention_values(weights, positions_q, positions_k)                      # [B, H, Nq, Dv] or None
+    return out if extra is None else out + extra.to(out.dtype)
 
 
-def _flex_attention(q: Tensor, k: Tensor, v: Tensor, add_bias, causal: bool, scale: float) -> Tensor:
-    """FlexAttention with a bias ``score_mod`` (and the bottom-right causal mask)."""
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                    causal: bool, scale: float) -> Tensor:
+    """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask).
+
+    FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
+    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions repeated).
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
+    lead = q.shape[:-3]
+    batch = math.prod(lead) if lead else 1
+    if q.dim() != 4:
+        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
+        per_row = batch // (lead[0] if lead else 1)
+
+        def rows(p: Optional[Tensor]) -> Optional[Tensor]:                             # [B, N] -> [B * G, N]
+            return p.repeat_interleave(per_row, dim=0) if isinstance(p, Tensor) and p.dim() == 2 else p
+        positions_q, positions_k = rows(positions_q), rows(positions_k)
+    add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
     offset = _query_offset(q.shape[-2], k.shape[-2])
 
     def score_mod(score, b, h, q_idx, kv_idx):
         score = add_bias(score, b, h, q_idx, kv_idx)
         return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal else score
 
-    return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
+    out = flex_attention(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    return out.reshape(*lead, *out.shape[-3:])
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Positions that restart at 0 in every packed document: ``[N]`` or ``[B, N]`` int64.
+
+    Documents are contiguous runs of equal ids (``[0, 0, 0, 1, 1, 2]`` gives
+    ``[0, 1, 2, 0, 1, 0]``). Pass them to ``forward_input`` of input encodings; ``attention(...,
+    document_ids=...)`` uses them by default for attention-side encodings.
+
+    Example:
+        >>> document_positions(torch.tensor([7, 7, 7, 3, 3, 9]))
+        tensor([0, 1, 2, 0, 1, 0])
+    """
+    ids = _check_document_ids("document_positions", document_ids)
+    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)              # [(B,) N]
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    start_of_run = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - start_of_run
+
+
+def _check_document_ids(owner: str, document_ids) -> Tensor:
+    if not isinstance(document_ids, Tensor) or document_ids.is_floating_point() or document_ids.is_complex() \
+            or document_ids.dtype == torch.bool:
+        raise TypeError(f"{owner}: document_ids must be an integer tensor [N] or [B, N], got {_describe(document_ids)}")
+    if document_ids.dim() not in (1, 2):
+        raise ValueError(f"{owner}: document_ids must have shape [N] or [B, N], got {tuple(document_ids.shape)}")
+    return document_ids.long()
+
+
+def _document_mask(q: Tensor, k: Tensor, document_ids: Tensor) -> Tensor:
+    """Boolean ``[N, N]`` (``[B, 1, .., N, N]`` for ``[B, N]`` ids): True within a document."""
+    owner = "attention"
+    ids = _check_document_ids(owner, document_ids)
+    n = q.shape[-2]
+    if k.shape[-2] != n or ids.shape[-1] != n or (ids.dim() == 2 and ids.shape[0] not in (1, q.shape[0])) \
+            or (ids.dim() == 2 and q.dim() < 3):
+        raise ValueError(f"{owner}: document_ids need self-attention (Nq == Nk) and shape [{n}] or "
+                         f"[{q.shape[0]}, {n}], got ids {tuple(ids.shape)} for q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if ids.device != q.device:
+        raise ValueError(f"{owner}: document_ids must be on {q.device}, got {ids.device}")
+    same = ids.unsqueeze(-1) == ids.unsqueeze(-2)                                       # [(B,) N, N]
+    if ids.dim() == 2:
+        same = same.reshape(ids.shape[0], *([1] * (q.dim() - 3)), n, n)
+    return same
 
 
 # ---------------------------------------------------------------------------
