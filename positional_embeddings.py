@@ -42,7 +42,6 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 import math
 import numbers
 import operator
-import threading
 from typing import Literal, Optional, Union
 
 import torch
@@ -102,9 +101,8 @@ def _check_tensor(owner: str, name: str, value, min_dim: int) -> None:
 
 
 def _check_base(owner: str, base) -> None:
-    """A frequency base: a real number > 1."""
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
-        raise ValueError(f"{owner}: base must be a number > 1, got base={base!r}")
+    """A frequency base: a finite real number > 1."""
+    _as_float(owner, "base", base, minimum=1.0, exclusive=True)
 
 
 def _describe(value) -> str:
@@ -724,14 +722,13 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
                  layout: Literal["interleaved", "concat"] = "interleaved", num_axes: int = 1) -> None:
         super().__init__()
         owner = type(self).__name__
-        if not isinstance(num_axes, int) or num_axes < 1:
-            raise ValueError(f"{owner}: num_axes must be a positive int, got num_axes={num_axes!r}")
-        if not isinstance(dim, int) or dim <= 0 or dim % (2 * num_axes):
+        num_axes = _check_positive_int(owner, "num_axes", num_axes)
+        dim = _check_positive_int(owner, "dim", dim)
+        if dim % (2 * num_axes):
             raise ValueError(f"{owner}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}, "
                              f"got dim={dim!r}")
         _check_base(owner, base)
-        if layout not in ("interleaved", "concat"):
-            raise ValueError(f"{owner}: layout must be 'interleaved' or 'concat', got layout={layout!r}")
+        _check_choice(owner, "layout", layout, ("interleaved", "concat"))
         self.dim, self.base, self.layout, self.num_axes = dim, float(base), layout, num_axes
 
     def extra_repr(self) -> str:
@@ -801,10 +798,9 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
     def __init__(self, max_len: int, dim: int, *, init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("max_len", max_len), ("dim", dim)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{owner}: {name} must be a positive int, got {name}={value!r}")
-        self.max_len, self.dim, self.init_std = max_len, dim, init_std
+        max_len, dim = _check_positive_int(owner, "max_len", max_len), _check_positive_int(owner, "dim", dim)
+        self.max_len, self.dim = max_len, dim
+        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
         self.weight = nn.Parameter(torch.empty(max_len, dim))                            # [max_len, D]
         self.reset_parameters()
 
@@ -839,11 +835,21 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
         Returns ``self``.
         """
         owner = type(self).__name__
+        num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, minimum=0)
+        if num_prefix_tokens >= self.max_len:
+            raise ValueError(f"{owner}: num_prefix_tokens must be < max_len={self.max_len}, "
+                             f"got num_prefix_tokens={num_prefix_tokens}")
+        if mode is not None:
+            _check_choice(owner, "mode", mode, ("nearest", "linear", "bilinear", "bicubic", "area", "nearest-exact"))
+        if isinstance(new_size, (list, tuple)):
+            new_size = tuple(_as_int(owner, "new_size", size) for size in new_size)
+        elif not isinstance(new_size, Tensor):
+            new_size = _as_int(owner, "new_size", new_size)
         prefix, table = self.weight[:num_prefix_tokens], self.weight[num_prefix_tokens:].float()  # [L, D]
         if isinstance(new_size, int) and new_size > num_prefix_tokens:
             rows = F.interpolate(table.T[None], size=new_size - num_prefix_tokens,
                                  mode=mode or "linear", align_corners=False)[0].T           # [new, D]
-        elif isinstance(new_size, tuple) and len(new_size) == 2 and all(isinstance(s, int) and s > 0 for s in new_size):
+        elif isinstance(new_size, tuple) and len(new_size) == 2:
             old_grid = old_grid or (math.isqrt(table.shape[0]),) * 2
             if old_grid[0] * old_grid[1] != table.shape[0]:
                 raise ValueError(f"{owner}: old_grid must multiply to {table.shape[0]} rows "
@@ -958,6 +964,15 @@ def _rope_llama3(dim: int, base: float, params: dict, seq_len=None) -> tuple:
     return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
 
 
+def _rope_proportional(dim: int, base: float, params: dict, seq_len=None) -> tuple:
+    """Gemma 4's proportional RoPE: the first ``partial_rotary_factor`` of the pairs keep the
+    spectrum of the full head dim, the rest get frequency 0 (they pass unrotated); all / ``factor``."""
+    rotated = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
+    inv_freq = _inverse_frequencies(dim, base)
+    inv_freq[rotated:] = 0.0
+    return inv_freq / params.get("factor", 1.0), 1.0
+
+
 ROPE_SCALING = {
     "default": _rope_default,
     "linear": _rope_linear,
@@ -965,7 +980,11 @@ ROPE_SCALING = {
     "yarn": _rope_yarn,
     "longrope": _rope_longrope,
     "llama3": _rope_llama3,
+    "proportional": _rope_proportional,
 }
+"""The RoPE frequency functions by Hugging Face ``rope_type``: ``fn(dim, base, params, seq_len) ->
+(inv_freq [dim / 2] float64, attention_factor)``. ``RotaryPositionalEmbedding(scaling=...)`` picks
+one; it is public so the frequencies can be inspected or reused outside the class."""
 
 # Keys each rope_type needs (a tuple is "one of"), and the optional ones it understands.
 _ROPE_REQUIRED = {
@@ -976,44 +995,111 @@ _ROPE_REQUIRED = {
     "longrope": ("original_max_position_embeddings", "short_factor", "long_factor",
                  ("factor", "max_position_embeddings", "attention_factor")),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 _ROPE_OPTIONAL = {
     "rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "max_position_embeddings",
     "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
     "mscale_all_dim", "truncate", "short_factor", "long_factor", "low_freq_factor", "high_freq_factor",
+    "mrope_section", "mrope_interleaved",
 }
+_ROPE_LENGTHS = ("original_max_position_embeddings", "max_position_embeddings")
+_ROPE_POSITIVE = ("factor", "attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor",
+                  "partial_rotary_factor")
 _LENGTH_DEPENDENT = {"dynamic", "longrope"}
 
 
-def _check_scaling(owner: str, scaling: Optional[dict], base: float, rotary_dim: int) -> dict:
-    """Validate a ``rope_parameters`` dict; return a normalised copy with ``rope_type`` set."""
+def _check_scaling(owner: str, scaling: Optional[dict], base: float) -> dict:
+    """Validate a ``rope_parameters`` dict; return a normalised copy with ``rope_type`` set.
+
+    ``None`` values count as absent (Hugging Face configs carry them); ``rope_type`` wins over
+    the legacy ``type`` (as in transformers), and the legacy ``"mrope"`` type is default RoPE
+    whose ``mrope_section`` gives the sections. Every value is type- and range-checked.
+    """
     if scaling is None:
         return {"rope_type": "default"}
     if not isinstance(scaling, dict):
         raise TypeError(f"{owner}: scaling must be a dict in Hugging Face rope_parameters format or None, "
                         f"got {type(scaling).__name__}")
-    params = dict(scaling)
-    rope_type = params.pop("type", None) or params.get("rope_type", "default")
-    params["rope_type"] = rope_type
-    if rope_type not in ROPE_SCALING:
-        raise ValueError(f"{owner}: scaling['rope_type'] must be one of {sorted(ROPE_SCALING)}, got {rope_type!r}")
+    params = {key: value for key, value in scaling.items() if value is not None}
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    params["rope_type"] = "default" if rope_type == "mrope" else rope_type
+    if params["rope_type"] not in ROPE_SCALING:
+        raise ValueError(f"{owner}: scaling['rope_type'] must be one of {sorted(ROPE_SCALING)} (or the legacy "
+                         f"'mrope'), got {rope_type!r}")
     unknown = sorted(set(params) - _ROPE_OPTIONAL)
     if unknown:
-        raise ValueError(f"{owner}: scaling has unknown keys {unknown} for rope_type={rope_type!r}")
-    for need in _ROPE_REQUIRED[rope_type]:
+        raise ValueError(f"{owner}: scaling has unknown keys {unknown}; allowed keys: {sorted(_ROPE_OPTIONAL)}")
+    for need in _ROPE_REQUIRED[params["rope_type"]]:
         options = need if isinstance(need, tuple) else (need,)
-        if all(params.get(key) is None for key in options):
+        if all(key not in params for key in options):
             raise ValueError(f"{owner}: scaling with rope_type={rope_type!r} needs "
                              f"{' or '.join(repr(key) for key in options)}, got keys {sorted(params)}")
-    if "rope_theta" in params and float(params["rope_theta"]) != float(base):
-        raise ValueError(f"{owner}: scaling['rope_theta']={params['rope_theta']} disagrees with base={base}")
-    if "factor" in params and params["factor"] is not None and not params["factor"] > 0:
-        raise ValueError(f"{owner}: scaling['factor'] must be positive, got {params['factor']!r}")
+    for key in _ROPE_POSITIVE:
+        if key in params:
+            params[key] = _as_float(owner, f"scaling[{key!r}]", params[key], minimum=0.0, exclusive=True)
+    for key in ("mscale", "mscale_all_dim"):
+        if key in params:
+            params[key] = _as_float(owner, f"scaling[{key!r}]", params[key], minimum=0.0)
+    for key in _ROPE_LENGTHS:
+        if key in params:
+            params[key] = _check_positive_int(owner, f"scaling[{key!r}]", params[key])
+    for key in ("truncate", "mrope_interleaved"):
+        if key in params:
+            params[key] = _check_flag(owner, f"scaling[{key!r}]", params[key])
     for key in ("short_factor", "long_factor"):
-        if key in params and len(params[key]) != rotary_dim // 2:
-            raise ValueError(f"{owner}: scaling[{key!r}] must have rotary_dim / 2 = {rotary_dim // 2} "
-                             f"entries, got {len(params[key])}")
+        if key in params:
+            params[key] = [_as_float(owner, f"scaling[{key!r}]", value, minimum=0.0, exclusive=True)
+                           for value in _as_list(owner, f"scaling[{key!r}]", params[key])]
+    if "mrope_section" in params:
+        params["mrope_section"] = [_check_positive_int(owner, "scaling['mrope_section']", size)
+                                   for size in _as_list(owner, "scaling['mrope_section']", params["mrope_section"])]
+    if "low_freq_factor" in params and "high_freq_factor" in params \
+            and not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise ValueError(f"{owner}: scaling['high_freq_factor'] must exceed scaling['low_freq_factor'], got "
+                         f"{params['high_freq_factor']} and {params['low_freq_factor']}")
+    if "rope_theta" in params and _as_float(owner, "scaling['rope_theta']", params["rope_theta"]) != float(base):
+        raise ValueError(f"{owner}: scaling['rope_theta']={params['rope_theta']} disagrees with base={base}")
     return params
+
+
+def _as_list(owner: str, name: str, value) -> list:
+    """A list or tuple (a string is not a list of numbers)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}: {name} must be a list, got {type(value).__name__} {_describe(value)}")
+    return list(value)
+
+
+def _rotary_layout(owner: str, dim: int, rotary_dim: Optional[int], params: dict, sections: Optional[list],
+                   section_layout: str) -> tuple:
+    """Reconcile ``rotary_dim``, ``sections`` and ``section_layout`` with the scaling dict.
+
+    ``partial_rotary_factor`` in the dict (where transformers 5.x keeps it) sets
+    ``rotary_dim = int(dim * factor)`` unless ``rotary_dim`` is given, which must then agree;
+    ``proportional`` rotates every channel (the unrotated pairs get frequency 0) and takes its
+    proportion from either; ``mrope_section`` / ``mrope_interleaved`` give the sections.
+    Returns ``(rotary_dim, sections, section_layout)``.
+    """
+    factor = params.get("partial_rotary_factor")
+    if factor is not None and rotary_dim is not None and int(dim * factor) != rotary_dim:
+        raise ValueError(f"{owner}: rotary_dim={rotary_dim} disagrees with scaling['partial_rotary_factor']={factor} "
+                         f"(dim * factor = {int(dim * factor)}); give one of them")
+    if params["rope_type"] == "proportional":
+        if factor is None and rotary_dim is not None:
+            params["partial_rotary_factor"] = rotary_dim / dim
+        rotary_dim = dim
+    elif factor is not None:
+        rotary_dim = int(dim * factor)
+    rotary_dim = dim if rotary_dim is None else rotary_dim
+    if "mrope_section" in params:
+        if sections is not None and list(sections) != params["mrope_section"]:
+            raise ValueError(f"{owner}: sections={sections} disagrees with scaling['mrope_section']="
+                             f"{params['mrope_section']}")
+        sections = params["mrope_section"]
+    if params.get("mrope_interleaved"):
+        section_layout = "interleaved"
+    return rotary_dim, sections, section_layout
 
 
 def _pair_views(x: Tensor, interleaved: bool) -> tuple:
@@ -1181,30 +1267,40 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
-                 sections: Optional[list] = None,
+                 sections: Optional[list] = None, section_layout: Literal["contiguous", "interleaved"] = "contiguous",
                  axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096) -> None:
         super().__init__()
         owner = type(self).__name__
-        rotary_dim = dim if rotary_dim is None else rotary_dim
-        if not isinstance(dim, int) or dim <= 0 or dim % 2:
+        dim = _check_positive_int(owner, "dim", dim)
+        if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+        _check_base(owner, base)
+        self.dim, self.base = dim, float(base)
+        self.interleaved = _check_flag(owner, "interleaved", interleaved)
+        params = _check_scaling(owner, scaling, self.base)
+        rotary_dim = None if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
+        _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved"))
+        if sections is not None:
+            sections = [_check_positive_int(owner, "sections", size) for size in _as_list(owner, "sections", sections)]
+        rotary_dim, sections, section_layout = _rotary_layout(owner, dim, rotary_dim, params, sections, section_layout)
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
             raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
                              f"got rotary_dim={rotary_dim!r}")
-        _check_base(owner, base)
-        sections = None if sections is None else [int(s) for s in sections]
-        if sections is not None and (sum(sections) != rotary_dim // 2 or min(sections) <= 0):
+        if sections is not None and sum(sections) != rotary_dim // 2:
             raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
                              f"{rotary_dim // 2}, got sections={sections}")
-        if axis_spectrum not in ("shared", "per_axis") or (axis_spectrum == "per_axis" and sections is None):
-            raise ValueError(f"{owner}: axis_spectrum must be 'shared', or 'per_axis' with sections, "
-                             f"got {axis_spectrum!r} with sections={sections}")
-        self.dim, self.base, self.interleaved, self.rotary_dim = dim, float(base), interleaved, rotary_dim
-        if not isinstance(cache_len, int) or cache_len < 0:
-            raise ValueError(f"{owner}: cache_len must be a non-negative int, got cache_len={cache_len!r}")
-        self.sections, self.axis_spectrum, self.cache_len = sections, axis_spectrum, cache_len
+        if section_layout == "interleaved" and (sections is None or len(sections) != 3):
+            raise ValueError(f"{owner}: section_layout='interleaved' (Qwen3-VL) needs three sections (t, h, w), "
+                             f"got sections={sections}")
+        _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis"))
+        if axis_spectrum == "per_axis" and (sections is None or section_layout != "contiguous"):
+            raise ValueError(f"{owner}: axis_spectrum='per_axis' needs contiguous sections, "
+                             f"got sections={sections}, section_layout={section_layout!r}")
+        self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
+        self.axis_spectrum = axis_spectrum
+        self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
         self.num_axes = 1 if sections is None else len(sections)
-        self.scaling = scaling  # validates, builds the buffers
+        self._set_scaling(params)
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
@@ -1222,7 +1318,21 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     @scaling.setter
     def scaling(self, value: Optional[dict]) -> None:
         owner = type(self).__name__
-        self._scaling = _check_scaling(owner, value, self.base, self.rotary_dim)
+        params = _check_scaling(owner, value, self.base)
+        layout = (self.rotary_dim, self.sections, self.section_layout)
+        changed = _rotary_layout(owner, self.dim, self.rotary_dim, params, self.sections, self.section_layout)
+        if changed != layout:
+            raise ValueError(f"{owner}: a new scaling cannot change rotary_dim, sections or section_layout "
+                             f"(got {changed}, the module has {layout}); build a new module")
+        self._set_scaling(params)
+
+    def _set_scaling(self, params: dict) -> None:
+        owner = type(self).__name__
+        for key in ("short_factor", "long_factor"):
+            if key in params and len(params[key]) != self.rotary_dim // 2:
+                raise ValueError(f"{owner}: scaling[{key!r}] must have rotary_dim / 2 = {self.rotary_dim // 2} "
+                                 f"entries, got {len(params[key])}")
+        self._scaling = params
         if self.axis_spectrum == "per_axis" and self._scaling["rope_type"] != "default":
             raise ValueError(f"{owner}: axis_spectrum='per_axis' takes no scaling, got "
                              f"rope_type={self._scaling['rope_type']!r}")
@@ -1234,25 +1344,45 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             inv_freq, self.attention_factor = torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
         else:
             inv_freq, self.attention_factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
-        # construction-time frequencies [F] (float64) and their cos/sin for positions
-        # 0 .. cache_len - 1, attention factor included ([L, F] float32)
+        # construction-time frequencies [F] (float64) and their cos and sin for positions
+        # 0 .. cache_len - 1, attention factor included: one [2, L, F] float32 tensor, so that
+        # growing it swaps cos and sin together (a reader in another thread sees both or neither)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.register_buffer("cos_cached", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False)
-        self.register_buffer("sin_cached", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False)
+        self.register_buffer("cos_sin_cached", torch.empty(2, 0, self.rotary_dim // 2, device=device), persistent=False)
         if self.sections is None:
             self._grow_cache(self.cache_len)
         if self.sections is not None:  # which position axis drives each pair, [F]
-            axis_of_pair = [axis for axis, size in enumerate(self.sections) for _ in range(size)]
-            self.register_buffer("axis_of_pair", torch.tensor(axis_of_pair, device=device), persistent=False)
+            self.register_buffer("axis_of_pair", torch.tensor(self._axis_of_pair(), device=device), persistent=False)
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """Rotate ``x`` ``[..., N, Dh]`` (call it for q and for k); default positions ``arange(N) + offset``."""
+    def _axis_of_pair(self) -> list:
+        """The position axis of every frequency pair: contiguous sections (Qwen2-VL: ``t..t h..h w..w``),
+        or Qwen3-VL's interleaved order (``t h w t h w ...`` while an axis has pairs left, then ``t``)."""
+        if self.section_layout == "contiguous":
+            return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
+        axes = [0] * sum(self.sections)
+        for axis in (1, 2):
+            for pair in range(axis, 3 * self.sections[axis], 3):
+                axes[pair] = axis
+        return axes
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0,
+                seq_dim: Literal[-2, -3] = -2) -> Tensor:
+        """Rotate ``x`` (call it for q and for k); default positions ``arange(N) + offset``.
+
+        ``seq_dim=-2``: x is ``[..., N, Dh]`` (SDPA's ``[B, H, N, Dh]``); ``seq_dim=-3``: x is
+        ``[..., N, H, Dh]`` (flash-attn, torchtune), rotated in place of its layout, no transpose.
+        """
         owner = type(self).__name__
-        _check_tensor(owner, "x", x, 2)
+        if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
+            raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
+        _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
-        cos, sin = self.cos_sin(positions, x.shape[-2], offset=offset, device=x.device,
-                                dtype=_compute_dtype(x.dtype))
+        n = x.shape[seq_dim]
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:seq_dim]), n, self.num_axes,
+                                     device=x.device)
+        cos, sin = self.cos_sin(positions, n, offset=offset, device=x.device, dtype=_compute_dtype(x.dtype))
+        if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return self._apply_rotation(x, cos, sin)
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
@@ -1317,7 +1447,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         unused: one decoding step at position 1e6 computes its angles directly instead.
         """
         compiling = _is_compiling()
-        if dtype != torch.float32 or self.sections is not None or self.cos_cached.device != torch.device(device):
+        if dtype != torch.float32 or self.sections is not None or self.cos_sin_cached.device != torch.device(device):
             return None
         if not (inv_freq is self.inv_freq or (not compiling and factor == self.attention_factor
                                               and torch.equal(inv_freq, self.inv_freq))):
@@ -1328,21 +1458,25 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             return None
         else:
             low, high, count = int(positions.min()), int(positions.max()), positions.shape[-1]
-        length = self.cos_cached.shape[0]
+        cache = self.cos_sin_cached                     # read once: a concurrent grow swaps the whole tensor
+        length = cache.shape[1]
         if low < 0 or (high >= length and (compiling or high + 1 > max(4 * count, length))):
             return None
         if high >= length:
-            self._grow_cache(max(high + 1, 2 * length))
+            cache = self._grow_cache(max(high + 1, 2 * length))
+        cos, sin = cache[0], cache[1]                                                   # [L, F] each
         if positions is None:  # views, no copy
-            return self.cos_cached[offset : offset + n], self.sin_cached[offset : offset + n]
-        return F.embedding(positions, self.cos_cached), F.embedding(positions, self.sin_cached)
+            return cos[offset : offset + n], sin[offset : offset + n]
+        return F.embedding(positions, cos), F.embedding(positions, sin)
 
-    def _grow_cache(self, length: int) -> None:
+    def _grow_cache(self, length: int) -> Tensor:
+        """Tabulate cos and sin for positions ``0 .. length - 1`` and swap them in as one tensor."""
         # normal tensors even when called under inference_mode, so training can use them later
         with torch.inference_mode(False), torch.no_grad():
             angles = _angles(torch.arange(length, device=self.inv_freq.device), self.inv_freq.clone())   # [L, F]
-            self.cos_cached = (angles.cos() * self.attention_factor).float()
-            self.sin_cached = (angles.sin() * self.attention_factor).float()
+            cache = torch.stack([angles.cos(), angles.sin()]).mul_(self.attention_factor).float()       # [2, L, F]
+        self.cos_sin_cached = cache
+        return cache
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
@@ -1387,12 +1521,16 @@ def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positi
     """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions
     as ``attention_bias`` takes them (``[B, N]`` becomes ``[B, 1, N]``: one row for all heads)."""
     owner = type(module).__name__
-    _check_positive_int(owner, "q_len", q_len)
-    _check_positive_int(owner, "k_len", k_len)
+    for name, length in (("q_len", q_len), ("k_len", k_len)):
+        if isinstance(length, Tensor):
+            raise TypeError(f"{owner}: {name} must be an int (this bias is called with lengths, "
+                            f"forward(q_len, k_len)), got {_describe(length)}")
+    q_len, k_len = _check_positive_int(owner, "q_len", q_len), _check_positive_int(owner, "k_len", k_len)
     batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == 2}
-    if len(batches) > 1:
-        raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size, got {sorted(batches)}")
-    lead = (batches.pop(), 1) if batches else ()
+    if len(batches - {1}) > 1:
+        raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size (or 1), "
+                         f"got {sorted(batches)}")
+    lead = (max(batches), 1) if batches else ()
     integer = module.integer_positions
     return (_check_positions(owner, "positions_q", positions_q, lead, q_len, integer=integer),
             _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=integer))
@@ -1431,36 +1569,35 @@ class _RelativeBias(PositionalEmbedding):
         distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
         return self.bias_at(distances, heads[:, None, None])                            # [(B, 1..,) H, Nq, Nk]
 
-    def _check_integer(self, **positions: Optional[Tensor]) -> None:
-        """Bucketed distances need integer positions (``score_mod`` takes them unvalidated)."""
-        for name, tensor in positions.items():
-            if self.integer_positions and tensor is not None and tensor.is_floating_point():
-                raise TypeError(f"{type(self).__name__}: {name} must be an integer tensor (distances are "
-                                f"bucketed), got dtype={tensor.dtype}")
-
     def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
                   positions_k: Optional[Tensor] = None):
         """A FlexAttention ``score_mod`` adding this bias: ``flex_attention(q, k, v, score_mod=...)``.
 
         Default positions close over the ``Nq + Nk - 1`` per-distance values only; explicit
-        ``[N]`` or ``[B, N]`` positions are looked up per element.
+        ``[N]``, ``[1, N]`` or ``[B, N]`` positions (validated and widened as everywhere) are
+        looked up per element.
         """
         owner = type(self).__name__
+        positions_q, positions_k = _check_bias_call(self, q_len, k_len, positions_q, positions_k)
         device = self._buffer_device()
         heads = torch.arange(self.num_heads, device=device)
         if positions_q is None and positions_k is None:
             values = self.bias_at(_default_distances(q_len, k_len, device), heads[:, None])   # [H, Nq + Nk - 1]
             return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + q_len - 1].to(score.dtype)
-        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
-        positions_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        positions_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
-        self._check_integer(positions_q=positions_q, positions_k=positions_k)
-        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
+        pick_q = _row_lookup(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        pick_k = _row_lookup(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
 
         def add_bias(score, b, h, q_idx, kv_idx):
-            distance = pick(positions_k, b, kv_idx) - pick(positions_q, b, q_idx)
-            return score + self.bias_at(distance, h).to(score.dtype)
+            return score + self.bias_at(pick_k(b, kv_idx) - pick_q(b, q_idx), h).to(score.dtype)
         return add_bias
+
+
+def _row_lookup(positions: Tensor):
+    """``(b, index) -> position`` for FlexAttention: ``[N]``, or ``[R, 1.., N]`` rows (R = 1 shared, or B)."""
+    rows = positions.reshape(-1, positions.shape[-1])                                   # [R, N]
+    if rows.shape[0] == 1:
+        return lambda b, index: rows[0, index]
+    return lambda b, index: rows[b, index]
 
 
 def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
@@ -1721,10 +1858,12 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
                   positions_k: Optional[Tensor] = None):
         """A FlexAttention ``score_mod`` adding this bias (it indexes the dense bias: the
         absolute part is a learned ``[H, Nq, Nk]`` correlation, not a function of distance)."""
-        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(B,) H, Nq, Nk]
-        if bias.dim() == 4:
-            return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx].to(score.dtype)
-        return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx].to(score.dtype)
+        positions_q, positions_k = _check_bias_call(self, q_len, k_len, positions_q, positions_k)
+        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(R,) H, Nq, Nk]
+        rows = bias.reshape(-1, *bias.shape[-3:])                                       # [R, H, Nq, Nk], R = 1 or B
+        if rows.shape[0] == 1:
+            return lambda score, b, h, q_idx, kv_idx: score + rows[0, h, q_idx, kv_idx].to(score.dtype)
+        return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
 
     def _correlation(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``(U_q LN(p_i)) . (U_k LN(p_j)) / sqrt(2 Dh)`` per head: [(B,) H, Nq, Nk], float32."""

@@ -730,6 +730,18 @@ def rope_oracle(x, positions, inv_freq, *, interleaved=False, rotary_dim=None, f
     return out
 
 
+def rope_oracle_from_angles(x, angles):
+    """Half-split rotation of x [..., N, D] by angles [N, D/2], one pair at a time (float64 loop)."""
+    out = x.clone().double()
+    half = x.shape[-1] // 2
+    for n in range(x.shape[-2]):
+        for i in range(half):
+            c, s_ = math.cos(angles[n, i]), math.sin(angles[n, i])
+            a, b = x[..., n, i].double(), x[..., n, i + half].double()
+            out[..., n, i], out[..., n, i + half] = a * c - b * s_, b * c + a * s_
+    return out.to(x.dtype)
+
+
 def plain_inv_freq(dim, base=10000.0):
     return [base ** (-2 * i / dim) for i in range(dim // 2)]
 
@@ -835,15 +847,15 @@ class TestRotary:
         rope = RotaryPositionalEmbedding(32, cache_len=16)
         x = torch.randn(1, 1, 3000, 32)
         rope(x[..., :10, :])
-        assert rope.cos_cached.shape[0] == 16
+        assert rope.cos_sin_cached.shape[1] == 16
         out = rope(x)
-        assert rope.cos_cached.shape[0] >= 3000
+        assert rope.cos_sin_cached.shape[1] >= 3000
         torch.testing.assert_close(out, RotaryPositionalEmbedding(32, cache_len=0)(x))
         torch.testing.assert_close(rope(x[..., 5:9, :], torch.tensor([5, 6, 7, 8])), out[..., 5:9, :])
         # a lone position far past the table is computed directly, without growing it
         rope(x[..., :1, :], torch.tensor([10**7]))
-        assert rope.cos_cached.shape[0] < 10**7
-        assert "cos_cached" not in rope.state_dict()
+        assert rope.cos_sin_cached.shape[1] < 10**7
+        assert "cos_sin_cached" not in rope.state_dict()
 
     def test_cache_grown_under_inference_mode_serves_training(self):
         rope = RotaryPositionalEmbedding(16, cache_len=8)
@@ -1065,6 +1077,78 @@ class TestRotary:
 
     # -- bad input --------------------------------------------------------------
 
+    def test_scaling_dict_conventions_of_transformers(self):
+        """Issue 12.6: partial_rotary_factor inside scaling is honoured, rope_type wins over type,
+        None values are absent, Qwen2-VL's legacy {'type': 'mrope', 'mrope_section'} gives sections."""
+        partial = RotaryPositionalEmbedding(16, scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+        assert partial.rotary_dim == 8
+        x = torch.randn(1, 2, 5, 16)
+        torch.testing.assert_close(partial(x), RotaryPositionalEmbedding(16, rotary_dim=8)(x))
+        both = RotaryPositionalEmbedding(16, scaling={"type": "linear", "rope_type": "default", "factor": 4.0})
+        assert both.scaling["rope_type"] == "default"
+        nones = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": None,
+                                                       "beta_fast": None, "original_max_position_embeddings": 8})
+        yarn = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 8})
+        torch.testing.assert_close(nones(x), yarn(x))
+        qwen2_vl = RotaryPositionalEmbedding(16, scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+        assert qwen2_vl.sections == [2, 3, 3] and qwen2_vl.scaling["rope_type"] == "default"
+
+    def test_proportional_matches_gemma4_formula(self):
+        """Issue 13.4: the first int(p * Dh / 2) pairs keep base ** (-2i / Dh), the rest do not turn."""
+        dim, proportion, base = 16, 0.25, 10000.0
+        rope = RotaryPositionalEmbedding(dim, scaling={"rope_type": "proportional", "partial_rotary_factor": proportion})
+        rotated = int(proportion * dim // 2)
+        want = [base ** (-2 * i / dim) if i < rotated else 0.0 for i in range(dim // 2)]
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(want, dtype=torch.float64))
+        same = RotaryPositionalEmbedding(dim, rotary_dim=4, scaling={"rope_type": "proportional"})
+        torch.testing.assert_close(same.inv_freq, rope.inv_freq)
+        x = torch.randn(1, 1, 6, dim, dtype=torch.float64)
+        torch.testing.assert_close(rope(x)[..., 2:8], x[..., 2:8])       # zero-frequency pairs (half-split)
+
+    def test_interleaved_sections_follow_qwen3_vl_order(self):
+        rope = RotaryPositionalEmbedding(16, sections=[4, 2, 2], section_layout="interleaved")
+        # Qwen3-VL: pair i takes axis 1 if i % 3 == 1 and i < 3 * sections[1], axis 2 likewise, else axis 0
+        want = [1 if i % 3 == 1 and i < 6 else 2 if i % 3 == 2 and i < 6 else 0 for i in range(8)]
+        assert rope.axis_of_pair.tolist() == want
+        positions = torch.randint(0, 50, (5, 3))
+        x = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+        angles = torch.stack([positions[:, a] for a in want], -1).double() * rope.inv_freq    # [N, F]
+        torch.testing.assert_close(rope(x, positions), rope_oracle_from_angles(x, angles))
+
+    def test_seq_dim_minus_3_equals_transposed_layout(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(2, 7, 3, 16)                                      # [B, N, H, Dh]
+        positions = torch.randint(0, 100, (2, 7))
+        want = rope(x.transpose(1, 2), positions).transpose(1, 2)
+        torch.testing.assert_close(rope(x, positions, seq_dim=-3), want)
+        with pytest.raises(ValueError, match="seq_dim must be -2 .* or -3"):
+            rope(x, seq_dim=1)
+
+    def test_cache_growth_is_atomic_across_threads(self):
+        """Issue 12.2: two threads growing the cache while others read: every output is right."""
+        import threading
+
+        rope = RotaryPositionalEmbedding(8, cache_len=1)
+        x = torch.randn(1, 1, 64, 8, dtype=torch.float32)
+        want = [RotaryPositionalEmbedding(8)(x[..., :n, :]) for n in range(1, 65)]
+        errors = []
+
+        def work(seed):
+            generator = torch.Generator().manual_seed(seed)
+            for _ in range(200):
+                n = int(torch.randint(1, 65, (1,), generator=generator))
+                if not torch.allclose(rope(x[..., :n, :]), want[n - 1], atol=1e-6):
+                    errors.append(n)
+            rope._grow_cache(1)  # shrink again so growth keeps happening
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+
     @pytest.mark.parametrize("kwargs, error, message", [
         (dict(dim=15), ValueError, "dim must be a positive even int, got dim=15"),
         (dict(dim=16, rotary_dim=7), ValueError, "rotary_dim must be a positive even int <= dim=16, got rotary_dim=7"),
@@ -1078,6 +1162,25 @@ class TestRotary:
          ValueError, "scaling\\['short_factor'\\] must have rotary_dim / 2 = 8 entries, got 1"),
         (dict(dim=16, scaling="yarn"), TypeError, "scaling must be a dict"),
         (dict(dim=16, sections=[2, 2]), ValueError, "sections must be positive and sum to rotary_dim / 2 = 8"),
+        # issue 12.5 / 12.6: flags are bools, scaling values are checked where they enter
+        (dict(dim=16, interleaved="false"), TypeError, "interleaved must be a bool, got str 'false'"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": math.inf}), ValueError,
+         "scaling\\['factor'\\] must be a finite number > 0.0, got scaling\\['factor'\\]=inf"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": "2"}), TypeError, "scaling\\['factor'\\] must be a real number"),
+        (dict(dim=16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": -8}),
+         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=-8"),
+        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}),
+         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=0"),
+        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [0.0] * 8, "long_factor": [1.0] * 8,
+                               "original_max_position_embeddings": 8, "factor": 2.0}),
+         ValueError, "scaling\\['short_factor'\\] must be a finite number > 0.0"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": None}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
+        (dict(dim=16, sections=[2.5, 5.5]), TypeError, "sections must be an int, got float 2.5"),
+        (dict(dim=16, rotary_dim=8, scaling={"rope_type": "default", "partial_rotary_factor": 0.25}), ValueError,
+         "rotary_dim=8 disagrees with scaling\\['partial_rotary_factor'\\]=0.25"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]; allowed keys: \\['attention_factor'"),
+        (dict(dim=16, sections=[2, 6], section_layout="interleaved"), ValueError, "section_layout='interleaved' \\(Qwen3-VL\\) needs three sections"),
+        (dict(dim=16, section_layout="mixed"), ValueError, "section_layout must be one of 'contiguous', 'interleaved'"),
     ])
     def test_bad_arguments(self, kwargs, error, message):
         with pytest.raises(error, match="RotaryPositionalEmbedding: " + message):
@@ -1356,6 +1459,46 @@ class TestFlexAttention:
         want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
         got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
         torch.testing.assert_close(got, want)
+
+    BIAS_MAKERS = [lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), lambda: ALiBiPositionalEmbedding(H),
+                   lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+                   lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12)]
+
+    @pytest.mark.parametrize("make", BIAS_MAKERS)
+    @pytest.mark.parametrize("rows", ["batched", "shared", "narrow"])
+    def test_flex_equals_dense_with_positions_and_batch_unlike_heads(self, make, rows):
+        """Issue 12.3: [B, N] with B != H, [1, N] with B > 1 and uint8 positions, flex vs dense."""
+        pe = make()
+        batch = 3                                                        # != H, so batch and head cannot be mixed up
+        q, k, v = (torch.randn(batch, H, N, DH) for _ in range(3))
+        base = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5, torch.arange(N).flip(0)])
+        positions = {"batched": base, "shared": base[:1], "narrow": base[:1].to(torch.uint8)}[rows]
+        for causal in (False, True):
+            want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal, use_flex=False)
+            got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal, use_flex=True)
+            torch.testing.assert_close(got, want)
+        if rows == "narrow":  # uint8 0 - 2 must be -2, not 254: compare with the int64 positions
+            wide = attention(q, k, v, pe, positions_q=base[:1], positions_k=base[:1], use_flex=False)
+            torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions), wide)
+
+    @pytest.mark.parametrize("make", BIAS_MAKERS)
+    def test_flex_takes_3d_and_5d_inputs_like_the_dense_path(self, make):
+        pe = make()
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5])
+        for shape in ((H, N, DH), (B, 3, H, N, DH)):
+            q5, k5, v5 = (torch.randn(shape) for _ in range(3))
+            for pos in (None, positions if len(shape) == 5 else None):
+                want = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=False)
+                got = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=True)
+                torch.testing.assert_close(got, want)
+
+    def test_score_mod_validates_positions_itself(self):
+        pe = ALiBiPositionalEmbedding(H)
+        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: positions_q must have shape \\[4\\]"):
+            pe.score_mod(4, 4, torch.arange(5), None)
+        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
+            T5PositionalEmbedding(H).score_mod(4, 4, torch.arange(4.0), None)
 
 
 # ---------------------------------------------------------------------------
