@@ -603,15 +603,16 @@ class TestSinusoidal:
         want = sinusoid_oracle(list(range(999_996, 1_000_000)), 64).to(torch.bfloat16)
         torch.testing.assert_close(out[0], want, rtol=0, atol=0)
 
-    @pytest.mark.parametrize("kwargs, message", [
-        (dict(dim=7), "dim must be a positive multiple of 2"),
-        (dict(dim=12, num_axes=4), "dim must be a positive multiple of 2 \\* num_axes = 8, got dim=12"),
-        (dict(dim=8, base=-1.0), "base must be a number > 1, got base=-1.0"),
-        (dict(dim=8, base="1e4"), "base must be a number > 1, got base='1e4'"),
-        (dict(dim=8, layout="sin"), "layout must be"),
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(dim=7), ValueError, "dim must be a positive multiple of 2"),
+        (dict(dim=12, num_axes=4), ValueError, "dim must be a positive multiple of 2 \\* num_axes = 8, got dim=12"),
+        (dict(dim=8, base=-1.0), ValueError, "base must be a finite number > 1.0, got base=-1.0"),
+        (dict(dim=8, base="1e4"), TypeError, "base must be a real number, got str '1e4'"),
+        (dict(dim=8, layout="sin"), ValueError, "layout must be one of 'interleaved', 'concat', got layout='sin'"),
+        (dict(dim=8, num_axes=True), TypeError, "num_axes must be an int, got bool True"),
     ])
-    def test_bad_arguments(self, kwargs, message):
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: " + message):
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="SinusoidalPositionalEmbedding: " + message):
             SinusoidalPositionalEmbedding(**kwargs)
 
     def test_bad_multi_axis_positions(self):
@@ -698,10 +699,28 @@ class TestLearned:
         with pytest.raises(ValueError, match="new_size must be"):
             pe.resize(0)
 
-    @pytest.mark.parametrize("kwargs", [dict(max_len=0, dim=4), dict(max_len=4, dim=-1), dict(max_len=2.5, dim=4)])
-    def test_bad_arguments(self, kwargs):
-        with pytest.raises(ValueError, match="LearnedPositionalEmbedding: "):
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(max_len=0, dim=4), ValueError, "max_len must be a positive int, got max_len=0"),
+        (dict(max_len=4, dim=-1), ValueError, "dim must be a positive int, got dim=-1"),
+        (dict(max_len=2.5, dim=4), TypeError, "max_len must be an int, got float 2.5"),
+        (dict(max_len=4, dim=4, init_std=-0.1), ValueError, "init_std must be a finite number >= 0.0"),
+        (dict(max_len=4, dim=4, init_std="0.02"), TypeError, "init_std must be a real number, got str"),
+    ])
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="LearnedPositionalEmbedding: " + message):
             LearnedPositionalEmbedding(**kwargs)
+
+    def test_numpy_sizes_are_ints(self):
+        numpy = pytest.importorskip("numpy")
+        pe = LearnedPositionalEmbedding(numpy.int64(8), numpy.int32(4))
+        assert type(pe.max_len) is int and pe.weight.shape == (8, 4)
+
+    def test_resize_checks_prefix_and_mode(self):
+        pe = LearnedPositionalEmbedding(10, 4)
+        with pytest.raises(ValueError, match="num_prefix_tokens must be a non-negative int, got num_prefix_tokens=-1"):
+            pe.resize(12, num_prefix_tokens=-1)
+        with pytest.raises(ValueError, match="mode must be one of 'nearest'"):
+            pe.resize(12, mode="cubic")
 
 
 # ---------------------------------------------------------------------------
