@@ -162,6 +162,12 @@ def _check_choice(owner: str, name: str, value, choices: tuple):
     return value
 
 
+def _uninitialised(module_cls, *args, **kwargs) -> nn.Module:
+    """A submodule built without its own random init (``reset_parameters`` draws it once), so a
+    normal build and a meta build + ``reset_parameters()`` consume the same random numbers."""
+    return nn.utils.skip_init(module_cls, *args, device=torch.get_default_device(), **kwargs)
+
+
 def _check_last_dim(owner: str, name: str, value: Tensor, size: int) -> None:
     if value.shape[-1] != size:
         raise ValueError(
@@ -1532,8 +1538,12 @@ def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positi
                          f"got {sorted(batches)}")
     lead = (max(batches), 1) if batches else ()
     integer = module.integer_positions
-    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, integer=integer),
-            _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=integer))
+    axes = module.num_axes
+    if axes > 1 and (positions_q is None or positions_k is None):
+        raise ValueError(f"{owner}: positions_q and positions_k are required for {axes} axes "
+                         f"(shape [N, {axes}] or [B, N, {axes}]), got None")
+    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, axes, integer),
+            _check_positions(owner, "positions_k", positions_k, lead, k_len, axes, integer))
 
 
 class _RelativeBias(PositionalEmbedding):
@@ -1600,6 +1610,21 @@ def _row_lookup(positions: Tensor):
     return lambda b, index: rows[b, index]
 
 
+def _check_buckets(owner: str, num_buckets, max_distance, bidirectional) -> tuple:
+    """T5 bucketing arguments: enough buckets for one exact bucket, and ``max_distance`` past them."""
+    num_buckets = _check_positive_int(owner, "num_buckets", num_buckets)
+    max_distance = _check_positive_int(owner, "max_distance", max_distance)
+    bidirectional = _check_flag(owner, "bidirectional", bidirectional)
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if exact < 1:
+        raise ValueError(f"{owner}: num_buckets must be >= {4 if bidirectional else 2} "
+                         f"(bidirectional={bidirectional}), got num_buckets={num_buckets}")
+    if max_distance <= exact:
+        raise ValueError(f"{owner}: max_distance must exceed the {exact} exact buckets, "
+                         f"got max_distance={max_distance}")
+    return num_buckets, max_distance, bidirectional
+
+
 def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
                                 max_distance: int = 128) -> Tensor:
     """T5's bucket of each key - query distance (Raffel et al. 2020; Mesh TensorFlow's definition).
@@ -1617,6 +1642,12 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
     Returns:
         int64 buckets in ``[0, num_buckets)``, same shape.
     """
+    owner = "t5_relative_position_bucket"
+    num_buckets, max_distance, bidirectional = _check_buckets(owner, num_buckets, max_distance, bidirectional)
+    if not isinstance(relative_position, Tensor) or relative_position.is_floating_point() \
+            or relative_position.is_complex() or relative_position.dtype == torch.bool:
+        raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
+    relative_position = relative_position.long()
     buckets = torch.zeros_like(relative_position, dtype=torch.long)
     if bidirectional:
         num_buckets //= 2
@@ -1661,18 +1692,11 @@ class T5PositionalEmbedding(_RelativeBias):
                  bidirectional: bool = True, init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("num_heads", num_heads), ("num_buckets", num_buckets), ("max_distance", max_distance)):
-            _check_positive_int(owner, name, value)
-        exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
-        if exact < 1:
-            raise ValueError(f"{owner}: num_buckets must be >= {4 if bidirectional else 2} "
-                             f"(bidirectional={bidirectional}), got num_buckets={num_buckets}")
-        if max_distance <= exact:
-            raise ValueError(f"{owner}: max_distance must exceed the {exact} exact buckets, "
-                             f"got max_distance={max_distance}")
+        num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        num_buckets, max_distance, bidirectional = _check_buckets(owner, num_buckets, max_distance, bidirectional)
         self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
-        self.bidirectional, self.init_std = bidirectional, init_std
-        self.relative_attention_bias = nn.Embedding(num_buckets, num_heads)            # [buckets, H]
+        self.bidirectional, self.init_std = bidirectional, _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.relative_attention_bias = _uninitialised(nn.Embedding, num_buckets, num_heads)   # [buckets, H]
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -1698,19 +1722,29 @@ class T5PositionalEmbedding(_RelativeBias):
         return weight[bucket, head].to(_compute_dtype(weight.dtype))
 
 
-def alibi_slopes(num_heads: int) -> list:
-    """Press et al.'s head slopes: ``2 ** (-8 (h + 1) / H)`` for a power-of-two ``H``.
+_MAX_HEADS = 2**16
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list:
+    """Press et al.'s head slopes: ``2 ** (-max_bias (h + 1) / H)`` for a power-of-two ``H``.
 
     Otherwise the slopes of the nearest lower power of two ``P``, followed by every other
-    slope of ``2P`` heads (the ones not already used), up to ``H`` in all.
+    slope of ``2P`` heads (the ones not already used), up to ``H`` in all. ``max_bias`` is 8 in
+    the paper; MPT exposes it as ``alibi_bias_max``.
     """
+    owner = "alibi_slopes"
+    num_heads = _check_positive_int(owner, "num_heads", num_heads)
+    if num_heads > _MAX_HEADS:
+        raise ValueError(f"{owner}: num_heads must be at most {_MAX_HEADS}, got num_heads={num_heads}")
+    max_bias = _as_float(owner, "max_bias", max_bias, minimum=0.0, exclusive=True)
+
     def geometric(n: int) -> list:
-        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+        return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
 
     if num_heads & (num_heads - 1) == 0:
         return geometric(num_heads)
     lower = 2 ** int(math.log2(num_heads))
-    return geometric(lower) + alibi_slopes(2 * lower)[0::2][: num_heads - lower]
+    return geometric(lower) + alibi_slopes(2 * lower, max_bias)[0::2][: num_heads - lower]
 
 
 class ALiBiPositionalEmbedding(_RelativeBias):
@@ -1719,11 +1753,22 @@ class ALiBiPositionalEmbedding(_RelativeBias):
     ``bias[h, i, j] = -slopes[h] * |pos_q[i] - pos_k[j]|``; in the paper's causal mode
     (``bidirectional=False``) keys after the query get ``-inf``. Positions may be any
     integers or floats. The reference adds ``+slope * j`` instead, which differs by a
-    constant per row and so gives the same softmax.
+    constant per row and so gives the same softmax. For a prefix LM use
+    ``bidirectional=True`` (no built-in mask) with your own prefix mask.
+
+    Variants: explicit ``slopes`` (Falcon divides Press' slopes by ``sqrt(Dh)``: use
+    ``ALiBiPositionalEmbedding.from_config``), MPT's ``max_bias`` (``alibi_bias_max``), a bias on
+    the first ``num_alibi_heads`` heads only (the others get slope 0, as in x-transformers), and
+    ``num_axes = A > 1``: positions ``[..., N, A]`` with the Euclidean distance (2-D ALiBi for
+    images and maps, as in CROMA; bidirectional only).
 
     Args:
         num_heads (int): heads ``H``.
         bidirectional (bool): symmetric ``|i - j|`` without the causal mask. Default: False.
+        slopes (list of float, optional): one positive slope per head. Default: Press' rule.
+        max_bias (float): the exponent scale of Press' rule. Default: 8.0.
+        num_alibi_heads (int, optional): heads with a bias (the first ones). Default: all.
+        num_axes (int): position axes ``A``. Default: 1.
 
     Shape:
         - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32; ``self.slopes``: ``[H]``.
@@ -1736,17 +1781,47 @@ class ALiBiPositionalEmbedding(_RelativeBias):
 
     integer_positions = False
 
-    def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
+    def __init__(self, num_heads: int, *, bidirectional: bool = False, slopes: Optional[list] = None,
+                 max_bias: float = 8.0, num_alibi_heads: Optional[int] = None, num_axes: int = 1) -> None:
         super().__init__()
-        _check_positive_int(type(self).__name__, "num_heads", num_heads)
-        self.num_heads, self.bidirectional = num_heads, bidirectional
+        owner = type(self).__name__
+        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        if self.num_heads > _MAX_HEADS:
+            raise ValueError(f"{owner}: num_heads must be at most {_MAX_HEADS}, got num_heads={num_heads}")
+        self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
+        self.max_bias = _as_float(owner, "max_bias", max_bias, minimum=0.0, exclusive=True)
+        self.num_alibi_heads = self.num_heads if num_alibi_heads is None else \
+            _check_positive_int(owner, "num_alibi_heads", num_alibi_heads)
+        if self.num_alibi_heads > self.num_heads:
+            raise ValueError(f"{owner}: num_alibi_heads must be <= num_heads={self.num_heads}, "
+                             f"got num_alibi_heads={self.num_alibi_heads}")
+        if slopes is not None:
+            slopes = [_as_float(owner, "slopes", slope, minimum=0.0) for slope in _as_list(owner, "slopes", slopes)]
+            if len(slopes) != self.num_alibi_heads:
+                raise ValueError(f"{owner}: slopes must have num_alibi_heads={self.num_alibi_heads} entries, "
+                                 f"got {len(slopes)}")
+        self.explicit_slopes = slopes
+        self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
+        if self.num_axes > 1 and not self.bidirectional:
+            raise ValueError(f"{owner}: num_axes={self.num_axes} (Euclidean distance) has no causal order; "
+                             f"pass bidirectional=True")
+        self.translation_invariant = True
         self._init_buffers(None)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
+        text = f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
+        if self.explicit_slopes is not None:
+            text += ", slopes=explicit"
+        elif self.max_bias != 8.0:
+            text += f", max_bias={self.max_bias}"
+        if self.num_alibi_heads != self.num_heads:
+            text += f", num_alibi_heads={self.num_alibi_heads}"
+        return text + (f", num_axes={self.num_axes}" if self.num_axes > 1 else "")
 
     def _init_buffers(self, device) -> None:
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(self.num_heads), device=device), persistent=False)
+        slopes = self.explicit_slopes or alibi_slopes(self.num_alibi_heads, self.max_bias)
+        slopes = slopes + [0.0] * (self.num_heads - self.num_alibi_heads)
+        self.register_buffer("slopes", torch.tensor(slopes, dtype=torch.float32, device=device), persistent=False)
 
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
         slope = self.slopes[head]
@@ -1754,6 +1829,21 @@ class ALiBiPositionalEmbedding(_RelativeBias):
         if self.bidirectional:
             return bias
         return bias.masked_fill(distance > 0, float("-inf"))
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        if self.num_axes == 1:
+            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
+        device = self.slopes.device if device is None else device
+        offsets = positions_k.to(device).unsqueeze(-3) - positions_q.to(device).unsqueeze(-2)   # [.., Nq, Nk, A]
+        distance = offsets.to(torch.float64).square().sum(-1).sqrt()                   # [(B, 1..,) Nq, Nk]
+        heads = torch.arange(self.num_heads, device=device)[:, None, None]
+        return self.bias_at(distance, heads)                                            # [(B, 1..,) H, Nq, Nk]
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        if self.num_axes == 1:
+            return super().score_mod(q_len, k_len, positions_q, positions_k)
+        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
 
 
 class UnifiedPositionalEmbedding(PositionalEmbedding):
@@ -1804,10 +1894,10 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
         self.max_len, self.num_heads, self.head_dim = max_len, num_heads, head_dim
         self.cls_token, self.init_std = cls_token, init_std
         width = num_heads * head_dim
-        self.position_embeddings = nn.Embedding(max_len, width)                         # p: [max_len, H * Dh]
+        self.position_embeddings = _uninitialised(nn.Embedding, max_len, width)         # p: [max_len, H * Dh]
         self.pos_ln = nn.LayerNorm(width)
-        self.pos_q_linear = nn.Linear(width, width)                                     # U_q
-        self.pos_k_linear = nn.Linear(width, width)                                     # U_k
+        self.pos_q_linear = _uninitialised(nn.Linear, width, width)                     # U_q
+        self.pos_k_linear = _uninitialised(nn.Linear, width, width)                     # U_k
         self.relative = T5PositionalEmbedding(num_heads, num_buckets=num_buckets, max_distance=max_distance,
                                               bidirectional=bidirectional, init_std=init_std) if relative_bias else None
         if cls_token:
@@ -1858,12 +1948,7 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
                   positions_k: Optional[Tensor] = None):
         """A FlexAttention ``score_mod`` adding this bias (it indexes the dense bias: the
         absolute part is a learned ``[H, Nq, Nk]`` correlation, not a function of distance)."""
-        positions_q, positions_k = _check_bias_call(self, q_len, k_len, positions_q, positions_k)
-        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(R,) H, Nq, Nk]
-        rows = bias.reshape(-1, *bias.shape[-3:])                                       # [R, H, Nq, Nk], R = 1 or B
-        if rows.shape[0] == 1:
-            return lambda score, b, h, q_idx, kv_idx: score + rows[0, h, q_idx, kv_idx].to(score.dtype)
-        return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
+        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
 
     def _correlation(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``(U_q LN(p_i)) . (U_k LN(p_j)) / sqrt(2 Dh)`` per head: [(B,) H, Nq, Nk], float32."""
@@ -1877,6 +1962,18 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
         pos_query = project(self.pos_q_linear, pos_q) * self.logit_scale(self.head_dim)
         correlation = torch.matmul(pos_query, project(self.pos_k_linear, pos_k).transpose(-1, -2))
         return correlation.to(_compute_dtype(correlation.dtype))
+
+
+def _dense_score_mod(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                     positions_k: Optional[Tensor]):
+    """A ``score_mod`` that indexes the module's dense bias (for biases that are not a function of one
+    distance: TUPE's absolute correlation, Euclidean ALiBi)."""
+    positions_q, positions_k = _check_bias_call(module, q_len, k_len, positions_q, positions_k)
+    bias = module.attention_bias(q_len, k_len, positions_q, positions_k)               # [(R,) H, Nq, Nk]
+    rows = bias.reshape(-1, *bias.shape[-3:])                                           # [R, H, Nq, Nk], R = 1 or B
+    if rows.shape[0] == 1:
+        return lambda score, b, h, q_idx, kv_idx: score + rows[0, h, q_idx, kv_idx].to(score.dtype)
+    return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
 
 
 def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
@@ -2019,7 +2116,7 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
             _check_positive_int(owner, "clamp_len", clamp_len)
         _check_base(owner, base)
         self.d_model, self.base, self.clamp_len, self.init_std = d_model, float(base), clamp_len, init_std
-        self.r_net = nn.Linear(d_model, num_heads * head_dim, bias=False)               # W_r
+        self.r_net = _uninitialised(nn.Linear, d_model, num_heads * head_dim, bias=False)   # W_r
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -2115,7 +2212,7 @@ class EnformerPositionalEmbedding(_RelativeLogits):
                              f"got min_half_life={min_half_life!r}")
         self.num_features, self.length_scale = num_features, length_scale
         self.min_half_life, self.symmetric = float(min_half_life), symmetric
-        self.r_k = nn.Linear(num_features, num_heads * head_dim, bias=False)            # W_r
+        self.r_k = _uninitialised(nn.Linear, num_features, num_heads * head_dim, bias=False)   # W_r
         self.reset_parameters()
 
     def extra_repr(self) -> str:
