@@ -34,6 +34,53 @@ Encodings (class, paper):
 * ``HeinsenPositionalEmbedding`` (alias ``EmbedPosition``): Heinsen, "Encoding Position by
   Decaying and Updating Different Exponentiated States Differently" (2024).
 
+Length generalisation:
+
+* ``NoPositionalEmbedding``: Kazemnejad et al., "The Impact of Positional Encoding on Length
+  Generalization in Transformers", arXiv:2305.19466.
+* ``XPosPositionalEmbedding``: Sun et al., "A Length-Extrapolatable Transformer", arXiv:2212.10554.
+* ``KerplePositionalEmbedding``: Chi et al., "KERPLE: Kernelized Relative Positional Embedding for
+  Length Extrapolation", arXiv:2205.09921.
+* ``SandwichPositionalEmbedding``: Chi et al., "Dissecting Transformer Length Extrapolation via
+  the Lens of Receptive Field Analysis", arXiv:2212.10356.
+* ``FIREPositionalEmbedding``: Li et al., "Functional Interpolation for Relative Positions
+  Improves Long Context Transformers", arXiv:2310.04418.
+* ``CoPEPositionalEmbedding``: Golovneva et al., "Contextual Position Encoding: Learning to Count
+  What's Important", arXiv:2405.18719.
+* ``ForgettingPositionalEmbedding``: Lin et al., "Forgetting Transformer: Softmax Attention with
+  a Forget Gate", arXiv:2503.02130.
+
+Classic relative attention (content x position, with a value term):
+
+* ``ShawPositionalEmbedding``: Shaw, Uszkoreit and Vaswani, "Self-Attention with Relative Position
+  Representations", arXiv:1803.02155; ``key_query``: Huang et al., "Improve Transformer Models
+  with Better Relative Position Embeddings", arXiv:2009.13658.
+* ``DebertaPositionalEmbedding``: He et al., "DeBERTa: Decoding-enhanced BERT with Disentangled
+  Attention", arXiv:2006.03654 (v2/v3 log buckets).
+
+Images, video and coordinates:
+
+* ``RelativePositionBias2D``: Liu et al., "Swin Transformer", arXiv:2103.14030; Bao et al.,
+  "BEiT: BERT Pre-Training of Image Transformers", arXiv:2106.08254.
+* ``ContinuousPositionBias``: Liu et al., "Swin Transformer V2: Scaling Up Capacity and
+  Resolution", arXiv:2111.09883.
+* ``DynamicPositionBias``: Wang et al., "CrossFormer: A Versatile Vision Transformer Hinging on
+  Cross-scale Attention", arXiv:2108.00154 (x-transformers' layout).
+* ``MixedRotaryPositionalEmbedding``: Heo et al., "Rotary Position Embedding for Vision
+  Transformer", arXiv:2403.13298 (RoPE-Mixed); ``rope_coordinates``: DINOv3's normalised
+  and augmented patch coordinates (Simeoni et al., arXiv:2508.10104).
+* ``LieREPositionalEmbedding``: Ostmeier et al., "LieRE: Generalizing Rotary Position Encodings",
+  arXiv:2406.10322.
+* ``ConvolutionalPositionalEmbedding``: Chu et al., "Conditional Positional Encodings for Vision
+  Transformers" (CPVT's PEG), arXiv:2102.10882; Baevski et al., "wav2vec 2.0", arXiv:2006.11477.
+* ``FourierFeaturePositionalEmbedding``: Mildenhall et al., "NeRF", arXiv:2003.08934; Tancik et al.,
+  "Fourier Features Let Networks Learn High Frequency Functions in Low Dimensional Domains",
+  arXiv:2006.10739.
+
+Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
+rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
+``sharded_log_linear_scan`` and ``heinsen_forward_sharded`` (sequence shards over ranks).
+
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
 ``A`` position axes, ``F`` frequencies (``D / 2``).
@@ -42,7 +89,7 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 import math
 import numbers
 import operator
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -68,6 +115,28 @@ __all__ = [
     "AlgebraicTreePositionalEmbedding",
     "HeinsenPositionalEmbedding",
     "EmbedPosition",
+    "document_positions",
+    "NoPositionalEmbedding",
+    "XPosPositionalEmbedding",
+    "KerplePositionalEmbedding",
+    "SandwichPositionalEmbedding",
+    "FIREPositionalEmbedding",
+    "CoPEPositionalEmbedding",
+    "ForgettingPositionalEmbedding",
+    "ShawPositionalEmbedding",
+    "DebertaPositionalEmbedding",
+    "deberta_log_bucket",
+    "RelativePositionBias2D",
+    "ContinuousPositionBias",
+    "DynamicPositionBias",
+    "MixedRotaryPositionalEmbedding",
+    "LieREPositionalEmbedding",
+    "ConvolutionalPositionalEmbedding",
+    "FourierFeaturePositionalEmbedding",
+    "rope_coordinates",
+    "shard_positions",
+    "sharded_log_linear_scan",
+    "heinsen_forward_sharded",
 ]
 
 Tensor = torch.Tensor
@@ -306,6 +375,7 @@ class PositionalEmbedding(nn.Module):
     translation_invariant: bool = False  # logits depend only on position differences
     num_axes: int = 1       # position axes A: positions are [..., N] or, for A > 1, [..., N, A]
     integer_positions: bool = False  # positions index buckets, tables or tree nodes: floats are a TypeError
+    takes_positions: bool = True     # False: order comes from the content (contextual, recurrent, gated)
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Tokens with position information; identity for attention-side kinds."""
@@ -558,7 +628,7 @@ def attention(
             attn_mask = same_document if attn_mask is None else attn_mask & same_document
         else:
             attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
-        if pe is not None and pe.kind != "input" and positions_q is None and positions_k is None:
+        if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
             positions_q = positions_k = document_positions(document_ids)
     if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
         k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
@@ -698,52 +768,101 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
 
     ``PE[p, 2i] = sin(p / base**(2i/dim))`` and ``PE[p, 2i+1] = cos(p / base**(2i/dim))``
     (``layout="interleaved"``, the paper's formula); ``layout="concat"`` puts all sines
-    first, then all cosines (Transformer-XL, tensor2tensor). Positions may be any
-    integers or floats, negatives included, and there is no maximum length: angles are
+    first, then all cosines (Transformer-XL, tensor2tensor, MAE, fairseq). Positions may be
+    any integers or floats, negatives included, and there is no maximum length: angles are
     computed in float64, so position 1e6 keeps float32 accuracy.
 
     With ``num_axes = A > 1`` positions are ``[..., N, A]`` (images, video) and the
     channels split into ``A`` equal slices, slice ``a`` holding the 1-D encoding of
-    width ``dim / A`` of axis ``a`` (MAE's 2-D sin-cos table for ``A = 2``).
+    width ``dim / A`` of axis ``a``.
+
+    Conventions of other codebases, as options:
+
+    * MAE's ``get_2d_sincos_pos_embed`` (He et al., arXiv:2111.06377): ``num_axes=2,
+      layout="concat"``, with positions ``(column, row)``: MAE's ``meshgrid(grid_w, grid_h)``
+      puts the column in the first half of the channels. ``num_prefix_tokens=1`` is its
+      ``cls_token=True``: the first token of ``x`` gets the zero row.
+    * fairseq's ``SinusoidalPositionalEmbedding``: ``spectrum="fairseq"`` uses
+      ``theta_i = base ** (-i / (F - 1))`` (``F = dim // 2``, tensor2tensor's spacing, so the
+      last pair has wavelength exactly ``2 pi base``) and ``layout="concat"``; an odd ``dim``
+      gets a zero last column. ``padding_idx=P`` makes positions fairseq's: the default
+      positions are ``P + 1 + arange(N) + offset``, and position ``P`` (a padding token, as
+      ``fairseq.utils.make_positions`` marks them: ``mask.cumsum(-1) * mask + P``) embeds as
+      zeros.
 
     Args:
-        dim (int): embedding width ``D``; a multiple of ``2 * num_axes``.
+        dim (int): embedding width ``D``; a multiple of ``2 * num_axes`` (odd allowed with
+            ``spectrum="fairseq"`` and one axis).
         base (float): wavelength base. Default: 10000.0.
         layout (str): ``"interleaved"`` or ``"concat"``. Default: ``"interleaved"``.
         num_axes (int): position axes ``A``. Default: 1.
+        spectrum (str): ``"vaswani"`` (``base ** (-2i / dim)``) or ``"fairseq"``
+            (``base ** (-i / (F - 1))``). Default: ``"vaswani"``.
+        padding_idx (int, optional): fairseq's padding index (see above). Default: None.
+        num_prefix_tokens (int): leading tokens of ``x`` (``[CLS]``) that get no encoding;
+            ``positions`` then cover the other ``N - num_prefix_tokens`` tokens. Default: 0.
 
     Shape:
-        - x: ``[..., N, D]``; positions: ``[N]`` or ``[B, N]`` (``[N, A]`` or ``[B, N, A]``).
-        - Output of ``forward`` and of ``embed``: ``[..., N, D]``.
+        - x: ``[..., N, D]``; positions: ``[N]`` or ``[B, N]`` (``[N, A]`` or ``[B, N, A]``),
+          ``N`` counting the tokens after the prefix.
+        - Output of ``forward``: ``[..., N, D]``; of ``embed``: ``[..., N, D]`` for the positions given.
 
     Example:
         >>> pe = SinusoidalPositionalEmbedding(512)
         >>> pe(torch.randn(2, 100, 512)).shape
         torch.Size([2, 100, 512])
+        >>> mae = SinusoidalPositionalEmbedding(768, layout="concat", num_axes=2, num_prefix_tokens=1)
+        >>> cols_rows = torch.stack(torch.meshgrid(torch.arange(14), torch.arange(14), indexing="xy"), -1)
+        >>> mae(torch.randn(2, 197, 768), cols_rows.reshape(196, 2)).shape
+        torch.Size([2, 197, 768])
     """
 
     kind = "input"
 
     def __init__(self, dim: int, *, base: float = 10000.0,
-                 layout: Literal["interleaved", "concat"] = "interleaved", num_axes: int = 1) -> None:
+                 layout: Literal["interleaved", "concat"] = "interleaved", num_axes: int = 1,
+                 spectrum: Literal["vaswani", "fairseq"] = "vaswani", padding_idx: Optional[int] = None,
+                 num_prefix_tokens: int = 0) -> None:
         super().__init__()
         owner = type(self).__name__
-        num_axes = _check_positive_int(owner, "num_axes", num_axes)
-        dim = _check_positive_int(owner, "dim", dim)
-        if dim % (2 * num_axes):
-            raise ValueError(f"{owner}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}, "
-                             f"got dim={dim!r}")
+        if not isinstance(num_axes, int) or isinstance(num_axes, bool) or num_axes < 1:
+            raise ValueError(f"{owner}: num_axes must be a positive int, got num_axes={num_axes!r}")
+        if spectrum not in ("vaswani", "fairseq"):
+            raise ValueError(f"{owner}: spectrum must be 'vaswani' or 'fairseq', got spectrum={spectrum!r}")
+        odd_ok = spectrum == "fairseq" and num_axes == 1
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or (dim % (2 * num_axes) and not (odd_ok and dim % 2)):
+            raise ValueError(f"{owner}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}"
+                             f"{' (or odd, with spectrum=fairseq and one axis)' if num_axes == 1 else ''}, got dim={dim!r}")
+        if spectrum == "fairseq" and dim // (2 * num_axes) < 2:
+            raise ValueError(f"{owner}: spectrum='fairseq' needs at least 2 frequencies per axis "
+                             f"(its denominator is F - 1), got dim={dim} for {num_axes} axes")
         _check_base(owner, base)
-        _check_choice(owner, "layout", layout, ("interleaved", "concat"))
+        if layout not in ("interleaved", "concat"):
+            raise ValueError(f"{owner}: layout must be 'interleaved' or 'concat', got layout={layout!r}")
+        if padding_idx is not None and (not isinstance(padding_idx, int) or isinstance(padding_idx, bool)):
+            raise TypeError(f"{owner}: padding_idx must be an int or None, got {type(padding_idx).__name__} "
+                            f"{padding_idx!r}")
+        if not isinstance(num_prefix_tokens, int) or isinstance(num_prefix_tokens, bool) or num_prefix_tokens < 0:
+            raise ValueError(f"{owner}: num_prefix_tokens must be a non-negative int, "
+                             f"got num_prefix_tokens={num_prefix_tokens!r}")
         self.dim, self.base, self.layout, self.num_axes = dim, float(base), layout, num_axes
+        self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}, layout={self.layout!r}, num_axes={self.num_axes}"
+        text = f"dim={self.dim}, base={self.base}, layout={self.layout!r}, num_axes={self.num_axes}"
+        if self.spectrum != "vaswani":
+            text += f", spectrum={self.spectrum!r}"
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        if self.num_prefix_tokens:
+            text += f", num_prefix_tokens={self.num_prefix_tokens}"
+        return text
 
     def embed(self, positions: Tensor) -> Tensor:
         """The encoding of ``positions`` ``[..., N]`` (``[..., N, A]``): float32 ``[..., N, D]``.
 
-        float64 positions give a float64 table.
+        float64 positions give a float64 table. With ``padding_idx``, rows at position
+        ``padding_idx`` are zeros.
         """
         owner = type(self).__name__
         if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
@@ -754,25 +873,47 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
             raise ValueError(f"{owner}: positions must have shape [..., N]{'' if not axes else f' + [{self.num_axes}]'}"
                              f", got {tuple(positions.shape)}")
         if self.num_axes == 1:
-            return self._encode_axis(positions, self.dim)
-        width = self.dim // self.num_axes
-        return torch.cat([self._encode_axis(positions[..., a], width) for a in range(self.num_axes)], dim=-1)
+            table = self._encode_axis(positions, self.dim)
+        else:
+            width = self.dim // self.num_axes
+            table = torch.cat([self._encode_axis(positions[..., a], width) for a in range(self.num_axes)], dim=-1)
+        if self.padding_idx is not None:
+            table = table.masked_fill((positions == self.padding_idx).unsqueeze(-1), 0.0)
+        return table
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """``x + embed(positions)``; default positions ``arange(N) + offset``."""
+        """``x + embed(positions)`` (prefix tokens unchanged); default positions ``arange(N) + offset``
+        (``padding_idx + 1 + arange(N) + offset`` with ``padding_idx``)."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
-        return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
+        prefix = self.num_prefix_tokens
+        if x.shape[-2] < prefix:
+            raise ValueError(f"{owner}: x must have at least num_prefix_tokens={prefix} tokens, got shape "
+                             f"{tuple(x.shape)}")
+        tokens = x[..., prefix:, :]
+        if positions is None and self.padding_idx is not None:
+            if not isinstance(offset, int) or isinstance(offset, bool):
+                raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
+            offset = offset + self.padding_idx + 1
+        encoded = tokens + self.embed(_token_positions(self, positions, tokens, offset)).to(x.dtype)
+        return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
 
     def _encode_axis(self, positions: Tensor, width: int) -> Tensor:
         """One axis: positions [..., N] -> [..., N, width]."""
-        angles = _angles(positions, _inverse_frequencies(width, self.base, positions.device))   # [..., N, F]
+        if self.spectrum == "fairseq":   # base ** (-i / (F - 1)), i < F
+            half = width // 2
+            inv_freq = self.base ** -(torch.arange(half, dtype=torch.float64, device=positions.device) / (half - 1))
+        else:
+            inv_freq = _inverse_frequencies(width - width % 2, self.base, positions.device)
+        angles = _angles(positions, inv_freq)                                            # [..., N, F]
         dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
         sin, cos = angles.sin().to(dtype), angles.cos().to(dtype)
         if self.layout == "concat":
-            return torch.cat([sin, cos], dim=-1)                                         # [..., N, width]
-        return torch.stack([sin, cos], dim=-1).flatten(-2)                              # [..., N, width]
+            table = torch.cat([sin, cos], dim=-1)                                          # [..., N, 2F]
+        else:
+            table = torch.stack([sin, cos], dim=-1).flatten(-2)                           # [..., N, 2F]
+        return F.pad(table, (0, width % 2))                                                 # [..., N, width]
 
 
 class LearnedPositionalEmbedding(PositionalEmbedding):
@@ -1308,6 +1449,13 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self.num_axes = 1 if sections is None else len(sections)
         self._set_scaling(params)
 
+    @classmethod
+    def from_config(cls, config, *, layer_type: Optional[str] = None) -> "RotaryPositionalEmbedding":
+        """The RoPE of a Hugging Face model config (object or ``to_dict()``), as that model computes it
+        (``head_dim``, ``rope_parameters`` / ``rope_scaling`` / ``rope_theta``, partial rotary,
+        interleaved layouts, M-RoPE sections); ``layer_type`` picks one of Gemma 3/4's per-layer RoPEs."""
+        return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type))
+
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
         if self._scaling["rope_type"] != "default":
@@ -1532,7 +1680,8 @@ def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positi
             raise TypeError(f"{owner}: {name} must be an int (this bias is called with lengths, "
                             f"forward(q_len, k_len)), got {_describe(length)}")
     q_len, k_len = _check_positive_int(owner, "q_len", q_len), _check_positive_int(owner, "k_len", k_len)
-    batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == 2}
+    batch_dim = 2 if module.num_axes == 1 else 3
+    batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == batch_dim}
     if len(batches - {1}) > 1:
         raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size (or 1), "
                          f"got {sorted(batches)}")
@@ -1699,6 +1848,12 @@ class T5PositionalEmbedding(_RelativeBias):
         self.relative_attention_bias = _uninitialised(nn.Embedding, num_buckets, num_heads)   # [buckets, H]
         self.reset_parameters()
 
+    @classmethod
+    def from_config(cls, config, *, decoder: Optional[bool] = None) -> "T5PositionalEmbedding":
+        """T5's bias of a Hugging Face config: heads, ``relative_attention_num_buckets`` /
+        ``relative_attention_max_distance``, bidirectional unless ``is_decoder`` (or ``decoder=True``)."""
+        return cls(**_t5_kwargs_from_config(config, decoder=decoder))
+
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
                 f"bidirectional={self.bidirectional}")
@@ -1807,6 +1962,12 @@ class ALiBiPositionalEmbedding(_RelativeBias):
                              f"pass bidirectional=True")
         self.translation_invariant = True
         self._init_buffers(None)
+
+    @classmethod
+    def from_config(cls, config) -> "ALiBiPositionalEmbedding":
+        """The bias a Bloom, MPT (``attn_config.alibi_bias_max``) or Falcon (``alibi=True``: slopes /
+        ``sqrt(head_dim)``) model adds to its logits, from its Hugging Face config."""
+        return cls(**_alibi_kwargs_from_config(config))
 
     def extra_repr(self) -> str:
         text = f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
@@ -2251,6 +2412,1284 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
 
 # ---------------------------------------------------------------------------
+# Length generalisation: NoPE, xPos, KERPLE, Sandwich, FIRE
+# ---------------------------------------------------------------------------
+
+
+def _causal_distance(distance: Tensor, bidirectional: bool) -> Tensor:
+    """Non-negative distance fed to a decaying kernel.
+
+    ``distance`` is key - query. Bidirectional: ``|i - j|``. Causal: ``max(i - j, 0)``, so a key
+    after the query is evaluated at distance 0 (finite, as in the KERPLE and NeMo Sandwich
+    code); ``attention(causal=True)`` masks those keys.
+    """
+    return distance.abs() if bidirectional else (-distance).clamp(min=0)
+
+
+class NoPositionalEmbedding(PositionalEmbedding):
+    """No positional encoding: the NoPE baseline (Kazemnejad et al. 2023, arXiv:2305.19466).
+
+    A causal decoder can infer order from the causal mask alone; this class makes "no
+    positions" one more choice of the same argument, so a model switches positions off
+    without code changes. ``forward`` returns ``x`` unchanged (after validating it and its
+    positions), ``forward_attn`` is ``scale * q k^T`` and ``attention()`` is plain SDPA.
+    NoPE needs ``causal=True`` to see order at all: bidirectional attention without
+    positions is permutation-equivariant.
+
+    Args:
+        dim (int, optional): when given, the last dim of ``x`` is checked against it.
+            Default: None (any width).
+
+    Shape:
+        - x: ``[..., N, D]``; positions (validated, unused): ``[N]`` or ``[B, N]``.
+        - Output: ``x`` itself.
+
+    Example:
+        >>> nope = NoPositionalEmbedding()
+        >>> x = torch.randn(2, 16, 64)
+        >>> nope(x) is x
+        True
+    """
+
+    kind = "input"
+    translation_invariant = True   # the logits do not depend on positions at all
+
+    def __init__(self, *, dim: Optional[int] = None) -> None:
+        super().__init__()
+        self.dim = None if dim is None else _check_positive_int(type(self).__name__, "dim", dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``x`` unchanged; ``positions`` and ``offset`` are validated like every input class's."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        if self.dim is not None:
+            _check_last_dim(owner, "x", x, self.dim)
+        _token_positions(self, positions, x, offset)
+        return x
+
+
+def _xpos_limit(scale_base: float, log_zeta_min: float, dtype: torch.dtype) -> float:
+    """Largest ``|p|`` whose xPos scales ``zeta ** (+-p / scale_base)`` are normal numbers in ``dtype``."""
+    return scale_base * -math.log(torch.finfo(dtype).tiny) / -log_zeta_min
+
+
+class XPosPositionalEmbedding(PositionalEmbedding):
+    """xPos: RoPE with an exponential decay of the logits in the distance (Sun et al. 2022).
+
+    Sun et al., "A Length-Extrapolatable Transformer", arXiv:2212.10554. Pair ``i`` of q at
+    position ``p`` is rotated by ``p * theta_i`` (``theta_i = base ** (-2i / dim)``, as RoPE) and
+    scaled by ``zeta_i ** (p / scale_base)``; pair ``i`` of k at position ``r`` is rotated by
+    ``r * theta_i`` and scaled by ``zeta_i ** (-r / scale_base)``, with
+    ``zeta_i = (2i / dim + gamma) / (1 + gamma)`` in ``(0, 1]``. So
+    ``<q'_p, k'_r> = sum_i zeta_i ** ((p - r) / scale_base) * <R((r - p) theta_i) q_i, k_i>``
+    depends on ``p - r`` only, and decays with it for ``p > r`` (the causal case).
+
+    Conventions: the exponent is exactly ``p / scale_base`` (no centring, so ``q'`` and ``k'``
+    are reproducible on their own); q gets the positive exponent, k the negative one;
+    the scale of pair ``i`` multiplies both of its channels (``(2i, 2i+1)`` with
+    ``interleaved=True``, ``(i, i + dim/2)`` otherwise). torchscale's ``XPOS`` (0.3.0) and
+    rotary-embedding-torch's ``use_xpos`` use the same ``zeta``, scale base and signs with
+    interleaved pairs, but centre the exponent: torchscale at ``ceil((N + offset) / 2)``,
+    rotary-embedding-torch at ``N // 2``. A centring ``c`` multiplies q' by ``zeta ** (-c / scale_base)``
+    and k' by ``zeta ** (c / scale_base)``, leaving every logit unchanged.
+
+    Precision and range: angles come from float64 positions (``_angles``) and scales from
+    ``exp((p / scale_base) * log(zeta))`` in float64, then both are rounded once to the
+    compute dtype (float32; float64 for float64 inputs). Without centring the k scale grows
+    as ``zeta_0 ** (-|p| / scale_base)`` with ``zeta_0 = gamma / (1 + gamma)`` (0.2857 for the
+    defaults, ``log zeta_0 = -1.2528``), so with ``scale_base=512, gamma=0.4`` one of the two
+    scales leaves the normal range of the result dtype from
+    ``|p| = scale_base * -log(tiny) / -log(zeta_0)``:
+
+    ========  ===============  ====================  ===================
+    dtype     subnormal from   overflow (inf) from   underflow (0) from
+    ========  ===============  ====================  ===================
+    float32   35,694           36,261                42,494
+    bfloat16  35,694           36,259                37,961
+    float16   3,966            4,533                 7,083
+    float64   289,519          290,086               304,534
+    ========  ===============  ====================  ===================
+
+    A call whose positions exceed the first column for the input dtype raises
+    ``ValueError`` (eager mode; skipped while tracing) rather than return inf or 0. The
+    logits only depend on ``p - r``: to go further, shift q's and k's positions by the same
+    constant (as torchscale's centring does), or raise ``scale_base`` / ``gamma``.
+
+    Args:
+        dim (int): head dim ``Dh`` (even).
+        base (float): RoPE frequency base. Default: 10000.0.
+        scale_base (float): length scale of the decay. Default: 512.0.
+        gamma (float): ``zeta`` offset (> 0). Default: 0.4.
+        interleaved (bool): pairs ``(2i, 2i+1)`` (torchscale, rotary-embedding-torch) instead
+            of ``(i, i + dim/2)``. Default: False.
+
+    Shape:
+        - q: ``[..., Nq, Dh]``, k: ``[..., Nk, Dh]``; positions ``[N]`` or ``[B, N]``.
+        - Output of ``forward``: ``(q', k')`` of the shapes and dtypes of ``q``, ``k``.
+
+    Example:
+        >>> xpos = XPosPositionalEmbedding(64)
+        >>> q, k = torch.randn(2, 8, 100, 64), torch.randn(2, 8, 100, 64)
+        >>> q2, k2 = xpos(q, k)
+        >>> q_next, k_next = xpos(q[..., -1:, :], k[..., -1:, :], offset=100)
+    """
+
+    kind = "qk"
+    translation_invariant = True
+
+    def __init__(self, dim: int, *, base: float = 10000.0, scale_base: float = 512.0, gamma: float = 0.4,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        dim = _check_positive_int(owner, "dim", dim)
+        if dim % 2:
+            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
+        _check_base(owner, base)
+        self.dim, self.base = dim, float(base)
+        self.scale_base = _as_float(owner, "scale_base", scale_base, minimum=0.0, exclusive=True)
+        self.gamma = _as_float(owner, "gamma", gamma, minimum=0.0, exclusive=True)
+        self.interleaved = _check_flag(owner, "interleaved", interleaved)
+        self._init_buffers(None)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, base={self.base}, scale_base={self.scale_base}, gamma={self.gamma}, "
+                f"interleaved={self.interleaved}")
+
+    def _init_buffers(self, device) -> None:
+        zeta = (torch.arange(0, self.dim, 2, dtype=torch.float64, device=device) / self.dim + self.gamma) \
+            / (1 + self.gamma)                                                            # [F]
+        self.register_buffer("inv_freq", _inverse_frequencies(self.dim, self.base, device), persistent=False)
+        self.register_buffer("log_zeta", zeta.log(), persistent=False)                   # [F] float64
+
+    def limit(self, dtype: torch.dtype = torch.float32) -> float:
+        """The largest ``|position|`` accepted for inputs of ``dtype`` (see the table above)."""
+        return _xpos_limit(self.scale_base, math.log(self.gamma / (1 + self.gamma)), dtype)
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, offset: int = 0) -> tuple:
+        """``(q', k')``; default positions: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them."""
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        return self._encode(q, k, positions_q, positions_k, offset)
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        return self._encode(q, k, positions_q, positions_k, 0)
+
+    def _encode(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                offset: int) -> tuple:
+        owner = type(self).__name__
+        if q.shape[-1] != self.dim:
+            raise ValueError(f"{owner}: q and k must have head dim {self.dim}, got q {tuple(q.shape)}")
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        pos_q = _or_default(owner, "positions_q", positions_q, q_len, offset + _query_offset(q_len, k_len), q.device)
+        pos_k = _or_default(owner, "positions_k", positions_k, k_len, offset, k.device)
+        self._check_range(q.dtype, positions_q, positions_k, offset + max(q_len, k_len) - 1, offset)
+        return self._transform(q, pos_q, 1.0), self._transform(k, pos_k, -1.0)
+
+    def _transform(self, x: Tensor, positions: Tensor, sign: float) -> Tensor:
+        """Rotate by ``p theta`` and scale by ``zeta ** (sign p / scale_base)``: x [..., N, Dh]."""
+        angles = _angles(positions, self.inv_freq)                                        # [..., N, F] float64
+        scale = torch.exp(positions.to(torch.float64).unsqueeze(-1) * (sign / self.scale_base) * self.log_zeta)
+        dtype = _compute_dtype(x.dtype)
+        cos, sin = (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)   # [..., N, F]
+        return _rotate(x, cos, sin, self.interleaved, self.dim)
+
+    def _check_range(self, dtype: torch.dtype, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                     default_high: int, default_low: int) -> None:
+        """ValueError when a scale would leave the normal range of ``dtype`` (eager only)."""
+        given = [p for p in (positions_q, positions_k) if p is not None and p.numel() > 0]
+        if any(_skip_value_checks(p) for p in given) or _is_compiling():
+            return
+        extremes = [abs(default_high), abs(default_low)] if len(given) < 2 else []
+        extremes += [p.abs().max().item() for p in given]
+        largest, limit = max(extremes), self.limit(dtype)
+        if largest > limit:
+            raise ValueError(
+                f"{type(self).__name__}: positions must satisfy |p| <= {limit:.0f} for {dtype} inputs "
+                f"(zeta ** (p / scale_base) leaves the normal range beyond), got |p| = {largest:g}; shift q's and "
+                f"k's positions by the same constant (logits depend on p - r only) or raise scale_base/gamma")
+
+
+class _StraightThroughClamp(torch.autograd.Function):
+    """``clamp(x, low, high)`` forward, identity backward: the value the KERPLE authors'
+    in-place clamp gives, with the gradient they get at that value flowing to the parameter."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, low: float, high: Optional[float]) -> Tensor:
+        return x.clamp(min=low, max=high)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None
+
+
+def _clamp_straight_through(x: Tensor, low: float, high: Optional[float] = None) -> Tensor:
+    if _is_compiling():  # the same function, written with detach so dynamo traces it
+        return x + (x.clamp(min=low, max=high) - x).detach()
+    return _StraightThroughClamp.apply(x, low, high)
+
+
+class KerplePositionalEmbedding(_RelativeBias):
+    """KERPLE: a learned conditionally positive definite kernel of the distance (Chi et al. 2022).
+
+    Chi, Fan, Ramadge and Rudnicky, "KERPLE: Kernelized Relative Positional Embedding for
+    Length Extrapolation", NeurIPS 2022, arXiv:2205.09921. With ``d = max(i - j, 0)`` (causal)
+    or ``d = |i - j|`` (bidirectional), per head:
+
+    * ``kernel="log"``: ``bias = -r1 * log(1 + r2 * d)``;
+    * ``kernel="power"``: ``bias = -r1 * d ** r2`` with ``r2 <= 2`` (ALiBi is ``r2 = 1``).
+
+    Parameters follow the authors' code (github.com/chijames/KERPLE, ``megatron/mpu/layers.py``,
+    ``ParallelKerpleLog`` / ``ParallelKerplePower``): ``bias_p`` and ``bias_a``, shape ``[H, 1, 1]``
+    as there, so their checkpoints' ``...attention.rpe.bias_p`` / ``bias_a`` load unchanged. In
+    their naming ``bias_p`` is ``r1`` of the log kernel but ``r2`` (the exponent) of the power
+    kernel: log ``-bias_p * log(1 + bias_a * d)``, power ``-bias_a * d ** bias_p``; the properties
+    ``r1`` and ``r2`` give the paper's names. Init as theirs: ``bias_p ~ U(0, 2)``,
+    ``bias_a ~ U(0, 1)``. Positivity as theirs: every forward uses ``clamp(bias_*, min=eps)``
+    (and ``max=2`` for the power exponent), ``eps = 0.01``. They also overwrite the stored
+    parameters with the clamped values in forward; here forward is pure (so it compiles and
+    shards) and the clamp is straight-through, which gives the same values and gradients;
+    call ``clamp_parameters_()`` after ``optimizer.step()`` to store the clamped values too.
+
+    Keys after the query (causal mode) are evaluated at ``d = 0``, bias 0, as in the authors'
+    ``tril`` distance matrix: pass ``causal=True`` to ``attention()`` to mask them.
+    Positions may be floats.
+
+    Args:
+        num_heads (int): heads ``H``.
+        kernel (str): ``"log"`` or ``"power"``. Default: ``"log"``.
+        bidirectional (bool): ``|i - j|`` for both directions. Default: False.
+        eps (float): lower clamp of the parameters. Default: 0.01.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32; ``bias_p``, ``bias_a``: ``[H, 1, 1]``.
+
+    Example:
+        >>> kerple = KerplePositionalEmbedding(8)
+        >>> kerple(16, 16).shape
+        torch.Size([8, 16, 16])
+    """
+
+    integer_positions = False
+
+    def __init__(self, num_heads: int, *, kernel: Literal["log", "power"] = "log", bidirectional: bool = False,
+                 eps: float = 1e-2) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        if kernel not in ("log", "power"):
+            raise ValueError(f"{owner}: kernel must be 'log' or 'power', got kernel={kernel!r}")
+        self.kernel, self.bidirectional = kernel, _check_flag(owner, "bidirectional", bidirectional)
+        self.eps = _as_float(owner, "eps", eps, minimum=0.0, maximum=2.0, exclusive=True)
+        self.bias_p = nn.Parameter(torch.empty(self.num_heads, 1, 1))   # log: r1; power: r2 (exponent)
+        self.bias_a = nn.Parameter(torch.empty(self.num_heads, 1, 1))   # log: r2; power: r1
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, kernel={self.kernel!r}, bidirectional={self.bidirectional}"
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.bias_p, 0.0, 2.0)
+        nn.init.uniform_(self.bias_a, 0.0, 1.0)
+
+    @torch.no_grad()
+    def clamp_parameters_(self) -> None:
+        """Store the clamped parameters, as the authors' forward does in place."""
+        self.bias_p.clamp_(min=self.eps, max=2.0 if self.kernel == "power" else None)
+        self.bias_a.clamp_(min=self.eps)
+
+    def _clamped(self) -> tuple:
+        """``(bias_p, bias_a)`` clamped, flattened to ``[H]``, in the compute dtype."""
+        dtype = _compute_dtype(self.bias_p.dtype)
+        p = _clamp_straight_through(self.bias_p.view(-1), self.eps, 2.0 if self.kernel == "power" else None)
+        a = _clamp_straight_through(self.bias_a.view(-1), self.eps)
+        return p.to(dtype), a.to(dtype)
+
+    @property
+    def r1(self) -> Tensor:
+        """The paper's per-head ``r1`` (as used in forward): ``[H]``."""
+        p, a = self._clamped()
+        return (p if self.kernel == "log" else a).detach()
+
+    @property
+    def r2(self) -> Tensor:
+        """The paper's per-head ``r2`` (as used in forward): ``[H]``."""
+        p, a = self._clamped()
+        return (a if self.kernel == "log" else p).detach()
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        p, a = self._clamped()
+        p, a = p[head], a[head]
+        d = _causal_distance(distance, self.bidirectional).to(p.dtype)
+        if self.kernel == "log":
+            return -p * torch.log1p(a * d)
+        return -a * d.pow(p)
+
+
+class SandwichPositionalEmbedding(_RelativeBias):
+    """Sandwich: the inner product of sinusoidal embeddings as a bias (Chi et al. 2023).
+
+    Chi, Fan, Rudnicky and Ramadge, "Dissecting Transformer Length Extrapolation via the
+    Lens of Receptive Field Analysis", ACL 2023, arXiv:2212.10356. With ``p_m`` the
+    sinusoids of width ``dim``, ``p_m . p_n = sum_{i=1..dim/2} cos((m - n) / base ** (2i / dim))``
+    (the paper's sum runs from ``i = 1``: frequencies ``base ** (-2/dim) ... 1/base``). Per head
+    ``h = 1..H`` the bias is that inner product minus its value ``dim/2`` at distance 0, divided
+    by ``8h / H``:
+
+        ``bias[h, i, j] = (sum_i cos((i - j) w_i) - dim / 2) / (8 h / H)``.
+
+    This is exactly NVIDIA NeMo's ``SandwichRelativePositionEmbedding``
+    (``nemo/collections/nlp/modules/common/megatron/position_embedding/sandwich_relative_position_embedding.py``);
+    subtracting ``dim / 2`` is a constant per head, so the softmax is the paper's. Like NeMo,
+    causal mode evaluates keys after the query at distance 0 (bias 0): pass ``causal=True``
+    to ``attention()`` to mask them. No parameters; positions may be floats.
+
+    Cost: default positions take ``(Nq + Nk - 1) * dim / 2`` cosines (float64) and one pass
+    over ``[H, Nq, Nk]``; explicit positions take the inner product of their sinusoids, a
+    ``[Nq, dim] x [dim, Nk]`` float64 matmul.
+
+    Args:
+        num_heads (int): heads ``H``.
+        dim (int): width of the sinusoids (even; the paper's ``d``, NeMo's ``hidden_size``).
+        base (float): wavelength base. Default: 10000.0.
+        bidirectional (bool): both directions (``cos`` is even, so ``|i - j|``). Default: False.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32.
+
+    Example:
+        >>> sandwich = SandwichPositionalEmbedding(8, 128)
+        >>> sandwich(16, 16).shape
+        torch.Size([8, 16, 16])
+    """
+
+    integer_positions = False
+
+    def __init__(self, num_heads: int, dim: int, *, base: float = 10000.0, bidirectional: bool = False) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        self.dim = _check_positive_int(owner, "dim", dim)
+        if self.dim % 2:
+            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
+        _check_base(owner, base)
+        self.base, self.bidirectional = float(base), _check_flag(owner, "bidirectional", bidirectional)
+        self._init_buffers(None)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, dim={self.dim}, base={self.base}, bidirectional={self.bidirectional}"
+
+    def _init_buffers(self, device) -> None:
+        i = torch.arange(1, self.dim // 2 + 1, dtype=torch.float64, device=device)
+        heads = torch.arange(1, self.num_heads + 1, dtype=torch.float64, device=device)
+        self.register_buffer("inv_freq", self.base ** (-2 * i / self.dim), persistent=False)        # [dim/2]
+        self.register_buffer("head_scales", 8 * heads / self.num_heads, persistent=False)            # [H]
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        d = _causal_distance(distance, self.bidirectional)
+        inner = _angles(d, self.inv_freq).cos().sum(-1) - self.dim / 2                  # [...] float64
+        return (inner / self.head_scales[head]).float()
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        if (positions_q is None and positions_k is None) or q_len == 0 or k_len == 0:
+            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
+        owner, device = type(self).__name__, self.inv_freq.device if device is None else device
+        pos_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
+        pos_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
+
+        def sinusoids(positions: Tensor) -> Tensor:                                     # [..., N, dim]
+            angles = _angles(positions, self.inv_freq)
+            return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+        # cos(w (m - n)) = cos(w m) cos(w n) + sin(w m) sin(w n): the paper's p_m . p_n
+        inner = torch.matmul(sinusoids(pos_q), sinusoids(pos_k).transpose(-1, -2)) - self.dim / 2   # [(B, 1..,) Nq, Nk]
+        if not self.bidirectional:  # keys after the query sit at distance 0
+            inner = inner.masked_fill(pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1), 0.0)
+        return (inner / self.head_scales[:, None, None]).float()      # [Nq, Nk] -> [H, Nq, Nk]; [B, 1.., 1, ..] -> [B, 1.., H, ..]
+
+
+class FIREPositionalEmbedding(PositionalEmbedding):
+    """FIRE: a learned function of the distance, normalised by the query position (Li et al. 2023).
+
+    Li et al., "Functional Interpolation for Relative Positions Improves Long Context
+    Transformers", ICLR 2024, arXiv:2310.04418. Per head ``h``:
+
+        ``bias[h, i, j] = f_h(psi(d) / psi(max(L, i)))``,  ``psi(x) = log(c x + 1)``,
+
+    with ``d = i - j >= 0`` for a causal query ``i`` and key ``j``; ``f`` is an MLP
+    ``1 -> hidden_dim -> H`` with ReLU (``mlp``: ``Linear``, ``ReLU``, ``Linear``); ``c`` and ``L``
+    are learned scalars (used as ``|c|``, ``|L|``, so they stay positive). Dividing by
+    ``psi(max(L, i))`` maps every distance a query sees into ``[0, 1]`` ("progressive
+    interpolation"), so longer inputs reuse the range ``f`` was trained on.
+
+    Definitions beyond the paper's causal formula, made explicit:
+
+    * causal mode (default): keys after the query get ``d = 0`` (``f_h(0)``, finite);
+      ``attention(causal=True)`` masks them;
+    * ``bidirectional=True``: ``d = |i - j|`` and the normaliser is ``psi(max(L, i, j))``, so
+      inputs stay in ``[0, 1]`` on both sides (for causal pairs ``j <= i`` this is the
+      paper's ``psi(max(L, i))``; the same expression is used in both modes).
+
+    The bias depends on (distance, query position), not on the distance alone, so there is no
+    Toeplitz shortcut in general: ``forward`` evaluates ``f`` on the full ``[(B,) Nq, Nk]`` grid
+    (``Nq * Nk * hidden_dim`` float32 activations, the cost of a small MLP per logit), and
+    ``score_mod`` evaluates it per logit inside FlexAttention instead of materialising it.
+    Positions may be floats; ``translation_invariant`` is False.
+
+    Args:
+        num_heads (int): heads ``H``.
+        hidden_dim (int): hidden width of ``f``. Default: 32.
+        bidirectional (bool): see above. Default: False.
+        init_c (float): initial ``c``. Default: 0.1.
+        init_L (float): initial threshold ``L``. Default: 512.0. (Neither default is checked
+            against the paper's appendix yet.)
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]``
+          positions), float32.
+
+    Example:
+        >>> fire = FIREPositionalEmbedding(8)
+        >>> fire(16, 16).shape
+        torch.Size([8, 16, 16])
+    """
+
+    kind = "bias"
+    integer_positions = False
+
+    def __init__(self, num_heads: int, *, hidden_dim: int = 32, bidirectional: bool = False,
+                 init_c: float = 0.1, init_L: float = 512.0) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        self.hidden_dim = _check_positive_int(owner, "hidden_dim", hidden_dim)
+        self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
+        self.init_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
+        self.init_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
+        self.mlp = nn.Sequential(nn.Linear(1, self.hidden_dim), nn.ReLU(), nn.Linear(self.hidden_dim, self.num_heads))
+        self.c = nn.Parameter(torch.empty(()))
+        self.L = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, hidden_dim={self.hidden_dim}, bidirectional={self.bidirectional}"
+
+    def reset_parameters(self) -> None:
+        self.mlp[0].reset_parameters()
+        self.mlp[2].reset_parameters()
+        nn.init.constant_(self.c, self.init_c)
+        nn.init.constant_(self.L, self.init_L)
+
+    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None) -> Tensor:
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
+        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+
+    def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
+        dtype = _compute_dtype(self.c.dtype)
+        c, threshold = self.c.abs().to(dtype), self.L.abs().to(dtype)
+        distance = _causal_distance(pos_k - pos_q, self.bidirectional).to(dtype)
+        top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
+        return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
+
+    def _weights(self) -> tuple:
+        dtype = _compute_dtype(self.c.dtype)
+        first, second = self.mlp[0], self.mlp[2]
+        return (first.weight[:, 0].to(dtype), first.bias.to(dtype),                     # [hidden], [hidden]
+                second.weight.to(dtype), second.bias.to(dtype))                         # [H, hidden], [H]
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        owner = type(self).__name__
+        device = self.c.device if device is None else device
+        pos_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
+        pos_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
+        u = self._inputs(pos_q.unsqueeze(-1), pos_k.unsqueeze(-2))                      # [(B, 1.., 1,) Nq, Nk]
+        if u.dim() > 2:
+            u = u.squeeze(-3)                                                           # drop the head slot
+        w1, b1, w2, b2 = self._weights()
+        hidden = torch.relu(u.unsqueeze(-1) * w1 + b1)                                  # [..., Nq, Nk, hidden]
+        return torch.movedim(torch.matmul(hidden, w2.T) + b2, -1, -3)                   # [..., H, Nq, Nk]
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod`` evaluating ``f`` per logit (no ``[H, Nq, Nk]`` tensor)."""
+        owner, device = type(self).__name__, self.c.device
+        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
+        pos_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        pos_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
+        w1, b1, w2, b2 = self._weights()
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            u = self._inputs(pick(pos_q, b, q_idx), pick(pos_k, b, kv_idx))
+            hidden = torch.relu(u * w1 + b1)                                            # [hidden]
+            return score + ((w2[h] * hidden).sum() + b2[h]).to(score.dtype)
+        return add_bias
+
+
+# ---------------------------------------------------------------------------
+# Length generalisation, content-dependent: CoPE, the Forgetting Transformer's forget gate
+# ---------------------------------------------------------------------------
+
+
+def _reject_positions(owner: str, positions_q, positions_k, why: str) -> None:
+    """Encodings whose order comes from the content: explicit positions are a ValueError."""
+    for name, value in (("positions_q", positions_q), ("positions_k", positions_k)):
+        if value is not None:
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"{owner}: {name} must be None: {why}, got {got}")
+
+
+class CoPEPositionalEmbedding(PositionalEmbedding):
+    """Contextual Position Encoding (Golovneva et al., arXiv:2405.18719).
+
+    Positions are counted by the content: query ``i`` opens a gate on every key,
+    ``g_it = sigmoid(scale * q_i . k_t)``, and the position of key ``j`` is the number of
+    open gates between it and the query, ``p_ij = sum_{t=j..i} g_it``, clamped at
+    ``max_position - 1``. A learned vector per integer position, ``e[0 .. max_position - 1]``
+    (``pos_emb``), is interpolated at the fractional ``p_ij``,
+    ``e(p) = (1 - w) e[floor p] + w e[ceil p]`` with ``w = p - floor p``, and the logits are
+    ``scale * q_i . k_j + q_i . e(p_ij)`` (the position term is not scaled, as in the
+    paper's code). As in the paper's appendix code, ``q @ e^T`` is computed once per query
+    ``[B, H, Nq, max_position]`` and each pair gathers its two integer neighbours.
+
+    The sum runs from ``j`` to ``i``, so CoPE is causal by construction: the gates of keys
+    after the query are zero (the causal mask is applied to the gates, as in the paper) and
+    the logits there are ``-inf``, whatever ``attention(causal=...)`` says (``causal=False``
+    gives the causal result, it does not attend to the future). With fewer queries than keys
+    the queries are the last ``Nq`` tokens (bottom-right); a query's positions use only its
+    own gates, so token-by-token decoding with a cache is exact.
+
+    ``pos_emb`` is ``[max_position, Dh]`` shared by the heads, x-transformers' ``CoPE.pos_emb``
+    (copy it as is); the paper's ``pos_emb`` ``[1, Dh, max_position]`` loads as
+    ``pos_emb.copy_(paper.pos_emb[0].T)``. ``per_head=True`` gives each head its own table
+    ``[H, max_position, Dh]``. Both references start from zeros (``init_std=0``).
+
+    Cost: a logits kind, O(B H Nq Nk) extra memory on top of the logits: the gates, their
+    reverse cumulative sum, one int64 index and two gathered terms (about 6 float32
+    ``[B, H, Nq, Nk]`` tensors), and no fused SDPA path.
+
+    Args:
+        num_heads (int): heads ``H``.
+        head_dim (int): head dim ``Dh``.
+        max_position (int): rows of the table; contextual positions clamp at
+            ``max_position - 1``. Default: 64.
+        per_head (bool): one table per head. Default: False (the references').
+        init_std (float): std of the normal init of the table; 0 gives the references'
+            zeros. Default: 0.0.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` (``Nq <= Nk``) -> ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> cope = CoPEPositionalEmbedding(8, 64, max_position=64)
+        >>> q = k = v = torch.randn(2, 8, 128, 64)
+        >>> attention(q, k, v, cope, causal=True).shape
+        torch.Size([2, 8, 128, 64])
+    """
+
+    kind = "logits"
+    takes_positions = False
+
+    def __init__(self, num_heads: int, head_dim: int, *, max_position: int = 64, per_head: bool = False,
+                 init_std: float = 0.0) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("max_position", max_position)):
+            _check_positive_int(owner, name, value)
+        if not isinstance(per_head, bool):
+            raise TypeError(f"{owner}: per_head must be a bool, got {type(per_head).__name__} {per_head!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < float("inf"):
+            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
+        self.num_heads, self.head_dim, self.max_position = num_heads, head_dim, max_position
+        self.per_head, self.init_std = per_head, float(init_std)
+        shape = (num_heads, max_position, head_dim) if per_head else (max_position, head_dim)
+        self.pos_emb = nn.Parameter(torch.empty(shape))                                # e: [(H,) P, Dh]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, max_position={self.max_position}"
+                + (", per_head=True" if self.per_head else ""))
+
+    def reset_parameters(self) -> None:
+        if self.init_std > 0:
+            nn.init.normal_(self.pos_emb, std=self.init_std)
+        else:
+            nn.init.zeros_(self.pos_emb)
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``); ``-inf`` after the query."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
+
+    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
+        owner = type(self).__name__
+        _reject_positions(owner, positions_q, positions_k, "contextual positions are counted by the gates")
+        super()._check_qk(q, k, None, None, grouped)
+        if q.shape[-2] > k.shape[-2]:
+            raise ValueError(f"{owner}: q must not have more tokens than k (queries are the last Nq keys), "
+                             f"got Nq={q.shape[-2]} and Nk={k.shape[-2]}")
+        return None, None
+
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
+        self._check_qk(q, k, positions_q, positions_k)
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        dtype = _compute_dtype(q.dtype)
+        q, k = q.to(dtype), k.to(dtype)
+        # keys in reverse order (column r is key Nk - 1 - r), so p_ij is a forward cumsum; one flip at the end
+        logits = torch.matmul(q, k.flip(-2).transpose(-1, -2)) * scale                  # [B, H, Nq, Nk] reversed
+        allowed = _causal_mask(q_len, k_len, q.device).flip(-1)                         # [Nq, Nk] reversed
+        gates = torch.where(allowed, torch.sigmoid(logits), 0.0)                        # g_it, causal
+        positions = gates.cumsum(-1).clamp(max=self.max_position - 1)                   # p_ij = sum_{t=j..i} g_it
+        index = positions.long()                                                        # floor(p): p >= 0
+        by_position = torch.matmul(q, self.pos_emb.to(dtype).transpose(-1, -2))        # q . e[p]: [B, H, Nq, P]
+        step = F.pad(by_position.diff(dim=-1), (0, 1))                                 # q . (e[p + 1] - e[p])
+        term = torch.addcmul(by_position.gather(-1, index), positions.frac(), step.gather(-1, index))  # [B, H, Nq, Nk]
+        return torch.where(allowed, logits + term, float("-inf")).flip(-1)             # q . e(p_ij) added
+
+
+class ForgettingPositionalEmbedding(PositionalEmbedding):
+    """The Forgetting Transformer's forget gate (Lin et al., arXiv:2503.02130).
+
+    Forgetting Attention adds a data-dependent decay to softmax attention: each token ``l``
+    has a forget gate per head ``f_l = sigmoid(w_h . x_l + b_h)`` (``fgate_proj``, an
+    ``nn.Linear(dim, num_heads)`` named as in the authors' code), and query ``i`` sees key
+    ``j <= i`` with the bias ``D_ij = sum_{l=j+1..i} log f_l = c_i - c_j``, ``c`` the
+    cumulative sum of ``log f``. It is causal; the bias holds ``-inf`` after the query, so
+    ``attention(causal=False)`` cannot attend to the future either. No positions: order is
+    what the gates accumulate (FoX uses no other positional encoding).
+
+    The gates depend on the token states, so this module binds them first:
+    ``fox(x)`` returns a bound encoding (the same class, sharing ``fgate_proj``) of kind
+    ``"bias"``, and ``attention(q, k, v, fox(x), causal=True)`` is the whole use. Its
+    ``attention_bias`` is the batched ``[B, H, Nq, Nk]`` bias and its ``score_mod`` works with
+    FlexAttention; the gates are recomputed from ``x`` on every use, so gradients reach
+    ``fgate_proj`` and ``x`` and a later ``load_state_dict`` is seen. The unbound module has no
+    bias (``forward_attn`` raises). ``fox.bind(log_forget=...)`` binds precomputed log
+    forget values ``[B, H, N]`` instead (a decoding cache that keeps them, as the authors'
+    ``FgateDynamicCache`` does).
+
+    Alignment: the bound tokens are the keys' timeline: key ``j`` is token ``j``, a call with
+    ``Nk`` keys uses the first ``Nk`` bound tokens (never more than bound), and the ``Nq``
+    queries are the last ``Nq`` of the keys (bottom-right). Decoding with a KV cache: bind the
+    states (or log forget values) of every token so far, cached and new.
+
+    Precision: ``c`` is summed in float64 and split into two float32 parts ``hi + lo``;
+    ``D_ij = (hi_i - hi_j) + (lo_i - lo_j)`` is then accurate relative to ``D_ij`` itself,
+    whereas a float32 ``cumsum`` loses ``eps * |c_i|`` (0.01 after a million tokens of
+    ``log f ~ -1``). Gates are computed in float32 (float64 for float64 weights or states).
+
+    Args:
+        dim (int): token width ``D``.
+        num_heads (int): heads ``H``.
+        fgate_proj (nn.Linear, optional): an existing ``nn.Linear(dim, num_heads)`` to use,
+            held by reference and never re-initialised by the constructor. Default: a new one,
+            initialised as the authors' (weight ``N(0, init_std)``, bias 0).
+        init_std (float): std of the weight's normal init. Default: 0.02 (the authors').
+
+    Shape:
+        - x: ``[B, N, D]``; log forget values: ``[B, H, N]`` float32; bias
+          ``[B, H, Nq, Nk]`` with ``Nq <= Nk <= N``. A batch of 1 is shared by every batch row.
+
+    Example:
+        >>> fox = ForgettingPositionalEmbedding(512, 8)
+        >>> x = torch.randn(2, 128, 512)
+        >>> q = k = v = torch.randn(2, 8, 128, 64)
+        >>> attention(q, k, v, fox(x), causal=True).shape
+        torch.Size([2, 8, 128, 64])
+    """
+
+    kind = "bias"
+    takes_positions = False
+
+    def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int(owner, "dim", dim)
+        _check_positive_int(owner, "num_heads", num_heads)
+        if fgate_proj is not None and (not isinstance(fgate_proj, nn.Linear) or fgate_proj.in_features != dim
+                                       or fgate_proj.out_features != num_heads):
+            raise ValueError(f"{owner}: fgate_proj must be an nn.Linear({dim}, {num_heads}), got {fgate_proj!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < float("inf"):
+            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
+        self.dim, self.num_heads, self.init_std = dim, num_heads, init_std
+        owns = fgate_proj is None
+        self.fgate_proj = nn.Linear(dim, num_heads) if owns else fgate_proj           # w_h, b_h (authors' name)
+        self.register_buffer("states", None, persistent=False)                          # bound x: [B, N, D]
+        self.register_buffer("log_forget_values", None, persistent=False)               # bound log f: [B, H, N]
+        if owns:
+            self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        bound = self._bound()
+        where = "" if bound is None else f", bound to {'states' if bound is self.states else 'log_forget'} " \
+                                         f"of shape {list(bound.shape)}"
+        return f"dim={self.dim}, num_heads={self.num_heads}{where}"
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.fgate_proj.weight, std=self.init_std)
+        if self.fgate_proj.bias is not None:
+            nn.init.zeros_(self.fgate_proj.bias)
+
+    def _apply(self, fn, recurse=True):
+        # bound data follows device moves (to_empty included) but keeps its values and dtype
+        bound = {name: self._buffers[name] for name in ("states", "log_forget_values")}
+        self._buffers.update(states=None, log_forget_values=None)
+        super()._apply(fn, recurse)
+        for name, tensor in bound.items():
+            if tensor is not None:
+                self._buffers[name] = tensor.to(fn(torch.empty(0, device=tensor.device)).device)
+        return self
+
+    # -- binding ------------------------------------------------------------------------
+
+    def forward(self, x, k_len: Optional[int] = None, *, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None):
+        """``fox(x)``: the encoding bound to token states ``x`` ``[B, N, D]``.
+
+        On a bound encoding, ``fox_x(q_len, k_len)`` is its bias ``[B, H, Nq, Nk]`` (float32),
+        like every bias's ``forward(q_len, k_len)``.
+        """
+        if isinstance(x, Tensor):
+            if k_len is not None:
+                raise ValueError(f"{type(self).__name__}: pe(x) takes the token states alone, got k_len={k_len!r}")
+            return self.bind(x)
+        owner = type(self).__name__
+        _check_positive_int(owner, "q_len", x)
+        _check_positive_int(owner, "k_len", k_len)
+        return self.attention_bias(x, k_len, positions_q, positions_k)
+
+    def bind(self, x: Optional[Tensor] = None, *,
+             log_forget: Optional[Tensor] = None) -> "ForgettingPositionalEmbedding":
+        """A bound encoding: on token states ``x`` ``[B, N, D]``, or on log forget values ``[B, H, N]``."""
+        owner = type(self).__name__
+        if (x is None) == (log_forget is None):
+            raise ValueError(f"{owner}: bind takes exactly one of x and log_forget")
+        bound = type(self)(self.dim, self.num_heads, fgate_proj=self.fgate_proj)
+        bound.init_std = self.init_std
+        if x is not None:
+            _check_tensor(owner, "x", x, 3)
+            if x.dim() != 3 or x.shape[-1] != self.dim:
+                raise ValueError(f"{owner}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
+            bound.register_buffer("states", x, persistent=False)                        # (compile-friendly set)
+        else:
+            _check_tensor(owner, "log_forget", log_forget, 3)
+            if log_forget.dim() != 3 or log_forget.shape[1] != self.num_heads:
+                raise ValueError(f"{owner}: log_forget must be [B, H={self.num_heads}, N], "
+                                 f"got {tuple(log_forget.shape)}")
+            bound.register_buffer("log_forget_values", log_forget, persistent=False)
+        return bound
+
+    def log_forget(self, x: Optional[Tensor] = None) -> Tensor:
+        """``log f = logsigmoid(fgate_proj(x))``: ``[B, N, D] -> [B, H, N]``, float32 (float64 for
+        float64 states or weights). Without ``x``: the bound tokens' values."""
+        owner = type(self).__name__
+        if x is None:
+            if self.log_forget_values is not None:
+                return self.log_forget_values.to(_compute_dtype(self.log_forget_values.dtype))
+            if self.states is None:
+                self._unbound()
+            x = self.states
+        else:
+            _check_tensor(owner, "x", x, 2)
+            if x.shape[-1] != self.dim:
+                raise ValueError(f"{owner}: x must be [..., N, D={self.dim}], got {tuple(x.shape)}")
+        weight, bias = self.fgate_proj.weight, self.fgate_proj.bias
+        dtype = torch.promote_types(_compute_dtype(x.dtype), _compute_dtype(weight.dtype))
+        logits = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))   # [B, N, H]
+        return F.logsigmoid(logits).transpose(-1, -2)                                   # [B, H, N]
+
+    # -- the bias -----------------------------------------------------------------------
+
+    def _bound(self) -> Optional[Tensor]:
+        return self.states if self.states is not None else self.log_forget_values
+
+    def _unbound(self):
+        raise ValueError(f"{type(self).__name__}: not bound to token states: the forget gates depend on them, "
+                         f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
+                         f"e.g. attention(q, k, v, pe(x), causal=True)")
+
+    def _check_lengths(self, q_len: int, k_len: int) -> None:
+        bound = self._bound()
+        if bound is None:
+            self._unbound()
+        if k_len > bound.shape[-2 if bound is self.states else -1]:
+            raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
+                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound")
+        if q_len > k_len:
+            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
+                             f"Nq keys), got Nq={q_len} and Nk={k_len}")
+
+    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
+        owner = type(self).__name__
+        _reject_positions(owner, positions_q, positions_k, "order comes from the forget gates of the bound tokens")
+        if self._bound() is None:
+            self._unbound()
+        super()._check_qk(q, k, None, None, grouped)
+        if q.dim() != 4:
+            raise ValueError(f"{owner}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
+        batch = self._bound().shape[0]
+        if batch not in (1, q.shape[0]):
+            raise ValueError(f"{owner}: q and k must have the bound batch size {batch} (or the encoding batch 1), "
+                             f"got q {tuple(q.shape)}")
+        self._check_lengths(q.shape[-2], k.shape[-2])
+        return None, None
+
+    def _cumulative(self, k_len: int) -> tuple:
+        """``c = cumsum(log f)`` over the first ``k_len`` tokens as ``(hi, lo)``: [B, H, Nk] each."""
+        log_f = self.log_forget()[..., :k_len]                                          # [B, H, Nk]
+        if log_f.dtype == torch.float64:
+            c = log_f.cumsum(-1)
+            return c, torch.zeros_like(c)
+        c = log_f.double().cumsum(-1)                                                   # exact enough: float64
+        hi = c.float()
+        return hi, (c - hi.double()).float()                                            # c = hi + lo
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        _reject_positions(type(self).__name__, positions_q, positions_k,
+                          "order comes from the forget gates of the bound tokens")
+        self._check_lengths(q_len, k_len)
+        hi, lo = self._cumulative(k_len)
+        if device is not None:
+            hi, lo = hi.to(device), lo.to(device)
+        offset = _query_offset(q_len, k_len)
+        queries = slice(offset, offset + q_len)
+        bias = (hi[..., queries, None] - hi[..., None, :]).add_(lo[..., queries, None] - lo[..., None, :])
+        return bias.masked_fill_(~_causal_mask(q_len, k_len, bias.device), float("-inf"))  # [B, H, Nq, Nk]
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod`` adding ``D_ij`` (``-inf`` after the query); O(B H N) closed over."""
+        _reject_positions(type(self).__name__, positions_q, positions_k,
+                          "order comes from the forget gates of the bound tokens")
+        self._check_lengths(q_len, k_len)
+        hi, lo = self._cumulative(k_len)
+        offset = _query_offset(q_len, k_len)
+        if hi.shape[0] == 1:  # one row for every batch
+            hi, lo = hi[0], lo[0]
+            pick = lambda t, b, h, idx: t[h, idx]
+        else:
+            pick = lambda t, b, h, idx: t[b, h, idx]
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            i = q_idx + offset
+            d = (pick(hi, b, h, i) - pick(hi, b, h, kv_idx)) + (pick(lo, b, h, i) - pick(lo, b, h, kv_idx))
+            return torch.where(kv_idx > i, float("-inf"), score + d.to(score.dtype))
+        return add_bias
+
+
+# ---------------------------------------------------------------------------
+# Classic relative attention: Shaw, DeBERTa
+# ---------------------------------------------------------------------------
+
+
+def _gather_rows(scores: Tensor, rows: Tensor) -> Tensor:
+    """Pick, per (query, key) pair, the score of its table row.
+
+    scores: [..., N, R] (one column per table row); rows: [N, M] or [B, 1.., 1, N, M] row
+    indices -> [..., N, M]. An O(N M) gather after an O(N R Dh) product: no [.., N, M, Dh].
+    """
+    return scores.gather(-1, rows.expand(*scores.shape[:-1], rows.shape[-1]))
+
+
+def _row_sums(weights: Tensor, rows: Tensor, num_rows: int) -> Tensor:
+    """The transpose of ``_gather_rows``: weights [..., N, M] summed into their rows -> [..., N, R]."""
+    buckets = weights.new_zeros(*weights.shape[:-1], num_rows)
+    return buckets.scatter_add(-1, rows.expand(weights.shape), weights)
+
+
+class ShawPositionalEmbedding(PositionalEmbedding):
+    """Shaw et al.'s relative position representations (arXiv:1803.02155).
+
+    ``logits[i, j] = scale * q_i . (k_j + a_K[r(i, j)])`` and, inside ``attention()``,
+    ``out_i = sum_j w_ij (v_j + a_V[r(i, j)])``, with learned tables ``a_K = relative_keys``
+    and ``a_V = relative_values`` shared by the heads, and row
+    ``r(i, j) = left + clip(pos_k[j] - pos_q[i], -left, right)`` (key minus query, the layout
+    of OpenNMT-py and of transformers' Wav2Vec2-BERT ``relative_key``; ``left = right =
+    max_distance`` unless a pair ``(left, right)`` is given, as Wav2Vec2-BERT's
+    ``left_max_position_embeddings`` / ``right_max_position_embeddings``). ``key_query=True``
+    adds ``scale * k_j . a_K[r(i, j)]`` (Huang et al. 2020, arXiv:2009.13658; BERT's
+    ``relative_key_query``). An explicit ``scale`` multiplies every term of the logit.
+    BERT-style ``distance_embedding`` tables index query minus key: load them with
+    ``from_bert``, which flips the rows.
+
+    The key term gathers ``q @ a_K^T`` (``[B, H, Nq, R]``, ``R`` table rows) per pair; the
+    value term sums the attention weights into their ``R`` rows (``[B, H, Nq, R]``) and
+    multiplies by ``a_V`` once: nothing of size ``[B, H, Nq, Nk, Dh]`` is built. The value
+    term exists only in ``attention()`` (``attention_values``); ``forward_attn`` returns the
+    logits.
+
+    Args:
+        num_heads (int): heads ``H``.
+        head_dim (int): head dim ``Dh`` (and the value dim ``Dv``).
+        max_distance (int or (int, int)): clipping distance ``K``, or ``(left, right)`` for
+            keys before / after the query. Default: 16.
+        key_query (bool): add the key-side term ``k . a_K``. Default: False.
+        values (bool): learn ``relative_values`` and add the value term. Default: True.
+        init_std (float): std of the normal init of the tables. Default: 0.02.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` -> logits ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> shaw = ShawPositionalEmbedding(8, 64, max_distance=16)
+        >>> q = k = v = torch.randn(2, 8, 100, 64)
+        >>> attention(q, k, v, shaw, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    kind = "logits"
+    translation_invariant = True
+    integer_positions = True   # distances index a table
+
+    def __init__(self, num_heads: int, head_dim: int, *, max_distance: Union[int, Sequence[int]] = 16,
+                 key_query: bool = False, values: bool = True, init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        num_heads = _as_int(owner, "num_heads", num_heads, 1)
+        head_dim = _as_int(owner, "head_dim", head_dim, 1)
+        if isinstance(max_distance, (tuple, list)):
+            if len(max_distance) != 2:
+                raise ValueError(f"{owner}: max_distance must be an int or a pair (left, right), "
+                                 f"got max_distance={max_distance!r}")
+            left, right = (_as_int(owner, "max_distance", m, 0) for m in max_distance)
+        else:
+            left = right = _as_int(owner, "max_distance", max_distance, 0)
+        _check_flag(owner, "key_query", key_query)
+        _check_flag(owner, "values", values)
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
+            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.left, self.right, self.key_query, self.init_std = left, right, key_query, float(init_std)
+        self.relative_keys = nn.Embedding(left + right + 1, head_dim)                   # a_K: [R, Dh]
+        self.relative_values = nn.Embedding(left + right + 1, head_dim) if values else None   # a_V: [R, Dh]
+        self.reset_parameters()
+
+    @property
+    def max_distance(self) -> Union[int, tuple]:
+        return self.left if self.left == self.right else (self.left, self.right)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, max_distance={self.max_distance}, "
+                f"key_query={self.key_query}, values={self.relative_values is not None}")
+
+    def reset_parameters(self) -> None:
+        for table in (self.relative_keys, self.relative_values):
+            if table is not None:
+                nn.init.normal_(table.weight, std=self.init_std)
+
+    @classmethod
+    def from_bert(cls, distance_embedding: Union[nn.Embedding, Tensor], num_heads: int, *,
+                  key_query: bool = False) -> "ShawPositionalEmbedding":
+        """Load a BERT-style ``relative_key`` / ``relative_key_query`` table (transformers 4.x
+        ``BertSelfAttention.distance_embedding``, also RoBERTa, ELECTRA, ...).
+
+        BERT indexes ``2 M - 1`` rows by ``query - key + M - 1`` (``M`` its
+        ``max_position_embeddings``); Shaw's row is ``key - query + K``, so with ``K = M - 1``
+        the rows are the same, flipped. BERT has no value term (``values=False``) and no
+        clipping (it fails beyond ``M - 1``; here distances clip).
+        """
+        weight = distance_embedding.weight if isinstance(distance_embedding, nn.Embedding) else distance_embedding
+        if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] % 2 == 0:
+            shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+            raise ValueError(f"{cls.__name__}: distance_embedding must be a [2 M - 1, Dh] table, got {shape}")
+        pe = cls(num_heads, weight.shape[1], max_distance=weight.shape[0] // 2, key_query=key_query, values=False)
+        pe = pe.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            pe.relative_keys.weight.copy_(weight.flip(0))
+        return pe
+
+    def _rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+              device) -> Tensor:
+        """Table row of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched positions."""
+        if positions_q is None and positions_k is None:
+            distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
+            return _toeplitz(distances.clamp(-self.left, self.right) + self.left, q_len, k_len)
+        distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
+        return distances.clamp(-self.left, self.right) + self.left
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``; no value term)."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
+
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        dtype = _compute_dtype(q.dtype)
+        q, k = q.to(dtype) * scale, k.to(dtype)
+        logits = torch.matmul(q, k.transpose(-1, -2))                                   # [B, H, Nq, Nk]
+        if q_len == 0 or k_len == 0:
+            return logits
+        rows = self._rows(q_len, k_len, positions_q, positions_k, q.device)             # [(B, 1..,) Nq, Nk]
+        table = self.relative_keys.weight.to(dtype)                                      # [R, Dh]
+        logits = logits + _gather_rows(torch.matmul(q, table.T), rows)                  # q . a_K
+        if self.key_query:                                                               # k . a_K, per key
+            by_key = torch.matmul(k * scale, table.T)                                   # [B, H, Nk, R]
+            logits = logits + _gather_rows(by_key, rows.transpose(-1, -2)).transpose(-1, -2)
+        return logits
+
+    def attention_values(self, weights: Tensor, positions_q: Optional[Tensor] = None,
+                         positions_k: Optional[Tensor] = None) -> Optional[Tensor]:
+        """``sum_j w_ij a_V[r(i, j)]``: [B, H, Nq, Dh] (None without ``relative_values``)."""
+        if self.relative_values is None:
+            return None
+        owner, (q_len, k_len) = type(self).__name__, weights.shape[-2:]
+        lead = tuple(weights.shape[:-2])
+        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q_len, integer=True)
+        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=True)
+        table = self.relative_values.weight.to(weights.dtype)                            # [R, Dh]
+        if q_len == 0 or k_len == 0:
+            return weights.new_zeros(*weights.shape[:-1], self.head_dim)
+        rows = self._rows(q_len, k_len, positions_q, positions_k, weights.device)       # [(B, 1..,) Nq, Nk]
+        return torch.matmul(_row_sums(weights, rows, table.shape[0]), table)             # [B, H, Nq, Dh]
+
+
+def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256,
+                       max_relative_positions: int = 512) -> Tensor:
+    """DeBERTa-v2's log bucket of each (query - key) distance (``make_log_bucket_position``).
+
+    Distances with ``|d| <= position_buckets // 2`` keep their value; larger ones map to
+    ``sign(d) * (mid + ceil(log(|d| / mid) / log((max_relative_positions - 1) / mid) * (mid - 1)))``
+    with ``mid = position_buckets // 2``, growing past ``position_buckets - 1`` only beyond
+    ``max_relative_positions`` (the caller clamps). Computed in float32 in the reference's
+    order, so every distance lands where transformers puts it.
+
+    Returns:
+        int64 buckets, same shape.
+    """
+    mid = position_buckets // 2
+    sign = torch.sign(relative_position)
+    near = (relative_position < mid) & (relative_position > -mid)
+    abs_pos = torch.where(near, torch.full_like(relative_position, mid - 1), relative_position.abs())
+    denominator = torch.log(torch.tensor((max_relative_positions - 1) / mid, dtype=torch.float32,
+                                         device=relative_position.device))
+    log_pos = torch.ceil(torch.log(abs_pos.to(torch.float32) / mid) / denominator * (mid - 1)) + mid
+    return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
+
+
+class DebertaPositionalEmbedding(PositionalEmbedding):
+    """DeBERTa's disentangled attention (He et al., arXiv:2006.03654), as in DeBERTa-v2/v3.
+
+    ``logits[i, j] = scale * (q_i . k_j + q_i . K_r[h, idx(i, j)] + k_j . Q_r[h, idx(i, j)])``
+    (content-to-content, content-to-position ``"c2p"``, position-to-content ``"p2c"``) with
+    ``P = norm(rel_embeddings)`` (``[2 S, D]``), ``K_r = key_proj(P)``, ``Q_r = query_proj(P)``
+    split into heads, and ``idx(i, j) = clamp(S + bucket(pos_q[i] - pos_k[j]), 0, 2 S - 1)``
+    (``bucket`` = ``deberta_log_bucket``; ``S = position_buckets``, or
+    ``max_relative_positions`` with ``position_buckets=None``, no bucketing). Both indices
+    follow transformers' ``modeling_deberta_v2.py``: there p2c uses ``idx(i, j)`` too, the
+    query-minus-key bucket, where the paper's equation uses ``delta(j, i)``, the key-minus-query
+    one (the published checkpoints were trained with the code's index). With ``scale=None``
+    the logits use DeBERTa's ``1 / sqrt(Dh * (1 + len(pos_att_type)))``.
+
+    Projections: pass the attention's own ``query_proj`` / ``key_proj`` (``share_att_key``,
+    DeBERTa-v3): they are held by reference, never re-initialised, and are neither in this
+    module's ``parameters()`` nor ``state_dict()`` (the attention owns, moves and saves them).
+    Otherwise the class owns ``pos_query_proj`` (for p2c) and ``pos_key_proj`` (for c2p).
+    A checkpoint loads by copying the encoder's ``rel_embeddings`` and ``LayerNorm`` into
+    ``rel_embeddings`` and ``norm`` of each layer's encoding.
+
+    Decoding with fewer queries than keys works (queries are the last positions, each pair's
+    logit depends only on its two positions); the reference is an encoder and has no such mode.
+    Positional dropout (on ``rel_embeddings`` in training) is not applied.
+
+    Args:
+        dim (int): model dim ``D`` (width of ``rel_embeddings``).
+        num_heads (int): heads ``H``.
+        max_relative_positions (int): the reference's ``max_relative_positions`` (the log
+            buckets reach ``S - 1`` there). Default: 512.
+        position_buckets (int, optional): ``S``; None for no bucketing. Default: 256.
+        pos_att_type (tuple of str): any of ``"c2p"``, ``"p2c"`` (a ``"p2c|c2p"`` string as in
+            the config works too). Default: ``("c2p", "p2c")``.
+        query_proj, key_proj (nn.Linear, optional): shared projections ``D -> H * Dh``. Default: None.
+        head_dim (int, optional): ``Dh``. Default: ``dim // num_heads``, or the shared
+            projection's ``out_features // num_heads``.
+        layer_norm (bool): normalise ``rel_embeddings`` (``norm_rel_ebd="layer_norm"``). Default: True.
+        layer_norm_eps (float): ``norm.eps``. Default: 1e-7 (DeBERTa-v2's).
+        init_std (float): std of the normal init of owned weights. Default: 0.02.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` -> logits ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> deberta = DebertaPositionalEmbedding(768, 12)
+        >>> q = k = v = torch.randn(2, 12, 128, 64)
+        >>> attention(q, k, v, deberta).shape
+        torch.Size([2, 12, 128, 64])
+    """
+
+    kind = "logits"
+    translation_invariant = True
+    integer_positions = True   # distances index buckets
+
+    def __init__(self, dim: int, num_heads: int, *, max_relative_positions: int = 512,
+                 position_buckets: Optional[int] = 256,
+                 pos_att_type: Union[str, Sequence[Literal["c2p", "p2c"]]] = ("c2p", "p2c"),
+                 query_proj: Optional[nn.Linear] = None, key_proj: Optional[nn.Linear] = None,
+                 head_dim: Optional[int] = None, layer_norm: bool = True, layer_norm_eps: float = 1e-7,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        dim = _as_int(owner, "dim", dim, 1)
+        num_heads = _as_int(owner, "num_heads", num_heads, 1)
+        max_relative_positions = _as_int(owner, "max_relative_positions", max_relative_positions, 1)
+        if position_buckets is not None:
+            position_buckets = _as_int(owner, "position_buckets", position_buckets, 2)
+            if max_relative_positions - 1 <= position_buckets // 2:
+                raise ValueError(f"{owner}: max_relative_positions must exceed position_buckets // 2 + 1 = "
+                                 f"{position_buckets // 2 + 1} (log buckets), got "
+                                 f"max_relative_positions={max_relative_positions}")
+        if isinstance(pos_att_type, str):
+            pos_att_type = [t.strip() for t in pos_att_type.lower().split("|") if t.strip()]
+        if not isinstance(pos_att_type, (tuple, list)) or any(t not in ("c2p", "p2c") for t in pos_att_type) \
+                or len(set(pos_att_type)) != len(pos_att_type):
+            raise ValueError(f"{owner}: pos_att_type must hold distinct 'c2p' / 'p2c', got pos_att_type={pos_att_type!r}")
+        if (query_proj is None) != (key_proj is None):
+            raise ValueError(f"{owner}: query_proj and key_proj must be given together (shared projections) "
+                             f"or both None, got query_proj={type(query_proj).__name__}, "
+                             f"key_proj={type(key_proj).__name__}")
+        shared = query_proj is not None
+        if shared:
+            for name, linear in (("query_proj", query_proj), ("key_proj", key_proj)):
+                if not isinstance(linear, nn.Linear):
+                    raise TypeError(f"{owner}: {name} must be an nn.Linear, got {type(linear).__name__}")
+                if linear.in_features != dim or linear.out_features % num_heads \
+                        or linear.out_features != query_proj.out_features:
+                    raise ValueError(f"{owner}: {name} must map dim={dim} to H * Dh features (H={num_heads}), "
+                                     f"got {name}=Linear({linear.in_features}, {linear.out_features})")
+        if head_dim is None:
+            if shared:
+                head_dim = query_proj.out_features // num_heads
+            elif dim % num_heads:
+                raise ValueError(f"{owner}: dim must be divisible by num_heads without head_dim, "
+                                 f"got dim={dim}, num_heads={num_heads}")
+            else:
+                head_dim = dim // num_heads
+        head_dim = _as_int(owner, "head_dim", head_dim, 1)
+        if shared and query_proj.out_features != num_heads * head_dim:
+            raise ValueError(f"{owner}: head_dim must be query_proj.out_features / num_heads = "
+                             f"{query_proj.out_features // num_heads}, got head_dim={head_dim}")
+        _check_flag(owner, "layer_norm", layer_norm)
+        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, (int, float)) \
+                or not 0 < layer_norm_eps < math.inf:
+            raise ValueError(f"{owner}: layer_norm_eps must be a number > 0, got layer_norm_eps={layer_norm_eps!r}")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
+        self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
+        self.pos_att_type, self.init_std = tuple(pos_att_type), float(init_std)
+        self.span = max_relative_positions if position_buckets is None else position_buckets   # S
+        self.rel_embeddings = nn.Embedding(2 * self.span, dim)                          # [2 S, D]
+        self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if layer_norm else None
+        # shared projections are the attention's: a plain tuple keeps them out of this module's tree
+        self._shared = (query_proj, key_proj) if shared else None
+        if not shared and "p2c" in self.pos_att_type:
+            self.pos_query_proj = nn.Linear(dim, num_heads * head_dim)
+        if not shared and "c2p" in self.pos_att_type:
+            self.pos_key_proj = nn.Linear(dim, num_heads * head_dim)
+        self.reset_parameters()
+
+    @property
+    def query_proj(self) -> Optional[nn.Linear]:
+        return None if self._shared is None else self._shared[0]
+
+    @property
+    def key_proj(self) -> Optional[nn.Linear]:
+        return None if self._shared is None else self._shared[1]
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"max_relative_positions={self.max_relative_positions}, position_buckets={self.position_buckets}, "
+                f"pos_att_type={self.pos_att_type}, shared={self._shared is not None}")
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the owned weights (never the shared ``query_proj`` / ``key_proj``)."""
+        nn.init.normal_(self.rel_embeddings.weight, std=self.init_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        for name in ("pos_query_proj", "pos_key_proj"):
+            linear = getattr(self, name, None)
+            if isinstance(linear, nn.Linear):
+                nn.init.normal_(linear.weight, std=self.init_std)
+                nn.init.zeros_(linear.bias)
+
+    def logit_scale(self, head_dim: int) -> float:
+        """DeBERTa's ``1 / sqrt(Dh * (1 + len(pos_att_type)))``."""
+        return (head_dim * (1 + len(self.pos_att_type))) ** -0.5
+
+    def relative_projections(self, dtype: torch.dtype = torch.float32) -> tuple:
+        """``(Q_r, K_r)``: the normalised table through the position projections, ``[H, 2 S, Dh]``
+        each (None for a term not in ``pos_att_type``)."""
+        table = self.rel_embeddings.weight.to(dtype)                                     # [2 S, D]
+        if self.norm is not None:
+            weight, bias = self.norm.weight, self.norm.bias
+            table = F.layer_norm(table, (self.dim,), None if weight is None else weight.to(dtype),
+                                 None if bias is None else bias.to(dtype), self.norm.eps)
+
+        def project(linear: nn.Linear) -> Tensor:                                       # -> [H, 2 S, Dh]
+            bias = None if linear.bias is None else linear.bias.to(dtype)
+            out = F.linear(table, linear.weight.to(dtype), bias)                         # [2 S, H Dh]
+            return out.unflatten(-1, (self.num_heads, self.head_dim)).transpose(0, 1)
+
+        queries, keys = self._shared or (getattr(self, "pos_query_proj", None), getattr(self, "pos_key_proj", None))
+        return (project(queries) if "p2c" in self.pos_att_type else None,
+                project(keys) if "c2p" in self.pos_att_type else None)
+
+    def _rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+              device) -> Tensor:
+        """``idx(i, j)`` of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched positions."""
+        if positions_q is None and positions_k is None:
+            relative = -_default_distances(q_len, k_len, device)                         # query - key: [Nq + Nk - 1]
+        else:
+            relative = -_pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
+        if self.position_buckets is not None:
+            relative = deberta_log_bucket(relative, position_buckets=self.position_buckets,
+                                          max_relative_positions=self.max_relative_positions)
+        rows = (relative + self.span).clamp(0, 2 * self.span - 1)
+        return _toeplitz(rows, q_len, k_len) if positions_q is None and positions_k is None else rows
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``)."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
+
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        dtype = _compute_dtype(q.dtype)
+        q, k = q.to(dtype) * scale, k.to(dtype)
+        logits = torch.matmul(q, k.transpose(-1, -2))                                   # [B, H, Nq, Nk]
+        if q_len == 0 or k_len == 0 or not self.pos_att_type:
+            return logits
+        rows = self._rows(q_len, k_len, positions_q, positions_k, q.device)             # [(B, 1..,) Nq, Nk]
+        pos_query, pos_key = self.relative_projections(dtype)                           # [H, 2 S, Dh] or None
+        if pos_key is not None:                                                          # c2p: q_i . K_r[idx(i, j)]
+            logits = logits + _gather_rows(torch.matmul(q, pos_key.transpose(-1, -2)), rows)
+        if pos_query is not None:                                                        # p2c: k_j . Q_r[idx(i, j)]
+            by_key = torch.matmul(k * scale, pos_query.transpose(-1, -2))               # [B, H, Nk, 2 S]
+            logits = logits + _gather_rows(by_key, rows.transpose(-1, -2)).transpose(-1, -2)
+        return logits
+
+
+# ---------------------------------------------------------------------------
 # Algebraic (orthogonal) encodings: sequences, grids, trees
 # ---------------------------------------------------------------------------
 
@@ -2688,6 +4127,1164 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
 
 
 # ---------------------------------------------------------------------------
+# Image and coordinate biases: Swin / BEiT window table, Swin-v2 CPB, dynamic position bias
+# ---------------------------------------------------------------------------
+#
+# ``_as_positive_int``, ``_check_window``, ``_check_bias_call_axes`` and ``_run_mlp`` are general
+# helpers and could move to the helpers section: ``_as_positive_int`` is ``_check_positive_int`` that
+# also takes numpy ints and returns the Python int; ``_check_bias_call_axes`` is ``_check_bias_call``
+# that also passes the module's ``num_axes``; either could replace its original.
+
+
+def _check_window(owner: str, name: str, value) -> tuple:
+    """A window size: an int ``s`` (square) or a pair ``(Wh, Ww)`` of positive ints (numpy ints too)."""
+    pair = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
+    try:
+        if len(pair) != 2 or any(isinstance(v, bool) for v in pair):
+            raise TypeError
+        pair = tuple(operator.index(v) for v in pair)
+    except TypeError:
+        raise ValueError(f"{owner}: {name} must be a positive int or a pair of positive ints, "
+                         f"got {name}={value!r}") from None
+    if min(pair) < 1:
+        raise ValueError(f"{owner}: {name} must be positive, got {name}={value!r}")
+    return pair
+
+
+def _run_mlp(layers: nn.Module, x: Tensor) -> Tensor:
+    """Run a stack of ``nn.Linear`` / ``nn.LayerNorm`` / elementwise activations on ``x`` in x's dtype.
+
+    The weights are cast to x's dtype on the fly, so a ``.bfloat16()`` module still computes its
+    bias in float32 (the weights themselves are what was rounded).
+    """
+    for layer in layers.modules():
+        if isinstance(layer, nn.Linear):
+            x = F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+        elif isinstance(layer, nn.LayerNorm):
+            cast = lambda t: None if t is None else t.to(x.dtype)
+            x = F.layer_norm(x, layer.normalized_shape, cast(layer.weight), cast(layer.bias), layer.eps)
+        elif not isinstance(layer, (nn.Sequential, nn.ModuleList)):
+            x = layer(x)                                                                # elementwise activation
+    return x
+
+
+def _window_relative_index(window_size: tuple, num_prefix_tokens: int, device=None) -> Tensor:
+    """Swin's table row of every (query, key) pair of a window, BEiT's three rows for a prefix token.
+
+    Token ``t`` of the window (row-major) sits at ``(t // Ww, t % Ww)``; the pair (query ``i``,
+    key ``j``) reads row ``(r_i - r_j + Wh - 1) * (2 Ww - 1) + (c_i - c_j + Ww - 1)``. With a
+    prefix token (index 0, the rest shifted by one), the query-prefix row reads ``R`` (cls to
+    token), the key-prefix column ``R + 1`` (token to cls) and the corner ``R + 2`` (cls to cls),
+    ``R = (2 Wh - 1)(2 Ww - 1)``, in BEiT's order. Returns int64 ``[T, T]``, ``T = Wh Ww + P``.
+    """
+    height, width = window_size
+    tokens = torch.arange(height * width, device=device)
+    rows, cols = tokens // width, tokens % width                                        # [Wh Ww] each
+    index = ((rows[:, None] - rows[None, :] + height - 1) * (2 * width - 1)
+             + cols[:, None] - cols[None, :] + width - 1)                                # [Wh Ww, Wh Ww]
+    if num_prefix_tokens:
+        num_relative = (2 * height - 1) * (2 * width - 1)
+        index = F.pad(index, (1, 0, 1, 0))                                              # [T, T]
+        index[0, :], index[:, 0], index[0, 0] = num_relative, num_relative + 1, num_relative + 2
+    return index
+
+
+def _unhead(positions: Tensor, num_axes: int = 1) -> Tensor:
+    """Batched positions ``[B, 1, .., 1, N(, A)]`` lose the head's singleton: ``[B, 1.., N(, A)]``."""
+    batched = positions.dim() > (1 if num_axes == 1 else 2)
+    return positions.squeeze(-2 if num_axes == 1 else -3) if batched else positions
+
+
+class _WindowBias(PositionalEmbedding):
+    """A bias over the tokens of one attention window, read from a per-head table ``[R, H]``
+    through ``relative_position_index`` ``[T, T]`` (Swin's layout; BEiT's with a prefix token).
+
+    Positions are token indices into the window, ``0 .. T - 1``: the prefix token(s) first, then
+    the window's patches in row-major order (``t -> ((t - P) // Ww, (t - P) % Ww)``). Default
+    positions are ``arange(Nk)`` for keys and the last ``Nq`` of them for queries, so a full
+    window is ``forward(T, T)``; a shorter call is the tail of the window (a KV-cache step), and
+    more than ``T`` tokens is an error. Subclasses give ``table() -> [R, H]``.
+    """
+
+    kind = "bias"
+    integer_positions = True   # token indices into the window
+
+    def _init_window(self, num_heads: int, window_size, num_prefix_tokens: int) -> None:
+        owner = type(self).__name__
+        num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        self.window_size = _check_window(owner, "window_size", window_size)
+        if isinstance(num_prefix_tokens, bool) or num_prefix_tokens not in (0, 1):
+            raise ValueError(f"{owner}: num_prefix_tokens must be 0 or 1 (BEiT's [CLS] token), "
+                             f"got num_prefix_tokens={num_prefix_tokens!r}")
+        self.num_heads, self.num_prefix_tokens = num_heads, int(num_prefix_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: the window's patches plus the prefix tokens."""
+        return self.window_size[0] * self.window_size[1] + self.num_prefix_tokens
+
+    @property
+    def num_relative_positions(self) -> int:
+        """``R``: table rows for the ``(2 Wh - 1)(2 Ww - 1)`` offsets, plus 3 with a prefix token."""
+        return (2 * self.window_size[0] - 1) * (2 * self.window_size[1] - 1) + 3 * self.num_prefix_tokens
+
+    def table(self) -> Tensor:
+        """The per-head value of every table row: float32 (float64) ``[R, H]``."""
+        raise NotImplementedError
+
+    def _init_buffers(self, device) -> None:
+        index = _window_relative_index(self.window_size, self.num_prefix_tokens, device)
+        self.register_buffer("relative_position_index", index, persistent=False)        # [T, T]
+
+    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None) -> Tensor:
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
+        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+
+    def _window_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                          positions_k: Optional[Tensor], device) -> tuple:
+        """Token indices of queries and keys ([N] or [B, 1.., N]), checked against the window."""
+        owner, tokens = type(self).__name__, self.num_tokens
+        window = f"the window's {tokens} tokens ({self.window_size[0]}x{self.window_size[1]}" + (
+            f" + {self.num_prefix_tokens} prefix)" if self.num_prefix_tokens else ")")
+        if (positions_q is None and max(q_len, k_len) > tokens) or (positions_k is None and k_len > tokens):
+            raise ValueError(f"{owner}: q_len and k_len must be at most {window}, got q_len={q_len}, "
+                             f"k_len={k_len} (pass positions_q/positions_k as token indices for other layouts)")
+        pos_q = _unhead(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
+        pos_k = _unhead(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        for name, positions in (("positions_q", positions_q), ("positions_k", positions_k)):
+            if positions is None or _skip_value_checks(positions) or positions.numel() == 0:
+                continue
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= tokens:
+                raise ValueError(f"{owner}: {name} must be token indices in [0, {tokens}) ({window}), "
+                                 f"got {low if low < 0 else high}")
+        return pos_q, pos_k
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        device = self.relative_position_index.device if device is None else device
+        pos_q, pos_k = self._window_positions(q_len, k_len, positions_q, positions_k, device)
+        index = self.relative_position_index.to(device)[pos_q.unsqueeze(-1), pos_k.unsqueeze(-2)]   # [(B, 1..,) Nq, Nk]
+        bias = self.table().to(device).T[:, index]                                     # [H, (B, 1..,) Nq, Nk]
+        return bias.movedim(0, -3)                                                      # [(B, 1..,) H, Nq, Nk]
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod`` adding this bias: it reads the ``[R, H]`` table through the
+        ``[T, T]`` index per element (no ``[H, Nq, Nk]`` tensor is built)."""
+        device = self.relative_position_index.device
+        pos_q, pos_k = self._window_positions(q_len, k_len, positions_q, positions_k, device)
+        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1.., N] -> [B, N]
+        pos_q, pos_k = flat(pos_q), flat(pos_k)
+        table, index = self.table(), self.relative_position_index
+        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + table[index[pick(pos_q, b, q_idx), pick(pos_k, b, kv_idx)], h].to(score.dtype)
+        return add_bias
+
+
+def _beit_offsets(src: int, dst: int) -> list:
+    """BEiT's source grid for resizing a table axis of ``src`` rows to ``dst`` (unilm's
+    ``run_class_finetuning.py``, as timm's ``resize_rel_pos_bias_table``): offsets
+    ``0, +-1, +-(1 + r), +-(1 + r + r^2), ...`` whose ratio ``r`` in (1.01, 1.5) is found by
+    bisection so that the outermost lands near ``dst // 2`` (the targets sit at the integers)."""
+    left, right = 1.01, 1.5
+    while right - left > 1e-6:
+        ratio = (left + right) / 2.0
+        if (1.0 - ratio ** (src // 2)) / (1.0 - ratio) > dst // 2:
+            right = ratio
+        else:
+            left = ratio
+    offsets, current = [], 1.0
+    for i in range(src // 2):
+        offsets.append(current)
+        current += ratio ** (i + 1)
+    return [-o for o in reversed(offsets)] + [0.0] + offsets
+
+
+def _linear_weights(source: Tensor, target: Tensor) -> Tensor:
+    """Piecewise-linear interpolation from increasing ``source`` points to ``target`` points,
+    clamped to the end values outside: the matrix ``[len(target), len(source)]``."""
+    right = torch.searchsorted(source, target).clamp(max=len(source) - 1)
+    left = (right - 1).clamp(min=0)
+    to_left, to_right = (target - source[left]).clamp(min=0), (source[right] - target).clamp(min=0)
+    span = to_left + to_right
+    on_point = span == 0                       # at (or beyond) an end point: all weight on it
+    weight_right = torch.where(on_point, 0.5, to_left / span.where(~on_point, 1.0))
+    weights = torch.zeros(len(target), len(source), dtype=source.dtype)
+    rows = torch.arange(len(target))
+    weights.index_put_((rows, left), 1.0 - weight_right, accumulate=True)
+    weights.index_put_((rows, right), weight_right, accumulate=True)
+    return weights
+
+
+class RelativePositionBias2D(_WindowBias):
+    """Swin's and BEiT's learned 2-D relative position bias over an attention window.
+
+    Liu et al., "Swin Transformer: Hierarchical Vision Transformer using Shifted Windows",
+    arXiv:2103.14030; Bao et al., "BEiT: BERT Pre-Training of Image Transformers",
+    arXiv:2106.08254. Every offset ``(dr, dc)`` between two of the window's ``Wh x Ww`` patches
+    has a learned per-head value, row ``(dr + Wh - 1)(2 Ww - 1) + dc + Ww - 1`` of
+    ``relative_position_bias_table`` (``dr = r_query - r_key``): the parameter name, shape and
+    ``relative_position_index`` (a non-persistent buffer, ``[T, T]``) of the official code, timm's
+    ``RelPosBias`` and transformers' ``SwinRelativePositionBias`` / ``BeitRelativePositionBias``,
+    so their checkpoints load by copying the table. With ``num_prefix_tokens=1`` (BEiT's
+    ``[CLS]``, token 0) three more rows hold cls->token, token->cls and cls->cls, in BEiT's order.
+
+    Positions are token indices into the window (``0 .. T - 1``, ``T = Wh Ww + P``): prefix
+    first, then the patches row-major. ``forward(T, T)`` is the whole window; fewer tokens are
+    the window's last ones (bottom-right, as everywhere here) and more is a ``ValueError``. Pass
+    ``positions_q`` / ``positions_k`` to select other tokens (e.g. the window's patches without
+    the ``[CLS]``, or a masked subset in MAE-style training).
+
+    ``resize(new_window_size)`` resamples the table for a new window as timm's
+    ``resize_rel_pos_bias_table`` does (BEiT's geometric source grid with piecewise-linear
+    interpolation), or with ``interpolation="bicubic"`` as its ``resize_rel_pos_bias_table_simple``;
+    the prefix rows are kept.
+
+    Args:
+        num_heads (int): heads ``H``.
+        window_size (int or (int, int)): window ``(Wh, Ww)``; an int is square.
+        num_prefix_tokens (int): 0, or 1 for a ``[CLS]`` token at index 0. Default: 0.
+        init_std (float): std of the truncated-normal init (Swin's). Default: 0.02.
+
+    Shape:
+        - ``relative_position_bias_table``: ``[(2 Wh - 1)(2 Ww - 1) (+ 3), H]``.
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32, ``Nq, Nk <= T``
+          (``[B, H, Nq, Nk]`` for ``[B, N]`` positions).
+
+    Example:
+        >>> bias = RelativePositionBias2D(4, (7, 7))
+        >>> q = k = v = torch.randn(64, 4, 49, 32)            # 64 windows of 7 x 7 patches
+        >>> attention(q, k, v, bias).shape
+        torch.Size([64, 4, 49, 32])
+    """
+
+    def __init__(self, num_heads: int, window_size: Union[int, tuple], *, num_prefix_tokens: int = 0,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        self._init_window(num_heads, window_size, num_prefix_tokens)
+        self.init_std = init_std
+        table = torch.empty(self.num_relative_positions, self.num_heads)
+        self.relative_position_bias_table = nn.Parameter(table)                        # [R, H]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, window_size={self.window_size}, num_prefix_tokens={self.num_prefix_tokens}"
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.relative_position_bias_table, std=self.init_std)
+        self._init_buffers(self.relative_position_bias_table.device)
+
+    def table(self) -> Tensor:
+        weight = self.relative_position_bias_table
+        return weight.to(_compute_dtype(weight.dtype))
+
+    @torch.no_grad()
+    def resize(self, new_window_size: Union[int, tuple], *,
+               interpolation: Literal["geometric", "bicubic"] = "geometric") -> "RelativePositionBias2D":
+        """Resample the table for a window of ``new_window_size``, in place; returns ``self``.
+
+        ``"geometric"`` (timm's ``resize_rel_pos_bias_table``, from BEiT's fine-tuning code):
+        per axis, the ``2 W - 1`` old rows are placed at geometrically spreading offsets (BEiT's
+        ``_beit_offsets``) and read at the new integer offsets by piecewise-linear
+        interpolation, clamped at the ends. ``"bicubic"``: ``F.interpolate(mode="bicubic",
+        align_corners=False)`` of the ``[2 Wh - 1, 2 Ww - 1]`` grid (timm's
+        ``resize_rel_pos_bias_table_simple``). Computed in float64; the prefix rows are kept.
+        """
+        owner = type(self).__name__
+        new = _check_window(owner, "new_window_size", new_window_size)
+        if interpolation not in ("geometric", "bicubic"):
+            raise ValueError(f"{owner}: interpolation must be 'geometric' or 'bicubic', got {interpolation!r}")
+        weight = self.relative_position_bias_table
+        old_rows = tuple(2 * s - 1 for s in self.window_size)
+        new_rows = tuple(2 * s - 1 for s in new)
+        if new_rows != old_rows:
+            offsets = weight[: old_rows[0] * old_rows[1]].double()                      # [(2Wh-1)(2Ww-1), H]
+            table = offsets.T.reshape(self.num_heads, *old_rows)                        # [H, 2Wh-1, 2Ww-1]
+            if interpolation == "bicubic":
+                grid = F.interpolate(table[None], size=new_rows, mode="bicubic", align_corners=False)[0]
+            else:  # separable: bilinear on a rectilinear grid is a product of 1-D linear weights
+                axis = lambda src, dst: _linear_weights(
+                    torch.tensor(_beit_offsets(src, dst), dtype=torch.float64),
+                    torch.arange(-(dst // 2), dst // 2 + 1, dtype=torch.float64))    # [dst, src]
+                rows_y, rows_x = axis(old_rows[0], new_rows[0]), axis(old_rows[1], new_rows[1])
+                grid = rows_y.to(table.device) @ table @ rows_x.to(table.device).T     # [H, 2Wh'-1, 2Ww'-1]
+            table = torch.cat([grid.reshape(self.num_heads, -1).T,
+                               weight[old_rows[0] * old_rows[1]:].double()])           # [R', H]
+            self.relative_position_bias_table = nn.Parameter(table.to(weight.dtype), requires_grad=weight.requires_grad)
+        self.window_size = new
+        self._init_buffers(self.relative_position_bias_table.device)
+        return self
+
+
+class ContinuousPositionBias(_WindowBias):
+    """Swin-v2's log-spaced continuous position bias (Liu et al., "Swin Transformer V2: Scaling
+    Up Capacity and Resolution", arXiv:2111.09883).
+
+    A small MLP (``cpb_mlp``: ``Linear(2, hidden_dim)``, ReLU, ``Linear(hidden_dim, H,
+    bias=False)``) maps each window offset ``(dr, dc)`` (query minus key) to a per-head value.
+    Offsets are divided by ``pretrained_window_size - 1`` (default: the window's), times 8, then
+    log-spaced ``sign(x) log2(1 + |x|) / log2(8)``; the bias is ``16 sigmoid(MLP(.))``. Indexing
+    is Swin's (see ``RelativePositionBias2D``; positions are token indices into the window).
+
+    Submodules follow the official code and timm (``cpb_mlp.0``, ``cpb_mlp.2``); transformers'
+    Swinv2 names the same MLP ``continuous_position_bias_mlp``: such keys are renamed when a
+    state dict is loaded, so a ``Swinv2SelfAttention`` state loads unchanged
+    (``load_state_dict(..., strict=False)`` for its other tensors). Only the bias term: Swin-v2's
+    cosine attention with the learned ``logit_scale`` belongs to the attention (normalise q and
+    k, multiply q by the per-head scale, then ``attention(..., scale=1.0)``).
+
+    The coordinates are computed in float64 and the MLP in float32 (float64 for a float64
+    module), so a ``.bfloat16()`` module still gives a float32 bias of its rounded weights.
+    ``resize(new_window_size)`` moves to a larger window the Swin-v2 way: the MLP is kept and,
+    unless ``pretrained_window_size`` is set, the old window becomes it (so offsets keep their
+    trained scale). An axis of size 1 has only offset 0 and is not divided (transformers skips
+    the division for both axes when the first has size 1; the official code divides by zero).
+
+    Args:
+        num_heads (int): heads ``H``.
+        window_size (int or (int, int)): window ``(Wh, Ww)``.
+        hidden_dim (int): MLP width. Default: 512.
+        pretrained_window_size (int or (int, int), optional): the window the offsets are
+            normalised by. Default: None (the window itself).
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32, values in ``(0, 16)``.
+
+    Example:
+        >>> cpb = ContinuousPositionBias(4, 8, pretrained_window_size=8).resize(16)
+        >>> cpb(256, 256).shape
+        torch.Size([4, 256, 256])
+    """
+
+    def __init__(self, num_heads: int, window_size: Union[int, tuple], *, hidden_dim: int = 512,
+                 pretrained_window_size: Optional[Union[int, tuple]] = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self._init_window(num_heads, window_size, 0)
+        hidden_dim = _check_positive_int(owner, "hidden_dim", hidden_dim)
+        self.pretrained_window_size = (None if pretrained_window_size is None else
+                                       _check_window(owner, "pretrained_window_size", pretrained_window_size))
+        self.hidden_dim = hidden_dim
+        self.cpb_mlp = nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(),                  # official/timm name
+                                     nn.Linear(hidden_dim, self.num_heads, bias=False))
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, window_size={self.window_size}, hidden_dim={self.hidden_dim}, "
+                f"pretrained_window_size={self.pretrained_window_size}")
+
+    def reset_parameters(self) -> None:
+        for layer in (self.cpb_mlp[0], self.cpb_mlp[2]):
+            layer.reset_parameters()
+        self._init_buffers(self.cpb_mlp[0].weight.device)
+
+    def _init_buffers(self, device) -> None:
+        super()._init_buffers(device)
+        height, width = self.window_size
+        scale = self.pretrained_window_size or self.window_size
+        offsets = lambda size, norm: torch.arange(1 - size, size, dtype=torch.float64, device=device) / max(norm - 1, 1)
+        grid = torch.stack(torch.meshgrid(offsets(height, scale[0]), offsets(width, scale[1]), indexing="ij"), -1)
+        grid = grid.reshape(-1, 2) * 8                                                   # [R, 2], in [-8, 8]
+        coords = torch.sign(grid) * torch.log2(grid.abs() + 1) / math.log2(8)
+        self.register_buffer("relative_coords_table", coords, persistent=False)         # [R, 2] float64
+
+    def table(self) -> Tensor:
+        dtype = _compute_dtype(self.cpb_mlp[0].weight.dtype)
+        return 16 * torch.sigmoid(_run_mlp(self.cpb_mlp, self.relative_coords_table.to(dtype)))   # [R, H]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # transformers' Swinv2 calls the MLP continuous_position_bias_mlp: same layers, same indices
+        old = prefix + "continuous_position_bias_mlp."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            state_dict[prefix + "cpb_mlp." + key[len(old):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def resize(self, new_window_size: Union[int, tuple]) -> "ContinuousPositionBias":
+        """Use the MLP on a new window, in place (Swin-v2's transfer); returns ``self``.
+
+        Without an explicit ``pretrained_window_size`` the current window becomes it.
+        """
+        new = _check_window(type(self).__name__, "new_window_size", new_window_size)
+        self.pretrained_window_size = self.pretrained_window_size or self.window_size
+        self.window_size = new
+        self._init_buffers(self.cpb_mlp[0].weight.device)
+        return self
+
+
+def _distinct_rows(rows: Tensor) -> tuple:
+    """Each distinct row of ``rows`` ``[M, A]`` once, and the position of every row among them:
+    ``([U, A], [M])``. Integer rows whose bounding box holds at most ``M`` points enumerate the box
+    (no sort: relative offsets on a grid, or the ``Nq + Nk - 1`` distances of a sequence); other
+    integer rows are sorted as one int64 key each; float rows are sorted as they are."""
+    if not rows.is_floating_point():
+        low = rows.amin(0)                                                               # [A]
+        extent = rows.amax(0) - low + 1                                                  # [A]
+        sizes = extent.tolist()
+        if math.prod(sizes) < 2 ** 62:
+            strides = torch.tensor([math.prod(sizes[a + 1:]) for a in range(len(sizes))], device=rows.device)
+            key = ((rows - low) * strides).sum(-1)                                       # [M] mixed-radix index
+            if math.prod(sizes) <= rows.shape[0]:
+                keys, inverse = torch.arange(math.prod(sizes), device=rows.device), key  # the whole box
+            else:
+                keys, inverse = torch.unique(key, return_inverse=True)
+            return keys[:, None] // strides % extent + low, inverse                      # [U, A], [M]
+    if rows.shape[1] == 1:
+        distinct, inverse = torch.unique(rows[:, 0], return_inverse=True)
+        return distinct[:, None], inverse
+    return torch.unique(rows, dim=0, return_inverse=True)
+
+
+class _GammaLayerNorm(nn.Module):
+    """LayerNorm without a bias whose scale is named ``gamma`` (x-transformers' ``LayerNorm``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.gamma)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.gamma.shape, eps=1e-5) * self.gamma.to(x.dtype)
+
+
+class DynamicPositionBias(_RelativeBias):
+    """Dynamic position bias: an MLP from relative positions to per-head biases.
+
+    Wang et al., "CrossFormer: A Versatile Vision Transformer Hinging on Cross-scale Attention",
+    arXiv:2108.00154; the layout of lucidrains' x-transformers ``DynamicPositionBias``. The MLP is
+    ``Linear(A, hidden_dim)``, [bias-free LayerNorm], SiLU, then ``depth - 1`` times
+    ``Linear(hidden_dim, hidden_dim)``, [LayerNorm], SiLU, then ``Linear(hidden_dim, H)``, applied
+    to the query minus key offset ``pos_q - pos_k`` (``sign(x) log(1 + |x|)`` of it with
+    ``log_distance=True``). ``forward`` also takes the positions positionally:
+    ``forward(q_len, k_len, positions_q, positions_k)``.
+
+    Parameters are ``mlp.0.0`` (first Linear), ``mlp.0.1.gamma`` (its norm's scale, ``norm=True``),
+    ``mlp.d.*`` for the hidden blocks and ``mlp.{depth}`` (output Linear): exactly
+    x-transformers' names, so ``load_state_dict(x_transformers_dpb.state_dict())`` works for
+    ``DynamicPositionBias(heads, hidden_dim=dim, depth=depth, log_distance=..., norm=...)``.
+    (CrossFormer's own module, ReLU and a narrower first layer, is not this layout.)
+
+    1-D (``num_axes=1``): default positions evaluate the MLP once per distinct distance
+    (``Nq + Nk - 1`` rows) and expand them Toeplitz-wise; explicit positions (integer or float)
+    evaluate each distinct distance once and gather. ``num_axes = A > 1`` takes positions
+    ``[N, A]`` (e.g. patch ``(row, col)``; required) and evaluates each distinct offset vector once.
+    Translation invariant in every axis. The MLP runs in float32 (float64 for float64 modules).
+
+    Args:
+        num_heads (int): heads ``H``.
+        num_axes (int): position axes ``A``. Default: 1.
+        hidden_dim (int): MLP width (x-transformers' ``dim``). Default: 64.
+        depth (int): hidden blocks, >= 1. Default: 2.
+        log_distance (bool): feed ``sign(x) log(1 + |x|)``. Default: False.
+        norm (bool): LayerNorm after each hidden Linear (x-transformers' ``norm``). Default: False.
+
+    Shape:
+        - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` float32
+          (``[B, H, Nq, Nk]`` for ``[B, N(, A)]`` positions).
+
+    Example:
+        >>> dpb = DynamicPositionBias(8, log_distance=True)
+        >>> dpb(128, 128).shape
+        torch.Size([8, 128, 128])
+        >>> grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(16, 2)
+        >>> DynamicPositionBias(8, num_axes=2)(16, 16, grid, grid).shape
+        torch.Size([8, 16, 16])
+    """
+
+    integer_positions = False
+
+    def __init__(self, num_heads: int, *, num_axes: int = 1, hidden_dim: int = 64, depth: int = 2,
+                 log_distance: bool = False, norm: bool = False) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        num_heads, num_axes, hidden_dim, depth = (_check_positive_int(owner, name, value) for name, value in (
+            ("num_heads", num_heads), ("num_axes", num_axes), ("hidden_dim", hidden_dim), ("depth", depth)))
+        for name, value in (("log_distance", log_distance), ("norm", norm)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{owner}: {name} must be a bool, got {name}={value!r}")
+        self.num_heads, self.num_axes, self.hidden_dim, self.depth = num_heads, num_axes, hidden_dim, depth
+        self.log_distance, self.norm = log_distance, norm
+
+        def block(width_in: int, norm_layer) -> nn.Sequential:
+            norms = [norm_layer(hidden_dim)] if norm else []
+            return nn.Sequential(nn.Linear(width_in, hidden_dim), *norms, nn.SiLU())
+
+        # x-transformers normalises the first block without a bias (its own LayerNorm), the others with nn.LayerNorm
+        hidden = [block(hidden_dim, nn.LayerNorm) for _ in range(depth - 1)]
+        self.mlp = nn.ModuleList([block(num_axes, _GammaLayerNorm), *hidden, nn.Linear(hidden_dim, num_heads)])
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_axes={self.num_axes}, hidden_dim={self.hidden_dim}, "
+                f"depth={self.depth}, log_distance={self.log_distance}, norm={self.norm}")
+
+    def reset_parameters(self) -> None:
+        for layer in self.mlp.modules():
+            if isinstance(layer, (nn.Linear, nn.LayerNorm, _GammaLayerNorm)):
+                layer.reset_parameters()
+
+    def _buffer_device(self):
+        return self.mlp[-1].weight.device
+
+    def _values(self, offsets: Tensor) -> Tensor:
+        """MLP of query - key offsets ``[..., A]`` -> ``[..., H]``, once per distinct offset (eager)."""
+        dtype = _compute_dtype(self.mlp[-1].weight.dtype)
+        flat, inverse = offsets.reshape(-1, self.num_axes), None                        # [M, A]
+        if not _is_compiling() and flat.shape[0] > 1:   # traced code: every row (no data-dependent shapes)
+            flat, inverse = _distinct_rows(flat)                                         # [U, A], [M]
+        x = flat.to(dtype)
+        if self.log_distance:
+            x = torch.sign(x) * torch.log1p(x.abs())
+        values = _run_mlp(self.mlp, x)                                                   # [U, H]
+        if inverse is not None:
+            values = values[inverse]                                                     # [M, H]
+        return values.reshape(*offsets.shape[:-1], self.num_heads)
+
+    def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
+        """Elementwise over broadcast ``distance`` (key - query, 1-D) and ``head``."""
+        values = self._values(-distance.unsqueeze(-1))                                  # [*S, H]
+        index = head + torch.zeros_like(distance, dtype=head.dtype)                     # [*shape]: broadcast
+        return values.expand(*index.shape, self.num_heads).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None) -> Tensor:
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for batched positions), float32; positions
+        ``[N, A]`` are required for ``A > 1``."""
+        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        if self.num_axes == 1:
+            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
+        device = self.mlp[-1].weight.device if device is None else device
+        pos_q, pos_k = _unhead(positions_q.to(device), 2), _unhead(positions_k.to(device), 2)
+        offsets = pos_q.unsqueeze(-2) - pos_k.unsqueeze(-3)                              # [(B, 1..,) Nq, Nk, A]
+        return self._values(offsets).movedim(-1, -3)                                     # [(B, 1..,) H, Nq, Nk]
+
+    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
+                  positions_k: Optional[Tensor] = None):
+        """A FlexAttention ``score_mod``: default 1-D positions close over the ``Nq + Nk - 1`` per-distance
+        values; explicit positions over the dense bias (one MLP call per distinct offset, not per element)."""
+        if positions_q is None and positions_k is None and self.num_axes == 1:
+            return super().score_mod(q_len, k_len)
+        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(B, 1..,) H, Nq, Nk]
+        bias = bias.reshape(-1, *bias.shape[-3:]) if bias.dim() > 3 else bias           # [(B,) H, Nq, Nk]
+        if bias.dim() == 4:
+            return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+        return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx].to(score.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Images, video and coordinates: helpers
+# ---------------------------------------------------------------------------
+
+
+def _as_sizes(owner: str, name: str, value, count: Optional[int] = None) -> tuple:
+    """A tuple of positive ints (numpy ints accepted) from an int or a sequence of them."""
+    items = value if isinstance(value, (tuple, list, torch.Size)) else (value,)
+    try:
+        sizes = tuple(operator.index(item) for item in items)
+    except TypeError:
+        raise TypeError(f"{owner}: {name} must be a positive int or a tuple of them, got {value!r}") from None
+    if not sizes or any(size <= 0 for size in sizes) or any(isinstance(item, bool) for item in items) \
+            or (count is not None and len(sizes) != count):
+        want = "positive ints" if count is None else f"{count} positive ints"
+        raise ValueError(f"{owner}: {name} must be {want}, got {name}={value!r}")
+    return sizes
+
+
+def _check_float(owner: str, name: str, value, *, low: float = 0.0, optional: bool = False,
+                 inclusive: bool = False) -> None:
+    """A real number > low (>= low with ``inclusive``), or None when ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= low if inclusive else value > low):
+        raise ValueError(f"{owner}: {name} must be a finite number {'>=' if inclusive else '>'} {low}"
+                         f"{' or None' if optional else ''}, got {name}={value!r}")
+
+
+def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"] = "separate",
+                     shift: Optional[float] = None, jitter: Optional[float] = None,
+                     rescale: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                     device=None) -> Tensor:
+    """Normalised patch-centre coordinates of a grid, with DINOv3's train-time augmentations.
+
+    The semantics of ``RopePositionEmbedding`` in DINOv3 (Simeoni et al. 2025,
+    arXiv:2508.10104), for any number of axes: patch ``i`` of an axis of ``S`` patches is
+    at ``2 (i + 0.5) / S' - 1`` with ``S' = S`` (``"separate"``: every axis spans
+    ``[-1, 1]``), the largest size (``"max"``: the longest axis spans ``[-1, 1]``, the others
+    less) or the smallest (``"min"``: the shortest spans ``[-1, 1]``, the others more). Then,
+    in this order and only when given (DINOv3 applies them while training):
+
+    * ``shift``: add ``U(-shift, shift)``, one draw per axis;
+    * ``jitter``: multiply by ``exp(U(-log jitter, log jitter))``, one draw per axis;
+    * ``rescale``: multiply by ``exp(U(-log rescale, log rescale))``, one draw for all axes.
+
+    Draws are float32 from ``generator`` (the global one by default), as DINOv3 draws them,
+    so the same RNG state gives DINOv3's factors. Feed the result to any multi-axis rotary
+    class (``MixedRotaryPositionalEmbedding``, ``RotaryPositionalEmbedding(sections=...)``,
+    ``LieREPositionalEmbedding``): their angles are linear in these float positions. With
+    DINOv3's periods ``base ** (2i / (Dh/2))`` the equivalent rotary frequencies are
+    ``2 pi / period``.
+
+    Args:
+        grid_shape (tuple of int): patches per axis, e.g. ``(h, w)`` or ``(t, h, w)``.
+        normalize (str): ``"separate"``, ``"max"`` or ``"min"``. Default: ``"separate"``.
+        shift (float, optional): shift amplitude. Default: None.
+        jitter (float, optional): per-axis scale bound (``> 1`` to do anything). Default: None.
+        rescale (float, optional): global scale bound. Default: None.
+        generator (torch.Generator, optional): source of the draws. Default: None.
+        device: device of the result. Default: CPU.
+
+    Returns:
+        float64 ``[N, A]`` coordinates, ``N = prod(grid_shape)`` in row-major order (the last
+        axis fastest), axes in ``grid_shape`` order.
+
+    Example:
+        >>> coords = rope_coordinates((14, 14), jitter=1.3)       # [196, 2]
+    """
+    owner = "rope_coordinates"
+    sizes = _as_sizes(owner, "grid_shape", grid_shape)
+    if normalize not in ("separate", "max", "min"):
+        raise ValueError(f"{owner}: normalize must be 'separate', 'max' or 'min', got normalize={normalize!r}")
+    _check_float(owner, "shift", shift, optional=True, inclusive=True)
+    _check_float(owner, "jitter", jitter, low=1.0, optional=True, inclusive=True)
+    _check_float(owner, "rescale", rescale, low=1.0, optional=True, inclusive=True)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    count = len(sizes)
+    spans = {"separate": sizes, "max": (max(sizes),) * count, "min": (min(sizes),) * count}[normalize]
+    axes = [(torch.arange(size, dtype=torch.float64) + 0.5) / span for size, span in zip(sizes, spans)]
+    coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, count) * 2 - 1   # [N, A]
+    draw = lambda n, low, high: torch.empty(n).uniform_(low, high, generator=generator)              # float32
+    if shift is not None:
+        coords = coords + draw(count, -shift, shift).double()
+    if jitter is not None:
+        coords = coords * draw(count, -math.log(jitter), math.log(jitter)).exp().double()
+    if rescale is not None:
+        coords = coords * draw(1, -math.log(rescale), math.log(rescale)).exp().double()
+    return coords.to(device)
+
+
+# ---------------------------------------------------------------------------
+# Images, video and coordinates: learned rotations (RoPE-Mixed, LieRE)
+# ---------------------------------------------------------------------------
+
+
+class _TokenRotation(PositionalEmbedding):
+    """q and k each rotated by a per-head orthogonal map of their own (multi-axis) position.
+
+    Subclasses define ``_rotate_tokens(x, positions)`` with x ``[..., H, N, Dh]`` and positions
+    ``[N, A]`` or ``[B, 1, ..., 1, N, A]`` (the validated, broadcastable form); ``encode_qk``
+    may be overridden to share work between q and k (``_rotate_both``).
+    """
+
+    kind = "qk"
+
+    def _check_init(self, head_dim, num_heads, num_axes) -> None:
+        owner = type(self).__name__
+        self.head_dim = _as_sizes(owner, "head_dim", head_dim, 1)[0]
+        self.num_heads = _as_sizes(owner, "num_heads", num_heads, 1)[0]
+        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
+
+    def _positions(self, positions: Optional[Tensor], n: int, offset: int, device) -> Tensor:
+        """[..., N, A] positions (one axis: ``arange(N) + offset`` by default)."""
+        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
+        return positions.unsqueeze(-1) if self.num_axes == 1 else positions
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """Rotate ``x`` ``[..., H, N, Dh]`` (call it for q and for k)."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 3)
+        self._check_heads(x, "x")
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
+        if positions is not None and positions.dim() > (1 if self.num_axes == 1 else 2) and x.dim() < 4:
+            raise ValueError(f"{owner}: [B, N] positions need x of shape [B, ..., H, N, Dh], got x {tuple(x.shape)}")
+        return self._rotate_tokens(x, self._positions(positions, x.shape[-2], offset, x.device))
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        positions_k_full = self._positions(positions_k, k_len, 0, k.device)
+        if positions_q is None and positions_k is None and q_len == k_len:
+            positions_q_full = positions_k_full
+        else:
+            positions_q_full = self._positions(positions_q, q_len, _query_offset(q_len, k_len), q.device)
+        return self._rotate_both(q, positions_q_full, k, positions_k_full)
+
+    def _rotate_both(self, q: Tensor, positions_q: Tensor, k: Tensor, positions_k: Tensor) -> tuple:
+        return self._rotate_tokens(q, positions_q), self._rotate_tokens(k, positions_k)
+
+    @staticmethod
+    def _token_axes(positions: Tensor) -> Tensor:
+        """[N, A] -> [N, A]; [B, 1, ..., 1, N, A] (head slot at -3) -> [B, 1, ..., N, A] without the head slot."""
+        return positions if positions.dim() == 2 else positions.squeeze(-3)
+
+
+class MixedRotaryPositionalEmbedding(_TokenRotation):
+    """RoPE-Mixed: rotary embedding with learned frequencies that mix the position axes.
+
+    Heo et al., "Rotary Position Embedding for Vision Transformer", ECCV 2024,
+    arXiv:2403.13298. Pair ``f`` of head ``h`` turns by the angle
+    ``sum_a p_a * freqs[a, h, f]``, so every pair rotates along its own learned direction of
+    the grid (diagonals included) and ``<f(q, p), f(k, r)>`` depends on ``r - p`` only.
+    Pairs are interleaved ``(2f, 2f + 1)`` as in the reference (``view_as_complex``).
+
+    Initialisation is the reference's ``init_random_2d_freqs``: magnitudes
+    ``base ** (-4i / Dh)`` for ``i < Dh/4``, the first ``Dh/4`` pairs along a random angle
+    ``phi_h`` per head and the last ``Dh/4`` along ``phi_h + pi/2`` (one ``torch.rand`` per head,
+    in head order, so the same seed gives the same values). For ``A != 2`` axes (video) the
+    same idea: a random orthonormal frame per head (QR of a Gaussian), ``Dh / (2A)`` pairs per
+    frame vector with magnitudes ``base ** (-2A i / Dh)``.
+
+    Loading weights: naver-ai/rope-vit keeps every layer's frequencies in one parameter
+    ``freqs`` of shape ``[2, depth, H * Dh/2]`` (``[2, H, Dh/2]`` per block in
+    ``self-attn/rope_self_attn.py``); for layer ``l``,
+    ``pe.freqs.copy_(ref.freqs[:, l].view(2, H, Dh // 2))``. timm's ``RotaryEmbeddingMixed``
+    stores ``freqs`` ``[2, depth, H, Dh/2]``: ``pe.freqs.copy_(timm.freqs[:, l])``. Axis 0 is
+    ``x`` (the column), axis 1 ``y`` (the row), so positions are ``(col, row)`` pairs
+    (``torch.meshgrid(..., indexing="xy")``). Both references leave the ``[CLS]`` token
+    unrotated: give it position ``(0, 0)`` (angle 0 is the identity). The references use
+    ``base=10`` for RoPE-Mixed (100 for RoPE-Axial); this class's default is 100.
+
+    Angles are summed in float64 from float64 positions; the rotation runs in float32
+    (float64 for float64 inputs). Cost: ``O(B H N Dh)`` like RoPE, plus ``O(N H Dh A)`` angles.
+
+    Args:
+        head_dim (int): head dim ``Dh``, divisible by ``2 * num_axes`` (by 4 for two axes).
+        num_heads (int): heads ``H``.
+        num_axes (int): position axes ``A``. Default: 2.
+        base (float): base of the initial magnitudes. Default: 100.0.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions ``[N, A]`` or ``[B, N, A]``, integer or float
+          (``[N]``, ``[B, N]`` for one axis, default ``arange(N) + offset``);
+          ``freqs``: ``[A, H, Dh/2]``.
+
+    Example:
+        >>> rope = MixedRotaryPositionalEmbedding(64, 8, base=10.0)
+        >>> xy = torch.stack(torch.meshgrid(torch.arange(14), torch.arange(14), indexing="xy"), -1).reshape(196, 2)
+        >>> q = k = v = torch.randn(2, 8, 196, 64)
+        >>> out = attention(q, k, v, rope, positions_q=xy, positions_k=xy)
+    """
+
+    translation_invariant = True
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, base: float = 100.0) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self._check_init(head_dim, num_heads, num_axes)
+        if self.head_dim % (2 * self.num_axes):
+            raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * self.num_axes}, "
+                             f"got head_dim={head_dim}")
+        _check_base(owner, base)
+        self.base = float(base)
+        self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_heads={self.num_heads}, num_axes={self.num_axes}, base={self.base}"
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        heads, axes, per_vector = self.num_heads, self.num_axes, self.head_dim // (2 * self.num_axes)
+        magnitude = self.base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * axes / self.head_dim)  # [F/A]
+        if axes == 2:   # rope-vit: a random angle per head, frame (cos, sin), (cos, sin)(phi + pi/2)
+            phi = torch.rand(heads, device="cpu").double() * 2 * math.pi                         # [H]
+            frame = torch.stack([torch.stack([phi.cos(), (phi + math.pi / 2).cos()], -1),
+                                 torch.stack([phi.sin(), (phi + math.pi / 2).sin()], -1)])       # [A, H, A]
+        else:           # a random orthonormal frame per head
+            frame = torch.linalg.qr(torch.randn(heads, axes, axes, dtype=torch.float64, device="cpu"))[0]
+            frame = frame.permute(1, 0, 2)                                                         # [A, H, A]
+        freqs = (frame.unsqueeze(-1) * magnitude).flatten(-2)                                    # [A, H, F]
+        self.freqs.copy_(freqs.to(self.freqs.dtype))
+
+    def angles(self, positions: Tensor) -> Tensor:
+        """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A] -> [..., H, N, F]."""
+        positions = positions.to(torch.float64)
+        if positions.dim() == 2:
+            positions = positions.unsqueeze(0)                                                 # [1, N, A]
+        return torch.matmul(positions, self.freqs.to(torch.float64).transpose(0, 1))           # [..., H, N, F]
+
+    def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
+        angles = self.angles(positions)                                                         # [..., H, N, F]
+        dtype = _compute_dtype(x.dtype)
+        return _rotate(x, angles.cos().to(dtype), angles.sin().to(dtype), True, self.head_dim)
+
+
+class LieREPositionalEmbedding(_TokenRotation):
+    """LieRE: rotations ``R(p) = exp(sum_a p_a A_a)`` with learned skew-symmetric generators.
+
+    Ostmeier et al., "LieRE: Lie Rotational Positional Encodings", arXiv:2406.10322. Each
+    head has one generator per axis; a token at position ``p`` (``A`` coordinates, float
+    allowed) is mapped to ``R(p) x`` and the logit is ``q^T R(p)^T R(r) k``. The generators
+    do not commute, so unlike RoPE this is not a function of ``r - p`` (with
+    ``block_size=2`` it is: 2 x 2 blocks commute and LieRE is RoPE-Mixed with angle
+    ``-sum_a p_a A_a[0, 1]``).
+
+    As in the authors' code (StanfordMIMI/LieRE, ``LierePositionEncoder``), the generators
+    are block diagonal with ``Dh // block_size`` blocks of ``block_size x block_size``
+    (``generator_dim``; ``block_size = Dh`` is the paper's full form), built from
+    ``generator_raw_params`` as ``U - U^T`` with ``U`` its strict upper triangle, initialised
+    ``U(0, 2 pi)``; channels past ``block_size * (Dh // block_size)`` are not rotated. Their
+    parameter is ``[A, depth, H * Dh/g, g, g]``; for layer ``l``:
+    ``pe.generator_raw_params.copy_(ref.generator_raw_params[:, l].view(A, H, Dh // g, g, g))``.
+    Their positions are ``linspace(0, 1, steps)`` per axis (``torch.cartesian_prod``, first axis
+    slowest) with the ``[CLS]`` token at the identity (give it position 0).
+
+    Cost: the rotations are one batched ``matrix_exp`` over the *distinct* positions of the
+    call (q, k and batch pooled; a grid shared by q and k counts once), ``O(U H Dh g^2)``
+    time for ``U`` distinct positions (``O(U H Dh^3)`` with full generators), in float64
+    (float32 loses ~1e-5 relative on generators of norm ~100); applying them costs
+    ``O(B H N Dh g)``. Under ``torch.compile`` the de-duplication is skipped (``torch.unique``
+    has a data-dependent size) and every token is exponentiated.
+
+    Args:
+        head_dim (int): head dim ``Dh``.
+        num_heads (int): heads ``H``.
+        num_axes (int): position axes ``A``. Default: 2.
+        block_size (int, optional): generator block ``g`` (2 .. Dh). Default: ``Dh``.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions ``[N, A]`` or ``[B, N, A]`` (``[N]``, ``[B, N]``
+          for one axis, default ``arange(N) + offset``);
+          ``generator_raw_params``: ``[A, H, Dh // g, g, g]``.
+
+    Example:
+        >>> liere = LieREPositionalEmbedding(64, 8, block_size=8)
+        >>> rc = torch.cartesian_prod(torch.linspace(0, 1, 14), torch.linspace(0, 1, 14))     # [196, 2]
+        >>> q = k = v = torch.randn(2, 8, 196, 64)
+        >>> out = attention(q, k, v, liere, positions_q=rc, positions_k=rc)
+    """
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, block_size: Optional[int] = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self._check_init(head_dim, num_heads, num_axes)
+        block = self.head_dim if block_size is None else _as_sizes(owner, "block_size", block_size, 1)[0]
+        if not 2 <= block <= self.head_dim:
+            raise ValueError(f"{owner}: block_size must be an int in [2, head_dim={self.head_dim}], "
+                             f"got block_size={block_size!r}")
+        self.block_size, self.num_blocks = block, self.head_dim // block
+        self.generator_raw_params = nn.Parameter(
+            torch.empty(self.num_axes, self.num_heads, self.num_blocks, block, block))   # [A, H, Dh/g, g, g]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, num_heads={self.num_heads}, num_axes={self.num_axes}, "
+                f"block_size={self.block_size}")
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.generator_raw_params, 0.0, 2 * math.pi)
+
+    @property
+    def generators(self) -> Tensor:
+        """The skew-symmetric blocks ``A_a``: [A, H, Dh/g, g, g] (float64)."""
+        upper = torch.triu(self.generator_raw_params.to(torch.float64), diagonal=1)
+        return upper - upper.mT
+
+    def rotations(self, positions: Tensor) -> Tensor:
+        """``exp(sum_a p_a A_a)`` for positions [M, A]: [M, H, Dh/g, g, g] (float64), one
+        ``matrix_exp`` per distinct position (eager)."""
+        positions = positions.to(torch.float64)
+        inverse = None
+        if not _is_compiling() and positions.shape[0] > 1:
+            positions, inverse = torch.unique(positions, dim=0, return_inverse=True)           # [U, A]
+        generator = torch.tensordot(positions, self.generators, dims=([1], [0]))               # [U, H, Dh/g, g, g]
+        rotation = torch.matrix_exp(generator)
+        return rotation if inverse is None else rotation[inverse]                               # [M, H, Dh/g, g, g]
+
+    def _rotate_both(self, q, positions_q, k, positions_k):
+        tokens_q, tokens_k = self._token_axes(positions_q), self._token_axes(positions_k)
+        if positions_q is positions_k:
+            rotation = self._token_rotations(tokens_k)
+            return self._apply_rotation(q, rotation), self._apply_rotation(k, rotation)
+        flat_q, flat_k = tokens_q.reshape(-1, self.num_axes), tokens_k.reshape(-1, self.num_axes)
+        both = self.rotations(torch.cat([flat_q.to(torch.float64), flat_k.to(torch.float64)]))
+        rotation_q = self._unflatten(both[: flat_q.shape[0]], tokens_q)
+        rotation_k = self._unflatten(both[flat_q.shape[0]:], tokens_k)
+        return self._apply_rotation(q, rotation_q), self._apply_rotation(k, rotation_k)
+
+    def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self._apply_rotation(x, self._token_rotations(self._token_axes(positions)))
+
+    def _token_rotations(self, tokens: Tensor) -> Tensor:
+        """tokens [..., N, A] -> rotations [..., H, N, Dh/g, g, g]."""
+        return self._unflatten(self.rotations(tokens.reshape(-1, self.num_axes)), tokens)
+
+    def _unflatten(self, rotation: Tensor, tokens: Tensor) -> Tensor:
+        rotation = rotation.reshape(*tokens.shape[:-1], *rotation.shape[1:])                  # [..., N, H, Dh/g, g, g]
+        return rotation.movedim(-4, -5)                                                         # [..., H, N, Dh/g, g, g]
+
+    def _apply_rotation(self, x: Tensor, rotation: Tensor) -> Tensor:
+        """``R x`` per block: x [..., H, N, Dh], rotation [..., H, N, Dh/g, g, g] -> [..., H, N, Dh]."""
+        dtype = _compute_dtype(x.dtype)
+        width = self.num_blocks * self.block_size
+        blocks = x[..., :width].to(dtype).unflatten(-1, (self.num_blocks, self.block_size))      # [..., H, N, Dh/g, g]
+        rotated = torch.matmul(rotation.to(dtype), blocks.unsqueeze(-1)).squeeze(-1).flatten(-2)   # [..., H, N, width]
+        if width < x.shape[-1]:
+            rotated = torch.cat([rotated, x[..., width:].to(dtype).expand(*rotated.shape[:-1], -1)], dim=-1)
+        return rotated.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Images, video and coordinates: token-side encodings (convolution, Fourier features)
+# ---------------------------------------------------------------------------
+
+
+class ConvolutionalPositionalEmbedding(PositionalEmbedding):
+    """A convolution over the token grid added to the tokens: CPVT's PEG, wav2vec 2.0's conv.
+
+    Chu et al., "Conditional Positional Encodings for Vision Transformers", ICLR 2023,
+    arXiv:2102.10882: ``y = x + DWConv(x)``, a depthwise ``kernel_size^A`` convolution
+    (with bias) over the tokens laid out on their grid, zero padded so borders reveal
+    absolute position. Prefix tokens (``[CLS]``) pass through unchanged.
+    timm's ``PosConv`` / CPVT's ``PosCNN`` load by copying ``proj.0.weight -> weight`` and
+    ``proj.0.bias -> bias``.
+
+    Baevski et al., "wav2vec 2.0", arXiv:2006.11477, in 1-D:
+    ``ConvolutionalPositionalEmbedding(768, kernel_size=128, num_axes=1, groups=16,
+    weight_norm=True, activation="gelu")`` is ``y = x + GELU(conv(x))`` with a grouped,
+    weight-normalised (over dim 2: one norm per kernel tap) convolution whose last output
+    step is dropped for even kernels, as transformers' ``Wav2Vec2PositionalConvEmbedding``;
+    its weights load by copying ``conv.parametrizations.weight.original0 -> weight_g``,
+    ``...original1 -> weight_v`` (``conv.weight_g`` / ``conv.weight_v`` with the old
+    ``weight_norm``) and ``conv.bias -> bias``. An even kernel in PEG mode is handled the same way.
+
+    The grid shape reaches ``forward(x, grid_shape)`` per call; ``forward_input(x)`` uses the
+    ``grid_shape`` given at construction, or the whole sequence for one axis. Positions are
+    implicit in the token order (row-major), so ``forward_input`` takes none.
+
+    Cost: ``O(B N D k^A)`` (depthwise) or ``O(B N D^2 k / groups)`` (grouped), one conv call.
+
+    Args:
+        dim (int): token width ``D``.
+        kernel_size (int): kernel extent per axis. Default: 3.
+        num_axes (int): grid axes ``A`` (1, 2 or 3). Default: 2.
+        grid_shape (tuple of int, optional): default grid for ``forward_input``. Default: None.
+        num_prefix_tokens (int): leading tokens passed through. Default: 0.
+        groups (int, optional): convolution groups, dividing ``dim``. Default: ``dim`` (depthwise).
+        weight_norm (bool): weight-normalise over the kernel axis (one axis only). Default: False.
+        activation (str, optional): ``"gelu"`` (exact, erf) after the convolution. Default: None.
+
+    Shape:
+        - x: ``[..., P + prod(grid_shape), D]``; output: the same.
+        - ``weight``: ``[D, D / groups, k, ..., k]`` (or ``weight_g`` ``[1, 1, k]`` and
+          ``weight_v`` ``[D, D / groups, k]``); ``bias``: ``[D]``.
+
+    Example:
+        >>> peg = ConvolutionalPositionalEmbedding(384, num_prefix_tokens=1)
+        >>> peg(torch.randn(2, 1 + 14 * 14, 384), (14, 14)).shape
+        torch.Size([2, 197, 384])
+    """
+
+    kind = "input"
+
+    def __init__(self, dim: int, *, kernel_size: int = 3, num_axes: int = 2, grid_shape=None,
+                 num_prefix_tokens: int = 0, groups: Optional[int] = None, weight_norm: bool = False,
+                 activation: Optional[Literal["gelu"]] = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.dim = _as_sizes(owner, "dim", dim, 1)[0]
+        self.kernel_size = _as_sizes(owner, "kernel_size", kernel_size, 1)[0]
+        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
+        if self.num_axes > 3:
+            raise ValueError(f"{owner}: num_axes must be 1, 2 or 3, got num_axes={num_axes!r}")
+        self.grid_shape = None if grid_shape is None else _as_sizes(owner, "grid_shape", grid_shape, self.num_axes)
+        if not isinstance(num_prefix_tokens, int) or isinstance(num_prefix_tokens, bool) or num_prefix_tokens < 0:
+            raise ValueError(f"{owner}: num_prefix_tokens must be a non-negative int, "
+                             f"got num_prefix_tokens={num_prefix_tokens!r}")
+        self.groups = self.dim if groups is None else _as_sizes(owner, "groups", groups, 1)[0]
+        if self.dim % self.groups:
+            raise ValueError(f"{owner}: groups must divide dim={self.dim}, got groups={groups!r}")
+        if not isinstance(weight_norm, bool):
+            raise TypeError(f"{owner}: weight_norm must be a bool, got {type(weight_norm).__name__} {weight_norm!r}")
+        if weight_norm and self.num_axes != 1:
+            raise ValueError(f"{owner}: weight_norm is wav2vec 2.0's 1-D option, got num_axes={self.num_axes}")
+        if activation not in (None, "gelu"):
+            raise ValueError(f"{owner}: activation must be None or 'gelu', got activation={activation!r}")
+        self.num_prefix_tokens, self.weight_norm, self.activation = num_prefix_tokens, weight_norm, activation
+        shape = (self.dim, self.dim // self.groups) + (self.kernel_size,) * self.num_axes
+        if weight_norm:   # weight = g * v / |v|, the norm over every dim but the kernel axis (dim=2)
+            self.weight_g = nn.Parameter(torch.empty(1, 1, self.kernel_size))                  # [1, 1, k]
+            self.weight_v = nn.Parameter(torch.empty(shape))                                   # [D, D/groups, k]
+        else:
+            self.weight = nn.Parameter(torch.empty(shape))                                     # [D, D/groups, k...]
+        self.bias = nn.Parameter(torch.empty(self.dim))                                        # [D]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        text = f"dim={self.dim}, kernel_size={self.kernel_size}, num_axes={self.num_axes}"
+        for name, default in (("grid_shape", None), ("num_prefix_tokens", 0), ("weight_norm", False),
+                              ("activation", None)):
+            if getattr(self, name) != default:
+                text += f", {name}={getattr(self, name)!r}"
+        return text + ("" if self.groups == self.dim else f", groups={self.groups}")
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        fan_in = (self.dim // self.groups) * self.kernel_size ** self.num_axes
+        if self.weight_norm:   # wav2vec 2.0 / transformers: N(0, 2 / sqrt(k * D)), bias 0, g = |v|
+            nn.init.normal_(self.weight_v, std=2 * math.sqrt(1 / (self.kernel_size * self.dim)))
+            self.weight_g.copy_(self.weight_v.norm(dim=(0, 1), keepdim=True).to(self.weight_g.dtype))
+            nn.init.zeros_(self.bias)
+        else:                  # nn.Conv's default init (CPVT and timm keep it)
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            nn.init.uniform_(self.bias, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def conv_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The convolution kernel in ``dtype`` (weight-normalised when asked)."""
+        if not self.weight_norm:
+            return self.weight.to(dtype)
+        v = self.weight_v.to(dtype)
+        return self.weight_g.to(dtype) * v / v.norm(dim=(0, 1), keepdim=True)
+
+    def forward(self, x: Tensor, grid_shape=None) -> Tensor:
+        """``x`` with the convolution of its grid tokens added: x [..., P + prod(grid_shape), D]."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.dim)
+        prefix = self.num_prefix_tokens
+        if grid_shape is None:
+            grid_shape = self.grid_shape
+        if grid_shape is None:
+            if self.num_axes != 1:
+                raise ValueError(f"{owner}: grid_shape is required for {self.num_axes} axes (or give it at "
+                                 f"construction), got None")
+            grid_shape = (x.shape[-2] - prefix,)
+        grid = _as_sizes(owner, "grid_shape", grid_shape, self.num_axes) if not _is_compiling() else tuple(grid_shape)
+        if x.shape[-2] != prefix + math.prod(grid):
+            raise ValueError(f"{owner}: x must have num_prefix_tokens + prod(grid_shape) = {prefix} + "
+                             f"{math.prod(grid)} tokens, got shape {tuple(x.shape)}")
+        dtype = _compute_dtype(x.dtype)
+        tokens = x[..., prefix:, :].to(dtype)                                                   # [..., N', D]
+        lead = tokens.shape[:-2]
+        maps = tokens.reshape(-1, *grid, self.dim).movedim(-1, 1)                              # [B', D, *grid]
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.num_axes - 1]
+        out = conv(maps, self.conv_weight(dtype), self.bias.to(dtype), padding=self.kernel_size // 2,
+                   groups=self.groups)
+        if self.kernel_size % 2 == 0:   # "same" length: drop the extra last step on every axis
+            out = out[(...,) + (slice(0, -1),) * self.num_axes]
+        if self.activation == "gelu":
+            out = F.gelu(out)
+        out = out.movedim(1, -1).reshape(*lead, -1, self.dim)                                   # [..., N', D]
+        encoded = (tokens + out).to(x.dtype)
+        return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
+
+    def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``forward(x)`` on the construction-time grid (1-D: the whole sequence); no positions."""
+        if positions is not None:
+            raise ValueError(f"{type(self).__name__}: positions must be None (the grid order of the tokens is "
+                             f"the position; pass grid_shape to forward), got a "
+                             f"{type(positions).__name__}")
+        return self(x)
+
+
+class FourierFeaturePositionalEmbedding(PositionalEmbedding):
+    """Fourier features of continuous coordinates, added to the tokens.
+
+    ``sampling="octave"``: NeRF's encoding (Mildenhall et al., arXiv:2003.08934),
+    ``gamma(p) = (sin(2^0 pi s p), cos(2^0 pi s p), ..., sin(2^(L-1) pi s p), cos(2^(L-1) pi s p))``
+    with ``L = dim / (2A)`` octaves, each block of ``A`` values holding the axes in order (the
+    layout of NeRF's ``Embedder``, without its ``include_input``); ``s = scale``, and
+    ``scale = 1 / pi`` gives nerf-pytorch's code, whose bands omit the ``pi``.
+
+    ``sampling="gaussian"``: random Fourier features (Tancik et al., "Fourier Features Let
+    Networks Learn High Frequency Functions in Low Dimensional Domains", arXiv:2006.10739),
+    ``[cos(2 pi B p), sin(2 pi B p)]`` with ``B`` ``[dim/2, A]`` drawn ``N(0, scale^2)``.
+    ``B`` is not learned and not in the ``state_dict``: it is a buffer drawn from its own
+    generator seeded with ``seed`` (in float64, on the CPU), so every build with the same
+    ``(num_axes, dim, scale, seed)`` has the same ``B`` on any device, meta-device
+    initialisation included, and a checkpoint loads into it unchanged.
+
+    Coordinates are usually normalised (``[0, 1]`` or ``[-1, 1]``, see ``rope_coordinates``);
+    with integer positions the octave features are degenerate (``sin(2^k pi p) = 0``).
+    Angles are computed in float64.
+
+    Args:
+        num_axes (int): coordinate axes ``A``.
+        dim (int): feature width ``D`` (a multiple of ``2A`` for octaves, even for Gaussian).
+        sampling (str): ``"octave"`` or ``"gaussian"``. Default: ``"octave"``.
+        scale (float): ``s`` of the octaves, or the standard deviation of ``B``. Default: 1.0.
+        seed (int): seed of ``B``. Default: 0.
+
+    Shape:
+        - positions: ``[..., N, A]`` (``[..., N]`` for one axis); ``embed`` -> ``[..., N, D]``.
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``; one axis
+          defaults to ``arange(N) + offset``.
+
+    Example:
+        >>> ff = FourierFeaturePositionalEmbedding(2, 256, sampling="gaussian", scale=10.0)
+        >>> uv = torch.rand(4096, 2)
+        >>> ff.embed(uv).shape
+        torch.Size([4096, 256])
+    """
+
+    kind = "input"
+
+    def __init__(self, num_axes: int, dim: int, *, sampling: Literal["octave", "gaussian"] = "octave",
+                 scale: float = 1.0, seed: int = 0) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
+        self.dim = _as_sizes(owner, "dim", dim, 1)[0]
+        if sampling not in ("octave", "gaussian"):
+            raise ValueError(f"{owner}: sampling must be 'octave' or 'gaussian', got sampling={sampling!r}")
+        multiple = 2 * self.num_axes if sampling == "octave" else 2
+        if self.dim % multiple:
+            raise ValueError(f"{owner}: dim must be a multiple of {multiple} for sampling={sampling!r}, "
+                             f"got dim={dim!r}")
+        _check_float(owner, "scale", scale)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"{owner}: seed must be an int, got {type(seed).__name__} {seed!r}")
+        self.sampling, self.scale, self.seed = sampling, float(scale), seed
+        self._init_buffers(None)
+
+    def extra_repr(self) -> str:
+        text = f"num_axes={self.num_axes}, dim={self.dim}, sampling={self.sampling!r}, scale={self.scale}"
+        return text + (f", seed={self.seed}" if self.sampling == "gaussian" else "")
+
+    def _init_buffers(self, device) -> None:
+        if self.sampling == "gaussian":   # B [D/2, A], float64, from its own generator
+            generator = torch.Generator().manual_seed(self.seed)
+            B = torch.randn(self.dim // 2, self.num_axes, generator=generator, dtype=torch.float64, device="cpu")
+            self.register_buffer("B", (B * self.scale).to(device), persistent=False)
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """Features of ``positions`` ``[..., N, A]`` (``[..., N]`` for one axis): float32 ``[..., N, D]``
+        (float64 for float64 positions)."""
+        owner = type(self).__name__
+        if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
+            raise TypeError(f"{owner}: positions must be an integer or float tensor, got "
+                            f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
+        if self.num_axes == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
+            positions = positions.unsqueeze(-1)
+        if positions.dim() < 2 or positions.shape[-1] != self.num_axes:
+            raise ValueError(f"{owner}: positions must have shape [..., N, {self.num_axes}], "
+                             f"got {tuple(positions.shape)}")
+        dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
+        p = positions.to(torch.float64)                                                         # [..., N, A]
+        if self.sampling == "octave":
+            octaves = self.dim // (2 * self.num_axes)
+            bands = math.pi * self.scale * 2.0 ** torch.arange(octaves, dtype=torch.float64, device=p.device)   # [L]
+            angles = p.unsqueeze(-2) * bands.unsqueeze(-1)                                      # [..., N, L, A]
+            return torch.stack([angles.sin(), angles.cos()], dim=-2).flatten(-3).to(dtype)      # [..., N, D]
+        angles = 2 * math.pi * torch.matmul(p, self.B.to(device=p.device, dtype=torch.float64).T)   # [..., N, D/2]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)                        # [..., N, D]
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``x + embed(positions)``; one axis defaults to ``arange(N) + offset``."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.dim)
+        return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
 # Recurrent: Heinsen's exponentiated-state position encoding
 # ---------------------------------------------------------------------------
 
@@ -2909,6 +5506,555 @@ EmbedPosition = HeinsenPositionalEmbedding
 
 
 # ---------------------------------------------------------------------------
+# Hugging Face configs -> constructor keyword arguments (from_config)
+# ---------------------------------------------------------------------------
+#
+# Pure functions, one per class, mapping a Hugging Face model config (the config object or
+# its ``to_dict()``, or a raw ``config.json`` dict) to the keyword arguments that make our
+# class compute what that model computes. ``Cls.from_config(config)`` is
+# ``cls(**_cls_kwargs_from_config(config))``. They read what transformers 5.x reads
+# (``modeling_rope_utils.py`` and each model's rotary / bias code), including the legacy
+# spellings (``rope_scaling``, ``rope_theta``, ``rotary_pct``, ``rotary_emb_base``, ``"type"``)
+# that old ``config.json`` files still carry. No transformers import is needed.
+
+# Models whose rotate_half pairs channels (2i, 2i+1) instead of (i, i + R/2).
+_INTERLEAVED_ROPE_MODELS = {"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "helium"}
+# Models with a fixed base 10000 and ``rotary_dim`` in channels (GPT-J's sinusoid table).
+_ROTARY_DIM_MODELS = {"gptj", "codegen"}
+# transformers' defaults when a raw config.json omits the field.
+_PARTIAL_ROTARY_DEFAULTS = {"gpt_neox": 0.25, "phi": 0.5}
+# M-RoPE models: (default mrope_section, section layout); Qwen3-VL interleaves its sections.
+_MROPE_MODELS = {
+    "qwen2_vl": ([16, 24, 24], "contiguous"), "qwen2_vl_text": ([16, 24, 24], "contiguous"),
+    "qwen2_5_vl": ([16, 24, 24], "contiguous"), "qwen2_5_vl_text": ([16, 24, 24], "contiguous"),
+    "qwen3_vl": ([24, 20, 20], "interleaved"), "qwen3_vl_text": ([24, 20, 20], "interleaved"),
+    "qwen3_vl_moe": ([24, 20, 20], "interleaved"), "qwen3_vl_moe_text": ([24, 20, 20], "interleaved"),
+}
+# Model types that use RoPE even when a raw config.json names none of its fields.
+_ROPE_DEFAULT_MODELS = _ROTARY_DIM_MODELS | set(_PARTIAL_ROTARY_DEFAULTS) | set(_MROPE_MODELS)
+# rope_parameters keys that become constructor arguments (or are spelled differently) rather
+# than entries of ``scaling``.
+_ROPE_KEYS_NOT_SCALING = {"rope_theta", "rope_type", "type", "partial_rotary_factor", "mrope_section",
+                          "mrope_interleaved"}
+
+
+def _config_get(config, name: str, default=None):
+    """``config.name`` for a config object, ``config[name]`` for a dict; None counts as missing.
+
+    Should move to the helpers section (shared by the three ``from_config``).
+    """
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    return default if value is None else value
+
+
+def _config_first(config, names: tuple, default=None):
+    """The first of ``names`` that ``config`` sets (configs spell sizes differently: n_head, n_embd)."""
+    for name in names:
+        value = _config_get(config, name)
+        if value is not None:
+            return value
+    return default
+
+
+def _text_config(owner: str, config):
+    """The config that describes the text decoder: ``text_config`` for VLM configs, else itself."""
+    if config is None or isinstance(config, (str, bytes, int, float, bool, list, tuple)):
+        raise TypeError(f"{owner}: config must be a Hugging Face config object or its to_dict(), "
+                        f"got {type(config).__name__}")
+    text = _config_get(config, "text_config")
+    return config if text is None else text
+
+
+def _model_type(config, text) -> str:
+    return str(_config_get(text, "model_type") or _config_get(config, "model_type") or "")
+
+
+def _head_count(owner: str, config) -> int:
+    heads = _config_first(config, ("num_attention_heads", "n_head", "num_heads", "n_heads"))
+    if heads is None:
+        raise ValueError(f"{owner}: config sets none of num_attention_heads / n_head / num_heads / n_heads")
+    return int(heads)
+
+
+def _layer_override(config, layer_type: Optional[str]) -> dict:
+    """Per-layer-type overrides (Gemma 4 ``per_layer_config``: full-attention layers use a larger head_dim)."""
+    per_layer = _config_get(config, "per_layer_config")
+    if layer_type is None or not per_layer:
+        return {}
+    if not isinstance(per_layer, dict):   # transformers' view: indexable by layer type
+        try:
+            view = per_layer[layer_type]
+        except (KeyError, ValueError, TypeError, IndexError):
+            return {}
+        return {"head_dim": getattr(view, "head_dim", None)}
+    layer_types = _config_get(config, "layer_types") or []
+    for index, kind in enumerate(layer_types):
+        override = per_layer.get(str(index), per_layer.get(index, per_layer.get(f"{index:02d}")))
+        if kind == layer_type and override:
+            return dict(override)
+    return {}
+
+
+def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> dict:
+    """Keyword arguments of ``RotaryPositionalEmbedding`` reproducing a Hugging Face model's RoPE.
+
+    Reads, as transformers does: the head dim (``qk_rope_head_dim`` for DeepSeek's MLA, else
+    ``head_dim``, else ``hidden_size / num_attention_heads``); ``rope_parameters`` (or the
+    legacy ``rope_scaling`` + ``rope_theta``); the rotated fraction (``partial_rotary_factor``,
+    GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``); the pair layout (GPT-J, CodeGen, Cohere,
+    GLM and DeepSeek's ``rope_interleave`` pair channels ``(2i, 2i+1)``); M-RoPE ``mrope_section``
+    and Qwen3-VL's interleaved sections (``mrope_interleaved`` or the model type). VLM configs
+    are read through their ``text_config``. Configs with one RoPE per layer type (Gemma 3/4)
+    need ``layer_type`` (e.g. ``"full_attention"``).
+
+    Returns a dict with keys among ``dim, base, interleaved, rotary_dim, scaling, sections,
+    section_layout``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
+    scaling reads from the model config (``original_max_position_embeddings``,
+    ``max_position_embeddings``).
+    """
+    owner = "RotaryPositionalEmbedding.from_config"
+    text = _text_config(owner, config)
+    model_type = _model_type(config, text)
+    if _config_get(text, "alibi") is True:
+        raise ValueError(f"{owner}: config has alibi=True ({model_type or 'Falcon'}): the model uses ALiBi, not "
+                         f"RoPE; use ALiBiPositionalEmbedding.from_config")
+    params = _config_get(text, "rope_parameters") or _config_get(text, "rope_scaling") or {}
+    params = dict(params)
+    if params and all(isinstance(value, dict) or value is None for value in params.values()):
+        # one RoPE per layer type (Gemma 3: sliding / full attention with different bases)
+        if layer_type is None:
+            raise ValueError(f"{owner}: this config has one RoPE per layer type {sorted(params)}; pass "
+                             f"layer_type=..., got layer_type=None")
+        if params.get(layer_type) is None:
+            raise ValueError(f"{owner}: layer_type must be one of the config's RoPE layer types "
+                             f"{sorted(k for k, v in params.items() if v is not None)}, got {layer_type!r}")
+        params = dict(params[layer_type])
+    rotary_dim_field = _config_get(text, "rotary_dim")
+    if not params and _config_get(text, "rope_theta") is None and _config_get(text, "rotary_emb_base") is None \
+            and rotary_dim_field is None and model_type not in _ROPE_DEFAULT_MODELS:
+        raise ValueError(f"{owner}: config (model_type={model_type!r}) has no rotary embedding: no rope_parameters, "
+                         f"rope_scaling, rope_theta or rotary_dim")
+
+    # frequency base: rope_parameters, then the legacy top-level spellings, then the model's default
+    if model_type in _ROTARY_DIM_MODELS:
+        base = 10000.0   # GPT-J / CodeGen hard-code it
+    else:
+        base = (params.get("rope_theta") or _config_get(text, "rope_theta") or _config_get(text, "rotary_emb_base")
+                or getattr(text, "default_theta", None) or 10000.0)
+        if isinstance(base, dict):  # per-layer-type default_theta
+            base = base.get(layer_type, 10000.0)
+
+    # head dim: DeepSeek's MLA rotates a separate qk_rope_head_dim slice
+    override = _layer_override(text, layer_type)
+    head_dim = (override.get("head_dim") or _config_get(text, "qk_rope_head_dim") or _config_get(text, "head_dim"))
+    if head_dim is None:
+        hidden = _config_first(text, ("hidden_size", "n_embd", "d_model"))
+        if hidden is None:
+            raise ValueError(f"{owner}: config sets neither head_dim nor hidden_size / num_attention_heads")
+        head_dim = int(hidden) // _head_count(owner, text)
+    head_dim = int(head_dim)
+
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "mrope":      # legacy Qwen2-VL spelling: default RoPE with sections
+        rope_type = "default"
+    if rope_type == "su" or (rope_type == "yarn" and model_type == "phi3"):
+        rope_type = "longrope"    # transformers' Phi-3 backward compatibility
+
+    kwargs = {"dim": head_dim, "base": float(base)}
+    partial = (params.get("partial_rotary_factor") or _config_get(text, "partial_rotary_factor")
+               or _config_get(text, "rotary_pct") or _PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
+    if model_type in _ROTARY_DIM_MODELS:
+        rotary_dim = int(rotary_dim_field or head_dim)
+    elif rope_type == "proportional":
+        rotary_dim = head_dim     # every pair is returned; the unrotated ones get zero frequency
+    else:
+        rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{owner}: the rotated dim must be even and in (0, head_dim={head_dim}], got "
+                         f"rotary_dim={rotary_dim} (partial_rotary_factor={partial})")
+    if rotary_dim != head_dim:
+        kwargs["rotary_dim"] = rotary_dim
+    interleaved = model_type in _INTERLEAVED_ROPE_MODELS or (
+        _config_get(text, "rope_interleave") is True and _config_get(text, "qk_rope_head_dim") is not None)
+    if interleaved:
+        kwargs["interleaved"] = True
+
+    # multi-axis (M-RoPE) sections
+    default_sections, layout = _MROPE_MODELS.get(model_type, (None, "contiguous"))
+    sections = params.get("mrope_section") or _config_get(text, "mrope_section") or default_sections
+    if sections is not None:
+        kwargs["sections"] = [int(s) for s in sections]
+        if params.get("mrope_interleaved") or layout == "interleaved":
+            kwargs["section_layout"] = "interleaved"
+
+    if rope_type != "default":
+        scaling = {key: value for key, value in params.items() if key not in _ROPE_KEYS_NOT_SCALING}
+        scaling["rope_type"] = rope_type
+        max_len = _config_get(text, "max_position_embeddings")
+        if rope_type in ("llama3", "yarn", "longrope"):
+            # transformers gives a top-level original_max_position_embeddings priority (Phi-3),
+            # else the dict's, else max_position_embeddings
+            original = _config_get(text, "original_max_position_embeddings") or params.get(
+                "original_max_position_embeddings") or max_len
+            if original is not None:
+                scaling["original_max_position_embeddings"] = original
+        if rope_type in ("yarn", "longrope") and max_len is not None:
+            scaling["max_position_embeddings"] = max_len   # their factor when the dict has none
+        if rope_type == "dynamic":
+            # transformers' dynamic NTK is relative to max_position_embeddings, whatever the dict says
+            scaling.pop("original_max_position_embeddings", None)
+            if max_len is not None:
+                scaling["max_position_embeddings"] = max_len
+        if rope_type == "proportional":
+            scaling["partial_rotary_factor"] = float(partial)
+        kwargs["scaling"] = scaling
+    return kwargs
+
+
+def _t5_kwargs_from_config(config, *, decoder: Optional[bool] = None) -> dict:
+    """Keyword arguments of ``T5PositionalEmbedding`` reproducing T5's ``compute_bias``.
+
+    ``num_heads``, ``relative_attention_num_buckets`` (default 32) and
+    ``relative_attention_max_distance`` (default 128, absent from old configs); buckets are
+    bidirectional unless ``is_decoder``. A full T5 config describes the encoder
+    (``is_decoder=False``): pass ``decoder=True`` for the decoder's self-attention bias.
+    """
+    owner = "T5PositionalEmbedding.from_config"
+    text = _text_config(owner, config)
+    if decoder is not None and not isinstance(decoder, bool):
+        raise TypeError(f"{owner}: decoder must be a bool or None, got {type(decoder).__name__} {decoder!r}")
+    num_buckets = _config_get(text, "relative_attention_num_buckets")
+    if num_buckets is None:
+        raise ValueError(f"{owner}: config (model_type={_model_type(config, text)!r}) has no T5 relative "
+                         f"attention bias: relative_attention_num_buckets is missing")
+    is_decoder = bool(_config_get(text, "is_decoder", False)) if decoder is None else decoder
+    return {"num_heads": _head_count(owner, text), "num_buckets": int(num_buckets),
+            "max_distance": int(_config_get(text, "relative_attention_max_distance", 128)),
+            "bidirectional": not is_decoder}
+
+
+def _alibi_kwargs_from_config(config) -> dict:
+    """Keyword arguments of ``ALiBiPositionalEmbedding`` reproducing what the model adds to its logits.
+
+    Bloom: Press et al.'s slopes. MPT: slopes from ``attn_config.alibi_bias_max``. Falcon with
+    ``alibi=True``: Bloom's slopes rounded to bfloat16 (as Falcon builds them) and divided by
+    ``sqrt(head_dim)``, because Falcon adds ``slope * j / sqrt(head_dim)`` to logits already
+    scaled by ``1 / sqrt(head_dim)``. Returns ``num_heads``, explicit ``slopes`` (a list of
+    ``H`` floats) and ``bidirectional=False`` (all three are causal decoders). The models add
+    ``+slope * j``; our ``-slope * |i - j|`` differs by a constant per query row, so the softmax
+    is the same.
+    """
+    owner = "ALiBiPositionalEmbedding.from_config"
+    text = _text_config(owner, config)
+    model_type = _model_type(config, text)
+    attn_config = _config_get(text, "attn_config")
+    if model_type == "mpt" or attn_config is not None:
+        attn_config = {} if attn_config is None else attn_config
+        if _config_get(attn_config, "alibi", True) is not True:
+            raise ValueError(f"{owner}: MPT config has attn_config.alibi={_config_get(attn_config, 'alibi')!r}: "
+                             f"it uses no ALiBi")
+        heads = _head_count(owner, text)
+        slopes = _press_slopes(heads, float(_config_get(attn_config, "alibi_bias_max", 8)))
+    elif model_type == "falcon" or _config_get(text, "alibi") is not None:
+        if _config_get(text, "alibi") is not True:
+            raise ValueError(f"{owner}: Falcon config has alibi={_config_get(text, 'alibi', False)!r}: it uses "
+                             f"RoPE; use RotaryPositionalEmbedding.from_config")
+        heads = _head_count(owner, text)
+        hidden = _config_first(text, ("hidden_size", "n_embd"))
+        if hidden is None:
+            raise ValueError(f"{owner}: Falcon config sets no hidden_size (its ALiBi is divided by sqrt(head_dim))")
+        hidden = int(hidden)
+        rounded = torch.tensor(_press_slopes(heads), dtype=torch.float32).bfloat16().double().tolist()
+        slopes = [s / math.sqrt(hidden // heads) for s in rounded]
+    elif model_type == "bloom":
+        heads = _head_count(owner, text)
+        slopes = _press_slopes(heads)
+    else:
+        raise ValueError(f"{owner}: config (model_type={model_type!r}) has no ALiBi: expected Bloom, MPT "
+                         f"(attn_config.alibi) or Falcon with alibi=True")
+    return {"num_heads": heads, "slopes": slopes, "bidirectional": False}
+
+
+# ---------------------------------------------------------------------------
+# Scaling out: sequence shards over ranks (context parallelism)
+# ---------------------------------------------------------------------------
+#
+# A sequence split over ranks needs, per kind:
+#   * "input" / "qk": the shard's GLOBAL positions (``shard_positions``); no communication.
+#   * "bias" / "logits": the shard's block of the [Nq, Nk] matrix, from explicit
+#     ``positions_q`` (the shard's) and ``positions_k`` (the keys it attends to); the keys and
+#     values themselves travel as in any ring / all-gather attention.
+#   * Heinsen: a recurrence, so each rank needs the state left by the ranks before it: one
+#     all_gather of a [..., 2, d_hid] summary per call (``sharded_log_linear_scan``).
+
+
+def _check_rank_args(owner: str, seq_len, rank, world_size) -> tuple:
+    """Index-like ints with ``seq_len >= 0``, ``world_size > 0``, ``0 <= rank < world_size``."""
+    values = []
+    for name, value in (("seq_len", seq_len), ("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
+        try:
+            values.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} {value!r}") from None
+    seq_len, rank, world_size = values
+    if seq_len < 0:
+        raise ValueError(f"{owner}: seq_len must be >= 0, got seq_len={seq_len}")
+    _check_positive_int(owner, "world_size", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{owner}: rank must lie in [0, world_size={world_size}), got rank={rank}")
+    return seq_len, rank, world_size
+
+
+def shard_positions(seq_len: int, rank: int, world_size: int, *,
+                    layout: Literal["contiguous", "head_tail"] = "contiguous", offset: int = 0,
+                    device=None) -> Tensor:
+    """The global positions of the tokens that ``rank`` holds when a sequence is split over ranks.
+
+    The same tensor indexes the rank's tokens in the full sequence (``x[..., idx, :]``,
+    ``positions[idx]`` for multi-axis positions) and is the ``positions`` /
+    ``positions_q`` each encoding needs on the shard; ``positions_k`` is the positions of
+    the keys the shard attends to (all of them, ``arange(seq_len) + offset``, when the keys
+    are all-gathered or rotated through the ring).
+
+    Layouts:
+
+    * ``"contiguous"``: rank ``r`` holds one run of tokens, ranks in sequence order; when
+      ``world_size`` does not divide ``seq_len`` the first ``seq_len % world_size`` ranks
+      hold one more (``torch.tensor_split``). The only layout a recurrence (Heinsen) can use.
+    * ``"head_tail"``: the sequence is cut into ``2 * world_size`` equal chunks and rank
+      ``r`` holds chunks ``r`` and ``2 * world_size - 1 - r``, which balances causal
+      attention work. This is the order ``torch.distributed.tensor.experimental.
+      context_parallel`` gives its buffers by default (``_HeadTailLoadBalancer``), so
+      encodings applied inside that context must use these positions.
+      ``seq_len`` must be a multiple of ``2 * world_size``.
+
+    Args:
+        seq_len (int): tokens in the full sequence.
+        rank (int): this rank's index in the sequence-parallel group.
+        world_size (int): ranks in the group.
+        layout (str): ``"contiguous"`` or ``"head_tail"``. Default: ``"contiguous"``.
+        offset (int): added to every position (a KV cache before the sequence). Default: 0.
+        device (torch.device, optional): device of the result. Default: CPU.
+
+    Returns:
+        int64 ``[N_local]``, increasing within each chunk.
+
+    Example:
+        >>> idx = shard_positions(8, rank=1, world_size=2, layout="head_tail")
+        >>> idx.tolist()
+        [2, 3, 4, 5]
+    """
+    owner = "shard_positions"
+    seq_len, rank, world_size = _check_rank_args(owner, seq_len, rank, world_size)
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
+    if layout == "contiguous":
+        size, extra = divmod(seq_len, world_size)
+        start = rank * size + min(rank, extra)
+        return torch.arange(start, start + size + (rank < extra), device=device) + offset
+    if layout == "head_tail":
+        if seq_len % (2 * world_size):
+            raise ValueError(f"{owner}: layout='head_tail' needs seq_len divisible by 2 * world_size = "
+                             f"{2 * world_size}, got seq_len={seq_len}")
+        chunk = seq_len // (2 * world_size)
+        head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+        tail = torch.arange((2 * world_size - 1 - rank) * chunk, (2 * world_size - rank) * chunk, device=device)
+        return torch.cat([head, tail]) + offset
+    raise ValueError(f"{owner}: layout must be 'contiguous' or 'head_tail', got layout={layout!r}")
+
+
+def _chain_summaries(summaries: Tensor, initial: Tensor, rank: int) -> tuple:
+    """Run the recurrence over shard summaries: the state entering ``rank`` and the final state.
+
+    summaries: [W, ..., 2, d] (total log-decay, then final state from an empty start, per
+    rank); initial: [..., 1, d] -> (inherited, final), both [..., 1, d]. The same step as the
+    scan, ``s = log(exp(a + s) + exp(local))``, in the dtype of its inputs (float64 here).
+    """
+    state, inherited = initial, initial
+    for j in range(summaries.shape[0]):
+        if j == rank:
+            inherited = state
+        state = torch.logaddexp(summaries[j, ..., :1, :] + state, summaries[j, ..., 1:, :])
+    return inherited, state
+
+
+class _ShardSummaryExchange(torch.autograd.Function):
+    """All-gather the shard summaries; return this rank's inherited state and the global final state.
+
+    Forward: one ``all_gather`` of ``[..., 2, d]`` float64 per rank, then the float64 chain.
+    Backward: the chain's gradient with respect to EVERY rank's summary is computed locally
+    and summed over ranks with one ``all_reduce``, so each rank receives what the later ranks
+    owe its summary. A custom Function rather than ``torch.distributed.nn.all_gather``
+    because rank 0's inherited state does not depend on the gathered tensors: autograd would
+    never reach that all_gather's backward on rank 0 while the other ranks wait in theirs.
+    Here the Function's own node is reached on every rank (its inputs need grad), so every
+    rank enters the collective. The gradient of ``initial`` is this rank's share only (sum it
+    over ranks, as for parameters, if ``initial`` is replicated).
+    """
+
+    @staticmethod
+    def forward(ctx, decay: Tensor, last: Tensor, initial: Tensor, group) -> tuple:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        summary = torch.cat([decay, last], dim=-2).double().contiguous()                # [..., 2, d]
+        gathered = [torch.empty_like(summary) for _ in range(world)]
+        dist.all_gather(gathered, summary, group=group)
+        summaries = torch.stack(gathered)                                               # [W, ..., 2, d]
+        ctx.save_for_backward(summaries, initial)
+        ctx.group, ctx.rank = group, rank
+        ctx.dtypes = (decay.dtype, last.dtype)
+        return _chain_summaries(summaries, initial.double(), rank)                     # float64, [..., 1, d] x 2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_inherited: Tensor, grad_final: Tensor):
+        import torch.distributed as dist
+
+        summaries, initial = ctx.saved_tensors
+        with torch.enable_grad():
+            summaries = summaries.detach().requires_grad_(True)
+            start = initial.detach().double().requires_grad_(True)
+            outputs = _chain_summaries(summaries, start, ctx.rank)
+            grad_summaries, grad_start = torch.autograd.grad(
+                outputs, (summaries, start), (grad_inherited.double(), grad_final.double()), allow_unused=True)
+        grad_summaries = torch.zeros_like(summaries) if grad_summaries is None else grad_summaries.contiguous()
+        dist.all_reduce(grad_summaries, group=ctx.group)                                # [W, ..., 2, d]
+        mine = grad_summaries[ctx.rank]                                                 # [..., 2, d]
+        grad_start = torch.zeros_like(start) if grad_start is None else grad_start
+        return (mine[..., :1, :].to(ctx.dtypes[0]), mine[..., 1:, :].to(ctx.dtypes[1]),
+                grad_start.to(initial.dtype), None)
+
+
+def _check_group(owner: str, group) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{owner}: needs an initialised torch.distributed process group "
+                         f"(torch.distributed.init_process_group), got none")
+
+
+def sharded_log_linear_scan(log_p: Tensor, h: Tensor, initial: Optional[Tensor] = None, *, group=None,
+                            return_state: bool = False):
+    """Heinsen's log-space scan over a sequence split in rank order: this rank's states, exactly.
+
+    ``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))`` over the whole sequence, when each rank
+    holds one contiguous shard and ranks hold the shards in sequence order
+    (``shard_positions(..., layout="contiguous")``). Each rank scans its shard from an empty
+    state (``local``, the library's blocked scan), all ranks all-gather their summaries
+    (total log-decay ``sum(log_p)`` and ``local``'s last state: ``[..., 2, d]`` each), each
+    rank chains the summaries of the ranks before it in float64 by the same recurrence to get
+    the state it inherits, and adds it: ``s = logaddexp(cumsum(log_p) + inherited, local)``,
+    with the cumulative decay in float64. Forward and backward equal the single-process scan
+    to rounding; the backward sends each rank's share of the gradient back to the ranks
+    before it (one ``all_reduce`` of ``[W, ..., 2, d]``).
+
+    Every rank of ``group`` must call this (and later run backward) together, with the same
+    leading dims and ``d``; shard lengths may differ, and may be 0.
+
+    Args:
+        log_p (Tensor): log-decays of this rank's tokens ``[..., N_local, d]`` (``<= 0``).
+        h (Tensor): log-updates ``[..., N_local, d]``.
+        initial (Tensor, optional): the log-state before the first token of the WHOLE
+            sequence, ``[..., 1, d]``, the same on every rank. Default: zeros (``s_0 = 0``,
+            Heinsen's start).
+        group (ProcessGroup, optional): the sequence-parallel group; its rank order is the
+            sequence order. Default: the world.
+        return_state (bool): also return the final state of the whole sequence
+            ``[..., 1, d]`` (the same on every rank; it keeps its graph). Default: False.
+
+    Returns:
+        ``s`` ``[..., N_local, d]`` in float32 (float64 for float64 inputs), and the final
+        state with ``return_state=True``.
+
+    Example:
+        >>> idx = shard_positions(n, dist.get_rank(), dist.get_world_size())
+        >>> s = sharded_log_linear_scan(log_p[..., idx, :], h[..., idx, :])
+    """
+    owner = "sharded_log_linear_scan"
+    _check_tensor(owner, "log_p", log_p, 2)
+    _check_tensor(owner, "h", h, 2)
+    if log_p.shape != h.shape:
+        raise ValueError(f"{owner}: log_p and h must have the same shape, got {tuple(log_p.shape)} and {tuple(h.shape)}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"{owner}: return_state must be a bool, got {type(return_state).__name__} {return_state!r}")
+    _check_group(owner, group)
+    dtype = _compute_dtype(torch.promote_types(log_p.dtype, h.dtype))
+    log_p, h = log_p.to(dtype), h.to(dtype)
+    want = (*log_p.shape[:-2], 1, log_p.shape[-1])
+    if initial is None:
+        initial = torch.zeros(want, dtype=dtype, device=log_p.device)
+    else:
+        _check_tensor(owner, "initial", initial, 2)
+        if tuple(initial.shape) != want:
+            raise ValueError(f"{owner}: initial must have shape {list(want)} for log_p of shape "
+                             f"{list(log_p.shape)}, got {list(initial.shape)}")
+        initial = initial.to(device=log_p.device, dtype=dtype)
+    empty = torch.full(want, float("-inf"), dtype=dtype, device=log_p.device)          # log 0: no state
+    if log_p.shape[-2]:
+        local = _LogLinearScanFunction.apply(log_p, h, empty)                           # [..., N_local, d]
+        last = local[..., -1:, :]                                                       # [..., 1, d]
+    else:  # an empty shard passes the state on unchanged (kept in the graph: every rank must reach backward)
+        local, last = h, empty + h.sum(dim=-2, keepdim=True)
+    decay = log_p.double().sum(dim=-2, keepdim=True)                                    # [..., 1, d] float64
+    inherited, final = _ShardSummaryExchange.apply(decay, last, initial, group)         # [..., 1, d] float64
+    # |cumsum(log_p)| grows with the shard: keep it in float64 until it meets the inherited state
+    carried = (log_p.double().cumsum(dim=-2) + inherited).to(dtype)                    # [..., N_local, d]
+    s = torch.logaddexp(carried, local)                                                 # [..., N_local, d]
+    return (s, final.to(dtype)) if return_state else s
+
+
+def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using_prev_context: bool = False, *,
+                            state: Optional[Tensor] = None, return_state: bool = False, group=None):
+    """``module(x)`` for a ``HeinsenPositionalEmbedding`` when ``x`` is this rank's shard of the sequence.
+
+    ``x`` is ``[..., N_local, D]``, the rank's contiguous run of tokens, ranks in sequence
+    order (``shard_positions(..., layout="contiguous")``); the result is this rank's rows of
+    ``module(x_full)``, forward and backward (``sharded_log_linear_scan``: one all_gather of
+    ``[..., 2, d_hid]`` forward, one all_reduce of ``[W, ..., 2, d_hid]`` backward). Every rank
+    calls it together and with the same module parameters (replicated, as under DDP/FSDP:
+    parameter gradients are this rank's share, summed over ranks by the usual gradient
+    all-reduce).
+
+    ``state`` (the log-state before the whole sequence) and ``using_prev_context`` behave as
+    in ``module.forward``; the state cached in ``module.prev_context`` and the one returned
+    by ``return_state=True`` are the final state of the WHOLE sequence, identical on every
+    rank, so the next sharded chunk continues from it.
+
+    Example:
+        >>> idx = shard_positions(x_full.shape[-2], dist.get_rank(), dist.get_world_size())
+        >>> y_local = heinsen_forward_sharded(embed, x_full[:, idx])
+    """
+    if not isinstance(module, HeinsenPositionalEmbedding):
+        raise TypeError(f"heinsen_forward_sharded: module must be a HeinsenPositionalEmbedding, "
+                        f"got {type(module).__name__}")
+    owner = type(module).__name__
+    _check_tensor(owner, "x", x, 2)
+    _check_last_dim(owner, "x", x, module.d_emb)
+    for name, flag in (("using_prev_context", using_prev_context), ("return_state", return_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{owner}: {name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if using_prev_context and state is not None:
+        raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+    if using_prev_context:
+        if module.prev_context is None:
+            raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "
+                             f"call once without it first (or after reset_context())")
+        state = module.prev_context
+    logits = module.H(x)                                                                # [..., N_local, 2 * d_hid]
+    dtype = _compute_dtype(logits.dtype)
+    log_p = F.logsigmoid(logits[..., : module.d_hid].to(dtype))                        # [..., N_local, d_hid]
+    h = logits[..., module.d_hid :].to(dtype)                                           # [..., N_local, d_hid]
+    initial = module._initial_state(state, x, dtype, "cached context" if using_prev_context else "state")
+    s, final = sharded_log_linear_scan(log_p, h, initial, group=group, return_state=True)
+    module.prev_context = final.detach()
+    y = x + module.R(s.to(logits.dtype)).to(x.dtype)                                    # [..., N_local, D]
+    return (y, final) if return_state else y
+
+
+# ---------------------------------------------------------------------------
 # Registry and demo
 # ---------------------------------------------------------------------------
 
@@ -2930,6 +6076,26 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "algebraic_tree": AlgebraicTreePositionalEmbedding(head_dim, num_heads, branching_factor=2,
                                                            max_depth=seq_len.bit_length()),   # nodes 0 .. N-1
         "heinsen": HeinsenPositionalEmbedding(dim, dim),
+        "nope": NoPositionalEmbedding(dim=dim),
+        "xpos": XPosPositionalEmbedding(head_dim),
+        "kerple": KerplePositionalEmbedding(num_heads),
+        "sandwich": SandwichPositionalEmbedding(num_heads, head_dim),
+        "fire": FIREPositionalEmbedding(num_heads),
+        "cope": CoPEPositionalEmbedding(num_heads, head_dim),
+        "forgetting": ForgettingPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),   # bound
+        "shaw": ShawPositionalEmbedding(num_heads, head_dim),
+        "deberta": DebertaPositionalEmbedding(dim, num_heads),
+        "swin_bias": RelativePositionBias2D(num_heads, math.isqrt(seq_len)),                 # one window of N tokens
+        "swinv2_cpb": ContinuousPositionBias(num_heads, math.isqrt(seq_len)),
+        "dynamic_bias": DynamicPositionBias(num_heads),
+        "dynamic_bias_2d": DynamicPositionBias(num_heads, num_axes=2),
+        "mixed_rope": MixedRotaryPositionalEmbedding(head_dim, num_heads, base=10.0),
+        "liere": LieREPositionalEmbedding(head_dim, num_heads, block_size=8),
+        "conv_peg": ConvolutionalPositionalEmbedding(dim, grid_shape=(math.isqrt(seq_len),) * 2),
+        "wav2vec2_conv": ConvolutionalPositionalEmbedding(dim, kernel_size=128, num_axes=1, groups=16,
+                                                          weight_norm=True, activation="gelu"),
+        "fourier": FourierFeaturePositionalEmbedding(1, dim, sampling="gaussian", scale=0.01),
+        "sinusoidal_fairseq": SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=1),
     }
 
 
@@ -2950,7 +6116,7 @@ def _demo() -> None:
     x = torch.randn(batch, seq_len, heads * head_dim)
     q, k, v = torch.randn(3, batch, heads, seq_len, head_dim).unbind(0)
     print(f"every encoding on B={batch}, H={heads}, N={seq_len}, Dh={head_dim} (CPU, float32)\n")
-    print(f"{'encoding':<16}{'class':<40}{'kind':<8}{'params':>9}  {'output':<18}{'ms':>8}  translation")
+    print(f"{'encoding':<20}{'class':<40}{'kind':<8}{'params':>9}  {'output':<18}{'ms':>8}  translation")
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
         positions = _demo_positions(pe, seq_len)
         start = time.perf_counter()
@@ -2968,7 +6134,7 @@ def _demo() -> None:
             gap = torch.where(base == shifted, 0.0, base - shifted).abs().max().item()   # -inf == -inf
             invariance = f"max |logits(p) - logits(p + 1000)| = {gap:.1e}"
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
-        print(f"{name:<16}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
+        print(f"{name:<20}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
 
 
 if __name__ == "__main__":
