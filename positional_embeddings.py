@@ -825,26 +825,20 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
                  num_prefix_tokens: int = 0) -> None:
         super().__init__()
         owner = type(self).__name__
-        if not isinstance(num_axes, int) or isinstance(num_axes, bool) or num_axes < 1:
-            raise ValueError(f"{owner}: num_axes must be a positive int, got num_axes={num_axes!r}")
-        if spectrum not in ("vaswani", "fairseq"):
-            raise ValueError(f"{owner}: spectrum must be 'vaswani' or 'fairseq', got spectrum={spectrum!r}")
+        num_axes = _check_positive_int(owner, "num_axes", num_axes)
+        _check_choice(owner, "spectrum", spectrum, ("vaswani", "fairseq"))
+        dim = _check_positive_int(owner, "dim", dim)
         odd_ok = spectrum == "fairseq" and num_axes == 1
-        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or (dim % (2 * num_axes) and not (odd_ok and dim % 2)):
+        if dim % (2 * num_axes) and not (odd_ok and dim % 2):
             raise ValueError(f"{owner}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}"
                              f"{' (or odd, with spectrum=fairseq and one axis)' if num_axes == 1 else ''}, got dim={dim!r}")
         if spectrum == "fairseq" and dim // (2 * num_axes) < 2:
             raise ValueError(f"{owner}: spectrum='fairseq' needs at least 2 frequencies per axis "
                              f"(its denominator is F - 1), got dim={dim} for {num_axes} axes")
         _check_base(owner, base)
-        if layout not in ("interleaved", "concat"):
-            raise ValueError(f"{owner}: layout must be 'interleaved' or 'concat', got layout={layout!r}")
-        if padding_idx is not None and (not isinstance(padding_idx, int) or isinstance(padding_idx, bool)):
-            raise TypeError(f"{owner}: padding_idx must be an int or None, got {type(padding_idx).__name__} "
-                            f"{padding_idx!r}")
-        if not isinstance(num_prefix_tokens, int) or isinstance(num_prefix_tokens, bool) or num_prefix_tokens < 0:
-            raise ValueError(f"{owner}: num_prefix_tokens must be a non-negative int, "
-                             f"got num_prefix_tokens={num_prefix_tokens!r}")
+        _check_choice(owner, "layout", layout, ("interleaved", "concat"))
+        padding_idx = None if padding_idx is None else _as_int(owner, "padding_idx", padding_idx, minimum=None)
+        num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, minimum=0)
         self.dim, self.base, self.layout, self.num_axes = dim, float(base), layout, num_axes
         self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
 
@@ -4670,11 +4664,7 @@ class DynamicPositionBias(_RelativeBias):
         values; explicit positions over the dense bias (one MLP call per distinct offset, not per element)."""
         if positions_q is None and positions_k is None and self.num_axes == 1:
             return super().score_mod(q_len, k_len)
-        bias = self.attention_bias(q_len, k_len, positions_q, positions_k)             # [(B, 1..,) H, Nq, Nk]
-        bias = bias.reshape(-1, *bias.shape[-3:]) if bias.dim() > 3 else bias           # [(B,) H, Nq, Nk]
-        if bias.dim() == 4:
-            return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx].to(score.dtype)
-        return lambda score, b, h, q_idx, kv_idx: score + bias[h, q_idx, kv_idx].to(score.dtype)
+        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
 
 
 # ---------------------------------------------------------------------------
@@ -5754,7 +5744,7 @@ def _alibi_kwargs_from_config(config) -> dict:
             raise ValueError(f"{owner}: MPT config has attn_config.alibi={_config_get(attn_config, 'alibi')!r}: "
                              f"it uses no ALiBi")
         heads = _head_count(owner, text)
-        slopes = _press_slopes(heads, float(_config_get(attn_config, "alibi_bias_max", 8)))
+        slopes = alibi_slopes(heads, float(_config_get(attn_config, "alibi_bias_max", 8)))
     elif model_type == "falcon" or _config_get(text, "alibi") is not None:
         if _config_get(text, "alibi") is not True:
             raise ValueError(f"{owner}: Falcon config has alibi={_config_get(text, 'alibi', False)!r}: it uses "
@@ -5764,11 +5754,11 @@ def _alibi_kwargs_from_config(config) -> dict:
         if hidden is None:
             raise ValueError(f"{owner}: Falcon config sets no hidden_size (its ALiBi is divided by sqrt(head_dim))")
         hidden = int(hidden)
-        rounded = torch.tensor(_press_slopes(heads), dtype=torch.float32).bfloat16().double().tolist()
+        rounded = torch.tensor(alibi_slopes(heads), dtype=torch.float32).bfloat16().double().tolist()
         slopes = [s / math.sqrt(hidden // heads) for s in rounded]
     elif model_type == "bloom":
         heads = _head_count(owner, text)
-        slopes = _press_slopes(heads)
+        slopes = alibi_slopes(heads)
     else:
         raise ValueError(f"{owner}: config (model_type={model_type!r}) has no ALiBi: expected Bloom, MPT "
                          f"(attn_config.alibi) or Falcon with alibi=True")

@@ -6,32 +6,65 @@ maths against slow float64 oracles written plainly here and against published co
 """
 
 import copy
+import doctest
+import importlib
+import inspect
 import math
+import os
 import pickle
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import positional_embeddings as pe_lib
 from positional_embeddings import (
+    ALiBiPositionalEmbedding,
     AlgebraicGridPositionalEmbedding,
     AlgebraicSequencePositionalEmbedding,
     AlgebraicTreePositionalEmbedding,
-    ALiBiPositionalEmbedding,
+    CoPEPositionalEmbedding,
+    ContinuousPositionBias,
+    ConvolutionalPositionalEmbedding,
+    DebertaPositionalEmbedding,
+    DynamicPositionBias,
+    EmbedPosition,
     EnformerPositionalEmbedding,
+    FIREPositionalEmbedding,
+    ForgettingPositionalEmbedding,
+    FourierFeaturePositionalEmbedding,
     HeinsenPositionalEmbedding,
+    KerplePositionalEmbedding,
     LearnedPositionalEmbedding,
+    LieREPositionalEmbedding,
+    MixedRotaryPositionalEmbedding,
+    NoPositionalEmbedding,
     PositionalEmbedding,
+    RelativePositionBias2D,
     RotaryPositionalEmbedding,
+    SandwichPositionalEmbedding,
+    ShawPositionalEmbedding,
     SinusoidalPositionalEmbedding,
     T5PositionalEmbedding,
     TransformerXLPositionalEmbedding,
     UnifiedPositionalEmbedding,
+    XPosPositionalEmbedding,
+    alibi_slopes,
     attention,
+    deberta_log_bucket,
+    document_positions,
+    heinsen_forward_sharded,
+    permute_rotary_weight,
+    rope_coordinates,
+    shard_positions,
+    sharded_log_linear_scan,
+    t5_relative_position_bucket,
 )
+from positional_embeddings import _alibi_kwargs_from_config, _rotary_kwargs_from_config, _t5_kwargs_from_config
 
 B, H, N, DH = 2, 4, 16, 32
 D = H * DH
@@ -110,6 +143,141 @@ CASES = [
          required_positions=lambda n: torch.stack([torch.arange(n) // 4, torch.arange(n) % 4], -1), has_offset=False),
     Case("algebraic_tree", lambda: AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)),
     Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
+]
+
+
+# ---------------------------------------------------------------------------
+# (to paste into the test file) cases for the length-generalisation classes
+# ---------------------------------------------------------------------------
+
+
+@dataclass(repr=False)
+class PairCase(Case):
+    """A "qk" class whose own call takes q and k together: ``forward(q, k, positions_q, positions_k)``."""
+
+    def own_call_args(self, pe, q, k, x):
+        return (q, k, *self.positions(q.shape[-2], k.shape[-2]))
+
+
+CASES += [  # lengthgen bias
+    Case("nope", lambda: NoPositionalEmbedding(dim=D)),
+    PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
+             has_offset=False),
+    Case("kerple_log", lambda: KerplePositionalEmbedding(H), has_offset=False),
+    Case("kerple_power_bidirectional", lambda: KerplePositionalEmbedding(H, kernel="power", bidirectional=True),
+         has_offset=False),
+    Case("sandwich", lambda: SandwichPositionalEmbedding(H, DH), has_offset=False),
+    Case("fire_bidirectional", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0, bidirectional=True),
+         has_offset=False),
+]
+
+# --- draft-only imports (not pasted: the test file has these names already) ---------------
+
+
+
+
+# ------------------------------------------------------------------------------------------
+
+
+# Fixed token states for the shared property tests of the forget gate: the unbound module
+# has no q/k work (its bias needs the tokens), so its Case binds these. Batch 1: shared by
+# every batch row, so the batch-1 gradcheck runs too.
+FOX_STATES = torch.randn(1, N, D, generator=torch.Generator().manual_seed(1))
+
+CASES += [  # lengthgen logits
+    Case("cope", lambda: CoPEPositionalEmbedding(H, DH, max_position=8, init_std=0.5), has_offset=False,
+         takes_positions=False),
+    Case("cope_per_head", lambda: CoPEPositionalEmbedding(H, DH, per_head=True, init_std=0.5), has_offset=False,
+         takes_positions=False),
+    Case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)(FOX_STATES), has_offset=False,
+         takes_positions=False),
+]
+
+CASES += [  # classic relative
+    Case("shaw", lambda: ShawPositionalEmbedding(H, DH, max_distance=5), has_offset=False),
+    Case("shaw_key_query_asymmetric", lambda: ShawPositionalEmbedding(H, DH, max_distance=(6, 3), key_query=True),
+         has_offset=False),
+    Case("shaw_no_values", lambda: ShawPositionalEmbedding(H, DH, max_distance=4, values=False), has_offset=False),
+    Case("deberta", lambda: DebertaPositionalEmbedding(D, H, max_relative_positions=12, position_buckets=4),
+         has_offset=False),
+    Case("deberta_c2p_unbucketed", lambda: DebertaPositionalEmbedding(
+        D, H, max_relative_positions=6, position_buckets=None, pos_att_type=("c2p",), layer_norm=False),
+         has_offset=False),
+]
+
+# ---------------------------------------------------------------------------
+# Cases. Windows of 4 x 5 patches (T = 20, 21 with a [CLS]): the property tests use N = 16 tokens
+# (the window's last 16) and shift batched positions by 3, so the window must hold >= 19 tokens.
+# ---------------------------------------------------------------------------
+
+
+class GridBiasCase(Case):
+    """A bias class whose own ``forward(q_len, k_len, positions_q, positions_k)`` needs ``[N, A]`` positions."""
+
+    def own_call_args(self, pe, q, k, x):
+        return (q.shape[-2], k.shape[-2], *self.positions(q.shape[-2], k.shape[-2]))
+
+
+def grid_positions(n, width=4):
+    return torch.stack([torch.arange(n) // width, torch.arange(n) % width], -1)
+
+
+CASES += [  # vision bias
+    Case("relpos2d", lambda: RelativePositionBias2D(H, (4, 5)), has_offset=False),
+    Case("relpos2d_cls", lambda: RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1), has_offset=False),
+    Case("swinv2_cpb", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32), has_offset=False),
+    Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
+         has_offset=False),
+    Case("dynamic_bias", lambda: DynamicPositionBias(H, hidden_dim=16), has_offset=False),
+    Case("dynamic_bias_log_norm", lambda: DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=True, norm=True),
+         has_offset=False),
+    GridBiasCase("dynamic_bias_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16),
+                 required_positions=grid_positions, has_offset=False),
+]
+
+def grid_rc(n, cols=4):
+    """(row, col) integer positions of n tokens on a grid with `cols` columns: [n, 2]."""
+    return torch.stack([torch.arange(n) // cols, torch.arange(n) % cols], -1)
+
+
+CASES += [  # vision qk
+    Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
+    Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
+    Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
+         has_offset=False),
+    Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
+    Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
+         takes_positions=False),
+    Case("conv_wav2vec2", lambda: ConvolutionalPositionalEmbedding(D, kernel_size=4, num_axes=1, groups=4,
+                                                                   weight_norm=True, activation="gelu"),
+         has_offset=False, takes_positions=False),
+    Case("fourier_octave", lambda: FourierFeaturePositionalEmbedding(1, 16, scale=0.01), token_dim=16),
+    Case("fourier_gaussian", lambda: FourierFeaturePositionalEmbedding(1, D, sampling="gaussian", scale=0.1)),
+    Case("sinusoidal_fairseq", lambda: SinusoidalPositionalEmbedding(D, spectrum="fairseq", layout="concat")),
+]
+
+# ---------------------------------------------------------------------------
+# Cases built from plain config dicts (no transformers needed): the shared property tests
+# run on what from_config builds
+# ---------------------------------------------------------------------------
+
+LLAMA3_DICT = {"model_type": "llama", "hidden_size": H * DH, "num_attention_heads": H, "max_position_embeddings": 64,
+               "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+NEOX_DICT = {"model_type": "gpt_neox", "hidden_size": H * DH, "num_attention_heads": H, "rotary_pct": 0.5,
+             "rotary_emb_base": 10000}
+GPTJ_DICT = {"model_type": "gptj", "n_embd": H * DH, "n_head": H, "rotary_dim": DH // 2}
+QWEN2_VL_DICT = {"model_type": "qwen2_vl", "text_config": {
+    "model_type": "qwen2_vl_text", "hidden_size": H * DH, "num_attention_heads": H,
+    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}, "rope_theta": 1e6}}
+T5_DECODER_DICT = {"model_type": "t5", "num_heads": H, "relative_attention_num_buckets": 8,
+                   "relative_attention_max_distance": 12, "is_decoder": True}
+
+CASES += [  # from config
+    Case("rotary_from_llama3_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(LLAMA3_DICT))),
+    Case("rotary_from_gptj_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(GPTJ_DICT))),
+    Case("t5_from_decoder_config", lambda: T5PositionalEmbedding(**_t5_kwargs_from_config(T5_DECODER_DICT)),
+         has_offset=False),
 ]
 
 
@@ -252,11 +420,14 @@ class TestEveryClass:
 
     def test_gradients_reach_every_parameter(self, case):
         pe = case.make()
-        q, k, _ = qkv()
+        q, k, v = qkv()
         q.requires_grad_(True)
         logits = case.attn(pe, q, k)
         logits = logits.masked_fill(logits == float("-inf"), 0.0)   # causal ALiBi
         loss = logits.square().sum() + pe.forward_input(tokens(case)).square().sum()
+        if pe.kind != "input":
+            positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+            loss = loss + attention(q, k, v, pe, **positions).square().sum()
         loss.backward()
         assert q.grad is not None and q.grad.abs().sum() > 0
         for name, p in pe.named_parameters():
@@ -264,22 +435,28 @@ class TestEveryClass:
 
     def test_gradcheck_float64(self, case):
         pe = case.make().double()
-        q, k, _ = qkv(4, 5, dtype=torch.float64)
+        q, k, v = qkv(4, 5, dtype=torch.float64)
         x = tokens(case, n=5, dtype=torch.float64)[:1]
-        q, k = q[:1].requires_grad_(), k[:1].requires_grad_()
+        q, k, v = q[:1].requires_grad_(), k[:1].requires_grad_(), v[:1]
         positions = case.positions(4, 5)
-        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)
+        named = dict(zip(("positions_q", "positions_k"), positions))
+        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)                              # noqa: E731
         assert torch.autograd.gradcheck(lambda q, k: finite(pe.forward_attn(q, k, *positions)), (q, k), fast_mode=True)
+        if pe.kind != "input":
+            assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, pe, **named), (q, k, v.requires_grad_()),
+                                            fast_mode=True)
         if pe.kind == "input":
             assert torch.autograd.gradcheck(pe.forward_input, (x.requires_grad_(),), fast_mode=True)
-        # parameters: the derivative along a random direction against central differences
         params = [p for p in pe.parameters()]
         if not params:
             return
         weights = torch.randn_like(finite(pe.forward_attn(q, k, *positions)))
+        out_weights = torch.randn(1, H, 4, DH, dtype=torch.float64)
 
         def loss():
             total = (finite(pe.forward_attn(q, k, *positions)) * weights).sum()
+            if pe.kind != "input":
+                total = total + (attention(q, k, v, pe, **named) * out_weights).sum()
             return total + (pe.forward_input(x) * x).sum() if pe.kind == "input" else total
 
         grads = torch.autograd.grad(loss(), params)
@@ -302,13 +479,16 @@ class TestEveryClass:
         for nq, causal in ((N, False), (N, True), (N - 6, True)):
             q, k, v = qkv(nq, N, dtype=torch.float64)
             pe64 = copy.deepcopy(pe).double()
+            positions = case.positions(nq, N)
             logits = case.attn(pe64, q, k)
             if causal:
                 i = torch.arange(nq)[:, None] + (N - nq)
                 logits = logits.masked_fill(torch.arange(N)[None, :] > i, float("-inf"))
-            want = torch.softmax(logits, dim=-1) @ v
-            got = attention(q, k, v, pe64, causal=causal, **dict(zip(("positions_q", "positions_k"),
-                                                                    case.positions(nq, N))))
+            weights = torch.softmax(logits, dim=-1)
+            want = weights @ v
+            extra = pe64.attention_values(weights, *positions)           # the value term, if the class has one
+            want = want if extra is None else want + extra
+            got = attention(q, k, v, pe64, causal=causal, **dict(zip(("positions_q", "positions_k"), positions)))
             torch.testing.assert_close(got, want)
 
     def test_compile_fullgraph(self, case):
@@ -2103,6 +2283,2760 @@ def test_demo_runs(capsys):
     out = capsys.readouterr().out
     for name in pe_lib._demo_modules(2, 8, 16):
         assert name in out
+
+
+def paired_positions(nq, nk):
+    """Default positions written out: keys 0..nk-1, queries the last nq of them."""
+    return [i + max(nk - nq, 0) for i in range(nq)], list(range(nk))
+
+
+# ---------------------------------------------------------------------------
+# NoPE
+# ---------------------------------------------------------------------------
+
+
+class TestNoPE:
+    def test_identity_and_plain_sdpa(self):
+        nope = NoPositionalEmbedding()
+        x = torch.randn(B, N, 24)
+        assert nope(x) is x and nope.forward_input(x) is x and nope(x, torch.arange(N), offset=3) is x
+        q, k, v = qkv(dtype=torch.float64)
+        for causal in (False, True):
+            torch.testing.assert_close(attention(q, k, v, nope, causal=causal),
+                                       F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        torch.testing.assert_close(nope.forward_attn(q, k), q @ k.transpose(-1, -2) / math.sqrt(DH))
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: dim must be a positive int, got dim=0"):
+            NoPositionalEmbedding(dim=0)
+        nope = NoPositionalEmbedding(dim=8)
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: x must have last dim 8, got shape \\(2, 16, 9\\)"):
+            nope(torch.randn(B, N, 9))
+        with pytest.raises(TypeError, match="NoPositionalEmbedding: x must be a floating tensor"):
+            nope(torch.zeros(B, N, 8, dtype=torch.long))
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: positions must have shape \\[16\\]"):
+            nope(torch.randn(B, N, 8), torch.arange(N + 1))
+        with pytest.raises(TypeError, match="NoPositionalEmbedding: offset must be an int"):
+            nope(torch.randn(B, N, 8), offset=1.5)
+
+
+# ---------------------------------------------------------------------------
+# xPos
+# ---------------------------------------------------------------------------
+
+
+def xpos_oracle(x, positions, sign, base, scale_base, gamma, interleaved):
+    """Plain loops, float64: rotate pair i by p * theta_i and scale it by zeta_i ** (sign * p / scale_base)."""
+    *lead, n, dim = x.shape
+    flat = x.double().reshape(-1, n, dim).tolist()
+    out = []
+    for rows in flat:
+        new_rows = []
+        for t in range(n):
+            p = positions[t]
+            row = list(rows[t])
+            new = list(row)
+            for i in range(dim // 2):
+                theta = base ** (-2 * i / dim)
+                zeta = (2 * i / dim + gamma) / (1 + gamma)
+                s = zeta ** (sign * p / scale_base)
+                a_idx, b_idx = (2 * i, 2 * i + 1) if interleaved else (i, i + dim // 2)
+                a, b = row[a_idx], row[b_idx]
+                new[a_idx] = s * (a * math.cos(p * theta) - b * math.sin(p * theta))
+                new[b_idx] = s * (b * math.cos(p * theta) + a * math.sin(p * theta))
+            new_rows.append(new)
+        out.append(new_rows)
+    return torch.tensor(out, dtype=torch.float64).reshape(*lead, n, dim)
+
+
+class TestXPos:
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_matches_loop_oracle(self, interleaved):
+        xpos = XPosPositionalEmbedding(8, scale_base=16.0, gamma=0.3, base=100.0, interleaved=interleaved)
+        q, k = torch.randn(2, 1, 2, 6, 8, dtype=torch.float64).unbind(0)
+        q2, k2 = xpos(q[..., -3:, :], k)                  # bottom-right: queries at 3, 4, 5
+        torch.testing.assert_close(q2, xpos_oracle(q[..., -3:, :], [3, 4, 5], 1, 100.0, 16.0, 0.3, interleaved))
+        torch.testing.assert_close(k2, xpos_oracle(k, list(range(6)), -1, 100.0, 16.0, 0.3, interleaved))
+        pos = torch.tensor([0.5, -7.0, 30.25, 1e3, 2.0, 9.0], dtype=torch.float64)
+        q2, k2 = xpos(q, k, pos, pos.flip(0))
+        torch.testing.assert_close(q2, xpos_oracle(q, pos.tolist(), 1, 100.0, 16.0, 0.3, interleaved))
+        torch.testing.assert_close(k2, xpos_oracle(k, pos.flip(0).tolist(), -1, 100.0, 16.0, 0.3, interleaved))
+
+    def test_logits_depend_only_on_distance(self):
+        xpos = XPosPositionalEmbedding(DH, scale_base=64.0)
+        q, k, _ = qkv(dtype=torch.float64)
+        pos = torch.arange(N)
+        base = xpos.forward_attn(q, k, pos, pos)
+        for shift in (5, 700, -300):
+            torch.testing.assert_close(xpos.forward_attn(q, k, pos + shift, pos + shift), base)
+        # and the decay: |logit| of the same q, k at distance d shrinks as zeta_max ** (d / scale_base) at most
+        q1, k1 = q[..., :1, :], q[..., :1, :]
+        near = xpos.forward_attn(q1, k1, torch.tensor([0]), torch.tensor([0]))
+        far = xpos.forward_attn(q1, k1, torch.tensor([640]), torch.tensor([0]))
+        assert (far.abs() < near.abs()).all()
+
+    def test_decoding_with_offset_and_bottom_right_equals_full(self):
+        xpos = XPosPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        full_q, full_k = xpos(q, k)
+        for t in (0, 7, N - 1):
+            step_q, step_k = xpos(q[..., t : t + 1, :], k[..., t : t + 1, :], offset=t)
+            torch.testing.assert_close(step_q, full_q[..., t : t + 1, :])
+            torch.testing.assert_close(step_k, full_k[..., t : t + 1, :])
+            tail_q, prefix_k = xpos(q[..., t : t + 1, :], k[..., : t + 1, :])      # bottom-right
+            torch.testing.assert_close(tail_q, full_q[..., t : t + 1, :])
+            torch.testing.assert_close(prefix_k, full_k[..., : t + 1, :])
+
+    def test_far_positions_keep_precision(self):
+        # position 3e4 (inside the float32 range): float32 vs float64 after dividing out each pair's
+        # scale zeta ** (+-p / scale_base) (the rotated values themselves may cancel)
+        xpos = XPosPositionalEmbedding(DH)
+        q, k, _ = qkv(1, 1)
+        pos = torch.tensor([30000])
+        zeta = (torch.arange(0, DH, 2, dtype=torch.float64) / DH + 0.4) / 1.4
+        for sign, x, got, want in zip((1, -1), (q, k), xpos(q, k, pos, pos), xpos(q.double(), k.double(), pos, pos)):
+            scale = torch.cat([zeta, zeta]) ** (sign * 30000 / 512)
+            error = ((got.double() - want) / scale).abs().max()
+            assert error < 1e-5 * x.abs().max(), error
+            assert ((want / scale).norm() - x.double().norm()).abs() < 1e-9     # a rotation once unscaled
+
+    def test_range_limits_in_docstring(self):
+        zeta0 = 0.4 / 1.4
+        scale = lambda p, dtype: torch.tensor(zeta0, dtype=torch.float64).pow(-p / 512.0).to(dtype)
+        # overflow column of the docstring table
+        for dtype, first_inf in ((torch.float32, 36261), (torch.bfloat16, 36259), (torch.float16, 4533)):
+            assert torch.isinf(scale(first_inf + 1, dtype)) and torch.isfinite(scale(first_inf - 2, dtype))
+        # underflow-to-zero column (the q scale is the reciprocal)
+        for dtype, zero in ((torch.float32, 42493), (torch.bfloat16, 37960), (torch.float16, 7082)):
+            assert scale(-(zero + 1), dtype) == 0 and scale(-(zero - 2), dtype) > 0
+        # the accepted range ends where the scales stop being normal numbers
+        xpos = XPosPositionalEmbedding(DH)
+        for dtype, first in ((torch.float32, 35694), (torch.bfloat16, 35694), (torch.float16, 3966)):
+            limit = xpos.limit(dtype)
+            assert first <= limit < first + 1
+            assert scale(-math.floor(limit), dtype).abs() >= torch.finfo(dtype).tiny
+            assert scale(-math.ceil(limit) - 1, dtype).abs() < torch.finfo(dtype).tiny
+
+    def test_out_of_range_positions_raise(self):
+        xpos = XPosPositionalEmbedding(DH)
+        q, k, v = qkv(1, 1)
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: positions must satisfy \\|p\\| <= 3966 for "
+                                             "torch.float16 inputs .* got \\|p\\| = 4000"):
+            xpos(q.half(), k.half(), torch.tensor([4000]), torch.tensor([4000]))
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: positions must satisfy \\|p\\| <= 35694"):
+            attention(q, k, v, xpos, positions_q=torch.tensor([-1e6]), positions_k=torch.tensor([0]))
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: positions"):
+            xpos(q, k, offset=40000)
+        out = xpos(q.half(), k.half(), torch.tensor([3900]), torch.tensor([3900]))
+        assert all(torch.isfinite(t).all() for t in out)
+
+    def test_matches_torchscale_xpos(self):
+        xpos_module = pytest.importorskip("torchscale.component.xpos_relative_position")
+        n, dh = 12, DH
+        q, k = torch.randn(2, B * H, n, dh).unbind(0)               # torchscale: [B * H, N, Dh]
+        theirs = xpos_module.XPOS(dh, scale_base=512)
+        ts_q, ts_k = theirs(q), theirs(k, downscale=True)
+        ours = XPosPositionalEmbedding(dh, interleaved=True)
+        our_q, our_k = ours(q, k)
+        # torchscale centres the exponent at c = ceil(N / 2): q' * zeta ** (-c / 512), k' * zeta ** (c / 512)
+        c = -(-n // 2)
+        zeta = ((torch.arange(0, dh, 2) / dh + 0.4) / 1.4).repeat_interleave(2)
+        torch.testing.assert_close(our_q * zeta ** (-c / 512), ts_q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(our_k * zeta ** (c / 512), ts_k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(our_q @ our_k.transpose(-1, -2), ts_q @ ts_k.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+
+    def test_matches_rotary_embedding_torch_xpos(self):
+        ret = pytest.importorskip("rotary_embedding_torch")
+        q, k, _ = qkv(dtype=torch.float32)
+        theirs = ret.RotaryEmbedding(DH, use_xpos=True, xpos_scale_base=512)
+        ret_q, ret_k = theirs.rotate_queries_and_keys(q, k)
+        ours = XPosPositionalEmbedding(DH, interleaved=True)
+        our_q, our_k = ours(q, k)
+        c = N // 2     # rotary-embedding-torch centres at N // 2
+        zeta = ((torch.arange(0, DH, 2) / DH + 0.4) / 1.4).repeat_interleave(2)
+        torch.testing.assert_close(our_q * zeta ** (-c / 512), ret_q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(our_k * zeta ** (c / 512), ret_k, rtol=1e-5, atol=1e-6)
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: dim must be a positive even int, got dim=7"):
+            XPosPositionalEmbedding(7)
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: gamma must be a finite number > 0.0, got gamma=0"):
+            XPosPositionalEmbedding(8, gamma=0)
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: scale_base must be .*got scale_base=-1"):
+            XPosPositionalEmbedding(8, scale_base=-1)
+        with pytest.raises(TypeError, match="XPosPositionalEmbedding: interleaved must be a bool, got str 'false'"):
+            XPosPositionalEmbedding(8, interleaved="false")
+        with pytest.raises(ValueError, match="XPosPositionalEmbedding: q and k must have head dim 8"):
+            XPosPositionalEmbedding(8)(*qkv()[:2])
+        assert XPosPositionalEmbedding(__import__("numpy").int64(8)).dim == 8 if _has_numpy() else True
+
+
+def _has_numpy():
+    try:
+        import numpy  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+# ---------------------------------------------------------------------------
+# KERPLE
+# ---------------------------------------------------------------------------
+
+
+def kerple_oracle(kernel, r1, r2, pq, pk, bidirectional):
+    out = []
+    for h in range(len(r1)):
+        rows = []
+        for i in range(len(pq)):
+            row = []
+            for j in range(len(pk)):
+                d = abs(pq[i] - pk[j]) if bidirectional else max(pq[i] - pk[j], 0)
+                row.append(-r1[h] * math.log(1 + r2[h] * d) if kernel == "log" else -r1[h] * d ** r2[h])
+            rows.append(row)
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def kerple_authors_forward(kernel, bias_p, bias_a, seq_len_q, seq_len_k, eps=1e-2):
+    """The forward of github.com/chijames/KERPLE megatron/mpu/layers.py (ParallelKerpleLog /
+    ParallelKerplePower with both parameters), restated on the CPU without model parallelism."""
+    diff = torch.tril(torch.arange(seq_len_k).view(seq_len_k, 1).repeat(1, seq_len_k)
+                      + torch.arange(0, -seq_len_k, -1)).to(torch.float64)
+    if kernel == "log":
+        p, a = bias_p.clamp(min=eps), bias_a.clamp(min=eps)
+        bias = -p * torch.log(1 + a * diff)
+    else:
+        p, a = bias_p.clamp(min=eps, max=2), bias_a.clamp(min=eps)
+        bias = -diff.pow(p) * a
+    if seq_len_q != seq_len_k:
+        assert seq_len_q == 1
+        bias = bias[:, seq_len_k - 1, :].view(bias.shape[0], 1, bias.shape[2])
+    return bias
+
+
+class TestKerple:
+    @pytest.mark.parametrize("kernel", ["log", "power"])
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    def test_matches_loop_oracle(self, kernel, bidirectional):
+        kerple = KerplePositionalEmbedding(3, kernel=kernel, bidirectional=bidirectional).double()
+        r1, r2 = kerple.r1.tolist(), kerple.r2.tolist()
+        p, a = kerple.bias_p.detach().view(-1).tolist(), kerple.bias_a.detach().view(-1).tolist()
+        assert (r1, r2) == ((p, a) if kernel == "log" else (a, p))
+        for nq, nk, pos_q, pos_k in ((6, 6, None, None), (2, 9, None, None),
+                                     (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6 - 2.5, -2.0]))):
+            bias = kerple(nq, nk, positions_q=pos_q, positions_k=pos_k)
+            pq, pk = paired_positions(nq, nk)
+            if pos_q is not None:
+                pq, pk = pos_q.tolist(), pos_k.tolist()
+            torch.testing.assert_close(bias, kerple_oracle(kernel, r1, r2, pq, pk, bidirectional))
+
+    @pytest.mark.parametrize("kernel", ["log", "power"])
+    def test_matches_authors_code_with_same_weights(self, kernel):
+        kerple = KerplePositionalEmbedding(4, kernel=kernel).double()
+        with torch.no_grad():   # exercise the clamps: below eps, and a power exponent above 2
+            kerple.bias_a[0] = -0.3
+            kerple.bias_p[1] = 3.0 if kernel == "power" else 0.001
+        p, a = kerple.bias_p.detach().clone(), kerple.bias_a.detach().clone()
+        torch.testing.assert_close(kerple(N, N), kerple_authors_forward(kernel, p, a, N, N), rtol=1e-12, atol=1e-12)
+        # their decoding step: one query, the last row
+        torch.testing.assert_close(kerple(1, N), kerple_authors_forward(kernel, p, a, 1, N), rtol=1e-12, atol=1e-12)
+
+    def test_power_kernel_with_exponent_one_is_alibi(self):
+        # eps below ALiBi's smallest slopes 2^-7, 2^-8 (the authors' 0.01 would clamp them)
+        kerple = KerplePositionalEmbedding(8, kernel="power", bidirectional=True, eps=1e-3)
+        with torch.no_grad():
+            kerple.bias_p.fill_(1.0)
+            kerple.bias_a.copy_(torch.tensor([2.0 ** -k for k in range(1, 9)]).view(8, 1, 1))
+        torch.testing.assert_close(kerple(N, N), ALiBiPositionalEmbedding(8, bidirectional=True)(N, N))
+
+    def test_clamp_is_straight_through_and_storable(self):
+        kerple = KerplePositionalEmbedding(2, kernel="log")
+        with torch.no_grad():
+            kerple.bias_a[0] = -1.0
+        kerple(4, 4).sum().backward()
+        # the gradient is the one at the clamped value, as after the authors' in-place clamp
+        p = kerple.bias_p.detach().view(-1)[0].item()
+        want = sum(-p * d / (1 + 0.01 * d) for i in range(4) for j in range(4) for d in [max(i - j, 0)])
+        assert kerple.bias_a.grad.view(-1)[0].item() == pytest.approx(want, rel=1e-5)
+        kerple.clamp_parameters_()
+        assert kerple.bias_a.view(-1)[0].item() == pytest.approx(0.01)
+
+    def test_causal_keys_after_query_are_zero_and_masked_by_attention(self):
+        kerple = KerplePositionalEmbedding(H)
+        bias = kerple(N, N)
+        future = torch.ones(N, N, dtype=torch.bool).triu(1)
+        assert (bias[:, future] == 0).all() and (bias[:, future.T] < 0).all()
+        q, k, v = qkv(dtype=torch.float64)
+        logits = kerple.double().forward_attn(q, k).masked_fill(torch.ones(N, N).triu(1).bool(), float("-inf"))
+        torch.testing.assert_close(attention(q, k, v, kerple, causal=True), torch.softmax(logits, -1) @ v)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, causal):
+        kerple = KerplePositionalEmbedding(H, kernel="power")
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, kerple, causal=causal, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, kerple, causal=causal, use_flex=True), want)
+        positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
+        want = attention(q[..., :N, :], k, v, kerple, positions_q=positions[:, -(N - 3):], positions_k=positions,
+                         use_flex=False)
+        got = attention(q, k, v, kerple, positions_q=positions[:, -(N - 3):], positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="KerplePositionalEmbedding: kernel must be 'log' or 'power', got kernel='cubic'"):
+            KerplePositionalEmbedding(4, kernel="cubic")
+        with pytest.raises(ValueError, match="KerplePositionalEmbedding: num_heads must be a positive int, got num_heads=0"):
+            KerplePositionalEmbedding(0)
+        with pytest.raises(TypeError, match="KerplePositionalEmbedding: bidirectional must be a bool, got str"):
+            KerplePositionalEmbedding(4, bidirectional="false")
+        with pytest.raises(ValueError, match="KerplePositionalEmbedding: eps must be a finite number > 0.0"):
+            KerplePositionalEmbedding(4, eps=0.0)
+        with pytest.raises(ValueError, match="KerplePositionalEmbedding: positions_q must have shape \\[3\\]"):
+            KerplePositionalEmbedding(4)(3, 4, positions_q=torch.arange(4))
+
+
+# ---------------------------------------------------------------------------
+# Sandwich
+# ---------------------------------------------------------------------------
+
+
+def nemo_sandwich(num_heads, hidden_size, query_seq_length, key_seq_length, bidirectional):
+    """NVIDIA NeMo's SandwichRelativePositionEmbedding.forward (nemo/collections/nlp/modules/common/
+    megatron/position_embedding/sandwich_relative_position_embedding.py, with alibi's
+    build_relative_position), restated on the CPU in float64: [1, H, Nq, Nk]."""
+    max_seq_len = max(query_seq_length, key_seq_length)
+    context = torch.arange(1 - max_seq_len, 1)[None, :].mul(-1)
+    memory = torch.arange(1 - max_seq_len, 1)[:, None].mul(-1)
+    relative_position = torch.abs(memory - context)[-query_seq_length:, -key_seq_length:]
+    if not bidirectional:
+        relative_position = torch.tril(relative_position)
+    inv_freq = 1.0 / (10000 ** (2 * torch.arange(1, hidden_size / 2 + 1, dtype=torch.float64) / hidden_size))
+    _bias = torch.sum((relative_position[:, :, None].repeat(1, 1, len(inv_freq)) * inv_freq).cos(), axis=2)
+    bias = _bias.repeat(num_heads, 1, 1)
+    bias_scales = torch.arange(1, num_heads + 1, 1)[:, None, None]
+    return ((bias - hidden_size / 2) / (bias_scales * 8 / num_heads)).unsqueeze(0)
+
+
+def sandwich_oracle(num_heads, dim, pq, pk, bidirectional, base=10000.0):
+    out = []
+    for h in range(1, num_heads + 1):
+        rows = []
+        for i in range(len(pq)):
+            row = []
+            for j in range(len(pk)):
+                d = pq[i] - pk[j]
+                if not bidirectional and d < 0:
+                    d = 0
+                inner = sum(math.cos(d / base ** (2 * f / dim)) for f in range(1, dim // 2 + 1))
+                row.append((inner - dim / 2) / (8 * h / num_heads))
+            rows.append(row)
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+class TestSandwich:
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    def test_matches_loop_oracle(self, bidirectional):
+        sandwich = SandwichPositionalEmbedding(3, 12, bidirectional=bidirectional)
+        for nq, nk, pos_q, pos_k in ((6, 6, None, None), (2, 9, None, None),
+                                     (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6 - 2.5, -2.0]))):
+            bias = sandwich(nq, nk, positions_q=pos_q, positions_k=pos_k)
+            pq, pk = paired_positions(nq, nk)
+            if pos_q is not None:
+                pq, pk = pos_q.tolist(), pos_k.tolist()
+            want = sandwich_oracle(3, 12, pq, pk, bidirectional)
+            assert bias.dtype == torch.float32
+            torch.testing.assert_close(bias.double(), want, rtol=1e-6, atol=1e-5)
+
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    @pytest.mark.parametrize("heads, dim, nq, nk", [(8, 64, 16, 16), (4, 32, 1, 16), (12, 128, 5, 40)])
+    def test_matches_nemo(self, bidirectional, heads, dim, nq, nk):
+        got = SandwichPositionalEmbedding(heads, dim, bidirectional=bidirectional)(nq, nk)
+        # NeMo slices the last rows of the square bias, then (causal) applies tril to the slice,
+        # which is top-left aligned: with nq < nk it zeroes keys that precede the query. The
+        # square bias's last rows are bottom-right aligned, the rule used here.
+        torch.testing.assert_close(got.double(), nemo_sandwich(heads, dim, nk, nk, bidirectional)[0, :, -nq:],
+                                   rtol=1e-6, atol=1e-5)
+        if bidirectional or nq == nk:
+            torch.testing.assert_close(got.double(), nemo_sandwich(heads, dim, nq, nk, bidirectional)[0],
+                                       rtol=1e-6, atol=1e-5)
+        else:
+            assert not torch.allclose(got.double(), nemo_sandwich(heads, dim, nq, nk, bidirectional)[0])
+
+    def test_explicit_positions_take_the_sinusoid_product(self):
+        # the [Nq, dim] x [dim, Nk] route for explicit positions equals the per-distance route
+        sandwich = SandwichPositionalEmbedding(H, 64)
+        dense = sandwich(N, N)
+        shifted = sandwich(N, N, positions_q=torch.arange(N) + 10**6, positions_k=torch.arange(N) + 10**6)
+        torch.testing.assert_close(shifted, dense, rtol=1e-6, atol=1e-5)
+        batched = sandwich(N, N, positions_q=torch.arange(N).expand(2, -1), positions_k=torch.arange(N).expand(2, -1))
+        torch.testing.assert_close(batched, dense.expand(2, -1, -1, -1), rtol=1e-6, atol=1e-5)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, causal):
+        sandwich = SandwichPositionalEmbedding(H, DH)
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, sandwich, causal=causal, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, sandwich, causal=causal, use_flex=True), want)
+        positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
+        want = attention(q, k, v, sandwich, positions_q=positions[:, 3:], positions_k=positions, use_flex=False)
+        got = attention(q, k, v, sandwich, positions_q=positions[:, 3:], positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="SandwichPositionalEmbedding: dim must be a positive even int, got dim=7"):
+            SandwichPositionalEmbedding(4, 7)
+        with pytest.raises(ValueError, match="SandwichPositionalEmbedding: num_heads must be a positive int, got num_heads=-1"):
+            SandwichPositionalEmbedding(-1, 8)
+        with pytest.raises(ValueError, match="SandwichPositionalEmbedding: base must be a finite number > 1.0, got base=1"):
+            SandwichPositionalEmbedding(4, 8, base=1)
+        with pytest.raises(TypeError, match="SandwichPositionalEmbedding: bidirectional must be a bool"):
+            SandwichPositionalEmbedding(4, 8, bidirectional=1)
+
+
+# ---------------------------------------------------------------------------
+# FIRE
+# ---------------------------------------------------------------------------
+
+
+def fire_oracle(fire, pq, pk, bidirectional):
+    c, L = abs(fire.c.item()), abs(fire.L.item())
+    w1 = fire.mlp[0].weight.detach().double()[:, 0].tolist()
+    b1 = fire.mlp[0].bias.detach().double().tolist()
+    w2 = fire.mlp[2].weight.detach().double().tolist()
+    b2 = fire.mlp[2].bias.detach().double().tolist()
+    psi = lambda x: math.log(c * x + 1)
+    out = [[[0.0] * len(pk) for _ in pq] for _ in range(len(b2))]
+    for i in range(len(pq)):
+        for j in range(len(pk)):
+            if bidirectional:
+                u = psi(abs(pq[i] - pk[j])) / psi(max(L, pq[i], pk[j]))
+            else:
+                u = psi(max(pq[i] - pk[j], 0)) / psi(max(L, pq[i]))
+            hidden = [max(w * u + b, 0.0) for w, b in zip(w1, b1)]
+            for h in range(len(b2)):
+                out[h][i][j] = sum(w * z for w, z in zip(w2[h], hidden)) + b2[h]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+class TestFIRE:
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    def test_matches_loop_oracle(self, bidirectional):
+        fire = FIREPositionalEmbedding(3, hidden_dim=5, init_L=3.0, init_c=0.7, bidirectional=bidirectional).double()
+        for nq, nk, pos_q, pos_k in ((6, 6, None, None), (2, 9, None, None),
+                                     (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6 - 2.5, -2.0]))):
+            bias = fire(nq, nk, positions_q=pos_q, positions_k=pos_k)
+            pq, pk = paired_positions(nq, nk)
+            if pos_q is not None:
+                pq, pk = pos_q.tolist(), pos_k.tolist()
+            torch.testing.assert_close(bias, fire_oracle(fire, pq, pk, bidirectional))
+
+    def test_progressive_interpolation(self):
+        # past L, the key at position 0 always maps to f(1) and the diagonal to f(0)
+        fire = FIREPositionalEmbedding(H, init_L=4.0)
+        bias = fire(64, 64)
+        rows = torch.arange(4, 64)
+        torch.testing.assert_close(bias[:, rows, 0], bias[:, 4:5, 0].expand(-1, 60))
+        torch.testing.assert_close(bias[:, rows, rows], bias[:, :1, 0].expand(-1, 60))
+        # below L the bias is a function of the distance alone
+        torch.testing.assert_close(bias[:, 3, :4], bias[:, 4, 1:5])
+
+    def test_batched_positions(self):
+        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0)
+        positions = torch.stack([torch.arange(N) * 3, torch.arange(N) + 50])
+        bias = fire(N, N, positions_q=positions, positions_k=positions)
+        assert bias.shape == (2, H, N, N)
+        for b in range(2):
+            torch.testing.assert_close(bias[b], fire(N, N, positions_q=positions[b], positions_k=positions[b]))
+
+    @pytest.mark.parametrize("causal, bidirectional", [(True, False), (False, True)])
+    def test_score_mod_matches_dense_bias(self, causal, bidirectional):
+        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0, bidirectional=bidirectional)
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, fire, causal=causal, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, fire, causal=causal, use_flex=True), want)
+        positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
+        want = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=False)
+        got = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="FIREPositionalEmbedding: num_heads must be a positive int, got num_heads=0"):
+            FIREPositionalEmbedding(0)
+        with pytest.raises(TypeError, match="FIREPositionalEmbedding: hidden_dim must be an int, got float 2.5"):
+            FIREPositionalEmbedding(4, hidden_dim=2.5)
+        with pytest.raises(ValueError, match="FIREPositionalEmbedding: init_L must be a finite number > 0.0, got init_L=-1"):
+            FIREPositionalEmbedding(4, init_L=-1)
+        with pytest.raises(TypeError, match="FIREPositionalEmbedding: bidirectional must be a bool"):
+            FIREPositionalEmbedding(4, bidirectional="yes")
+        with pytest.raises(ValueError, match="FIREPositionalEmbedding: positions_k must have shape \\[5\\]"):
+            FIREPositionalEmbedding(4)(3, 5, positions_k=torch.arange(4))
+
+
+# ---------------------------------------------------------------------------
+# CoPE
+# ---------------------------------------------------------------------------
+
+
+def cope_oracle(q, k, table, scale, max_position):
+    """Golovneva et al.'s maths one pair at a time in float64: gates, counted positions,
+    clamp, interpolation of the two integer neighbours; -inf after the query."""
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[-2]
+    offset = k_len - q_len
+    out = torch.full((batch, heads, q_len, k_len), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            rows = table[h] if table.dim() == 3 else table
+            for i in range(q_len):
+                qi = q[b, h, i].tolist()
+                last = i + offset
+                dots = [sum(a * c for a, c in zip(qi, k[b, h, t].tolist())) for t in range(last + 1)]
+                gates = [1.0 / (1.0 + math.exp(-scale * d)) for d in dots]
+                for j in range(last + 1):
+                    p = min(sum(gates[j:]), max_position - 1)
+                    low, high = math.floor(p), math.ceil(p)
+                    w = p - low
+                    e = [(1 - w) * x + w * y for x, y in zip(rows[low].tolist(), rows[high].tolist())]
+                    out[b, h, i, j] = scale * dots[j] + sum(a * c for a, c in zip(qi, e))
+    return out
+
+
+def cope_paper_appendix(query, key, pos_emb, npos_max):
+    """The paper's appendix code (CoPE + SelfAttn), ported: heads folded into the batch,
+    ``pos_emb`` ``[1, Dh, npos_max]``, a ``[Nq, Nk]`` 0/1 mask added as its log. Returns the
+    logits before the softmax."""
+    batch, heads, q_len, head_dim = query.shape
+    query = query.reshape(batch * heads, q_len, head_dim)
+    key = key.reshape(batch * heads, -1, head_dim)
+    mask = torch.ones(q_len, key.shape[1]).tril(key.shape[1] - q_len).to(query.dtype)
+    attn_logits = torch.bmm(query, key.transpose(-1, -2)) / math.sqrt(head_dim)
+    attn_logits = attn_logits + mask.log()
+    gates = torch.sigmoid(attn_logits)
+    pos = gates.flip(-1).cumsum(dim=-1).flip(-1).clamp(max=npos_max - 1)
+    pos_ceil, pos_floor = pos.ceil().long(), pos.floor().long()
+    logits_int = torch.matmul(query, pos_emb)
+    w = pos - pos_floor
+    cope = logits_int.gather(-1, pos_ceil) * w + logits_int.gather(-1, pos_floor) * (1 - w)
+    return (attn_logits + cope).reshape(batch, heads, q_len, -1)
+
+
+class TestCoPE:
+    @pytest.mark.parametrize("per_head", [False, True])
+    @pytest.mark.parametrize("max_position", [3, 64])   # 3: most positions clamp
+    def test_matches_loop_oracle(self, per_head, max_position):
+        cope = CoPEPositionalEmbedding(2, 4, max_position=max_position, per_head=per_head, init_std=1.0).double()
+        q, k = torch.randn(2, 1, 2, 7, 4, dtype=torch.float64).unbind(0)
+        q = q[..., 2:, :] * 2                                                           # 5 queries: the last 5 keys
+        want = cope_oracle(q, k, cope.pos_emb.detach(), 0.5, max_position)
+        torch.testing.assert_close(cope(q, k), want, rtol=1e-12, atol=1e-12)
+
+    def test_matches_paper_appendix_code(self):
+        cope = CoPEPositionalEmbedding(H, DH, max_position=10, init_std=1.0)
+        q, k, v = qkv(N - 4, N)
+        want = cope_paper_appendix(q, k, cope.pos_emb.detach().T[None], 10)           # paper: [1, Dh, P]
+        got = cope(q, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        out = attention(q, k, v, cope, causal=True)
+        torch.testing.assert_close(out, torch.softmax(want, -1) @ v, rtol=0, atol=1e-5)
+
+    @pytest.mark.parametrize("q_len", [N, N - 5, 1])
+    def test_matches_x_transformers(self, q_len):
+        x_transformers = pytest.importorskip("x_transformers.x_transformers")
+        reference = x_transformers.CoPE(dim=DH, heads=H, max_pos=12)
+        cope = CoPEPositionalEmbedding(H, DH, max_position=12, init_std=1.0)
+        with torch.no_grad():
+            reference.pos_emb.copy_(cope.pos_emb)                                        # same name and shape
+        q, k, _ = qkv(q_len, N, dtype=torch.float64)
+        q = q * 3                                                                       # spread the gates
+        reference, cope = reference.double(), cope.double()
+        # x-transformers' Attend: scaled logits, bottom-right causal mask as -max, then sim + cope(q, sim)
+        sim = q @ k.transpose(-1, -2) * DH ** -0.5
+        future = torch.ones(q_len, N, dtype=torch.bool).triu(N - q_len + 1)
+        sim = sim.masked_fill(future, -torch.finfo(sim.dtype).max)
+        want = sim + reference(q, sim)
+        got = cope(q, k)
+        assert torch.equal(torch.isinf(got), future.expand_as(got))
+        torch.testing.assert_close(got[..., ~future], want[..., ~future], rtol=0, atol=1e-12)
+
+    def test_causal_by_construction(self):
+        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
+        q, k, v = qkv(N - 3, N)
+        logits = cope(q, k)
+        future = torch.ones(N - 3, N, dtype=torch.bool).triu(4)
+        assert torch.isinf(logits[..., future]).all() and torch.isfinite(logits[..., ~future]).all()
+        torch.testing.assert_close(attention(q, k, v, cope, causal=False), attention(q, k, v, cope, causal=True))
+
+    def test_positions_count_open_gates(self):
+        # every gate fully open (q = k, large): p_ij = i - j + 1, so each pair reads row i - j + 1
+        cope = CoPEPositionalEmbedding(1, 2, max_position=8)
+        with torch.no_grad():
+            cope.pos_emb.copy_(torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.0]))   # q . e[p] = p * q_0
+        q = torch.tensor([1.0, 0.0]).expand(1, 1, 5, 2) * 100
+        logits = cope(q, q.clone(), scale=1.0) - 100 * 100                              # drop the content term
+        i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+        want = torch.where(j <= i, 100.0 * (i - j + 1).float(), float("-inf"))
+        torch.testing.assert_close(logits[0, 0], want)
+
+    def test_decoding_token_by_token_is_exact(self):
+        cope = CoPEPositionalEmbedding(H, DH, max_position=6, per_head=True, init_std=1.0)
+        q, k, v = qkv()
+        full = attention(q, k, v, cope, causal=True)
+        for t in (0, 6, N - 1):
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], cope, causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :])
+
+    def test_gates_use_the_logit_scale(self):
+        cope = CoPEPositionalEmbedding(1, 4, max_position=64, init_std=1.0).double()
+        q, k = torch.randn(2, 1, 1, 6, 4, dtype=torch.float64).unbind(0)
+        torch.testing.assert_close(cope(q, k, scale=0.3), cope_oracle(q, k, cope.pos_emb.detach(), 0.3, 64))
+
+    def test_gradient_reaches_keys_through_the_gates(self):
+        # beyond the content term, the keys move the gates, hence the positions (the paper's gradient path)
+        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
+        q, k, _ = qkv(dtype=torch.float64)
+        k.requires_grad_(True)
+        weights = torch.randn(B, H, N, N, dtype=torch.float64).tril()
+        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)
+        (grad,) = torch.autograd.grad((finite(cope.double()(q, k)) * weights).sum(), k)
+        content = torch.autograd.grad(((q @ k.transpose(-1, -2)) * DH ** -0.5 * weights).sum(), k)[0]
+        assert (grad - content).abs().max() > 1e-3   # the position term moves the keys through the gates
+
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(num_heads=0, head_dim=8), ValueError, "num_heads must be a positive int, got num_heads=0"),
+        (dict(num_heads=2, head_dim=8, max_position=1.5), TypeError, "max_position must be an int, got float 1.5"),
+        (dict(num_heads=2, head_dim=8, per_head="yes"), TypeError, "per_head must be a bool, got str"),
+        (dict(num_heads=2, head_dim=8, init_std=-1.0), ValueError, "init_std must be a finite number >= 0"),
+    ])
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="CoPEPositionalEmbedding: " + message):
+            CoPEPositionalEmbedding(**kwargs)
+
+    def test_bad_inputs(self):
+        cope = CoPEPositionalEmbedding(H, DH)
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_q must be None: contextual .*"
+                                             "got shape \\(16,\\)"):
+            cope(q, k, torch.arange(N))
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_k must be None"):
+            attention(q, k, v, cope, positions_k=torch.arange(N))
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q must not have more tokens than k.*Nq=16 "
+                                             "and Nk=5"):
+            cope(q, k[..., :5, :])
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q and k must be \\[..., H=4, N, Dh=32\\]"):
+            cope(q[..., :16], k[..., :16])
+
+
+# ---------------------------------------------------------------------------
+# Forgetting Transformer
+# ---------------------------------------------------------------------------
+
+
+def forget_bias_oracle(x, weight, bias, q_len):
+    """Lin et al.'s bias one pair at a time in float64: sum_{l=j+1..i} log sigmoid(w_h . x_l + b_h)."""
+    batch, n, _ = x.shape
+    heads = weight.shape[0]
+    offset = n - q_len
+    out = torch.full((batch, heads, q_len, n), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            log_f = [-math.log1p(math.exp(-(sum(w * v for w, v in zip(weight[h].tolist(), x[b, l].tolist()))
+                                            + bias[h].item()))) for l in range(n)]
+            for i in range(q_len):
+                for j in range(i + offset + 1):
+                    out[b, h, i, j] = sum(log_f[j + 1 : i + offset + 1])
+    return out
+
+
+def forgetting_attention_naive(q, k, v, x, fgate_proj, scale=None):
+    """The authors' O(N^2) formula (their kernel's reference): scaled logits plus the
+    differences of the float32 cumulative sum of log forget gates, causal bottom-right, softmax."""
+    log_fgate = F.logsigmoid(fgate_proj(x).float()).transpose(-1, -2)                   # b t h -> b h t
+    log_lambda = torch.cumsum(log_fgate, dim=-1)
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    p_seq = k_len - q_len
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores + log_lambda[..., p_seq:, None] - log_lambda[..., None, :]
+    mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(p_seq)
+    return torch.softmax(scores.masked_fill(~mask, -torch.inf), dim=-1).to(v.dtype) @ v
+
+
+class TestForgetting:
+    @pytest.mark.parametrize("q_len", [6, 2])
+    def test_matches_loop_oracle(self, q_len):
+        fox = ForgettingPositionalEmbedding(8, 3).double()
+        with torch.no_grad():
+            fox.fgate_proj.weight.normal_()
+            fox.fgate_proj.bias.normal_()
+        x = torch.randn(2, 6, 8, dtype=torch.float64)
+        want = forget_bias_oracle(x, fox.fgate_proj.weight.detach(), fox.fgate_proj.bias.detach(), q_len)
+        torch.testing.assert_close(fox(x)(q_len, 6), want, rtol=1e-12, atol=1e-12)
+        # float32 module and states: the float64-accumulated cumulative sum keeps it near float32 rounding
+        got = fox.float()(x.float())(q_len, 6)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
+
+    @pytest.mark.parametrize("q_len", [N, N - 5, 1])
+    def test_matches_authors_naive_formula(self, q_len):
+        fox = ForgettingPositionalEmbedding(D, H)
+        with torch.no_grad():
+            fox.fgate_proj.weight.normal_(std=0.1)
+            fox.fgate_proj.bias.uniform_(-2, 4)
+        x = torch.randn(B, N, D)
+        q, k, v = qkv(q_len, N)
+        want = forgetting_attention_naive(q, k, v, x, fox.fgate_proj)
+        # their float32 cumsum is itself off by ~eps * |c_i| (up to 1e-5 here): the float64 oracle is the tight check
+        torch.testing.assert_close(attention(q, k, v, fox(x), causal=True), want, rtol=0, atol=1e-5)
+
+    def test_gradients_reach_the_gate_and_the_states(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        with torch.no_grad():
+            fox.fgate_proj.bias.uniform_(-2, 4)
+        x = torch.randn(B, N, D, requires_grad=True)
+        q, k, v = qkv()
+        weights = torch.randn(B, H, N, DH)
+        got = torch.autograd.grad((attention(q, k, v, fox(x), causal=True) * weights).sum(),
+                                  (x, fox.fgate_proj.weight, fox.fgate_proj.bias))
+        want = torch.autograd.grad((forgetting_attention_naive(q, k, v, x, fox.fgate_proj) * weights).sum(),
+                                   (x, fox.fgate_proj.weight, fox.fgate_proj.bias))
+        for g, w in zip(got, want):
+            assert g.abs().sum() > 0
+            torch.testing.assert_close(g, w, rtol=1e-3, atol=2e-5)
+
+    @pytest.mark.parametrize("batch", [B, 1])
+    @pytest.mark.parametrize("q_len", [N, N - 3])
+    def test_flex_score_mod_matches_dense_bias(self, batch, q_len):
+        fox = ForgettingPositionalEmbedding(D, H)
+        with torch.no_grad():
+            fox.fgate_proj.bias.uniform_(-1, 3)
+        bound = fox(torch.randn(batch, N, D))
+        q, k, v = qkv(q_len, N)
+        want = attention(q, k, v, bound, causal=True, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, bound, causal=True, use_flex=True), want)
+        torch.testing.assert_close(attention(q, k, v, bound, causal=False, use_flex=True), want)
+
+    def test_batch_one_is_shared(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        x = torch.randn(1, N, D)
+        q, k, _ = qkv()
+        torch.testing.assert_close(fox(x).forward_attn(q, k), fox(x.expand(B, -1, -1)).forward_attn(q, k))
+
+    def test_causal_by_construction(self):
+        bound = ForgettingPositionalEmbedding(D, H)(torch.randn(B, N, D))
+        q, k, v = qkv(N - 2, N)
+        bias = bound(N - 2, N)
+        future = torch.ones(N - 2, N, dtype=torch.bool).triu(3)
+        assert torch.isinf(bias[..., future]).all() and torch.isfinite(bias[..., ~future]).all()
+        torch.testing.assert_close(attention(q, k, v, bound, causal=False), attention(q, k, v, bound, causal=True))
+
+    def test_decoding_with_a_cache(self):
+        # the encoding bound to every token so far (cache + new) gives the full pass's rows
+        fox = ForgettingPositionalEmbedding(D, H)
+        with torch.no_grad():
+            fox.fgate_proj.bias.uniform_(-1, 3)
+        x = torch.randn(B, N, D)
+        q, k, v = qkv()
+        full = attention(q, k, v, fox(x), causal=True)
+        cache = fox.log_forget(x[:, :5])                                                 # [B, H, 5]
+        for t in (5, 9, N - 1):
+            keys = (k[..., : t + 1, :], v[..., : t + 1, :])
+            step = attention(q[..., t : t + 1, :], *keys, fox(x[:, : t + 1]), causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :])
+            cache = torch.cat([cache, fox.log_forget(x[:, cache.shape[-1] : t + 1])], -1)
+            from_cache = attention(q[..., t : t + 1, :], *keys, fox.bind(log_forget=cache), causal=True)
+            torch.testing.assert_close(from_cache, full[..., t : t + 1, :])
+            # a longer bound sequence: keys are its first Nk tokens
+            torch.testing.assert_close(attention(q[..., t : t + 1, :], *keys, fox(x), causal=True), step)
+
+    def test_long_sequence_precision(self):
+        # c_i - c_j after 2**18 tokens of log f ~ -1: a float32 cumsum loses eps * |c| ~ 0.03
+        n = 2**18
+        log_f = -torch.rand(1, 1, n, generator=torch.Generator().manual_seed(0)) - 0.5
+        bound = ForgettingPositionalEmbedding(D, 1).bind(log_forget=log_f)
+        got = bound(4, n)[0, 0].double()                                                # the last 4 queries
+        c = log_f[0, 0].double().cumsum(0)
+        want = (c[-4:, None] - c[None, :]).masked_fill(torch.ones(4, n, dtype=torch.bool).triu(n - 3), -math.inf)
+        keep = torch.isfinite(want)
+        error = ((got - want)[keep].abs() / (1 + want[keep].abs())).max().item()
+        c32 = log_f[0, 0].cumsum(0)
+        naive = ((c32[-4:, None] - c32[None, :]).double() - want)[keep].abs()
+        assert error < 2.5e-7, error   # about two float32 roundings of D_ij itself
+        assert naive.max().item() > 1e-3   # what the float64 accumulation avoids
+
+    def test_authors_state_dict_loads(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        theirs = {"fgate_proj.weight": torch.randn(H, D), "fgate_proj.bias": torch.randn(H)}
+        fox.load_state_dict(theirs)
+        torch.testing.assert_close(fox.log_forget(FOX_STATES),
+                                   F.logsigmoid(FOX_STATES @ theirs["fgate_proj.weight"].T
+                                                + theirs["fgate_proj.bias"]).transpose(-1, -2))
+
+    def test_shared_projection_is_not_reinitialised(self):
+        linear = torch.nn.Linear(D, H)
+        before = linear.weight.detach().clone()
+        fox = ForgettingPositionalEmbedding(D, H, fgate_proj=linear)
+        assert fox.fgate_proj is linear and torch.equal(linear.weight, before)
+        assert fox(FOX_STATES).fgate_proj is linear
+
+    def test_binding_compiles_inside_the_model(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        q, k, v = qkv()
+        x = torch.randn(B, N, D)
+        step = lambda q, k, v, x: attention(q, k, v, fox(x), causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v, x), step(q, k, v, x))
+
+    def test_unbound_module_says_to_bind(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        q, k, v = qkv()
+        message = "ForgettingPositionalEmbedding: not bound to token states.*call pe\\(x\\)"
+        with pytest.raises(ValueError, match=message):
+            fox.forward_attn(q, k)
+        with pytest.raises(ValueError, match=message):
+            attention(q, k, v, fox, causal=True)
+        with pytest.raises(ValueError, match=message):
+            fox.score_mod(N, N)
+        with pytest.raises(ValueError, match=message):
+            fox.attention_bias(N, N)
+
+    def test_bad_inputs(self):
+        fox = ForgettingPositionalEmbedding(D, H)
+        bound = fox(torch.randn(B, N, D))
+        q, k, v = qkv()
+        owner = "ForgettingPositionalEmbedding: "
+        with pytest.raises(ValueError, match=owner + "x must be \\[B, N, D=128\\], got \\(2, 16, 127\\)"):
+            fox(torch.randn(B, N, D - 1))
+        with pytest.raises(ValueError, match=owner + "x must be \\[B, N, D=128\\], got \\(2, 1, 16, 128\\)"):
+            fox(torch.randn(B, 1, N, D))
+        with pytest.raises(TypeError, match=owner + "x must be a floating tensor"):
+            fox(torch.zeros(B, N, D, dtype=torch.long))
+        with pytest.raises(ValueError, match=owner + "bind takes exactly one of x and log_forget"):
+            fox.bind()
+        with pytest.raises(ValueError, match=owner + "log_forget must be \\[B, H=4, N\\], got \\(2, 3, 16\\)"):
+            fox.bind(log_forget=torch.zeros(B, 3, N))
+        with pytest.raises(ValueError, match=owner + "positions_q must be None: order comes from the forget gates"):
+            bound.forward_attn(q, k, torch.arange(N))
+        with pytest.raises(ValueError, match=owner + "positions_k must be None"):
+            attention(q, k, v, bound, positions_k=torch.arange(N))
+        with pytest.raises(ValueError, match=owner + "k has more tokens than the bound encoding.*Nk=20"):
+            bound.forward_attn(*qkv(20, 20)[:2])
+        with pytest.raises(ValueError, match=owner + "q must not have more tokens than k.*Nq=16 and Nk=8"):
+            bound.forward_attn(q, k[..., :8, :])
+        with pytest.raises(ValueError, match=owner + "q and k must have the bound batch size 2.*got q \\(3,"):
+            bound.forward_attn(torch.randn(3, H, N, DH), torch.randn(3, H, N, DH))
+        with pytest.raises(ValueError, match=owner + "q and k must be \\[B, H, N, Dh\\]"):
+            bound.forward_attn(torch.randn(B, 1, H, N, DH), torch.randn(B, 1, H, N, DH))
+        with pytest.raises(ValueError, match=owner + "fgate_proj must be an nn.Linear\\(128, 4\\)"):
+            ForgettingPositionalEmbedding(D, H, fgate_proj=torch.nn.Linear(D, H + 1))
+        with pytest.raises(TypeError, match=owner + "num_heads must be an int, got str '4'"):
+            ForgettingPositionalEmbedding(D, "4")
+        with pytest.raises(ValueError, match=owner + "init_std must be a finite number >= 0, got init_std=nan"):
+            ForgettingPositionalEmbedding(D, H, init_std=float("nan"))
+        with pytest.raises(ValueError, match=owner + "pe\\(x\\) takes the token states alone"):
+            fox(torch.randn(B, N, D), 3)
+
+
+# ---------------------------------------------------------------------------
+# Shaw
+# ---------------------------------------------------------------------------
+
+
+def shaw_oracle(pe, q, k, v, pos_q, pos_k, scale, allowed=None):
+    """Shaw et al.'s equations pair by pair in float64: (logits [B, H, Nq, Nk], output [B, H, Nq, Dh])."""
+    a_k = pe.relative_keys.weight.double().tolist()
+    a_v = None if pe.relative_values is None else pe.relative_values.weight.double().tolist()
+    batch, heads, nq, dh = q.shape
+    nk = k.shape[-2]
+    logits = torch.zeros(batch, heads, nq, nk, dtype=torch.float64)
+    out = torch.zeros(batch, heads, nq, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        pq = pos_q[b] if isinstance(pos_q[0], list) else pos_q
+        pk = pos_k[b] if isinstance(pos_k[0], list) else pos_k
+        for h in range(heads):
+            for i in range(nq):
+                qi = q[b, h, i].tolist()
+                row = []
+                for j in range(nk):
+                    kj = k[b, h, j].tolist()
+                    r = pe.left + max(-pe.left, min(pe.right, pk[j] - pq[i]))
+                    s = sum(qi[c] * (kj[c] + a_k[r][c]) for c in range(dh))
+                    if pe.key_query:
+                        s += sum(kj[c] * a_k[r][c] for c in range(dh))
+                    logits[b, h, i, j] = scale * s
+                    row.append((scale * s, r))
+                keep = [j for j in range(nk) if allowed is None or allowed[i][j]]
+                top = max(row[j][0] for j in keep)
+                exps = {j: math.exp(row[j][0] - top) for j in keep}
+                total = sum(exps.values())
+                for j in keep:
+                    w = exps[j] / total
+                    for c in range(v.shape[-1]):
+                        out[b, h, i, c] += w * (v[b, h, j, c].item() + (0.0 if a_v is None else a_v[row[j][1]][c]))
+    return logits, out
+
+
+def opennmt_attention(table, q, k, v, cache=False):
+    """OpenNMT-py's MultiHeadedAttention core with ``max_relative_positions`` (onmt/modules/multi_headed_attn.py,
+    ``generate_relative_positions_matrix`` and ``relative_matmul`` in onmt/utils/misc.py, v1.x/v2.x), ported:
+    one table serves keys and values; ``cache=True`` is its decoding step (the last query only)."""
+    max_rel = (table.shape[0] - 1) // 2
+    key_len = k.shape[2]
+    if cache:
+        distance_mat = torch.arange(-key_len + 1, 1, 1).unsqueeze(0)
+    else:
+        range_vec = torch.arange(key_len)
+        range_mat = range_vec.unsqueeze(-1).expand(-1, key_len).transpose(0, 1)
+        distance_mat = range_mat - range_mat.transpose(0, 1)
+    final_mat = torch.clamp(distance_mat, min=-max_rel, max=max_rel) + max_rel
+    relations = F.embedding(final_mat, table)                                   # [1 or L, L, Dh]
+
+    def relative_matmul(x, z, transpose):
+        batch_size, heads, length = x.shape[0], x.shape[1], x.shape[2]
+        x_t_r = x.permute(2, 0, 1, 3).reshape(length, heads * batch_size, -1)
+        x_tz = torch.matmul(x_t_r, z.transpose(1, 2) if transpose else z)
+        return x_tz.reshape(length, batch_size, heads, -1).permute(1, 2, 0, 3)
+
+    q = q / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(2, 3)) + relative_matmul(q, relations, True)
+    attn = torch.softmax(scores, -1)
+    return torch.matmul(attn, v) + relative_matmul(attn, relations, False)
+
+
+def bert_relative_attention(distance_embedding, q, k, v, key_query, mask=None):
+    """transformers 4.x ``BertSelfAttention`` with ``position_embedding_type="relative_key(_query)"``, ported
+    (its ``distance_embedding`` has ``2 M - 1`` rows indexed by query - key + M - 1; removed in transformers 5)."""
+    max_position_embeddings = (distance_embedding.shape[0] + 1) // 2
+    query_length, key_length = q.shape[2], k.shape[2]
+    position_ids_l = torch.arange(query_length, dtype=torch.long).view(-1, 1)
+    position_ids_r = torch.arange(key_length, dtype=torch.long).view(1, -1)
+    distance = position_ids_l - position_ids_r
+    positional_embedding = F.embedding(distance + max_position_embeddings - 1, distance_embedding)
+    attention_scores = torch.matmul(q, k.transpose(-1, -2))
+    attention_scores = attention_scores + torch.einsum("bhld,lrd->bhlr", q, positional_embedding)
+    if key_query:
+        attention_scores = attention_scores + torch.einsum("bhrd,lrd->bhlr", k, positional_embedding)
+    attention_scores = attention_scores / math.sqrt(q.shape[-1])
+    if mask is not None:
+        attention_scores = attention_scores + mask
+    return torch.matmul(torch.softmax(attention_scores, -1), v)
+
+
+class TestShaw:
+    @pytest.mark.parametrize("nq, nk, causal", [(5, 5, False), (5, 5, True), (3, 7, True), (3, 7, False)])
+    @pytest.mark.parametrize("max_distance, key_query", [(2, False), ((3, 1), True), (0, False)])
+    def test_matches_loop_oracle_default_positions(self, nq, nk, causal, max_distance, key_query):
+        pe = ShawPositionalEmbedding(2, 4, max_distance=max_distance, key_query=key_query, init_std=1.0).double()
+        q, k, v = (torch.randn(2, 2, n, 4, dtype=torch.float64) for n in (nq, nk, nk))
+        pos_q, pos_k = list(range(nk - nq, nk)), list(range(nk))
+        allowed = [[j <= i + nk - nq or not causal for j in range(nk)] for i in range(nq)]
+        want_logits, want_out = shaw_oracle(pe, q, k, v, pos_q, pos_k, 0.5, allowed)
+        torch.testing.assert_close(pe(q, k), want_logits)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal), want_out)
+
+    def test_matches_loop_oracle_batched_positions_scale_and_mask(self):
+        pe = ShawPositionalEmbedding(2, 4, max_distance=(2, 3), key_query=True, init_std=1.0).double()
+        q, k, v = (torch.randn(2, 2, n, 4, dtype=torch.float64) for n in (3, 5, 5))
+        pos_q = [[4, -7, 10], [0, 0, 100]]
+        pos_k = [[0, 1, 2, 30, -3], [5, 4, 3, 2, 1]]
+        keep = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 0, 1]], dtype=torch.bool)
+        want_logits, want_out = shaw_oracle(pe, q, k, v, pos_q, pos_k, 0.3, keep.tolist())
+        tq, tk = torch.tensor(pos_q), torch.tensor(pos_k)
+        torch.testing.assert_close(pe(q, k, tq, tk, scale=0.3), want_logits)
+        got = attention(q, k, v, pe, positions_q=tq, positions_k=tk, attn_mask=keep, scale=0.3)
+        torch.testing.assert_close(got, want_out)
+
+    def test_float32_value_term_error(self):
+        pe = ShawPositionalEmbedding(2, 8, max_distance=3, init_std=1.0)
+        q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
+        want = shaw_oracle(pe, q.double(), k.double(), v.double(), list(range(9)), list(range(9)), 8 ** -0.5)[1]
+        error = (attention(q, k, v, pe).double() - want).abs().max().item()
+        assert error < 2e-6, error
+
+    def test_matches_opennmt(self):
+        torch.manual_seed(1)
+        table = torch.randn(2 * 3 + 1, 8, dtype=torch.float64)
+        pe = ShawPositionalEmbedding(2, 8, max_distance=3).double()
+        with torch.no_grad():
+            pe.relative_keys.weight.copy_(table)
+            pe.relative_values.weight.copy_(table)              # OpenNMT-py shares one table
+        q, k, v = (torch.randn(2, 2, 10, 8, dtype=torch.float64) for _ in range(3))
+        torch.testing.assert_close(attention(q, k, v, pe), opennmt_attention(table, q, k, v))
+        step = attention(q[:, :, -1:], k, v, pe, causal=True)      # decoding: the last query, bottom-right
+        torch.testing.assert_close(step, opennmt_attention(table, q[:, :, -1:], k, v, cache=True))
+
+    @pytest.mark.parametrize("key_query", [False, True])
+    def test_matches_bert_relative_key_after_flip(self, key_query):
+        distance_embedding = torch.randn(2 * 12 - 1, 8, dtype=torch.float64)   # max_position_embeddings = 12
+        pe = ShawPositionalEmbedding.from_bert(nn.Embedding.from_pretrained(distance_embedding), 2,
+                                               key_query=key_query)
+        assert pe.max_distance == 11 and pe.relative_values is None and pe.key_query is key_query
+        q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+        pad = torch.zeros(2, 1, 1, 12, dtype=torch.float64)
+        pad[1, ..., 9:] = float("-inf")
+        want = bert_relative_attention(distance_embedding, q, k, v, key_query, pad)
+        torch.testing.assert_close(attention(q, k, v, pe, attn_mask=pad), want)
+        unflipped = ShawPositionalEmbedding(2, 8, max_distance=11, key_query=key_query, values=False).double()
+        with torch.no_grad():
+            unflipped.relative_keys.weight.copy_(distance_embedding)
+        assert not torch.allclose(attention(q, k, v, unflipped, attn_mask=pad), want)
+
+    def test_matches_transformers_wav2vec2_bert_relative_key(self):
+        transformers = pytest.importorskip("transformers")
+        from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import Wav2Vec2BertSelfAttention
+
+        config = transformers.Wav2Vec2BertConfig(hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
+                                                 position_embeddings_type="relative_key",
+                                                 left_max_position_embeddings=5, right_max_position_embeddings=2)
+        config._attn_implementation = "eager"
+        reference = Wav2Vec2BertSelfAttention(config).eval()
+        with torch.no_grad():
+            nn.init.normal_(reference.distance_embedding.weight)
+        pe = ShawPositionalEmbedding(4, 8, max_distance=(5, 2), values=False)
+        pe.relative_keys.weight.data.copy_(reference.distance_embedding.weight)
+        x = torch.randn(2, 11, 32)
+        heads = lambda t: t.unflatten(-1, (4, 8)).transpose(1, 2)                         # noqa: E731
+        q, k, v = heads(reference.linear_q(x)), heads(reference.linear_k(x)), heads(reference.linear_v(x))
+        ours = reference.linear_out(attention(q, k, v, pe).transpose(1, 2).flatten(-2))
+        with torch.no_grad():
+            want = reference(x)[0]
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+    def test_value_term_never_builds_pair_by_dim_tensors(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class LargestOutput(TorchDispatchMode):
+            largest = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        LargestOutput.largest = max(LargestOutput.largest, t.numel())
+                return out
+
+        n, dh = 40, 8
+        pe = ShawPositionalEmbedding(H, dh, max_distance=3, key_query=True)
+        q, k, v = (torch.randn(B, H, n, dh) for _ in range(3))
+        pairs = B * H * n * n                                           # [B, H, N, N, Dh] would be 8x this
+        for positions in (None, torch.arange(n).expand(B, n)):
+            LargestOutput.largest = 0
+            with LargestOutput():
+                attention(q, k, v, pe, positions_q=positions, positions_k=positions)
+            assert LargestOutput.largest == pairs, LargestOutput.largest
+
+    def test_dropout_reaches_the_value_term(self):
+        pe = ShawPositionalEmbedding(2, 4, max_distance=2, init_std=1.0).double()
+        q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+        torch.manual_seed(3)
+        got = attention(q, k, v, pe, dropout_p=0.5)
+        torch.manual_seed(3)
+        weights = F.dropout(torch.softmax(pe(q, k), -1), p=0.5)
+        rows = (torch.arange(6)[None, :] - torch.arange(6)[:, None]).clamp(-2, 2) + 2
+        want = weights @ v + torch.einsum("bhij,ijd->bhid", weights, pe.relative_values.weight[rows])
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        name = "ShawPositionalEmbedding"
+        with pytest.raises(ValueError, match=f"{name}: max_distance must be a non-negative int, got max_distance=-1"):
+            ShawPositionalEmbedding(2, 4, max_distance=-1)
+        with pytest.raises(ValueError, match=f"{name}: max_distance must be an int or a pair"):
+            ShawPositionalEmbedding(2, 4, max_distance=(1, 2, 3))
+        with pytest.raises(TypeError, match=f"{name}: max_distance must be an int, got float 2.5"):
+            ShawPositionalEmbedding(2, 4, max_distance=2.5)
+        with pytest.raises(TypeError, match=f"{name}: key_query must be a bool, got str 'false'"):
+            ShawPositionalEmbedding(2, 4, key_query="false")
+        with pytest.raises(TypeError, match=f"{name}: values must be a bool"):
+            ShawPositionalEmbedding(2, 4, values=1)
+        with pytest.raises(ValueError, match=f"{name}: num_heads must be a positive int, got num_heads=0"):
+            ShawPositionalEmbedding(0, 4)
+        with pytest.raises(ValueError, match=f"{name}: distance_embedding must be a \\[2 M - 1, Dh\\] table"):
+            ShawPositionalEmbedding.from_bert(torch.zeros(4, 8), 2)
+
+    def test_numpy_ints_are_accepted(self):
+        numpy = pytest.importorskip("numpy")
+        pe = ShawPositionalEmbedding(numpy.int64(2), 4, max_distance=(numpy.int32(3), 1))
+        assert (pe.num_heads, pe.left, pe.right) == (2, 3, 1) and type(pe.left) is int
+
+    def test_float_positions_in_value_term_are_type_error(self):
+        pe = ShawPositionalEmbedding(H, DH)
+        weights = torch.softmax(torch.randn(B, H, N, N), -1)
+        with pytest.raises(TypeError, match="ShawPositionalEmbedding: positions_k must be an integer tensor"):
+            pe.attention_values(weights, torch.arange(N), torch.arange(N, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------
+# DeBERTa
+# ---------------------------------------------------------------------------
+
+
+def deberta_bucket_oracle(d, buckets, max_position):
+    """DeBERTa-v2's log bucket of one query - key distance, in plain Python (float64 logs)."""
+    mid = buckets // 2
+    if abs(d) <= mid:
+        return d
+    log_pos = math.ceil(math.log(abs(d) / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
+    return int(math.copysign(log_pos, d))
+
+
+def deberta_oracle(pe, q, k, pos_q, pos_k, scale):
+    """The disentangled logits pair by pair in float64, with transformers' c2p and p2c index."""
+    table = pe.rel_embeddings.weight.double()
+    if pe.norm is not None:
+        mean = table.mean(-1, keepdim=True)
+        var = ((table - mean) ** 2).mean(-1, keepdim=True)
+        table = (table - mean) / torch.sqrt(var + pe.norm.eps) * pe.norm.weight.double() + pe.norm.bias.double()
+    linear = lambda m: (table @ m.weight.double().T + m.bias.double()).tolist()           # noqa: E731
+    query_proj, key_proj = (pe.query_proj, pe.key_proj) if pe.query_proj is not None else \
+        (getattr(pe, "pos_query_proj", None), getattr(pe, "pos_key_proj", None))
+    pos_query = linear(query_proj) if "p2c" in pe.pos_att_type else None
+    pos_key = linear(key_proj) if "c2p" in pe.pos_att_type else None
+    span, dh = pe.span, pe.head_dim
+    out = torch.zeros(q.shape[0], q.shape[1], len(pos_q), len(pos_k), dtype=torch.float64)
+    for i, p in enumerate(pos_q):
+        for j, r in enumerate(pos_k):
+            rel = p - r if pe.position_buckets is None else deberta_bucket_oracle(p - r, pe.position_buckets,
+                                                                                   pe.max_relative_positions)
+            idx = max(0, min(2 * span - 1, rel + span))
+            for b in range(q.shape[0]):
+                for h in range(q.shape[1]):
+                    qi, kj = q[b, h, i].tolist(), k[b, h, j].tolist()
+                    s = sum(qi[c] * kj[c] for c in range(dh))
+                    if pos_key is not None:
+                        s += sum(qi[c] * pos_key[idx][h * dh + c] for c in range(dh))
+                    if pos_query is not None:
+                        s += sum(kj[c] * pos_query[idx][h * dh + c] for c in range(dh))
+                    out[b, h, i, j] = scale * s
+    return out
+
+
+class TestDeberta:
+    def test_buckets_equal_transformers_and_oracle(self):
+        distances = torch.arange(-3000, 3001)
+        for buckets, max_position in ((256, 512), (8, 16), (4, 12), (32, 128)):
+            got = deberta_log_bucket(distances, position_buckets=buckets, max_relative_positions=max_position)
+            want = [deberta_bucket_oracle(d, buckets, max_position) for d in distances.tolist()]
+            assert got.tolist() == want
+        # published shape: exact within +-mid, position_buckets - 1 at max_relative_positions - 1
+        got = deberta_log_bucket(torch.tensor([-128, 5, 128, 129, 511, -511]))
+        assert got.tolist()[:3] == [-128, 5, 128] and got[3] == 129 and got[4] == 255 and got[5] == -255
+        transformers = pytest.importorskip("transformers")
+        from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
+        for buckets, max_position in ((256, 512), (8, 16)):
+            want = make_log_bucket_position(distances, buckets, max_position).long()
+            assert torch.equal(deberta_log_bucket(distances, position_buckets=buckets,
+                                                  max_relative_positions=max_position), want)
+
+    @pytest.mark.parametrize("nq, nk", [(6, 6), (3, 9)])
+    @pytest.mark.parametrize("options", [dict(position_buckets=4, max_relative_positions=7),
+                                         dict(position_buckets=None, max_relative_positions=3,
+                                              pos_att_type=("p2c",), layer_norm=False),
+                                         dict(position_buckets=256, max_relative_positions=512)])
+    def test_matches_loop_oracle(self, nq, nk, options):
+        pe = DebertaPositionalEmbedding(8, 2, init_std=0.5, **options).double()
+        with torch.no_grad():
+            for p in pe.parameters():
+                p.add_(torch.randn_like(p) * 0.1)   # LayerNorm and biases away from their init
+        q, k = torch.randn(2, 2, nq, 4, dtype=torch.float64), torch.randn(2, 2, nk, 4, dtype=torch.float64)
+        scale = (4 * (1 + len(pe.pos_att_type))) ** -0.5
+        torch.testing.assert_close(pe(q, k), deberta_oracle(pe, q, k, list(range(nk - nq, nk)), list(range(nk)), scale))
+        pos_q, pos_k = [3, -20, 9], [0, 40, 1, 7, 3]
+        got = pe(q[..., :3, :], k[..., :5, :], torch.tensor(pos_q), torch.tensor(pos_k), scale=0.7)
+        torch.testing.assert_close(got, deberta_oracle(pe, q[..., :3, :], k[..., :5, :], pos_q, pos_k, 0.7))
+
+    def test_p2c_uses_the_query_minus_key_bucket(self):
+        # the paper writes K_j . Q_r[delta(j, i)]; transformers (and this class) use delta(i, j)
+        pe = DebertaPositionalEmbedding(8, 2, position_buckets=None, max_relative_positions=4,
+                                        pos_att_type=("p2c",), layer_norm=False).double()
+        q, k = torch.zeros(1, 2, 2, 4, dtype=torch.float64), torch.randn(1, 2, 2, 4, dtype=torch.float64)
+        pos_query = pe.relative_projections(torch.float64)[0]                           # [H, 2 S, Dh]
+        scale = (4 * 2) ** -0.5
+        got = pe(q, k)[0, :, 1, 0]                                                      # query 1, key 0: i - j = 1
+        torch.testing.assert_close(got, scale * (k[0, :, 0] * pos_query[:, 4 + 1]).sum(-1))
+        assert not torch.allclose(got, scale * (k[0, :, 0] * pos_query[:, 4 - 1]).sum(-1))
+
+    @pytest.mark.parametrize("share_att_key", [False, True])
+    def test_deberta_v2_model_loads_unchanged(self, share_att_key):
+        transformers = pytest.importorskip("transformers")
+        config = transformers.DebertaV2Config(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, relative_attention=True, position_buckets=8, max_relative_positions=16,
+            pos_att_type=["p2c", "c2p"], share_att_key=share_att_key, norm_rel_ebd="layer_norm",
+            layer_norm_eps=1e-7, position_biased_input=False, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+        model = transformers.DebertaV2Model(config).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "LayerNorm" in name or name.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        ids = torch.randint(0, 50, (2, 40))
+        mask = torch.ones(2, 40, dtype=torch.long)
+        mask[1, 29:] = 0
+        encoder = model.encoder
+        pes = []
+        for layer in encoder.layer:
+            attn = layer.attention.self
+            shared = dict(query_proj=attn.query_proj, key_proj=attn.key_proj) if share_att_key else {}
+            pe = DebertaPositionalEmbedding(32, 4, max_relative_positions=16, position_buckets=8, **shared)
+            pe.rel_embeddings.load_state_dict(encoder.rel_embeddings.state_dict())
+            pe.norm.load_state_dict(encoder.LayerNorm.state_dict())
+            if not share_att_key:
+                pe.pos_query_proj.load_state_dict(attn.pos_query_proj.state_dict())
+                pe.pos_key_proj.load_state_dict(attn.pos_key_proj.state_dict())
+            assert pe.norm.eps == 1e-7
+            pes.append(pe)
+        heads = lambda t: t.unflatten(-1, (4, 8)).transpose(1, 2)                        # noqa: E731
+        keep = (mask[:, None, :, None] * mask[:, None, None, :]).bool()                 # as DeBERTa's encoder
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask).last_hidden_state
+            x = model.embeddings(ids, mask=mask)
+            for layer, pe in zip(encoder.layer, pes):
+                attn = layer.attention.self
+                q, k, v = heads(attn.query_proj(x)), heads(attn.key_proj(x)), heads(attn.value_proj(x))
+                context = attention(q, k, v, pe, attn_mask=keep).transpose(1, 2).flatten(-2)
+                hidden = layer.attention.output(context, x)
+                x = layer.output(layer.intermediate(hidden), hidden)
+        # every real token (padded queries differ: DeBERTa softmaxes a fully masked row, attention() gives 0)
+        valid = mask.bool()
+        torch.testing.assert_close(x[valid], want[valid], rtol=1e-5, atol=1e-5)
+
+    def test_shared_projections_are_held_not_owned(self):
+        query_proj, key_proj = nn.Linear(D, D), nn.Linear(D, D)
+        before = [p.clone() for p in (query_proj.weight, key_proj.weight, query_proj.bias)]
+        pe = DebertaPositionalEmbedding(D, H, query_proj=query_proj, key_proj=key_proj)
+        pe.reset_parameters()
+        for p, b in zip((query_proj.weight, key_proj.weight, query_proj.bias), before):
+            assert torch.equal(p, b)
+        assert pe.query_proj is query_proj and pe.key_proj is key_proj
+        assert not any(name.startswith(("query_proj", "key_proj", "pos_")) for name in pe.state_dict())
+        q, k, _ = qkv()
+        pe(q, k).square().sum().backward()
+        assert query_proj.weight.grad.abs().sum() > 0 and key_proj.weight.grad.abs().sum() > 0
+
+    def test_meta_init_of_an_attention_with_shared_projections(self):
+        class Attention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.query_proj, self.key_proj = nn.Linear(D, D), nn.Linear(D, D)
+                self.pe = DebertaPositionalEmbedding(D, H, query_proj=self.query_proj, key_proj=self.key_proj)
+
+        normal = Attention()
+        with torch.device("meta"):
+            meta = Attention()
+        meta.to_empty(device="cpu")
+        meta.load_state_dict(normal.state_dict())
+        assert set(normal.state_dict()) == {"query_proj.weight", "query_proj.bias", "key_proj.weight",
+                                            "key_proj.bias", "pe.rel_embeddings.weight", "pe.norm.weight",
+                                            "pe.norm.bias"}
+        q, k, _ = qkv()
+        assert meta.pe.query_proj is meta.query_proj
+        torch.testing.assert_close(meta.pe(q, k), normal.pe(q, k))
+
+    def test_default_scale(self):
+        pe = DebertaPositionalEmbedding(D, H, pos_att_type=())
+        q, k, _ = qkv(dtype=torch.float64)
+        torch.testing.assert_close(pe.double()(q, k), q @ k.transpose(-1, -2) / math.sqrt(DH))
+        assert DebertaPositionalEmbedding(D, H).logit_scale(DH) == (3 * DH) ** -0.5
+        assert DebertaPositionalEmbedding(D, H, pos_att_type="c2p").logit_scale(DH) == (2 * DH) ** -0.5
+
+    def test_bad_arguments(self):
+        name = "DebertaPositionalEmbedding"
+        with pytest.raises(ValueError, match=f"{name}: pos_att_type must hold distinct 'c2p' / 'p2c', got "):
+            DebertaPositionalEmbedding(D, H, pos_att_type=("c2p", "p2p"))
+        with pytest.raises(ValueError, match=f"{name}: query_proj and key_proj must be given together"):
+            DebertaPositionalEmbedding(D, H, query_proj=nn.Linear(D, D))
+        with pytest.raises(ValueError, match=f"{name}: key_proj must map dim=128 to H \\* Dh features"):
+            DebertaPositionalEmbedding(D, H, query_proj=nn.Linear(D, D), key_proj=nn.Linear(D + 1, D))
+        with pytest.raises(TypeError, match=f"{name}: query_proj must be an nn.Linear, got Conv1d"):
+            DebertaPositionalEmbedding(D, H, query_proj=nn.Conv1d(D, D, 1), key_proj=nn.Linear(D, D))
+        with pytest.raises(ValueError, match=f"{name}: max_relative_positions must exceed position_buckets"):
+            DebertaPositionalEmbedding(D, H, position_buckets=256, max_relative_positions=100)
+        with pytest.raises(ValueError, match=f"{name}: dim must be divisible by num_heads"):
+            DebertaPositionalEmbedding(10, 4)
+        with pytest.raises(ValueError, match=f"{name}: layer_norm_eps must be a number > 0, got layer_norm_eps=0"):
+            DebertaPositionalEmbedding(D, H, layer_norm_eps=0)
+        with pytest.raises(TypeError, match=f"{name}: layer_norm must be a bool"):
+            DebertaPositionalEmbedding(D, H, layer_norm="yes")
+        with pytest.raises(TypeError, match=f"{name}: position_buckets must be an int, got float"):
+            DebertaPositionalEmbedding(D, H, position_buckets=4.0)
+
+
+# ---------------------------------------------------------------------------
+# Shim (not pasted): the shared property tests over NEW_CASES
+# ---------------------------------------------------------------------------
+
+
+def window_token(t, width, prefix):
+    """(row, col) of window token t, or None for the prefix token."""
+    return None if t < prefix else divmod(t - prefix, width)
+
+
+def randomise(module, std=0.5):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std)
+    return module
+
+
+def copy_into(dst, src):
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Swin / BEiT window table
+# ---------------------------------------------------------------------------
+
+
+def beit_offsets_oracle(src, dst):
+    """BEiT's geometric source offsets (unilm beit/run_class_finetuning.py; timm 1.0.31
+    timm/layers/pos_embed_rel.py, resize_rel_pos_bias_table): bisection for the ratio, plain loops."""
+    lo, hi = 1.01, 1.5
+    while hi - lo > 1e-6:
+        r = (lo + hi) / 2.0
+        total = sum(r ** k for k in range(src // 2))       # 1 + r + ... + r^(n-1)
+        if total > dst // 2:
+            hi = r
+        else:
+            lo = r
+    out, cur = [], 1.0
+    for k in range(src // 2):
+        out.append(cur)
+        cur += r ** (k + 1)
+    return [-v for v in reversed(out)] + [0.0] + out
+
+
+def clamped_linear_oracle(points, t):
+    """[(index, weight)] of piecewise-linear interpolation at t, constant beyond the ends."""
+    if t <= points[0]:
+        return [(0, 1.0)]
+    if t >= points[-1]:
+        return [(len(points) - 1, 1.0)]
+    for k in range(1, len(points)):
+        if points[k - 1] < t <= points[k]:
+            w = (t - points[k - 1]) / (points[k] - points[k - 1])
+            return [(k - 1, 1.0 - w), (k, w)]
+    raise AssertionError
+
+
+def resize_oracle(table, old, new, extra):
+    """timm's resize_rel_pos_bias_table (the geometric / BEiT method) entry by entry, in float64."""
+    src = (2 * old[0] - 1, 2 * old[1] - 1)
+    dst = (2 * new[0] - 1, 2 * new[1] - 1)
+    ys, xs = beit_offsets_oracle(src[0], dst[0]), beit_offsets_oracle(src[1], dst[1])
+    heads = len(table[0])
+    out = []
+    for ty in range(-(dst[0] // 2), dst[0] // 2 + 1):
+        for tx in range(-(dst[1] // 2), dst[1] // 2 + 1):
+            row = []
+            for h in range(heads):
+                value = 0.0
+                for iy, wy in clamped_linear_oracle(ys, ty):
+                    for ix, wx in clamped_linear_oracle(xs, tx):
+                        value += wy * wx * table[iy * src[1] + ix][h]
+                row.append(value)
+            out.append(row)
+    return out + [list(r) for r in table[len(table) - extra:]] if extra else out
+
+
+class TestRelativePositionBias2D:
+    @pytest.mark.parametrize("prefix", [0, 1])
+    def test_matches_loop_oracle(self, prefix):
+        wh, ww, heads = 3, 4, 2
+        pe = randomise(RelativePositionBias2D(heads, (wh, ww), num_prefix_tokens=prefix).double())
+        table = pe.relative_position_bias_table.detach().tolist()
+        assert len(table) == (2 * wh - 1) * (2 * ww - 1) + 3 * prefix
+        t = wh * ww + prefix
+        bias = pe(t, t)
+        num_relative = (2 * wh - 1) * (2 * ww - 1)
+        for i in range(t):
+            for j in range(t):
+                a, b = window_token(i, ww, prefix), window_token(j, ww, prefix)
+                if a is None and b is None:
+                    row = num_relative + 2            # cls -> cls
+                elif a is None:
+                    row = num_relative                # cls (query) -> token
+                elif b is None:
+                    row = num_relative + 1            # token -> cls (key)
+                else:
+                    row = (a[0] - b[0] + wh - 1) * (2 * ww - 1) + (a[1] - b[1] + ww - 1)
+                for h in range(heads):
+                    assert bias[h, i, j].item() == table[row][h]
+
+    def test_shorter_calls_and_explicit_positions_select_window_tokens(self):
+        pe = RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1)
+        full = pe(21, 21)
+        torch.testing.assert_close(pe(3, 21), full[:, -3:], rtol=0, atol=0)
+        torch.testing.assert_close(pe(4, 4), full[:, :4, :4], rtol=0, atol=0)
+        patches = torch.arange(1, 21)                            # the patches without the [CLS]
+        torch.testing.assert_close(pe(20, 20, positions_q=patches, positions_k=patches), full[:, 1:, 1:], rtol=0, atol=0)
+        batched = torch.stack([patches, patches.flip(0)])
+        got = pe(20, 20, positions_q=batched, positions_k=batched)
+        assert got.shape == (2, H, 20, 20)
+        torch.testing.assert_close(got[1], full[:, 1:, 1:].flip(-1, -2), rtol=0, atol=0)
+
+    def test_matches_transformers_swin_attention(self):
+        pytest.importorskip("transformers")
+        from transformers import SwinConfig
+        from transformers.models.swin.modeling_swin import SwinAttention, SwinRelativePositionBias
+
+        heads, window, hidden = 4, 4, 32
+        config = SwinConfig(embed_dim=hidden, num_heads=[heads], depths=[1], window_size=window)
+        config._attn_implementation = "eager"
+        theirs = randomise(SwinAttention(config, hidden, heads, window).double().eval(), 0.2)
+        ours = RelativePositionBias2D(heads, window).double()
+        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias.relative_position_bias_table)
+        torch.testing.assert_close(ours.relative_position_index.flatten(), theirs.relative_position_bias.relative_position_index)
+        x = torch.randn(3, window * window, hidden, dtype=torch.float64)
+        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
+        out = attention(split(theirs.q_proj(x)), split(theirs.k_proj(x)), split(theirs.v_proj(x)), ours)
+        want = theirs(x)[0]
+        got = theirs.o_proj(out.transpose(1, 2).reshape(3, -1, hidden))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)      # their eager softmax runs in float32
+        torch.testing.assert_close(ours(16, 16), theirs.relative_position_bias()[0], rtol=0, atol=0)
+        # a non-square window, bias against bias
+        rect = randomise(SwinRelativePositionBias(heads, (3, 5)).double())
+        ours = RelativePositionBias2D(heads, (3, 5)).double()
+        copy_into(ours.relative_position_bias_table, rect.relative_position_bias_table)
+        torch.testing.assert_close(ours(15, 15), rect()[0], rtol=0, atol=0)
+
+    def test_matches_transformers_beit_with_cls(self):
+        pytest.importorskip("transformers")
+        from transformers import BeitConfig
+        from transformers.models.beit.modeling_beit import BeitRelativePositionBias
+
+        config = BeitConfig(image_size=64, patch_size=16, num_attention_heads=3)    # window 4 x 4, + [CLS]
+        theirs = randomise(BeitRelativePositionBias(config).double())
+        ours = RelativePositionBias2D(3, 4, num_prefix_tokens=1).double()
+        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias_table)
+        want = theirs(window_size=(4, 4))[0]                                             # [H, 17, 17]
+        torch.testing.assert_close(ours(17, 17), want, rtol=0, atol=1e-15)
+        torch.testing.assert_close(ours.relative_position_index, theirs.generate_relative_position_index((4, 4)))
+
+    def test_timm_index_and_resize_when_installed(self):
+        pos_embed_rel = pytest.importorskip("timm.layers.pos_embed_rel", reason="timm (needs torchvision) not importable")
+        table = torch.randn(7 * 7 + 3, 2, dtype=torch.float64)
+        ours = RelativePositionBias2D(2, 4, num_prefix_tokens=1).double()
+        copy_into(ours.relative_position_bias_table, table)
+        torch.testing.assert_close(ours.relative_position_index,
+                                   pos_embed_rel.gen_relative_position_index((4, 4), class_token=True))
+        want = pos_embed_rel.resize_rel_pos_bias_table(table.float(), (6, 6), (11 * 11 + 3, 2))
+        torch.testing.assert_close(ours.resize(6).relative_position_bias_table.float(), want, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("old, new, prefix", [((4, 4), (6, 6), 1), ((6, 6), (4, 4), 0), ((3, 4), (5, 7), 0),
+                                                  ((4, 4), (4, 6), 1)])
+    def test_resize_matches_timm_geometric_oracle(self, old, new, prefix):
+        pe = randomise(RelativePositionBias2D(2, old, num_prefix_tokens=prefix).double())
+        table = pe.relative_position_bias_table.detach().tolist()
+        want = torch.tensor(resize_oracle(table, old, new, 3 * prefix), dtype=torch.float64)
+        got = pe.resize(new).relative_position_bias_table
+        assert pe.window_size == new and got.shape == want.shape
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+        t = new[0] * new[1] + prefix
+        assert pe(t, t).shape == (2, t, t) and pe.relative_position_index.shape == (t, t)
+
+    def test_resize_bicubic_is_interpolate_of_the_offset_grid(self):
+        pe = randomise(RelativePositionBias2D(2, (3, 4), num_prefix_tokens=1).double())
+        table = pe.relative_position_bias_table.detach().clone()
+        grid = torch.zeros(1, 2, 5, 7, dtype=torch.float64)
+        for dr in range(-2, 3):                 # grid[h, dr + Wh - 1, dc + Ww - 1] = table[row(dr, dc), h]
+            for dc in range(-3, 4):
+                grid[0, :, dr + 2, dc + 3] = table[(dr + 2) * 7 + dc + 3]
+        resized = F.interpolate(grid, size=(9, 5), mode="bicubic", align_corners=False)[0]
+        got = pe.resize((5, 3), interpolation="bicubic").relative_position_bias_table.detach()
+        for dr in range(-4, 5):
+            for dc in range(-2, 3):
+                torch.testing.assert_close(got[(dr + 4) * 5 + dc + 2], resized[:, dr + 4, dc + 2])
+        torch.testing.assert_close(got[-3:], table[-3:], rtol=0, atol=0)
+
+    def test_resize_to_same_window_keeps_table(self):
+        pe = RelativePositionBias2D(2, 5)
+        before = pe.relative_position_bias_table.detach().clone()
+        torch.testing.assert_close(pe.resize(5).relative_position_bias_table.detach(), before, rtol=0, atol=0)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, causal):
+        pe = randomise(RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1))
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, pe, causal=causal, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal, use_flex=True), want)
+        positions = torch.stack([torch.arange(N) + 5, torch.randperm(21)[:N]])
+        q, k, v = qkv()
+        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
+        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        name = "RelativePositionBias2D"
+        with pytest.raises(ValueError, match=f"{name}: num_prefix_tokens must be 0 or 1 .*got num_prefix_tokens=2"):
+            RelativePositionBias2D(4, 7, num_prefix_tokens=2)
+        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int or a pair .*got window_size=\\(7,\\)"):
+            RelativePositionBias2D(4, (7,))
+        with pytest.raises(ValueError, match=f"{name}: window_size must be positive, got window_size=\\(0, 3\\)"):
+            RelativePositionBias2D(4, (0, 3))
+        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int .*got window_size=7.0"):
+            RelativePositionBias2D(4, 7.0)
+        with pytest.raises(ValueError, match=f"{name}: num_heads must be a positive int, got num_heads=0"):
+            RelativePositionBias2D(0, 7)
+        pe = RelativePositionBias2D(4, (4, 5))
+        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 20 tokens \\(4x5\\), got q_len=21"):
+            pe(21, 21)
+        with pytest.raises(ValueError, match=f"{name}: positions_k must be token indices in \\[0, 20\\) .*got 20"):
+            pe(2, 2, positions_k=torch.tensor([3, 20]))
+        with pytest.raises(ValueError, match=f"{name}: positions_q must be token indices in \\[0, 20\\) .*got -1"):
+            attention(*qkv(2, 2), pe, positions_q=torch.tensor([-1, 0]))
+        with pytest.raises(TypeError, match=f"{name}: positions_q must be an integer tensor"):
+            pe(2, 2, positions_q=torch.tensor([0.0, 1.0]))
+        with pytest.raises(ValueError, match=f"{name}: interpolation must be 'geometric' or 'bicubic', got 'nearest'"):
+            pe.resize(6, interpolation="nearest")
+        with pytest.raises(ValueError, match=f"{name}: new_window_size must be positive"):
+            pe.resize((0, 2))
+
+    def test_numpy_ints_accepted(self):
+        np = pytest.importorskip("numpy")
+        pe = RelativePositionBias2D(np.int64(2), (np.int64(3), np.int32(4)))
+        assert pe.window_size == (3, 4) and pe(12, 12).shape == (2, 12, 12)
+
+
+# ---------------------------------------------------------------------------
+# Swin-v2 continuous position bias
+# ---------------------------------------------------------------------------
+
+
+def cpb_oracle(pe, wh, ww, pretrained=None):
+    """Liu et al. (Swin-v2) eq. 4 with the official code's normalisation, every pair by loops, float64."""
+    ph, pw = pretrained or (wh, ww)
+    w1 = pe.cpb_mlp[0].weight.detach().tolist()
+    b1 = pe.cpb_mlp[0].bias.detach().tolist()
+    w2 = pe.cpb_mlp[2].weight.detach().tolist()
+    log_space = lambda x: math.copysign(math.log2(1 + abs(x)) / math.log2(8), x) if x else 0.0
+    t = wh * ww
+    out = torch.zeros(len(w2), t, t, dtype=torch.float64)
+    for i in range(t):
+        for j in range(t):
+            (ri, ci), (rj, cj) = divmod(i, ww), divmod(j, ww)
+            x = [log_space((ri - rj) / (ph - 1) * 8), log_space((ci - cj) / (pw - 1) * 8)]
+            hidden = [max(0.0, w1[u][0] * x[0] + w1[u][1] * x[1] + b1[u]) for u in range(len(b1))]
+            for h in range(len(w2)):
+                out[h, i, j] = 16 / (1 + math.exp(-sum(w2[h][u] * hidden[u] for u in range(len(hidden)))))
+    return out
+
+
+class TestContinuousPositionBias:
+    @pytest.mark.parametrize("window, pretrained", [((3, 4), None), ((4, 3), (2, 5))])
+    def test_matches_loop_oracle(self, window, pretrained):
+        pe = randomise(ContinuousPositionBias(2, window, hidden_dim=8, pretrained_window_size=pretrained).double())
+        t = window[0] * window[1]
+        torch.testing.assert_close(pe(t, t), cpb_oracle(pe, *window, pretrained), rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("window, pretrained", [(4, (0, 0)), ((3, 5), (4, 6))])
+    def test_matches_transformers_swinv2_attention(self, window, pretrained):
+        pytest.importorskip("transformers")
+        from transformers import Swinv2Config
+        from transformers.models.swinv2.modeling_swinv2 import Swinv2SelfAttention
+
+        heads, hidden = 4, 32
+        config = Swinv2Config(embed_dim=hidden, num_heads=[heads], depths=[1])
+        theirs = Swinv2SelfAttention(config, hidden, heads, window, pretrained_window_size=list(pretrained)).eval()
+        randomise(theirs, 0.3)
+        wh, ww = (window, window) if isinstance(window, int) else window
+        ours = ContinuousPositionBias(heads, window, pretrained_window_size=pretrained if pretrained[0] else None)
+        ours.load_state_dict({k: v for k, v in theirs.state_dict().items() if "position_bias_mlp" in k})
+        x = torch.randn(3, wh * ww, hidden)
+        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
+        logit_scale = theirs.logit_scale.clamp(max=math.log(100.0)).exp()              # [H, 1, 1]
+        q = F.normalize(split(theirs.query(x)), dim=-1) * logit_scale                   # cosine attention
+        k = F.normalize(split(theirs.key(x)), dim=-1)
+        out = attention(q, k, split(theirs.value(x)), ours, scale=1.0)
+        want = theirs(x)[0]
+        torch.testing.assert_close(out.transpose(1, 2).reshape(3, -1, hidden), want, rtol=1e-5, atol=1e-5)
+
+    def test_state_dict_names_and_transformers_converter(self):
+        pe = ContinuousPositionBias(2, 4, hidden_dim=8)
+        assert set(pe.state_dict()) == {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"}
+        other = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        renamed = {k.replace("cpb_mlp", "continuous_position_bias_mlp"): v for k, v in other.state_dict().items()}
+        pe.load_state_dict(renamed)
+        torch.testing.assert_close(pe(16, 16), other(16, 16))
+        outer = torch.nn.Sequential(pe)
+        outer.load_state_dict({"0." + k: v for k, v in renamed.items()})             # nested prefix too
+
+    def test_resize_keeps_mlp_and_uses_old_window_as_pretrained(self):
+        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        fresh = ContinuousPositionBias(2, (6, 8), hidden_dim=8, pretrained_window_size=4)
+        fresh.load_state_dict(pe.state_dict())
+        pe.resize((6, 8))
+        assert pe.pretrained_window_size == (4, 4) and pe.window_size == (6, 8)
+        torch.testing.assert_close(pe(48, 48), fresh(48, 48), rtol=0, atol=0)
+
+    def test_window_of_one_row_is_finite(self):
+        pe = ContinuousPositionBias(2, (1, 4), hidden_dim=8).double()
+        torch.testing.assert_close(pe(4, 4), cpb_oracle(pe, 1, 4, (2, 4)), rtol=1e-12, atol=1e-12)  # axis 0: offset 0
+
+    def test_bfloat16_module_computes_in_float32(self):
+        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        bf16 = copy.deepcopy(pe).bfloat16()
+        rounded = copy.deepcopy(bf16).float()              # the same rounded weights, float32 module
+        got = bf16(16, 16)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, rounded(16, 16), rtol=0, atol=0)
+        assert bf16.relative_coords_table.dtype == torch.float64
+
+    def test_bad_arguments(self):
+        name = "ContinuousPositionBias"
+        with pytest.raises(ValueError, match=f"{name}: hidden_dim must be a positive int, got hidden_dim=0"):
+            ContinuousPositionBias(2, 4, hidden_dim=0)
+        with pytest.raises(ValueError, match=f"{name}: pretrained_window_size must be positive, got pretrained_window_size=\\(0, 3\\)"):
+            ContinuousPositionBias(2, 4, pretrained_window_size=(0, 3))
+        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int or a pair .*got window_size='7'"):
+            ContinuousPositionBias(2, "7")
+        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 16 tokens"):
+            ContinuousPositionBias(2, 4)(17, 17)
+
+
+# ---------------------------------------------------------------------------
+# Dynamic position bias (CrossFormer / x-transformers)
+# ---------------------------------------------------------------------------
+
+
+def dpb_oracle(pe, offset):
+    """The MLP of x-transformers' DynamicPositionBias on one query - key offset (a list), by loops."""
+    rows = lambda layer: (layer.weight.detach().tolist(), layer.bias.detach().tolist())
+    x = [math.copysign(math.log(1 + abs(v)), v) if pe.log_distance else float(v) for v in offset]
+    for block in pe.mlp[:-1]:
+        w, b = rows(block[0])
+        x = [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
+        if pe.norm:   # the first block's norm has no bias and calls its scale gamma
+            norm = block[1]
+            scale = (norm.gamma if hasattr(norm, "gamma") else norm.weight).tolist()
+            shift = [0.0] * len(x) if hasattr(norm, "gamma") else norm.bias.tolist()
+            x = layer_norm_oracle(x, scale, shift)
+        x = [v / (1 + math.exp(-v)) if v >= 0 else v * math.exp(v) / (1 + math.exp(v)) for v in x]   # SiLU
+    w, b = rows(pe.mlp[-1])
+    return [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
+
+
+class TestDynamicPositionBias:
+    @pytest.mark.parametrize("log_distance, norm, depth", [(False, False, 1), (True, True, 2)])
+    def test_matches_loop_oracle(self, log_distance, norm, depth):
+        pe = randomise(DynamicPositionBias(2, hidden_dim=6, depth=depth, log_distance=log_distance, norm=norm).double())
+        bias = pe(4, 7)                              # queries at 3..6 (bottom-right), keys 0..6
+        for i in range(4):
+            for j in range(7):
+                want = dpb_oracle(pe, [(i + 3) - j])
+                for h in range(2):
+                    assert bias[h, i, j].item() == pytest.approx(want[h], rel=1e-12, abs=1e-12)
+        pos_q, pos_k = torch.tensor([0.5, -3.25, 10.0]), torch.tensor([2.0, 0.5])
+        bias = pe(3, 2, pos_q, pos_k)
+        for i in range(3):
+            for j in range(2):
+                want = dpb_oracle(pe, [pos_q[i].item() - pos_k[j].item()])
+                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    def test_sparse_integer_positions_match_loop_oracle(self):
+        # offsets far apart: distinct ones are found by sorting keys, not by enumerating their range
+        pe = randomise(DynamicPositionBias(2, hidden_dim=6).double())
+        pos_q, pos_k = torch.tensor([0, 1000, 5]), torch.tensor([7, 2, 999, -4000])
+        bias = pe(3, 4, pos_q, pos_k)
+        pe2 = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6).double())
+        grid_q, grid_k = torch.tensor([[0, 0], [100, -50], [3, 7]]), torch.tensor([[1, 1], [-20, 900]])
+        bias2 = pe2(3, 2, grid_q, grid_k)
+        for i in range(3):
+            for j in range(4):
+                assert bias[:, i, j].tolist() == pytest.approx(dpb_oracle(pe, [int(pos_q[i] - pos_k[j])]), rel=1e-12, abs=1e-12)
+            for j in range(2):
+                want = dpb_oracle(pe2, (grid_q[i] - grid_k[j]).tolist())
+                assert bias2[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    def test_two_axes_match_loop_oracle(self):
+        pe = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6, log_distance=True).double())
+        pos = grid_positions(6, width=3)
+        bias = pe(6, 6, pos, pos)
+        for i in range(6):
+            for j in range(6):
+                want = dpb_oracle(pe, (pos[i] - pos[j]).tolist())
+                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    @pytest.mark.parametrize("log_distance, norm", [(False, False), (True, True)])
+    def test_matches_x_transformers(self, log_distance, norm):
+        x_transformers = pytest.importorskip("x_transformers.x_transformers")
+        theirs = x_transformers.DynamicPositionBias(16, heads=H, depth=3, log_distance=log_distance, norm=norm)
+        randomise(theirs, 0.3)
+        ours = DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=log_distance, norm=norm)
+        ours.load_state_dict(theirs.state_dict())     # same names: mlp.0.0, (mlp.0.1.gamma,) ..., mlp.3
+        torch.testing.assert_close(ours(N, N), theirs(N, N), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours(5, N), theirs(5, N), rtol=1e-5, atol=1e-6)
+
+    def test_explicit_positions_equal_default_and_shift_invariance(self):
+        pe = randomise(DynamicPositionBias(H, hidden_dim=8))
+        torch.testing.assert_close(pe(5, 9, torch.arange(4, 9) + 100, torch.arange(9) + 100), pe(5, 9))
+        pe2 = randomise(DynamicPositionBias(H, num_axes=2, hidden_dim=8))
+        pos = grid_positions(N)
+        torch.testing.assert_close(pe2(N, N, pos + torch.tensor([7, -3]), pos + torch.tensor([7, -3])), pe2(N, N, pos, pos))
+
+    @pytest.mark.parametrize("num_axes", [1, 2])
+    def test_score_mod_matches_dense_bias(self, num_axes):
+        pe = randomise(DynamicPositionBias(H, num_axes=num_axes, hidden_dim=8), 0.3)
+        q, k, v = qkv()
+        positions = grid_positions(N) if num_axes == 2 else None
+        kw = dict(positions_q=positions, positions_k=positions)
+        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
+        batched = torch.stack([grid_positions(N), grid_positions(N).flip(0)]) if num_axes == 2 else \
+            torch.stack([torch.arange(N) * 2, torch.arange(N)])
+        kw = dict(positions_q=batched, positions_k=batched)
+        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
+
+    def test_bad_arguments(self):
+        name = "DynamicPositionBias"
+        with pytest.raises(ValueError, match=f"{name}: depth must be a positive int, got depth=0"):
+            DynamicPositionBias(2, depth=0)
+        with pytest.raises(TypeError, match=f"{name}: log_distance must be a bool, got log_distance='false'"):
+            DynamicPositionBias(2, log_distance="false")
+        with pytest.raises(ValueError, match=f"{name}: num_axes must be a positive int, got num_axes=0"):
+            DynamicPositionBias(2, num_axes=0)
+        pe = DynamicPositionBias(H, num_axes=2)
+        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
+            pe(4, 4)
+        with pytest.raises(ValueError, match=f"{name}: positions_q must have shape \\[4, 2\\]"):
+            pe(4, 4, torch.arange(4), grid_positions(4))
+        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
+            pe.forward_attn(*qkv(4, 4)[:2])
+
+
+def test_docstring_examples_run():
+    vision_bias = pe_lib
+    for cls in (RelativePositionBias2D, ContinuousPositionBias, DynamicPositionBias):
+        globs = {**vars(vision_bias), "torch": torch}
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in doctest.DocTestFinder().find(cls, globs=globs):
+            runner.run(test)
+        assert runner.failures == 0, cls.__name__
+
+
+def rotate_pairs_oracle(x, angle):
+    """Interleaved pair rotation, one entry at a time: x [Dh], angle [Dh/2] -> [Dh] (float64)."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for f in range(x.shape[0] // 2):
+        c, s = math.cos(float(angle[f])), math.sin(float(angle[f]))
+        a, b = float(x[2 * f]), float(x[2 * f + 1])
+        out[2 * f], out[2 * f + 1] = a * c - b * s, a * s + b * c
+    return out
+
+
+# ---------------------------------------------------------------------------
+# RoPE-Mixed
+# ---------------------------------------------------------------------------
+
+
+def rope_vit_init(dim, num_heads, theta):
+    """naver-ai/rope-vit `init_random_2d_freqs` (ported): [2, H, dim/2]."""
+    mag = 1 / (theta ** (torch.arange(0, dim, 4)[: (dim // 4)].float() / dim))
+    fx, fy = [], []
+    for _ in range(num_heads):
+        angles = torch.rand(1) * 2 * torch.pi
+        fx.append(torch.cat([mag * torch.cos(angles), mag * torch.cos(torch.pi / 2 + angles)], dim=-1))
+        fy.append(torch.cat([mag * torch.sin(angles), mag * torch.sin(torch.pi / 2 + angles)], dim=-1))
+    return torch.stack([torch.stack(fx), torch.stack(fy)])
+
+
+def rope_vit_apply(freqs, t_x, t_y, x):
+    """rope-vit `compute_mixed_cis` + `apply_rotary_emb` (ported, float64): x [B, H, N, Dh]."""
+    angles = t_x[:, None, None] * freqs[0][None] + t_y[:, None, None] * freqs[1][None]     # [N, H, F]
+    cis = torch.polar(torch.ones_like(angles), angles).permute(1, 0, 2)                    # [H, N, F]
+    x_ = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * cis).flatten(3)
+
+
+class TestMixedRotary:
+    def test_matches_loop_oracle(self):
+        pe = MixedRotaryPositionalEmbedding(8, 2).double()
+        with torch.no_grad():
+            pe.freqs.normal_()
+        x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0], [1.0, 2.0], [-3.5, 0.25], [7.0, 1.0], [100.0, -20.0]])
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(5):
+                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(2)) for f in range(4)]
+                torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
+
+    def test_init_is_rope_vits(self):
+        torch.manual_seed(7)
+        want = rope_vit_init(DH, H, 10.0)
+        torch.manual_seed(7)
+        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0)
+        torch.testing.assert_close(pe.freqs, want, rtol=0, atol=1e-6)
+
+    def test_matches_rope_vit_with_same_weights(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0).double()
+        end_x, end_y = 5, 3                                # rope-vit init_t_xy: x = column, y = row
+        t = torch.arange(end_x * end_y, dtype=torch.float64)
+        t_x, t_y = t % end_x, torch.div(t, end_x, rounding_mode="floor")
+        q = torch.randn(B, H, end_x * end_y, DH, dtype=torch.float64)
+        want = rope_vit_apply(pe.freqs.detach(), t_x, t_y, q)
+        got = pe(q, torch.stack([t_x, t_y], -1))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        # float32 module and input: float64 angles, float32 rotation
+        got32 = copy.deepcopy(pe).float()(q.float(), torch.stack([t_x, t_y], -1).long())
+        assert (got32.double() - want).abs().max() < 1e-5
+
+    def test_cls_token_at_origin_is_unrotated(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H)
+        x = torch.randn(B, H, 1, DH)
+        torch.testing.assert_close(pe(x, torch.zeros(1, 2)), x)
+
+    def test_logits_depend_on_differences_only(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H).double()
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4)) * 7
+        shifted = p + torch.tensor([5.25, -300.0], dtype=torch.float64)
+        torch.testing.assert_close(pe.forward_attn(q, k, p, p), pe.forward_attn(q, k, shifted, shifted))
+
+    def test_three_axes_init_is_orthonormal_frames(self):
+        pe = MixedRotaryPositionalEmbedding(24, 3, 3, base=10.0)
+        directions = pe.freqs.detach().double().view(3, 3, 3, 4)            # [A, H, vector j, magnitude i]
+        unit = directions / directions.norm(dim=0, keepdim=True)
+        for h in range(3):
+            frame = unit[:, h, :, 0]                                            # [A, 3]
+            torch.testing.assert_close(frame.T @ frame, torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
+            magnitude = directions[:, h, 0].norm(dim=0)                         # [4]
+            torch.testing.assert_close(magnitude, 10.0 ** -(torch.arange(4.0, dtype=torch.float64) * 6 / 24))
+        video = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
+        assert pe(torch.randn(1, 3, 12, 24), video.reshape(12, 3)).shape == (1, 3, 12, 24)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be divisible by 2 \\* num_axes = 4, got head_dim=30"):
+            MixedRotaryPositionalEmbedding(30, 4)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
+            MixedRotaryPositionalEmbedding(32, 4, base=1.0)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: num_heads must be 1 positive ints, got num_heads=True"):
+            MixedRotaryPositionalEmbedding(32, True)
+        pe = MixedRotaryPositionalEmbedding(DH, H)
+        q, k, _ = qkv()
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions_q and positions_k are required"):
+            pe.forward_attn(q, k)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions must have shape \\[16, 2\\]"):
+            pe(q, torch.zeros(N, 3))
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: x must be \\[..., H=4, N, Dh=32\\]"):
+            pe(q[:, :2], grid_rc(N))
+
+
+# ---------------------------------------------------------------------------
+# LieRE
+# ---------------------------------------------------------------------------
+
+
+def expm_oracle(g):
+    """exp of a float64 matrix by scaling and squaring with a 30-term Taylor series (loops)."""
+    squarings = max(0, math.ceil(math.log2(max(g.abs().sum(-1).max().item(), 1e-300) / 0.25)))
+    a = g / 2 ** squarings
+    term, total = torch.eye(g.shape[0], dtype=torch.float64), torch.eye(g.shape[0], dtype=torch.float64)
+    for order in range(1, 30):
+        term = term @ a / order
+        total = total + term
+    for _ in range(squarings):
+        total = total @ total
+    return total
+
+
+class TestLieRE:
+    def test_matches_loop_oracle(self):
+        pe = LieREPositionalEmbedding(8, 2, block_size=4).double()
+        raw = pe.generator_raw_params.detach()
+        x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0], [0.5, 1.0], [-0.3, 0.9]], dtype=torch.float64)
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(3):
+                for blk in range(2):
+                    g = torch.zeros(4, 4, dtype=torch.float64)
+                    for a in range(2):
+                        for i in range(4):
+                            for j in range(i + 1, 4):
+                                g[i, j] += float(positions[n, a]) * float(raw[a, h, blk, i, j])
+                                g[j, i] -= float(positions[n, a]) * float(raw[a, h, blk, i, j])
+                    want = expm_oracle(g) @ x[0, h, n, 4 * blk : 4 * blk + 4]
+                    torch.testing.assert_close(got[0, h, n, 4 * blk : 4 * blk + 4], want, rtol=0, atol=1e-10)
+
+    def test_matches_authors_formula_with_same_weights(self):
+        # StanfordMIMI/LieRE LierePositionEncoder (phase_type "learned") + FlexibleAttention.apply_transforms,
+        # ported: one layer, per-head generators, cls token at the identity.
+        heads, dh, g, axes = 2, 16, 8, 2
+        pe = LieREPositionalEmbedding(dh, heads, axes, block_size=g).double()
+        raw = pe.generator_raw_params.detach().reshape(axes, heads * (dh // g), g, g)   # their [A, H*Dh/g, g, g]
+        positions = torch.cartesian_prod(torch.linspace(0, 1, 3, dtype=torch.float64),
+                                         torch.linspace(0, 1, 4, dtype=torch.float64))     # [12, 2]
+        upper = torch.triu(raw, diagonal=1) - 0.5
+        bases = upper - upper.transpose(-1, -2)
+        generator_pos = (positions.reshape(12, axes, 1, 1, 1) * bases).sum(1)            # [12, H*Dh/g, g, g]
+        generator_pos = torch.cat([torch.zeros_like(generator_pos[:1]), generator_pos])   # cls token
+        transforms = torch.matrix_exp(generator_pos).view(13, heads, dh // g, g, g).transpose(0, 1)
+        x = torch.randn(1, heads, 13, dh, dtype=torch.float64)
+        want = (transforms @ x.reshape(1, heads, 13, dh // g, g, 1)).flatten(-3)
+        got = pe(x, torch.cat([torch.zeros(1, 2, dtype=torch.float64), positions]))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+    def test_blocks_of_two_are_rope_mixed(self):
+        liere = LieREPositionalEmbedding(DH, H, block_size=2).double()
+        mixed = MixedRotaryPositionalEmbedding(DH, H).double()
+        with torch.no_grad():
+            mixed.freqs.copy_(-liere.generator_raw_params[..., 0, 1])
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4))
+        torch.testing.assert_close(liere.forward_attn(q, k, p, p), mixed.forward_attn(q, k, p, p))
+
+    def test_full_generators_are_not_translation_invariant(self):
+        pe = LieREPositionalEmbedding(DH, H).double()
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4))
+        gap = (pe.forward_attn(q, k, p, p) - pe.forward_attn(q, k, p + 0.5, p + 0.5)).abs().max()
+        assert gap > 1e-3
+
+    def test_distinct_positions_path_equals_per_token(self, monkeypatch):
+        pe = LieREPositionalEmbedding(DH, H, block_size=8)
+        q, k, _ = qkv()
+        pq = torch.stack([grid_rc(N), grid_rc(N).flip(0)])                # [B, N, 2], repeated positions
+        pk = torch.cat([grid_rc(N)[:8], grid_rc(N)[:8]])
+        want = pe.forward_attn(q, k, pq, pk)
+        monkeypatch.setattr(sys.modules[type(pe).__module__], "_is_compiling", lambda: True)
+        torch.testing.assert_close(pe.forward_attn(q, k, pq, pk), want, rtol=1e-6, atol=1e-6)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be an int in \\[2, head_dim=32\\], got block_size=64"):
+            LieREPositionalEmbedding(32, 4, block_size=64)
+        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be 1 positive ints, got block_size=0"):
+            LieREPositionalEmbedding(32, 4, block_size=0)
+        pe = LieREPositionalEmbedding(DH, H)
+        with pytest.raises(TypeError, match="LieREPositionalEmbedding: positions must be an integer or float tensor"):
+            pe(torch.randn(B, H, N, DH), torch.zeros(N, 2, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------
+# Convolutional (PEG, wav2vec 2.0)
+# ---------------------------------------------------------------------------
+
+
+def depthwise_conv_oracle(grid, weight, bias):
+    """Zero-padded 'same' depthwise 2-D convolution, one output at a time (float64).
+    grid [Hg, Wg, D], weight [D, 1, k, k] -> [Hg, Wg, D]; even k: pad k//2 and keep the first outputs."""
+    rows, cols, dim = grid.shape
+    k = weight.shape[-1]
+    out = torch.zeros(rows, cols, dim, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            for ch in range(dim):
+                total = float(bias[ch])
+                for i in range(k):
+                    for j in range(k):
+                        rr, cc = r + i - k // 2, c + j - k // 2
+                        if 0 <= rr < rows and 0 <= cc < cols:
+                            total += float(weight[ch, 0, i, j]) * float(grid[rr, cc, ch])
+                out[r, c, ch] = total
+    return out
+
+
+class TestConvolutional:
+    @pytest.mark.parametrize("kernel_size", [3, 4])
+    def test_matches_loop_oracle(self, kernel_size):
+        pe = ConvolutionalPositionalEmbedding(3, kernel_size=kernel_size, num_prefix_tokens=1).double()
+        x = torch.randn(2, 1 + 3 * 5, 3, dtype=torch.float64)
+        got = pe(x, (3, 5))
+        torch.testing.assert_close(got[:, 0], x[:, 0], rtol=0, atol=0)
+        for b in range(2):
+            grid = x[b, 1:].reshape(3, 5, 3)
+            want = grid + depthwise_conv_oracle(grid, pe.weight.detach(), pe.bias.detach())
+            torch.testing.assert_close(got[b, 1:], want.reshape(15, 3), rtol=0, atol=1e-12)
+
+    def test_matches_timm_posconv_with_same_weights(self):
+        # timm/models/twins.py PosConv (CPVT's PEG), ported: proj = Sequential(Conv2d(C, C, 3, 1, 1, groups=C)),
+        # x = proj(feat) + feat, on the patch tokens (CPVT keeps the class token aside).
+        dim, size = 8, (4, 6)
+        proj = torch.nn.Sequential(torch.nn.Conv2d(dim, dim, 3, 1, 1, bias=True, groups=dim)).double()
+        pe = ConvolutionalPositionalEmbedding(dim).double()
+        with torch.no_grad():
+            pe.weight.copy_(proj[0].weight)
+            pe.bias.copy_(proj[0].bias)
+        x = torch.randn(2, 24, dim, dtype=torch.float64)
+        feat = x.transpose(1, 2).view(2, dim, *size)
+        want = (proj(feat) + feat).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(pe(x, size), want, rtol=0, atol=1e-12)
+
+    @pytest.mark.parametrize("kernel_size", [8, 7])
+    def test_matches_transformers_wav2vec2_with_same_weights(self, kernel_size):
+        transformers = pytest.importorskip("transformers")
+        from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2PositionalConvEmbedding
+
+        config = transformers.Wav2Vec2Config(hidden_size=32, num_conv_pos_embeddings=kernel_size,
+                                             num_conv_pos_embedding_groups=4, feat_extract_activation="gelu")
+        ref = Wav2Vec2PositionalConvEmbedding(config).double().eval()
+        pe = ConvolutionalPositionalEmbedding(32, kernel_size=kernel_size, num_axes=1, groups=4, weight_norm=True,
+                                              activation="gelu").double()
+        with torch.no_grad():
+            ref.conv.parametrizations.weight.original0.normal_()
+            pe.weight_g.copy_(ref.conv.parametrizations.weight.original0)
+            pe.weight_v.copy_(ref.conv.parametrizations.weight.original1)
+            pe.bias.copy_(ref.conv.bias.normal_())
+        x = torch.randn(2, 21, 32, dtype=torch.float64)
+        torch.testing.assert_close(pe(x), x + ref(x), rtol=0, atol=1e-12)
+
+    def test_init_follows_wav2vec2(self):
+        pe = ConvolutionalPositionalEmbedding(64, kernel_size=16, num_axes=1, groups=4, weight_norm=True)
+        torch.testing.assert_close(pe.conv_weight(), pe.weight_v.detach())          # g = |v| at init
+        assert abs(pe.weight_v.std().item() - 2 / math.sqrt(16 * 64)) < 0.01
+        assert (pe.bias == 0).all()
+
+    def test_forward_input_uses_stored_grid(self):
+        pe = ConvolutionalPositionalEmbedding(8, grid_shape=(2, 3))
+        x = torch.randn(2, 6, 8)
+        torch.testing.assert_close(pe.forward_input(x), pe(x, (2, 3)))
+        assert not torch.allclose(pe(x, (2, 3)), pe(x, (3, 2)))
+
+    def test_video_grid(self):
+        pe = ConvolutionalPositionalEmbedding(4, num_axes=3).double()
+        x = torch.randn(1, 2 * 3 * 4, 4, dtype=torch.float64)
+        maps = x[0].T.reshape(1, 4, 2, 3, 4)
+        want = maps + F.conv3d(maps, pe.weight, pe.bias, padding=1, groups=4)
+        torch.testing.assert_close(pe(x, (2, 3, 4)), want.reshape(4, 24).T[None])
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: groups must divide dim=12, got groups=5"):
+            ConvolutionalPositionalEmbedding(12, groups=5)
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: weight_norm is wav2vec 2.0's 1-D option"):
+            ConvolutionalPositionalEmbedding(12, weight_norm=True)
+        with pytest.raises(TypeError, match="ConvolutionalPositionalEmbedding: weight_norm must be a bool"):
+            ConvolutionalPositionalEmbedding(12, num_axes=1, weight_norm="false")
+        pe = ConvolutionalPositionalEmbedding(8, num_prefix_tokens=1)
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: grid_shape is required for 2 axes"):
+            pe(torch.randn(1, 7, 8))
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: x must have num_prefix_tokens \\+ prod\\(grid_shape\\) = 1 \\+ 6 tokens"):
+            pe(torch.randn(1, 6, 8), (2, 3))
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: positions must be None"):
+            pe.forward_input(torch.randn(1, 7, 8), torch.arange(7))
+
+
+# ---------------------------------------------------------------------------
+# Fourier features
+# ---------------------------------------------------------------------------
+
+
+class TestFourierFeatures:
+    def test_octave_matches_nerf_formula(self):
+        pe = FourierFeaturePositionalEmbedding(3, 24)                       # L = 4 octaves
+        p = torch.rand(5, 3, dtype=torch.float64) * 2 - 1
+        got = pe.embed(p)
+        for n in range(5):
+            row = []
+            for k in range(4):
+                row += [math.sin(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
+                row += [math.cos(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
+            torch.testing.assert_close(got[n], torch.tensor(row, dtype=torch.float64), rtol=0, atol=1e-12)
+
+    def test_octave_with_scale_one_over_pi_is_nerf_pytorch(self):
+        # nerf-pytorch Embedder (ported, include_input=False, log_sampling): bands 2 ** linspace(0, L - 1, L)
+        x = torch.rand(7, 3, dtype=torch.float64)
+        bands = 2.0 ** torch.linspace(0.0, 9.0, steps=10, dtype=torch.float64)
+        want = torch.cat([fn(x * freq) for freq in bands for fn in (torch.sin, torch.cos)], -1)
+        torch.testing.assert_close(FourierFeaturePositionalEmbedding(3, 60, scale=1 / math.pi).embed(x), want)
+
+    def test_gaussian_matches_tancik_formula(self):
+        pe = FourierFeaturePositionalEmbedding(2, 8, sampling="gaussian", scale=10.0)
+        p = torch.rand(4, 2, dtype=torch.float64)
+        got = pe.embed(p)
+        for n in range(4):
+            for j in range(4):
+                angle = 2 * math.pi * sum(float(pe.B[j, a]) * float(p[n, a]) for a in range(2))
+                assert got[n, j].item() == pytest.approx(math.cos(angle), abs=1e-12)
+                assert got[n, 4 + j].item() == pytest.approx(math.sin(angle), abs=1e-12)
+
+    def test_gaussian_B_is_reproducible_and_scaled(self):
+        a = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        assert abs(a.B.std().item() - 3.0) < 0.1 and abs(a.B.mean().item()) < 0.1
+        torch.manual_seed(123)                                   # the global RNG plays no part
+        b = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        assert torch.equal(a.B, b.B) and a.B.dtype == torch.float64
+        assert not torch.equal(a.B, FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0,
+                                                                      seed=1).B)
+        with torch.device("meta"):
+            meta = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        meta.to_empty(device="cpu")
+        meta.reset_parameters()
+        assert torch.equal(meta.B, a.B) and list(meta.state_dict()) == []
+        assert torch.equal(copy.deepcopy(a).bfloat16().B, a.B)
+
+    def test_forward_adds_features_of_grid_coordinates(self):
+        pe = FourierFeaturePositionalEmbedding(2, 16)
+        x, p = torch.randn(2, 6, 16), rope_coordinates((2, 3))
+        torch.testing.assert_close(pe(x, p), x + pe.embed(p).float())
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions is required for 2 axes"):
+            pe(x)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: dim must be a multiple of 6 for sampling='octave', got dim=16"):
+            FourierFeaturePositionalEmbedding(3, 16)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: sampling must be 'octave' or 'gaussian'"):
+            FourierFeaturePositionalEmbedding(2, 16, sampling="uniform")
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: scale must be a finite number > 0"):
+            FourierFeaturePositionalEmbedding(2, 16, scale=0.0)
+        with pytest.raises(TypeError, match="FourierFeaturePositionalEmbedding: seed must be an int"):
+            FourierFeaturePositionalEmbedding(2, 16, seed=True)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must have shape \\[..., N, 2\\]"):
+            FourierFeaturePositionalEmbedding(2, 16).embed(torch.rand(5, 3))
+
+
+# ---------------------------------------------------------------------------
+# Sinusoidal options (MAE, fairseq)
+# ---------------------------------------------------------------------------
+
+
+def mae_2d_sincos(embed_dim, grid_size, cls_token):
+    """facebookresearch/mae util/pos_embed.py get_2d_sincos_pos_embed, ported to torch float64 loops."""
+    grid_w, grid_h = torch.meshgrid(torch.arange(grid_size, dtype=torch.float64),
+                                    torch.arange(grid_size, dtype=torch.float64), indexing="xy")   # np.meshgrid(w, h)
+    grid = [grid_w.reshape(-1), grid_h.reshape(-1)]
+
+    def one_d(dim, pos):
+        out = torch.zeros(len(pos), dim, dtype=torch.float64)
+        for m, p in enumerate(pos):
+            for d in range(dim // 2):
+                omega = 1.0 / 10000 ** (d / (dim / 2.0))
+                out[m, d], out[m, dim // 2 + d] = math.sin(float(p) * omega), math.cos(float(p) * omega)
+        return out
+
+    emb = torch.cat([one_d(embed_dim // 2, grid[0]), one_d(embed_dim // 2, grid[1])], 1)
+    return torch.cat([torch.zeros(1, embed_dim, dtype=torch.float64), emb]) if cls_token else emb
+
+
+def fairseq_oracle(positions, dim, padding_idx):
+    """fairseq SinusoidalPositionalEmbedding.get_embedding, one entry at a time (float64)."""
+    half = dim // 2
+    out = torch.zeros(len(positions), dim, dtype=torch.float64)
+    for row, p in enumerate(positions):
+        if int(p) == padding_idx:
+            continue
+        for i in range(half):
+            angle = float(p) * math.exp(-i * math.log(10000) / (half - 1))
+            out[row, i], out[row, half + i] = math.sin(angle), math.cos(angle)
+    return out
+
+
+class TestSinusoidalOptions:
+    def test_mae_table_with_cls_token(self):
+        size, dim = 5, 16
+        pe = SinusoidalPositionalEmbedding(dim, layout="concat", num_axes=2, num_prefix_tokens=1).double()
+        cols_rows = torch.stack(torch.meshgrid(torch.arange(size), torch.arange(size), indexing="xy"), -1)
+        x = torch.zeros(1, 1 + size * size, dim, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, cols_rows.reshape(-1, 2).double())[0], mae_2d_sincos(dim, size, True),
+                                   rtol=0, atol=1e-12)
+        # the rows and columns order: rows are (row, col) -> MAE needs (col, row)
+        rows_cols = cols_rows.reshape(-1, 2).flip(-1)
+        assert not torch.allclose(pe(x, rows_cols)[0], mae_2d_sincos(dim, size, True))
+
+    @pytest.mark.parametrize("dim", [16, 17])
+    def test_fairseq_matches_loop_oracle(self, dim):
+        padding_idx = 1
+        pe = SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=padding_idx)
+        tokens_ids = torch.tensor([[5, 6, 7, 8, 1, 1], [9, 9, 1, 1, 1, 1]])   # right padding with id 1
+        mask = tokens_ids.ne(padding_idx).long()
+        positions = torch.cumsum(mask, dim=1) * mask + padding_idx                # fairseq make_positions
+        x = torch.zeros(2, 6, dim, dtype=torch.float64)
+        got = pe(x, positions)
+        for b in range(2):
+            torch.testing.assert_close(got[b], fairseq_oracle(positions[b], dim, padding_idx), rtol=0, atol=1e-7)  # float32 table
+        # default positions start at padding_idx + 1, offset continues them (incremental decoding)
+        torch.testing.assert_close(pe(x[:1, :4]), fairseq_oracle(torch.arange(2, 6), dim, padding_idx)[None])
+        torch.testing.assert_close(pe(x[:1, :1], offset=3), fairseq_oracle(torch.tensor([5]), dim, padding_idx)[None])
+
+    def test_fairseq_float32_reference(self):
+        # fairseq's get_embedding computes in float32; large positions differ by its rounding only
+        half, num = 64, 1024
+        emb = math.log(10000) / (half - 1)
+        emb = torch.exp(torch.arange(half, dtype=torch.float) * -emb)
+        emb = torch.arange(num, dtype=torch.float).unsqueeze(1) * emb.unsqueeze(0)
+        table = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
+        table[1, :] = 0
+        got = SinusoidalPositionalEmbedding(128, spectrum="fairseq", layout="concat", padding_idx=1).embed(torch.arange(num))
+        assert (got - table).abs().max() < 2e-4
+        assert (got[:64] - table[:64]).abs().max() < 1e-5
+
+    @pytest.mark.parametrize("kwargs", [{}, {"layout": "concat"}, {"num_axes": 2, "base": 100.0}])
+    def test_defaults_unchanged(self, kwargs):
+        old, new = pe_lib.SinusoidalPositionalEmbedding(16, **kwargs), SinusoidalPositionalEmbedding(16, **kwargs)
+        p = torch.randint(-50, 5000, (3, 7) + ((2,) if "num_axes" in kwargs else ()))
+        torch.testing.assert_close(new.embed(p), old.embed(p), rtol=0, atol=0)
+        assert repr(new) == repr(old)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum must be one of 'vaswani', 'fairseq'"):
+            SinusoidalPositionalEmbedding(16, spectrum="t2t")
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: dim must be a positive multiple of 2 \\* num_axes = 2"):
+            SinusoidalPositionalEmbedding(17)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum='fairseq' needs at least 2 frequencies"):
+            SinusoidalPositionalEmbedding(2, spectrum="fairseq")
+        with pytest.raises(TypeError, match="SinusoidalPositionalEmbedding: padding_idx must be an int, got float 1.0"):
+            SinusoidalPositionalEmbedding(16, padding_idx=1.0)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: num_prefix_tokens must be a non-negative int"):
+            SinusoidalPositionalEmbedding(16, num_prefix_tokens=-1)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must have shape \\[4\\]"):
+            SinusoidalPositionalEmbedding(16, num_prefix_tokens=1)(torch.randn(2, 5, 16), torch.arange(5))
+
+
+# ---------------------------------------------------------------------------
+# rope_coordinates (DINOv3)
+# ---------------------------------------------------------------------------
+
+
+def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
+    """facebookresearch/dinov3 RopePositionEmbedding.forward's coordinates (ported, float32, training)."""
+    dd = {"dtype": torch.float32}
+    if normalize == "max":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / max(h, w), torch.arange(0.5, w, **dd) / max(h, w)
+    elif normalize == "min":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / min(h, w), torch.arange(0.5, w, **dd) / min(h, w)
+    else:
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
+    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
+    coords = 2.0 * coords - 1.0
+    if shift is not None:
+        coords += torch.empty(2, **dd).uniform_(-shift, shift)[None, :]
+    if jitter is not None:
+        coords *= torch.empty(2, **dd).uniform_(-math.log(jitter), math.log(jitter)).exp()[None, :]
+    if rescale is not None:
+        coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
+    return coords
+
+
+class TestRopeCoordinates:
+    @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
+    @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
+    def test_matches_dinov3(self, normalize, augment):
+        torch.manual_seed(5)
+        want = dinov3_coords(3, 5, normalize, **augment)
+        torch.manual_seed(5)
+        got = rope_coordinates((3, 5), normalize=normalize, **augment)
+        assert got.dtype == torch.float64 and got.shape == (15, 2)
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)
+        generator = torch.Generator().manual_seed(5)
+        torch.testing.assert_close(rope_coordinates((3, 5), normalize=normalize, generator=generator, **augment), got)
+
+    def test_video_and_plain_values(self):
+        coords = rope_coordinates((2, 2, 4))
+        assert coords.shape == (16, 3)
+        torch.testing.assert_close(coords[1], torch.tensor([-0.5, -0.5, -0.25], dtype=torch.float64))
+        torch.testing.assert_close(rope_coordinates((4,))[:, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75],
+                                                                               dtype=torch.float64))
+
+    def test_feeds_every_multi_axis_rotary(self):
+        q, k, v = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4), jitter=1.2)
+        for pe in (RotaryPositionalEmbedding(DH, sections=[8, 8], base=100.0), MixedRotaryPositionalEmbedding(DH, H),
+                   LieREPositionalEmbedding(DH, H, block_size=4)):
+            out = attention(q, k, v, pe.double(), positions_q=p, positions_k=p)
+            assert out.shape == v.shape and torch.isfinite(out).all()
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="rope_coordinates: normalize must be 'separate', 'max' or 'min'"):
+            rope_coordinates((2, 2), normalize="mean")
+        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0 or None, got jitter=0.5"):
+            rope_coordinates((2, 2), jitter=0.5)
+        with pytest.raises(ValueError, match="rope_coordinates: grid_shape must be positive ints, got grid_shape=\\(2, 0\\)"):
+            rope_coordinates((2, 0))
+        with pytest.raises(TypeError, match="rope_coordinates: grid_shape must be a positive int or a tuple of them"):
+            rope_coordinates((2, 2.5))
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+# largest |difference| against transformers per family, printed by -s (for the README table)
+MAX_DIFF = {}
+
+
+def hf_module(model: str, name: str):
+    pytest.importorskip("transformers")
+    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+
+
+def hf_config(name: str, **kwargs):
+    transformers = pytest.importorskip("transformers")
+    return getattr(transformers, name)(**kwargs)
+
+
+def lib_accepts(cls, argument: str) -> bool:
+    return argument in inspect.signature(cls.__init__).parameters
+
+
+def hf_cos_sin(rotary, positions, **kwargs):
+    """transformers' cos, sin [N, R] for int positions [N] ([A, N] for M-RoPE), fresh module state."""
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = rotary(x, positions[..., None, :], **kwargs)   # position_ids [1, N] or [A, 1, N]
+    return cos[0].double(), sin[0].double()
+
+
+def ours_cos_sin(kwargs, positions):
+    pe = RotaryPositionalEmbedding(**kwargs)
+    cos, sin = pe.cos_sin(positions, positions.shape[0])
+    return pe, cos.double(), sin.double()
+
+
+def compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions, atol=2e-5, interleaved_output=False):
+    """Our [N, R/2] cos/sin equal transformers' [N, R]; record the largest difference."""
+    pe, cos, sin = ours_cos_sin(kwargs, positions)
+    half = cos.shape[-1]
+    assert hf_cos.shape[-1] == 2 * half, (hf_cos.shape, cos.shape)
+    # transformers' layout: cat(f, f) (half-split pairs) or repeat_interleave(f, 2) (Cohere)
+    first = hf_cos[..., 0::2] if interleaved_output else hf_cos[..., :half]
+    second = hf_cos[..., 1::2] if interleaved_output else hf_cos[..., half:]
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    hf_sin = hf_sin[..., 0::2] if interleaved_output else hf_sin[..., :half]
+    diff = max((cos - first).abs().max().item(), (sin - hf_sin).abs().max().item())
+    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+    assert diff <= atol, f"{family}: max |cos/sin| difference {diff:.3g} > {atol}"
+    return pe
+
+
+def rotate_half_split(x, cos, sin):
+    """Plain float64 half-split rotation of the first 2 * cos.shape[-1] channels (test oracle)."""
+    r = 2 * cos.shape[-1]
+    a, b, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], -1)
+
+
+POSITIONS = torch.arange(0, 200)          # past every original_max_position_embeddings below (16-64)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, intermediate_size=32,
+            vocab_size=32)
+
+
+# ---------------------------------------------------------------------------
+# Rotary: every family against the model's own rotary module
+# ---------------------------------------------------------------------------
+
+
+class TestRotaryFromConfig:
+    @pytest.mark.parametrize("scaling", [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
+         "attention_factor": 0.9},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 16},
+    ], ids=lambda s: "default" if s is None else "-".join(str(v) for v in s.values())[:40])
+    @pytest.mark.parametrize("top", [40, 200])   # dynamic: below and above max_position_embeddings
+    def test_llama(self, scaling, top):
+        config = hf_config("LlamaConfig", **TINY, max_position_embeddings=64, rope_theta=5e5,
+                           rope_scaling=None if scaling is None else dict(scaling))
+        positions = POSITIONS[:top]
+        kwargs = _rotary_kwargs_from_config(config)
+        family = f"llama/{'default' if scaling is None else scaling['rope_type']}"
+        hf_cos, hf_sin = hf_cos_sin(hf_module("llama", "LlamaRotaryEmbedding")(config), positions)
+        pe = compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions)
+        # and the rotated queries, through transformers' own apply_rotary_pos_emb
+        apply = hf_module("llama", "apply_rotary_pos_emb")
+        q = torch.randn(2, 4, top, 16)
+        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, positions), want, atol=3e-5, rtol=1e-5)
+
+    def test_qwen3_explicit_head_dim(self):
+        config = hf_config("Qwen3Config", **TINY, head_dim=24, max_position_embeddings=64,
+                           rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["dim"] == 24
+        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen3", "Qwen3RotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("qwen3/yarn (head_dim=24)", kwargs, hf_cos, hf_sin, POSITIONS)
+
+    def test_qwen2_legacy_type_key(self):
+        config = hf_config("Qwen2Config", **TINY, max_position_embeddings=64,
+                           rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen2", "Qwen2RotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("qwen2/yarn", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("top", [30, 200])   # short factors below the original length, long above
+    @pytest.mark.parametrize("partial", [1.0, 0.75])
+    def test_phi3_longrope(self, top, partial):
+        half = int(16 * partial) // 2
+        config = hf_config("Phi3Config", **TINY, max_position_embeddings=128, original_max_position_embeddings=32,
+                           partial_rotary_factor=partial, pad_token_id=0,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                         "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["scaling"]["original_max_position_embeddings"] == 32
+        hf_cos, hf_sin = hf_cos_sin(hf_module("phi3", "Phi3RotaryEmbedding")(config), POSITIONS[:top])
+        compare_cos_sin("phi3/longrope", kwargs, hf_cos, hf_sin, POSITIONS[:top])
+
+    def test_phi_partial_rotary_factor(self):
+        config = hf_config("PhiConfig", **TINY, max_position_embeddings=64)   # partial_rotary_factor 0.5
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["rotary_dim"] == 8
+        hf_cos, hf_sin = hf_cos_sin(hf_module("phi", "PhiRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("phi (partial 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
+
+    def test_gpt_neox_rotary_pct(self):
+        config = hf_config("GPTNeoXConfig", **TINY, max_position_embeddings=64, rotary_pct=0.5, rotary_emb_base=20000)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["rotary_dim"], kwargs["base"]) == (8, 20000.0)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("gpt_neox", "GPTNeoXRotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("gpt_neox (rotary_pct 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
+        apply = hf_module("gpt_neox", "apply_rotary_pos_emb")     # rotates the first 8 channels, passes 8
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_gptj_rotary_dim_interleaved(self):
+        config = hf_config("GPTJConfig", n_embd=64, n_head=4, n_layer=1, rotary_dim=8, n_positions=256, vocab_size=32)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs == {"dim": 16, "base": 10000.0, "rotary_dim": 8, "interleaved": True}
+        table = hf_module("gptj", "create_sinusoidal_positions")(256, 8)[POSITIONS].double()   # [N, sin | cos]
+        hf_sin, hf_cos = table[:, :4], table[:, 4:]
+        both = lambda t: torch.cat([t, t], -1)   # noqa: E731  (compare_cos_sin takes [N, R])
+        pe = compare_cos_sin("gptj (rotary_dim, interleaved)", kwargs, both(hf_cos), both(hf_sin), POSITIONS)
+        apply = hf_module("gptj", "apply_rotary_pos_emb")           # tensor [B, N, H, R]
+        q = torch.randn(2, 200, 4, 16)
+        want = torch.cat([apply(q[..., :8], hf_sin.float()[None], hf_cos.float()[None]), q[..., 8:]], -1)
+        torch.testing.assert_close(pe(q.transpose(1, 2), POSITIONS).transpose(1, 2), want, atol=3e-5, rtol=1e-5)
+
+    def test_cohere_interleaved(self):
+        config = hf_config("CohereConfig", **TINY, max_position_embeddings=64)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["interleaved"] is True
+        rotary = hf_module("cohere", "CohereRotaryEmbedding")(config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS)
+        pe = compare_cos_sin("cohere (interleaved)", kwargs, hf_cos, hf_sin, POSITIONS, interleaved_output=True)
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = hf_module("cohere", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_glm_partial_interleaved(self):
+        config = hf_config("GlmConfig", **TINY, max_position_embeddings=64, head_dim=16, partial_rotary_factor=0.5)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["rotary_dim"], kwargs["interleaved"]) == (8, True)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("glm", "GlmRotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("glm (partial, interleaved)", kwargs, hf_cos, hf_sin, POSITIONS)
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = hf_module("glm", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_gemma(self):
+        config = hf_config("GemmaConfig", **TINY, head_dim=32, max_position_embeddings=64)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("gemma", "GemmaRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("gemma (head_dim=32)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+    def test_gemma3_per_layer_type(self, layer_type):
+        config = hf_config("Gemma3TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, max_position_embeddings=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1e6}})
+        kwargs = _rotary_kwargs_from_config(config, layer_type=layer_type)
+        rotary = hf_module("gemma3", "Gemma3RotaryEmbedding")(config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS, layer_type=layer_type)
+        compare_cos_sin(f"gemma3/{layer_type}", kwargs, hf_cos, hf_sin, POSITIONS)
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding.from_config: .*pass layer_type"):
+            _rotary_kwargs_from_config(config)
+
+    def test_falcon_rope(self):
+        config = hf_config("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                           vocab_size=32, max_position_embeddings=64, rope_theta=1e4)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("falcon", "FalconRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("falcon (alibi=False)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    def test_deepseek_v3_yarn_mscale_interleaved(self):
+        scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                   "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+        config = hf_config("DeepseekV3Config", **TINY, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                           kv_lora_rank=16, q_lora_rank=None, max_position_embeddings=64, rope_scaling=scaling,
+                           n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["dim"], kwargs["interleaved"]) == (8, True)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("deepseek_v3", "DeepseekV3RotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("deepseek_v3/yarn (mscale_all_dim)", kwargs, hf_cos, hf_sin, POSITIONS)
+        assert pe.attention_factor != 1.0   # mscale / mscale_all_dim reaches cos and sin
+        # DeepSeek de-interleaves while rotating (output half-split); ours keeps pairs in place: the
+        # outputs differ by one fixed permutation of channels, so every q . k logit is the same
+        apply = hf_module("deepseek_v3", "apply_rotary_pos_emb_interleave")
+        q, k = torch.randn(2, 4, 200, 8), torch.randn(2, 4, 200, 8)
+        hf_q, hf_k = apply(q, k, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS) @ pe(k, POSITIONS).transpose(-1, -2),
+                                   hf_q @ hf_k.transpose(-1, -2), atol=2e-4, rtol=1e-5)
+
+    def test_qwen2_vl_mrope(self):
+        config = hf_config("Qwen2VLConfig", text_config=dict(**TINY, max_position_embeddings=64,
+                                                              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}))
+        kwargs = _rotary_kwargs_from_config(config)                # read through text_config
+        assert kwargs["sections"] == [2, 3, 3] and "section_layout" not in kwargs
+        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
+        rotary = hf_module("qwen2_vl", "Qwen2VLRotaryEmbedding")(config.text_config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, axes)
+        compare_cos_sin("qwen2_vl (mrope)", kwargs, hf_cos, hf_sin, axes.T)
+
+    def qwen3_vl(self):
+        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16, max_position_embeddings=64,
+                                                              rope_parameters={"rope_type": "default",
+                                                                               "mrope_section": [4, 2, 2],
+                                                                               "mrope_interleaved": True}))
+        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
+        rotary = hf_module("qwen3_vl", "Qwen3VLTextRotaryEmbedding")(config.text_config)
+        return config, axes, hf_cos_sin(rotary, axes)
+
+    def test_qwen3_vl_kwargs_mean_interleaved_sections(self):
+        # the section_layout="interleaved" contract, checked against transformers with a plain oracle:
+        # pair i turns with axis a in (1, 2) when i % 3 == a and i < 3 * sections[a], else with axis 0
+        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [4, 2, 2] and kwargs["section_layout"] == "interleaved"
+        sections, half = kwargs["sections"], kwargs["dim"] // 2
+        axis_of_pair = [next((a for a in (1, 2) if i % 3 == a and i < 3 * sections[a]), 0) for i in range(half)]
+        assert axis_of_pair == [0, 1, 2, 0, 1, 2, 0, 0]
+        for n in range(0, 200, 37):
+            for i in range(half):
+                angle = axes[axis_of_pair[i], n].item() * kwargs["base"] ** (-2 * i / kwargs["dim"])
+                assert hf_cos[n, i].item() == pytest.approx(math.cos(angle), abs=2e-5)
+                assert hf_sin[n, i].item() == pytest.approx(math.sin(angle), abs=2e-5)
+        assert self.qwen3_vl()[0].to_dict()["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+
+    @pytest.mark.xfail(not lib_accepts(RotaryPositionalEmbedding, "section_layout"), strict=False,
+                       reason="needs the lead's RoPE extension (section_layout)")
+    def test_qwen3_vl_interleaved_mrope(self):
+        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
+        compare_cos_sin("qwen3_vl (interleaved mrope)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, axes.T)
+
+    def test_qwen3_vl_interleaved_without_the_flag(self):
+        # transformers interleaves for the qwen3_vl model type even when mrope_interleaved is absent
+        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16))
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [24, 20, 20] and kwargs["section_layout"] == "interleaved"
+
+    def gemma4(self):
+        config = hf_config("Gemma4TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "proportional", "factor": 2.0,
+                                                               "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+        rotary = hf_module("gemma4", "Gemma4TextRotaryEmbedding")(config)
+        return config, hf_cos_sin(rotary, POSITIONS, layer_type="full_attention")
+
+    def test_gemma4_kwargs_mean_proportional(self):
+        # the rope_type="proportional" contract, checked against transformers with a plain oracle: the first
+        # int(p * dim / 2) pairs turn at base ** (-2i / dim) / factor (exponent over the FULL head dim),
+        # the other pairs have frequency 0
+        config, (hf_cos, hf_sin) = self.gemma4()
+        kwargs = _rotary_kwargs_from_config(config, layer_type="full_attention")
+        assert kwargs == {"dim": 32, "base": 1e6, "scaling": {"rope_type": "proportional", "factor": 2.0,
+                                                               "partial_rotary_factor": 0.25}}
+        assert _rotary_kwargs_from_config(config.to_dict(), layer_type="full_attention") == kwargs
+        assert _rotary_kwargs_from_config(config, layer_type="sliding_attention") == {"dim": 16, "base": 10000.0}
+        dim, rotated = kwargs["dim"], int(0.25 * kwargs["dim"] // 2)
+        for n in range(0, 200, 37):
+            for i in range(dim // 2):
+                freq = kwargs["base"] ** (-2 * i / dim) / 2.0 if i < rotated else 0.0
+                assert hf_cos[n, i].item() == pytest.approx(math.cos(n * freq), abs=2e-5)
+                assert hf_sin[n, i].item() == pytest.approx(math.sin(n * freq), abs=2e-5)
+
+    @pytest.mark.xfail(strict=False, reason="needs the lead's RoPE extension (rope_type='proportional')")
+    def test_gemma4_proportional(self):
+        config, (hf_cos, hf_sin) = self.gemma4()
+        compare_cos_sin("gemma4/proportional", _rotary_kwargs_from_config(config, layer_type="full_attention"),
+                        hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("name, kwargs", [
+        ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+        ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+        ("GPTNeoXConfig", {}), ("PhiConfig", {}), ("GPTJConfig", {}), ("CohereConfig", {}), ("FalconConfig", {}),
+        ("Qwen2VLConfig", {}), ("Qwen3VLConfig", {}), ("DeepseekV3Config", {}), ("Phi3Config", {}),
+    ])
+    def test_dict_config_gives_same_kwargs(self, name, kwargs):
+        config = hf_config(name, **kwargs)
+        assert _rotary_kwargs_from_config(config.to_dict()) == _rotary_kwargs_from_config(config)
+
+    def test_raw_legacy_config_json(self):
+        # a config.json as old checkpoints ship it: top-level rope_theta, rope_scaling with "type"
+        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
+               "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+        config = hf_config("LlamaConfig", **{k: v for k, v in raw.items() if k != "model_type"})
+        assert _rotary_kwargs_from_config(raw) == _rotary_kwargs_from_config(config) == {
+            "dim": 16, "base": 5e5, "scaling": {"rope_type": "linear", "factor": 2.0}}
+        neox = {"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4}   # rotary_pct default 0.25
+        assert _rotary_kwargs_from_config(neox) == {"dim": 16, "base": 10000.0, "rotary_dim": 4}
+        assert _rotary_kwargs_from_config(NEOX_DICT)["rotary_dim"] == DH // 2
+        # legacy Qwen2-VL: "type": "mrope" is default RoPE with sections, read through text_config
+        assert _rotary_kwargs_from_config(QWEN2_VL_DICT) == {"dim": DH, "base": 1e6, "sections": [4, 6, 6]}
+
+    def test_dynamic_reads_max_position_embeddings(self):
+        # transformers' dynamic NTK is relative to max_position_embeddings even when the dict names another length
+        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
+               "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}}
+        assert _rotary_kwargs_from_config(raw)["scaling"] == {"rope_type": "dynamic", "factor": 2.0,
+                                                              "max_position_embeddings": 64}
+
+    def test_bad_configs(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object or its "
+                                            f"to_dict\\(\\), got str"):
+            _rotary_kwargs_from_config("meta-llama/Llama-3-8B")
+        with pytest.raises(ValueError, match=f"{owner}: config \\(model_type='gpt2'\\) has no rotary embedding"):
+            _rotary_kwargs_from_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4})
+        with pytest.raises(ValueError, match=f"{owner}: config has alibi=True .*ALiBiPositionalEmbedding.from_config"):
+            _rotary_kwargs_from_config({"model_type": "falcon", "alibi": True, "rope_theta": 1e4, "hidden_size": 64,
+                                        "num_attention_heads": 4})
+        gemma3 = {"model_type": "gemma3_text", "head_dim": 16, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+        with pytest.raises(ValueError, match=f"{owner}: layer_type must be one of .*got 'global'"):
+            _rotary_kwargs_from_config(gemma3, layer_type="global")
+        with pytest.raises(ValueError, match=f"{owner}: the rotated dim must be even .*rotary_dim=3"):
+            _rotary_kwargs_from_config({"model_type": "phi", "hidden_size": 64, "num_attention_heads": 4,
+                                        "rope_theta": 1e4, "partial_rotary_factor": 0.2})
+
+
+# ---------------------------------------------------------------------------
+# T5
+# ---------------------------------------------------------------------------
+
+
+class TestT5FromConfig:
+    @pytest.mark.parametrize("decoder", [False, True])
+    def test_bias_equals_compute_bias(self, decoder):
+        config = hf_config("T5Config", d_model=32, d_kv=8, num_heads=4, num_layers=1, vocab_size=32,
+                           relative_attention_num_buckets=16, relative_attention_max_distance=40, is_decoder=decoder)
+        attention = hf_module("t5", "T5Attention")(config, has_relative_attention_bias=True)
+        kwargs = _t5_kwargs_from_config(config)
+        assert kwargs == {"num_heads": 4, "num_buckets": 16, "max_distance": 40, "bidirectional": not decoder}
+        assert _t5_kwargs_from_config(config.to_dict()) == kwargs
+        ours = T5PositionalEmbedding(**kwargs)
+        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
+        for q_len, k_len in ((70, 70), (5, 90)):       # decoding: the last 5 queries of 90 keys
+            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
+            diff = (ours(q_len, k_len) - want).abs().max().item()
+            MAX_DIFF["t5 (decoder)" if decoder else "t5 (encoder)"] = diff
+            assert diff == 0.0
+
+    def test_decoder_override_and_old_configs(self):
+        encoder_config = {"model_type": "t5", "num_heads": 8, "relative_attention_num_buckets": 32}
+        assert _t5_kwargs_from_config(encoder_config) == {"num_heads": 8, "num_buckets": 32, "max_distance": 128,
+                                                          "bidirectional": True}
+        assert _t5_kwargs_from_config(encoder_config, decoder=True)["bidirectional"] is False
+
+    def test_bad_configs(self):
+        with pytest.raises(ValueError, match="T5PositionalEmbedding.from_config: config \\(model_type='llama'\\) has "
+                                             "no T5 relative attention bias"):
+            _t5_kwargs_from_config({"model_type": "llama", "num_attention_heads": 4})
+        with pytest.raises(TypeError, match="T5PositionalEmbedding.from_config: decoder must be a bool or None, got "
+                                            "str 'yes'"):
+            _t5_kwargs_from_config(T5_DECODER_DICT, decoder="yes")
+
+
+# ---------------------------------------------------------------------------
+# ALiBi: Bloom, MPT, Falcon
+# ---------------------------------------------------------------------------
+
+
+def alibi_from_kwargs(kwargs):
+    """Our ALiBi with the kwargs; the current class has no slopes= yet, so set its buffer instead."""
+    if lib_accepts(ALiBiPositionalEmbedding, "slopes"):
+        return ALiBiPositionalEmbedding(**kwargs)
+    alibi = ALiBiPositionalEmbedding(kwargs["num_heads"], bidirectional=kwargs["bidirectional"])
+    alibi.slopes.copy_(torch.tensor(kwargs["slopes"]))
+    return alibi
+
+
+def check_ramp(family, alibi, ramp, n):
+    """The model adds ramp[h, j] (+slope * j up to a constant); ours must differ from it by one constant per row
+    on and below the diagonal, and mask the future."""
+    bias = alibi(n, n).double()                                            # [H, N, N]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    shifted = bias - ramp[:, None, :].double()                             # [H, N, N]: constant along j
+    row = shifted[:, :, :1].expand_as(shifted)
+    diff = (shifted - row)[:, causal].abs().max().item()
+    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+    assert torch.isinf(bias[:, ~causal]).all()
+    return diff
+
+
+class TestALiBiFromConfig:
+    @pytest.mark.parametrize("heads", [4, 6, 12, 16])
+    def test_bloom(self, heads):
+        config = hf_config("BloomConfig", n_head=heads, hidden_size=8 * heads, n_layer=1, vocab_size=32)
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 40
+        ramp = hf_module("bloom", "build_alibi_tensor")(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
+        slopes = ramp[:, 1].tolist()                                       # Bloom's slopes: its ramp at j = 1
+        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
+        assert check_ramp("bloom", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
+
+    @pytest.mark.parametrize("heads, bias_max", [(4, 8), (12, 8), (16, 6), (6, 12)])
+    def test_mpt_alibi_bias_max(self, heads, bias_max):
+        config = hf_config("MptConfig", n_heads=heads, d_model=8 * heads, n_layers=1, vocab_size=32, max_seq_len=64,
+                           attn_config={"alibi": True, "alibi_bias_max": bias_max})
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 64
+        ramp = hf_module("mpt", "build_mpt_alibi_tensor")(heads, n, bias_max)[:, 0, :]   # [H, N]: slope * (j - N + 1)
+        slopes = (-ramp[:, -2]).tolist()
+        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
+        assert check_ramp("mpt (alibi_bias_max)", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
+
+    @pytest.mark.parametrize("heads", [4, 6, 71])
+    def test_falcon_ramp(self, heads):
+        # FalconModel adds bf16(bf16(slope) * j) / sqrt(head_dim) to q . k / sqrt(head_dim) (SDPA path)
+        config = hf_config("FalconConfig", alibi=True, num_attention_heads=heads, hidden_size=4 * heads,
+                           num_hidden_layers=1, vocab_size=32, new_decoder_architecture=False, multi_query=False)
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 48
+        ramp = hf_module("falcon", "build_alibi_tensor")(torch.ones(1, n, dtype=torch.long), heads, torch.float32)
+        ramp = ramp.reshape(heads, n).double() / math.sqrt(4)             # FalconModel divides by sqrt(head_dim)
+        assert kwargs["slopes"] == pytest.approx(ramp[:, 1].tolist(), rel=1e-7)   # j = 1: the rounded slope, exact
+        # Falcon rounds every product slope * j to bfloat16 as well: a staircase within 2^-8 of our line
+        exact = torch.tensor(kwargs["slopes"], dtype=torch.float64)[:, None] * torch.arange(n)
+        assert ((ramp - exact).abs() <= 2.0 ** -8 * exact).all()   # bf16 unit roundoff 2^-8
+        diff = check_ramp("falcon (bf16 slopes / sqrt(head_dim))", alibi_from_kwargs(kwargs), ramp.float(), n)
+        assert diff <= 2.0 ** -8 * exact.max().item() * 2 + 1e-6   # two rounded products per difference
+
+    def test_falcon_attention_output(self):
+        # FalconAttention's own output (SDPA path, the default) equals attention() with our ALiBi on its q, k, v
+        config = hf_config("FalconConfig", alibi=True, num_attention_heads=4, hidden_size=32, num_hidden_layers=1,
+                           vocab_size=32, new_decoder_architecture=False, multi_query=False, bias=False,
+                           parallel_attn=False, attn_implementation="sdpa")
+        from positional_embeddings import attention
+        model = pytest.importorskip("transformers").FalconModel(config).eval()
+        layer, seen = model.h[0].self_attention, {}
+        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0] if args else
+                                                                            kwargs["hidden_states"]), with_kwargs=True)
+        layer.register_forward_hook(lambda m, args, output: seen.update(out=output[0]))
+        n = 20
+        with torch.no_grad():
+            model(torch.randint(0, 32, (1, n)))
+            q, k, v = (t.transpose(1, 2) for t in layer._split_heads(layer.query_key_value(seen["x"])))  # [B, H, N, Dh]
+            alibi = alibi_from_kwargs(_alibi_kwargs_from_config(config))
+            ours = layer.dense(attention(q, k, v, alibi, causal=True).transpose(1, 2).reshape(1, n, 32))
+        MAX_DIFF["falcon attention output"] = (ours - seen["out"]).abs().max().item()
+        torch.testing.assert_close(ours, seen["out"], atol=1e-5, rtol=1e-5)
+
+    def test_bad_configs(self):
+        owner = "ALiBiPositionalEmbedding.from_config"
+        with pytest.raises(ValueError, match=f"{owner}: config \\(model_type='llama'\\) has no ALiBi"):
+            _alibi_kwargs_from_config(LLAMA3_DICT)
+        with pytest.raises(ValueError, match=f"{owner}: Falcon config has alibi=False: it uses RoPE"):
+            _alibi_kwargs_from_config({"model_type": "falcon", "alibi": False, "num_attention_heads": 4})
+        with pytest.raises(ValueError, match=f"{owner}: MPT config has attn_config.alibi=False"):
+            _alibi_kwargs_from_config({"model_type": "mpt", "n_heads": 4, "attn_config": {"alibi": False}})
+        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object"):
+            _alibi_kwargs_from_config(None)
+
+
+def test_print_max_differences():
+    """Runs last: prints the table of largest differences gathered above (pytest -s)."""
+    for family, diff in sorted(MAX_DIFF.items()):
+        print(f"| {family} | {diff:.2e} |")
+
+
+# ---------------------------------------------------------------------------
+# Shim (not pasted): the shared property tests over NEW_CASES
+# ---------------------------------------------------------------------------
 
 
 def test_readme_examples_run():
