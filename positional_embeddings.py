@@ -2170,7 +2170,8 @@ class _RelativeLogits(PositionalEmbedding):
     Subclasses give ``biased_queries`` (the content and position queries, with the paper's
     ``u``/``v`` biases and scale) and ``relative_keys(distance) -> [H, L, Dh]``. Default
     positions evaluate the ``Nq + Nk - 1`` distinct distances once and shift them exactly
-    into place; explicit positions evaluate each distinct distance once and gather.
+    into place; explicit positions evaluate each distinct distance once and gather, or every
+    pair when the positions require grad (so gradients reach float positions).
     """
 
     kind = "logits"
@@ -2191,6 +2192,10 @@ class _RelativeLogits(PositionalEmbedding):
     def relative_keys(self, distance: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def _check_lengths(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                       positions_k: Optional[Tensor]) -> None:
+        """Subclass hook: reject query/key lengths the encoding does not define."""
+
     def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
         """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``)."""
@@ -2205,6 +2210,7 @@ class _RelativeLogits(PositionalEmbedding):
         owner = type(self).__name__
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
         q_len, k_len = q.shape[-2], k.shape[-2]
+        self._check_lengths(q_len, k_len, positions_q, positions_k)
         scale = self.logit_scale(q.shape[-1]) if scale is None else scale
         q = q.to(_compute_dtype(q.dtype))
         q_content, q_position = self.biased_queries(q, scale)                           # [B, H, Nq, Dh] each
@@ -2219,8 +2225,13 @@ class _RelativeLogits(PositionalEmbedding):
         return logits + self._pair_logits(q_position, distances)
 
     def _pair_logits(self, q_position: Tensor, distances: Tensor) -> Tensor:
-        """q_position [B, .., H, Nq, Dh], distances [Nq, Nk] or [B, 1.., 1, Nq, Nk] -> [B, .., H, Nq, Nk]."""
-        if _is_compiling():  # no data-dependent shapes: relative keys for every pair
+        """q_position [B, .., H, Nq, Dh], distances [Nq, Nk] or [B, 1.., 1, Nq, Nk] -> [B, .., H, Nq, Nk].
+
+        Relative keys for every pair while tracing (no data-dependent shapes) and when the
+        distances require grad (``torch.unique`` has no backward: each pair's gradient must
+        reach its own two positions); else once per distinct distance, gathered.
+        """
+        if _is_compiling() or distances.requires_grad:
             pairs = distances.squeeze(-3) if distances.dim() > 2 else distances        # [(B, 1..,) Nq, Nk]
             keys = self.relative_keys(pairs.flatten()).to(q_position.dtype).unflatten(1, pairs.shape)
             keys = keys.movedim(0, -4)                                                  # [(B, 1..,) H, Nq, Nk, Dh]
@@ -2241,6 +2252,9 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
     pad-and-reshape shift is only right below the diagonal; here every distance is
     evaluated and shifted exactly, so bidirectional attention and explicit positions are
     exact too. ``clamp_len`` caps ``|pos_q - pos_k|`` as the reference's ``clamp_len`` does.
+    Default positions need ``Nk >= Nq`` (keys are memory plus the current segment); with
+    more queries than keys pass ``positions_q`` and ``positions_k``. Float positions that
+    require grad receive gradients (every pair's relative key is then evaluated).
 
     Args:
         num_heads (int): heads ``H``.
@@ -2286,6 +2300,13 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
     def _init_buffers(self, device) -> None:
         self.register_buffer("inv_freq", _inverse_frequencies(self.d_model, self.base, device), persistent=False)
 
+    def _check_lengths(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                       positions_k: Optional[Tensor]) -> None:
+        if positions_q is None and positions_k is None and q_len > k_len > 0:
+            raise ValueError(f"{type(self).__name__}: default positions need at least as many keys as queries "
+                             f"(keys are the memory plus the current segment), got Nq={q_len} > Nk={k_len}; "
+                             f"pass positions_q and positions_k explicitly")
+
     def biased_queries(self, q: Tensor, scale: float) -> tuple:
         u, v = self.r_w_bias.to(q.dtype), self.r_r_bias.to(q.dtype)
         return (q + u.unsqueeze(-2)) * scale, (q + v.unsqueeze(-2)) * scale
@@ -2301,11 +2322,11 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
 
 
 def _enformer_basis(distance: Tensor, num_basis: int, length: int, min_half_life: float,
-                    gamma_peak: Tensor) -> Tensor:
+                    gamma_peak: Optional[Tensor]) -> Tensor:
     """Enformer's exponential, central-mask and gamma basis functions of ``|distance|``, float64.
 
     distance: [L] -> [L, 3 * num_basis]; each gamma density (plus 1e-8) is divided by
-    ``gamma_peak`` [num_basis].
+    ``gamma_peak`` [num_basis], or, for None, by the largest gamma value of its own distance.
     """
     d = distance.to(torch.float64).abs().unsqueeze(-1)                                  # [L, 1]
     device = d.device
@@ -2317,8 +2338,9 @@ def _enformer_basis(distance: Tensor, num_basis: int, length: int, min_half_life
     mean = torch.linspace(length / num_basis, length, num_basis, dtype=torch.float64, device=device)
     concentration, rate = (mean / stddev) ** 2, mean / stddev ** 2
     log_pdf = torch.xlogy(concentration - 1, d) - rate * d - (torch.lgamma(concentration) - concentration * rate.log())
-    gamma = torch.exp(log_pdf) + 1e-8
-    return torch.cat([exponential, central_mask, gamma / gamma_peak.to(device)], dim=-1)
+    gamma = torch.exp(log_pdf) + 1e-8                                                   # [L, num_basis]
+    gamma = gamma / (gamma.amax(-1, keepdim=True) if gamma_peak is None else gamma_peak.to(device))
+    return torch.cat([exponential, central_mask, gamma], dim=-1)
 
 
 class EnformerPositionalEmbedding(_RelativeLogits):
@@ -2329,10 +2351,21 @@ class EnformerPositionalEmbedding(_RelativeLogits):
     ``v = r_r_bias``, ``W_r = r_k`` and ``f`` the relative basis: exponential decays (half
     lives ``2**3 .. length_scale``), central masks (widths ``2**k - 1``) and gamma densities
     (means up to ``length_scale``), each of ``|d|``, followed by the same features times
-    ``sign(d)`` (dropped with ``symmetric=True``). The gamma densities are normalised to a
-    peak of 1 over ``|d| < length_scale``, as DeepMind's code does. The basis takes its
-    length scale from the constructor, never from the input, so a pair's logit does not
-    depend on the other tokens. Features are computed in float64.
+    ``sign(d)`` (dropped with ``symmetric=True``). The basis takes its length scale from
+    the constructor, never from the input, so a pair's logit does not depend on the other
+    tokens. Features are computed in float64.
+
+    The gamma densities (plus 1e-8) are divided by (``gamma_normalization``):
+    ``"per_feature"``, each density's own peak over ``|d| < length_scale``: what the
+    official weights need as enformer-pytorch loads them (``from_pretrained`` uses its
+    precomputed TensorFlow table ``tf_gammas.pt``, which equals this to 2.2e-3, float32
+    rounding, and differs from ``"global"`` by 0.11); ``"global"``, the largest value over
+    every distance ``|d| < length_scale`` and every density: DeepMind's ``attention_module.py``
+    (``positional_features_gamma``, ``tf.reduce_max`` over all of them, for distances of its
+    input length: set ``length_scale`` to it, 1536 in Enformer); ``"per_distance"``, the
+    largest density at the same distance: enformer-pytorch's own formula
+    (``get_positional_features_gamma``, ``amax(dim=-1)``, used with ``use_tf_gamma=False``,
+    e.g. models built with ``from_hparams``).
 
     Args:
         num_heads (int): heads ``H``.
@@ -2342,6 +2375,8 @@ class EnformerPositionalEmbedding(_RelativeLogits):
             length). Default: 1536.
         min_half_life (float): log2 of the shortest exponential half life. Default: 3.0.
         symmetric (bool): drop the sign-asymmetric copies. Default: False.
+        gamma_normalization (str): ``"per_feature"``, ``"global"`` or ``"per_distance"``
+            (see above). Default: ``"per_feature"``.
 
     Shape:
         - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]`` -> logits ``[B, H, Nq, Nk]``.
@@ -2354,10 +2389,12 @@ class EnformerPositionalEmbedding(_RelativeLogits):
     """
 
     def __init__(self, num_heads: int, head_dim: int, *, num_features: int = 192, length_scale: int = 1536,
-                 min_half_life: float = 3.0, symmetric: bool = False) -> None:
+                 min_half_life: float = 3.0, symmetric: bool = False,
+                 gamma_normalization: Literal["per_feature", "global", "per_distance"] = "per_feature") -> None:
         super().__init__(num_heads, head_dim)
         owner = type(self).__name__
         _check_positive_int(owner, "length_scale", length_scale)
+        _check_choice(owner, "gamma_normalization", gamma_normalization, ("per_feature", "global", "per_distance"))
         components = 3 if symmetric else 6
         if not isinstance(num_features, int) or num_features <= 0 or num_features % components:
             raise ValueError(f"{owner}: num_features must be a positive multiple of {components} "
@@ -2367,12 +2404,14 @@ class EnformerPositionalEmbedding(_RelativeLogits):
                              f"got min_half_life={min_half_life!r}")
         self.num_features, self.length_scale = num_features, length_scale
         self.min_half_life, self.symmetric = float(min_half_life), symmetric
+        self.gamma_normalization = gamma_normalization
         self.r_k = _uninitialised(nn.Linear, num_features, num_heads * head_dim, bias=False)   # W_r
         self.reset_parameters()
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_features={self.num_features}, "
-                f"length_scale={self.length_scale}, symmetric={self.symmetric}")
+                f"length_scale={self.length_scale}, symmetric={self.symmetric}, "
+                f"gamma_normalization={self.gamma_normalization!r}")
 
     def reset_parameters(self) -> None:
         # Enformer (Sonnet) draws these with variance scaling 2.0 over the fan-in
@@ -2383,15 +2422,19 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
     def _init_buffers(self, device) -> None:
         num_basis = self.num_features // (3 if self.symmetric else 6)
-        # each gamma density's peak over |d| < length_scale (DeepMind normalises over positions)
+        # each gamma density's peak over |d| < length_scale ("global": the largest of them)
         unscaled = _enformer_basis(torch.arange(self.length_scale, device=device), num_basis, self.length_scale,
                                    self.min_half_life, torch.ones(num_basis, dtype=torch.float64, device=device))
-        self.register_buffer("gamma_peak", unscaled[:, 2 * num_basis:].amax(0), persistent=False)   # [F] float64
+        peak = unscaled[:, 2 * num_basis:].amax(0)                                      # [F] float64
+        if self.gamma_normalization == "global":
+            peak = peak.amax().expand(num_basis).clone()
+        self.register_buffer("gamma_peak", peak, persistent=False)   # unused by "per_distance"
 
     def features(self, distance: Tensor) -> Tensor:
         """The relative basis ``f`` of key - query ``distance`` [L]: [L, num_features], float64."""
         num_basis = self.num_features // (3 if self.symmetric else 6)
-        basis = _enformer_basis(distance, num_basis, self.length_scale, self.min_half_life, self.gamma_peak)
+        peak = None if self.gamma_normalization == "per_distance" else self.gamma_peak
+        basis = _enformer_basis(distance, num_basis, self.length_scale, self.min_half_life, peak)
         if self.symmetric:
             return basis
         return torch.cat([basis, torch.sign(distance).to(basis.dtype).unsqueeze(-1) * basis], dim=-1)
@@ -3748,16 +3791,27 @@ def _skew_log(w: Tensor) -> Tensor:
 
 
 def _check_special_orthogonal(owner: str, w: Tensor, shape: tuple) -> Tensor:
-    """Validate primitives to load: shape, orthogonality, det +1; return them in float64."""
+    """Validate primitives to load: shape, finite, orthogonality, det +1; return them in float64,
+    projected onto the nearest orthogonal matrices.
+
+    The projection ``U V^T`` (from the SVD ``w = U S V^T``) removes a checkpoint's rounding
+    (float32: about 1e-7 from orthogonal), which the angles recovered from ``w`` would
+    otherwise carry, multiplied by the position, into every score.
+    """
     if not isinstance(w, Tensor) or not w.is_floating_point():
         raise TypeError(f"{owner}: primitives must be a floating tensor, got "
                         f"{w.dtype if isinstance(w, Tensor) else type(w).__name__}")
     if tuple(w.shape) != shape:
         raise ValueError(f"{owner}: primitives must have shape {list(shape)}, got {list(w.shape)}")
     w = w.detach().to(torch.float64)
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{owner}: primitives must be finite, got {int((~torch.isfinite(w)).sum())} NaN or "
+                         f"infinite entries")
     error = (w @ w.mT - torch.eye(shape[-1], dtype=torch.float64, device=w.device)).abs().max().item()
     if error > 1e-4:
         raise ValueError(f"{owner}: every primitive must be orthogonal (W W^T = I), got max |W W^T - I| = {error:.2e}")
+    u, _, vh = torch.linalg.svd(w)
+    w = u @ vh                                                                          # nearest orthogonal
     if (torch.linalg.det(w) < 0).any():
         raise ValueError(f"{owner}: every primitive must have determinant +1 (a rotation, as matrix_exp(P - P^T) "
                          f"is), got a reflection")
@@ -3959,6 +4013,10 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
     ``m``. Each token applies its path's primitives to its own vector, one tree level per
     step (at most ``max_depth`` steps): ``O(B H N Dh)`` memory, no per-node matrices.
 
+    The konstantinosKokos/ape code (``Branching``) builds node maps as ``M(n) @ W_c^T``, so
+    its scores are ours with every primitive transposed: load its primitives with
+    ``set_primitives(W, convention="reference")``.
+
     Trees that are not complete or not numbered breadth-first convert with
     ``node_ids_from_paths`` (root-to-node branch indices) or ``node_ids_from_parents``
     (a parent array). Initialisation: every branch starts as RoPE's rotation plus a small
@@ -4017,10 +4075,22 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         return torch.matrix_exp(generators - generators.mT)
 
     @torch.no_grad()
-    def set_primitives(self, primitives: Tensor) -> None:
-        """Load special orthogonal primitives ``[b, H, Dh, Dh]`` (``ValueError`` otherwise)."""
+    def set_primitives(self, primitives: Tensor, *, convention: Literal["paper", "reference"] = "paper") -> None:
+        """Load special orthogonal primitives ``[b, H, Dh, Dh]`` (``ValueError`` otherwise).
+
+        ``convention="paper"``: ``primitives`` are this class's ``W_c`` (``M(child c of n) =
+        M(n) W_c``, the paper's ``q (W_{|p_0|}^{sgn p_0} ...) k`` for the path ``p`` from query
+        to key). ``convention="reference"``: they are the konstantinosKokos/ape ``Branching``
+        primitives (``matrix_exp(P - P^T)``), which that code applies as ``M(n) @ W_c^T``
+        (``torch.nn.functional.linear``); they are transposed on loading, so scores equal its
+        path products.
+        """
+        owner = type(self).__name__
+        _check_choice(owner, "convention", convention, ("paper", "reference"))
         shape = (self.branching_factor, self.num_heads, self.head_dim, self.head_dim)
-        w = _check_special_orthogonal(type(self).__name__, primitives, shape)
+        w = _check_special_orthogonal(owner, primitives, shape)
+        if convention == "reference":
+            w = w.mT
         logs = torch.stack([_skew_log(matrix) for matrix in w.reshape(-1, *shape[-2:])]).view(shape)
         self.generators.copy_(logs / 2)
 
@@ -4030,12 +4100,19 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         for path in paths:
             node = 0
             for branch in path:
+                try:
+                    if isinstance(branch, bool):
+                        raise TypeError
+                    branch = operator.index(branch)                                 # ints, numpy ints
+                except TypeError:
+                    raise TypeError(f"{type(self).__name__}: paths must hold integer branch indices, got "
+                                    f"{_describe(branch)} in path {path}") from None
                 if not 0 <= branch < self.branching_factor:
                     raise ValueError(f"{type(self).__name__}: branch indices must lie in [0, {self.branching_factor}), "
                                      f"got {branch} in path {path}")
                 node = self.branching_factor * node + 1 + branch
             ids.append(node)
-        return torch.tensor(ids)
+        return torch.tensor(ids, dtype=torch.long)
 
     def node_ids_from_parents(self, parents: list) -> Tensor:
         """Breadth-first ids of a tree given as a parent array (``-1`` for the root).
@@ -5279,7 +5356,7 @@ class FourierFeaturePositionalEmbedding(PositionalEmbedding):
 # ---------------------------------------------------------------------------
 
 
-def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: bool = False) -> Tensor:
     """``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))`` from ``s_0 = initial``, in parallel.
 
     log_p, h: [..., N, d]; initial: [..., 1, d] -> s: [..., N, d]. The closed form
@@ -5289,31 +5366,46 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
     each scanned from an empty state (``_scan_blocks``); the blocks are chained by the same
     recurrence over their summaries in float64, exact enough at any length for
     ``1 / _SCAN_BLOCK`` of the work, and each block then adds the state it inherits, decayed
-    by ``a`` within the block.
+    by ``a`` within the block. ``differentiable=True`` records a graph autograd can
+    differentiate twice (the double backward's recomputation): steps without ``out=`` in the
+    blocks, and the chain by this blocked scan again rather than ``logcumsumexp``, whose
+    backward gives NaN second derivatives wherever the gradient reaching it is 0.
     """
     n = log_p.shape[-2]
     size = min(n, _SCAN_BLOCK)                                                          # T
     pad = -n % size
-    if pad:  # zero decay and -inf updates leave the state alone
-        log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad), value=float("-inf"))
+    if pad:  # any finite values (no -inf: NaN second derivatives): cut off, and the chain skips the last block
+        log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad))
     blocks = (n + pad) // size
-    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)))
-    decay = a[..., -1, :].double()                                                      # [..., nb, d]
-    after = _log_linear_scan_exact(decay, local[..., -1, :].double(), initial.double())
-    entering = torch.cat([initial.double(), after[..., :-1, :]], dim=-2).to(a.dtype)   # [..., nb, d]
-    s = torch.logaddexp(a.add_(entering.unsqueeze(-2)), local)                          # [..., nb, T, d]
+    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)), differentiable)
+    entering = initial.double()                                                         # [..., 1, d]
+    if blocks > 1:  # the states after every block but the last, by the recurrence over their summaries
+        decay, last = a[..., :-1, -1, :].double(), local[..., :-1, -1, :].double()       # [..., nb - 1, d]
+        after = (_log_linear_scan(decay, last, entering, differentiable=True) if differentiable
+                 else _log_linear_scan_exact(decay, last, entering))                   # [..., nb - 1, d]
+        entering = torch.cat([entering, after], dim=-2)                                 # [..., nb, d]
+        del decay, last, after
+    # rebinding frees the old ``a`` (peak memory as in place); not in place: vmap may batch entering alone
+    a = a + entering.to(a.dtype).unsqueeze(-2)                                          # [..., nb, T, d]
+    s = torch.logaddexp(a, local)                                                       # [..., nb, T, d]
     return s.flatten(-3, -2)[..., :n, :]
 
 
-def _scan_blocks(log_p: Tensor, h: Tensor) -> tuple:
+def _scan_blocks(log_p: Tensor, h: Tensor, differentiable: bool = False) -> tuple:
     """Every block scanned from an empty state (``s = log 0``), all blocks at once.
 
     log_p, h: [..., nb, T, d] -> (a, local), both [..., nb, T, d]: ``a = cumsum(log_p)`` and
     ``local_t = log(exp(log_p_t + local_{t-1}) + exp(h_t))``. Eager mode steps through the
     ``T`` tokens of every block together: one rounding per step, and ~6x faster on CPU than
-    ``logcumsumexp``; traced code uses the closed form, one fused expression.
+    ``logcumsumexp``; ``differentiable=True`` takes the same steps as new tensors (autograd
+    cannot record ``out=``); traced code uses the closed form, one fused expression.
     """
     a = log_p.cumsum(dim=-2)
+    if differentiable:
+        local = [h[..., 0, :]]
+        for t in range(1, h.shape[-2]):
+            local.append(torch.logaddexp(local[-1] + log_p[..., t, :], h[..., t, :]))
+        return a, torch.stack(local, dim=-2)
     if _is_compiling():
         return a, torch.logcumsumexp(h - a, dim=-2).add_(a)
     local = torch.empty_like(h)
@@ -5326,51 +5418,114 @@ def _scan_blocks(log_p: Tensor, h: Tensor) -> tuple:
 def _log_linear_scan_exact(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
     """The closed form in one piece: accurate while ``|cumsum(log_p)|`` stays small for the dtype."""
     a = log_p.cumsum(dim=-2)                                                            # [..., N, d]
-    return torch.logaddexp(initial, torch.logcumsumexp(h - a, dim=-2)).add_(a)
+    return torch.logaddexp(initial, torch.logcumsumexp(h - a, dim=-2)) + a
 
 
 _SCAN_BLOCK = 128
 
 
+def _signed_linear_scan(log_c: Tensor, u: Tensor, initial: Tensor) -> Tensor:
+    """``T_t = c_t T_{t-1} + u_t`` from ``T_0 = initial``, for ``c = exp(log_c) > 0`` and signed u.
+
+    log_c, u: [..., N, d]; initial: [..., 1, d] -> T: [..., N, d]. The recurrence is linear
+    with positive weights, so the positive and negative parts of (u, initial) follow it
+    separately: two log-space scans ``_log_linear_scan(log_c, log u+, log T_0+)``, then
+    ``T = exp(positive) - exp(negative)``. ``u`` is overwritten (peak memory matters here).
+    The backward (``G``, reversed time) and the jvp (the tangent of ``s``) both are this scan.
+    """
+    positive = _log_linear_scan(log_c, u.clamp(min=0).log(), initial.clamp(min=0).log())
+    negative = _log_linear_scan(log_c, u.neg_().clamp_(min=0).log_(), initial.neg().clamp_(min=0).log_())
+    return positive.exp_().sub_(negative.exp_())
+
+
 class _LogLinearScanFunction(torch.autograd.Function):
-    """``_log_linear_scan`` with an analytic backward that keeps only (log_p, h, s).
+    """``_log_linear_scan`` with an analytic backward (jvp: the subclass) from (log_p, h, initial, s).
 
     With ``c_t = exp(log_p_t + s_{t-1} - s_t)`` (the share of the old state) and
     ``w_t = exp(h_t - s_t)`` (the share of the update), the gradient ``G`` reaching ``s``
-    satisfies ``G_t = g_t + c_{t+1} G_{t+1}``; its positive and negative parts are two
-    reversed log-space scans of the same kind. Then ``dL/dh = G w``, ``dL/dlog_p = G c``.
-    Autograd through the closed form would keep three more ``[..., N, d]`` tensors.
+    satisfies ``G_t = g_t + c_{t+1} G_{t+1}``, and the tangent ``T = ds`` satisfies
+    ``T_t = c_t T_{t-1} + c_t dlog_p_t + w_t dh_t`` from ``T_0 = d initial``: both are
+    ``_signed_linear_scan``. Then ``dL/dh = G w``, ``dL/dlog_p = G c``, ``dL/dinitial = G_1 c_1``.
+    Autograd through the closed form would keep three more ``[..., N, d]`` tensors; it is
+    used only when the gradient must itself be differentiated (``create_graph=True``).
+    ``vmap`` moves the batch dim to the front: the scan takes any leading dims.
     """
 
     @staticmethod
-    def forward(ctx, log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
-        s = _log_linear_scan(log_p, h, initial)                                         # [..., N, d]
-        ctx.save_for_backward(log_p, h, initial, s)
-        return s
+    def forward(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+        return _log_linear_scan(log_p, h, initial)                                      # [..., N, d]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        log_p, h, initial = inputs
+        ctx.save_for_backward(log_p, h, initial, output)
+        ctx.save_for_forward(log_p, h, initial, output)
+
+    @staticmethod
     def backward(ctx, grad: Tensor):
         log_p, h, initial, s = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True (functorch's too): the gradient may be differentiated again
+            return _scan_vjp_differentiable(log_p, h, initial, grad)
         # The reversed scan at step tau (token t = N + 1 - tau) applies c_{t+1}: log c flipped, shifted by one.
-        # Temporaries are reused in place: this runs on [..., N, d] tensors and peak memory matters.
+        # log c is built twice rather than kept: this runs on [..., N, d] tensors and peak memory matters.
         log_next = torch.zeros_like(s)
         log_next[..., 1:, :] = _log_keep(log_p, s, initial)[..., 1:, :].flip(-2)
-        flipped = grad.flip(-2)
-        positive = _log_linear_scan(log_next, flipped.clamp(min=0).log(), torch.full_like(initial, float("-inf")))
-        negative = _log_linear_scan(log_next, flipped.neg_().clamp_(min=0).log_(), torch.full_like(initial, float("-inf")))
-        del log_next, flipped
-        total = positive.exp_().sub_(negative.exp_()).flip(-2)                           # G: [..., N, d]
-        del positive, negative
-        grad_h = (h - s).exp_().mul_(total)                                              # G w
+        total = _signed_linear_scan(log_next, grad.flip(-2), torch.zeros_like(initial)).flip(-2)  # G: [..., N, d]
+        del log_next
+        grad_h = total * (h - s).exp_()                                                  # G w (vmap: G alone batched)
         grad_log_p = total.mul_(_log_keep(log_p, s, initial).exp_())                     # G c
         return grad_log_p, grad_h, grad_log_p[..., :1, :].clone()
+
+    @staticmethod
+    def vmap(info, in_dims: tuple, log_p: Tensor, h: Tensor, initial: Tensor) -> tuple:
+        def batch_first(tensor: Tensor, dim: Optional[int]) -> Tensor:
+            return tensor.expand(info.batch_size, *tensor.shape) if dim is None else tensor.movedim(dim, 0)
+
+        inputs = [batch_first(t, dim) for t, dim in zip((log_p, h, initial), in_dims)]
+        return _scan_apply(*inputs), 0
+
+
+class _LogLinearScanWithJvp(_LogLinearScanFunction):
+    """``_LogLinearScanFunction`` with its forward-mode rule (``torch.func.jvp``, ``jacfwd``, HVPs).
+
+    A class of its own because Dynamo cannot trace an ``autograd.Function`` that defines a
+    ``jvp``: traced code applies the parent, which has the same value and backward.
+    """
+
+    @staticmethod
+    def jvp(ctx, d_log_p: Optional[Tensor], d_h: Optional[Tensor], d_initial: Optional[Tensor]) -> Tensor:
+        log_p, h, initial, s = ctx.saved_tensors
+        log_c = _log_keep(log_p, s, initial)                                             # [..., N, d]
+        # u = c dlog_p + w dh, out of place: under vmap the tangents may be batched and the rest not
+        u = torch.zeros_like(s) if d_log_p is None else log_c.exp() * d_log_p           # [..., N, d]
+        if d_h is not None:
+            u = u + (h - s).exp_() * d_h
+        start = torch.zeros_like(initial) if d_initial is None else d_initial            # [..., 1, d]
+        return _signed_linear_scan(log_c, u, start)                                      # T: [..., N, d]
+
+
+def _scan_apply(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+    """The scan under autograd: with its jvp in eager mode, without it while Dynamo traces."""
+    function = _LogLinearScanFunction if _is_compiling() else _LogLinearScanWithJvp
+    return function.apply(log_p, h, initial)                                            # [..., N, d]
 
 
 def _log_keep(log_p: Tensor, s: Tensor, initial: Tensor) -> Tensor:
     """``log c_t = log_p_t + s_{t-1} - s_t``: the log share of the old state in ``s_t``, [..., N, d]."""
     previous = torch.cat([initial.expand_as(s[..., :1, :]), s[..., :-1, :]], dim=-2)   # s_{t-1}
     return previous.sub_(s).add_(log_p)
+
+
+def _scan_vjp_differentiable(log_p: Tensor, h: Tensor, initial: Tensor, grad: Tensor) -> tuple:
+    """The backward as a graph autograd can differentiate again (``create_graph=True``).
+
+    The scan is recomputed from its saved inputs with ``differentiable=True`` (the same
+    blocks and float64 chain, every step recorded) and differentiated by ``torch.func.vjp``,
+    which composes with outer autograd and with functorch transforms alike (``jacrev``,
+    nested ``grad``). Costs autograd's memory for every step.
+    """
+    _, vjp = torch.func.vjp(lambda *inputs: _log_linear_scan(*inputs, differentiable=True), log_p, h, initial)
+    return vjp(grad)                                                                     # like (log_p, h, initial)
 
 
 class HeinsenPositionalEmbedding(PositionalEmbedding):
@@ -5419,6 +5574,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         _check_positive_int(owner, "d_emb", d_emb)
         _check_positive_int(owner, "d_hid", d_hid)
         self.d_emb, self.d_hid = d_emb, d_hid
+        for name, module in (("H", H), ("R", R)):
+            if module is not None and not isinstance(module, nn.Module):
+                raise TypeError(f"{owner}: {name} must be an nn.Module or None, got "
+                                f"{type(module).__name__} {_describe(module)}")
         self.H = nn.Linear(d_emb, 2 * d_hid) if H is None else H                        # paper's H (no sigmoid)
         self.R = nn.Linear(d_hid, d_emb) if R is None else R                            # paper's R
         self.register_buffer("prev_context", None, persistent=False)                    # [..., 1, d_hid]
@@ -5458,6 +5617,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
                                  f"call once without it first (or after reset_context())")
             state = self.prev_context
         logits = self.H(x)                                                              # [..., N, 2 * d_hid]
+        self._check_width("H", logits, 2 * self.d_hid, "2 * d_hid")
         dtype = _compute_dtype(logits.dtype)
         log_p = F.logsigmoid(logits[..., : self.d_hid].to(dtype))                      # [..., N, d_hid]
         h = logits[..., self.d_hid :].to(dtype)                                         # [..., N, d_hid]
@@ -5465,10 +5625,12 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         if x.shape[-2] == 0:  # an empty chunk leaves the stream where it was
             self.prev_context = initial.detach()
             return (x, initial) if return_state else x
-        s = _LogLinearScanFunction.apply(log_p, h, initial)                            # [..., N, d_hid]
+        s = _scan_apply(log_p, h, initial)                                              # [..., N, d_hid]
         final = s[..., -1:, :]                                                          # [..., 1, d_hid]
         self.prev_context = final.detach()
-        y = x + self.R(s.to(logits.dtype)).to(x.dtype)                                  # [..., N, D]
+        r = self.R(s.to(logits.dtype))                                                  # [..., N, D]
+        self._check_width("R", r, self.d_emb, "d_emb")
+        y = x + r.to(x.dtype)                                                           # [..., N, D]
         return (y, final) if return_state else y
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
@@ -5484,12 +5646,20 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
             return torch.zeros(want, dtype=dtype, device=x.device)
         if not isinstance(state, Tensor):
             raise TypeError(f"{type(self).__name__}: {name} must be a Tensor, got {type(state).__name__}")
+        if not state.is_floating_point():  # a log-state: int, bool or complex would be cast silently
+            raise TypeError(f"{type(self).__name__}: {name} must be a floating tensor, got dtype={state.dtype}")
         if state.is_inference() and not torch.is_inference_mode_enabled():
             state = state.clone()  # a state cached under inference_mode, continued in training
         if tuple(state.shape) != want:
             raise ValueError(f"{type(self).__name__}: {name} must have shape {list(want)} to continue a chunk "
                              f"of shape {list(x.shape)}, got {list(state.shape)}")
         return state.to(device=x.device, dtype=dtype)
+
+    def _check_width(self, name: str, output: Tensor, size: int, expected: str) -> None:
+        """Raise unless the output of ``H`` or ``R`` has last dim ``size`` (custom modules)."""
+        if output.shape[-1] != size:
+            raise ValueError(f"{type(self).__name__}: {name} must output last dim {expected} = {size}, "
+                             f"got shape {list(output.shape)} (last dim {output.shape[-1]})")
 
 
 EmbedPosition = HeinsenPositionalEmbedding

@@ -5068,3 +5068,302 @@ def test_compare_quick_runs_end_to_end():
     assert {row[1] for row in rows} == {"reverse", "recall", "grid", "tree"}, result.stdout
     for row in rows:
         assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
+
+
+class TestHeinsenReview:
+    """Second derivatives, torch.func transforms and argument checks of the Heinsen scan."""
+
+    @staticmethod
+    def scan_oracle(log_p, h, initial):
+        """The recurrence as a plain loop: s_t = logaddexp(log_p_t + s_{t-1}, h_t), s_0 = initial."""
+        s, states = initial[..., 0, :], []
+        for t in range(log_p.shape[-2]):
+            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
+            states.append(s)
+        return torch.stack(states, dim=-2)
+
+    @staticmethod
+    def scan_inputs(b=2, n=6, d=3):
+        log_p = F.logsigmoid(torch.randn(b, n, d, dtype=torch.float64))
+        h = torch.randn(b, n, d, dtype=torch.float64)
+        initial = torch.randn(b, 1, d, dtype=torch.float64)                 # a non-zero state
+        return log_p, h, initial
+
+    @pytest.mark.parametrize("block, n", [(128, 6), (4, 10)])   # one block; three chained, the last padded
+    def test_gradgradcheck(self, monkeypatch, block, n):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        inputs = [t.requires_grad_() for t in self.scan_inputs(n=n)]
+        assert torch.autograd.gradcheck(pe_lib._scan_apply, inputs, check_forward_ad=True)
+        assert torch.autograd.gradgradcheck(pe_lib._scan_apply, inputs)
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_hessian_vector_product_matches_oracle(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        inputs = self.scan_inputs(n=10)
+        weights = torch.randn(2, 10, 3, dtype=torch.float64)
+        vector = tuple(torch.randn_like(t) for t in inputs)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        _, got = torch.autograd.functional.hvp(loss(pe_lib._scan_apply), inputs, vector)
+        _, want = torch.autograd.functional.hvp(loss(self.scan_oracle), inputs, vector)
+        for g, w in zip(got, want):
+            assert w.abs().max() > 1e-3                                      # the second-order term is there
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_module_second_derivative_matches_oracle(self):
+        # the scan's second-order term used to be dropped silently (once_differentiable)
+        pe = HeinsenPositionalEmbedding(5, 4).double()
+        x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+        state = torch.randn(2, 1, 4, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(2, 9, 5, dtype=torch.float64)
+
+        def penalty(y):
+            grad_x, grad_state = torch.autograd.grad((y * weights).sum(), [x, state], create_graph=True)
+            return (grad_x ** 2).sum() + (grad_state ** 2).sum()
+
+        got = torch.autograd.grad(penalty(pe(x, state=state)), [x, state, pe.H.weight])
+        want = torch.autograd.grad(penalty(heinsen_reference(pe, x, state)[0]), [x, state, pe.H.weight])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+    def test_func_grad_matches_oracle(self):
+        inputs = self.scan_inputs()
+        weights = torch.randn(2, 6, 3, dtype=torch.float64)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        got = torch.func.grad(loss(pe_lib._scan_apply), argnums=(0, 1, 2))(*inputs)
+        want = torch.func.grad(loss(self.scan_oracle), argnums=(0, 1, 2))(*inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        hessian = torch.func.jacrev(torch.func.jacrev(loss(pe_lib._scan_apply), argnums=1), argnums=1)(*inputs)
+        hessian_want = torch.func.jacrev(torch.func.jacrev(loss(self.scan_oracle), argnums=1), argnums=1)(*inputs)
+        torch.testing.assert_close(hessian, hessian_want, rtol=0, atol=1e-12)
+
+    def test_func_vmap_equals_a_loop(self):
+        log_p, h, initial = self.scan_inputs(b=3)
+        log_p_t = log_p.transpose(0, 1).contiguous()                          # batch dim 1
+        got = torch.func.vmap(pe_lib._scan_apply, in_dims=(1, 0, None))(log_p_t, h, initial[0])
+        want = torch.stack([pe_lib._scan_apply(log_p[i], h[i], initial[0]) for i in range(3)])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, self.scan_oracle(log_p, h, initial[:1].expand(3, 1, 3)), rtol=0, atol=1e-12)
+        # per-sample gradients: vmap over grad
+        per_sample = torch.func.vmap(torch.func.grad(lambda *a: pe_lib._scan_apply(*a).sin().sum(), argnums=(0, 1, 2)))
+        want = torch.func.vmap(torch.func.grad(lambda *a: self.scan_oracle(*a).sin().sum(), argnums=(0, 1, 2)))
+        for g, w in zip(per_sample(log_p, h, initial), want(log_p, h, initial)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_func_jvp_matches_oracle_and_finite_differences(self):
+        inputs = self.scan_inputs(n=7)
+        tangents = tuple(torch.randn_like(t) for t in inputs)
+        value, got = torch.func.jvp(pe_lib._scan_apply, inputs, tangents)
+        _, want = torch.func.jvp(self.scan_oracle, inputs, tangents)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        eps = 1e-6
+        plus = pe_lib._scan_apply(*[t + eps * d for t, d in zip(inputs, tangents)])
+        minus = pe_lib._scan_apply(*[t - eps * d for t, d in zip(inputs, tangents)])
+        torch.testing.assert_close(got, (plus - minus) / (2 * eps), rtol=0, atol=1e-8)
+        # a tangent on one input only (the others get None)
+        _, only_h = torch.func.jvp(lambda h: pe_lib._scan_apply(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
+        _, only_h_want = torch.func.jvp(lambda h: self.scan_oracle(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
+        torch.testing.assert_close(only_h, only_h_want, rtol=0, atol=1e-12)
+
+    def test_compiled_module_still_traces_and_backpropagates(self):
+        pe = HeinsenPositionalEmbedding(6, 5)
+        x = torch.randn(2, 20, 6, requires_grad=True)
+        compiled = torch.compile(lambda t: pe(t), backend="eager", fullgraph=True)
+        grad, = torch.autograd.grad(compiled(x).sin().sum(), x)
+        want, = torch.autograd.grad(pe(x).sin().sum(), x)
+        torch.testing.assert_close(grad, want)
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+    def test_state_must_be_floating(self, dtype):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        state = torch.zeros(2, 1, 3, dtype=dtype)
+        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: state must be a floating tensor, "
+                                            f"got dtype={dtype}"):
+            pe(torch.randn(2, 5, 4), state=state)
+
+    @pytest.mark.parametrize("name", ["H", "R"])
+    def test_h_and_r_must_be_modules(self, name):
+        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: {name} must be an nn.Module or None, "
+                                            f"got str 'linear'"):
+            HeinsenPositionalEmbedding(4, 3, **{name: "linear"})
+
+    def test_output_widths_of_custom_h_and_r(self):
+        x = torch.randn(2, 5, 4)
+        pe = HeinsenPositionalEmbedding(4, 3, H=torch.nn.Linear(4, 3))
+        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: H must output last dim 2 \* d_hid = 6, "
+                                             r"got shape \[2, 5, 3\] \(last dim 3\)"):
+            pe(x)
+        pe = HeinsenPositionalEmbedding(4, 3, R=torch.nn.Linear(3, 1))
+        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: R must output last dim d_emb = 4, "
+                                             r"got shape \[2, 5, 1\] \(last dim 1\)"):
+            pe(x)
+
+
+# ---------------------------------------------------------------------------
+# Review fixes: APE loading, Enformer gamma normalisation, relative logits
+# ---------------------------------------------------------------------------
+
+
+def ape_reference_node_map(w, path):
+    """konstantinosKokos/ape ``Branching.embed_positions`` for one node, as plain loops in float64:
+    ``maps = I`` then, step by step from the root, ``maps = linear(maps, W_branch) = maps @ W_branch^T``."""
+    n = w.shape[-1]
+    m = [[float(r == c) for c in range(n)] for r in range(n)]
+    for branch in path:
+        wt = w[branch].tolist()
+        m = [[sum(m[r][t] * wt[c][t] for t in range(n)) for c in range(n)] for r in range(n)]
+    return torch.tensor(m, dtype=torch.float64)
+
+
+def ape_reference_score(w, q, k, path_q, path_k):
+    """The reference's score: queries and keys mapped by ``einsum('bqBh,bqhAB->bqAh')`` (M x), then dotted."""
+    mq, mk = ape_reference_node_map(w, path_q), ape_reference_node_map(w, path_k)
+    q2 = [sum(mq[a, b].item() * q[b].item() for b in range(len(q))) for a in range(len(q))]
+    k2 = [sum(mk[a, b].item() * k[b].item() for b in range(len(k))) for a in range(len(k))]
+    return sum(x * y for x, y in zip(q2, k2))
+
+
+def enformer_gamma_raw(x, num_basis, length):
+    """Unnormalised gamma densities (plus 1e-8) at |x|, DeepMind's and enformer-pytorch's formula."""
+    out, stddev = [], length / (2 * num_basis)
+    for k in range(num_basis):
+        mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
+        c, rate = (mean / stddev) ** 2, mean / stddev ** 2
+        x = abs(x)
+        log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
+        out.append(math.exp(log_pdf) + 1e-8)
+    return out
+
+
+class TestReviewFixes:
+    # --- issue 12 item 7: APE loading
+    def test_tree_reference_convention_equals_reference_path_products(self):
+        b, heads, dh = 2, 2, 4
+        tree = AlgebraicTreePositionalEmbedding(dh, heads, branching_factor=b, max_depth=3).double()
+        p = torch.randn(b, heads, dh, dh, dtype=torch.float64)
+        w_ref = torch.matrix_exp(p - p.mT)                                              # the reference's primitives
+        paths_q, paths_k = [[], [1], [0, 1], [1, 1, 0]], [[0], [], [1, 0, 1], [0, 0], [1]]
+        q, k = torch.randn(1, heads, 4, dh, dtype=torch.float64), torch.randn(1, heads, 5, dh, dtype=torch.float64)
+        nodes_q, nodes_k = tree.node_ids_from_paths(paths_q), tree.node_ids_from_paths(paths_k)
+        want = torch.tensor([[[ape_reference_score(w_ref[:, h], q[0, h, i], k[0, h, j], pq, pk)
+                               for j, pk in enumerate(paths_k)] for i, pq in enumerate(paths_q)]
+                             for h in range(heads)], dtype=torch.float64)
+        tree.set_primitives(w_ref, convention="reference")
+        got = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        tree.set_primitives(w_ref)                                                      # the paper's convention
+        wrong = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        assert (wrong - want).abs().max() > 0.1                                         # transposed: not the reference
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: convention must be one of 'paper', "
+                                             "'reference', got convention='ref'"):
+            tree.set_primitives(w_ref, convention="ref")
+
+    @pytest.mark.parametrize("cls", [AlgebraicSequencePositionalEmbedding, AlgebraicTreePositionalEmbedding])
+    def test_float32_checkpoint_loads_accurately_at_position_1000(self, cls):
+        # RoPE-like primitives (the reference's initialisation: many angles near 0, nearly repeated
+        # eigenvalues of W + W^T) in a random basis; rounding them to float32 used to cost 1.3e-4 here
+        dh = 32
+        theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
+        basis = random_rotations(2, dh)
+        w = basis @ torch.block_diag(*[torch.tensor([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]],
+                                                    dtype=torch.float64) for t in theta.tolist()]) @ basis.mT
+        q, k = torch.randn(1, 2, 1, dh, dtype=torch.float64), torch.randn(1, 2, 1, dh, dtype=torch.float64)
+        if cls is AlgebraicSequencePositionalEmbedding:
+            pe = cls(dh, 2).double()
+            pe.set_primitives(w.float())                                                # a float32 checkpoint
+            got = pe.forward_attn(q, k, torch.tensor([0]), torch.tensor([1000]), scale=1.0)[0, :, 0, 0]
+            want = sequence_oracle(w, q[0], k[0], [0], [1000])[:, 0, 0]
+        else:  # 10 levels of branch 0 then branch 1 alternately: the node's map is a product of 10 primitives
+            pe = cls(dh, 2, branching_factor=2, max_depth=10).double()
+            pe.set_primitives(w.float()[None].expand(2, -1, -1, -1))
+            node = pe.node_ids_from_paths([[0, 1] * 5])
+            got = pe.forward_attn(q, k, torch.tensor([0]), node, scale=1.0)[0, :, 0, 0]
+            want = torch.stack([q[0, h, 0] @ tree_map_oracle(w[None, h].expand(2, -1, -1), int(node), 2)
+                                @ k[0, h, 0] for h in range(2)])
+        scale = q.norm(dim=-1).flatten() * k.norm(dim=-1).flatten()
+        assert ((got - want).abs() / scale).max() < 1e-5
+        assert orthogonality_error(pe.primitives.double()) < 1e-12
+
+    def test_set_primitives_rejects_nan_inf_and_non_orthogonal(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        w = random_rotations(1, 4).float()
+        for bad in (float("nan"), float("inf")):
+            broken = w.clone()
+            broken[0, 1, 2] = bad
+            with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: primitives must be finite, "
+                                                 "got 1 NaN or infinite entries"):
+                ape.set_primitives(broken)
+        with pytest.raises(ValueError, match="every primitive must be orthogonal .*got max \\|W W\\^T - I\\| = "):
+            ape.set_primitives(w * 1.001)
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: primitives must be finite"):
+            tree.set_primitives(torch.full((2, 1, 4, 4), float("nan")))
+
+    def test_node_ids_from_paths_rejects_non_integer_steps(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=3)
+        for bad in (1.5, 1.0, True, "1", torch.tensor(1.0)):
+            with pytest.raises(TypeError, match="AlgebraicTreePositionalEmbedding: paths must hold integer branch "
+                                                "indices, got .* in path"):
+                tree.node_ids_from_paths([[0], [bad]])
+        assert tree.node_ids_from_paths([[torch.tensor(1), 0]]).tolist() == [5]
+        empty = tree.node_ids_from_paths([])
+        assert empty.dtype == torch.long and empty.numel() == 0
+
+    # --- issue 12 item 8: Enformer gamma normalisation
+    @pytest.mark.parametrize("normalization", ["per_feature", "global", "per_distance"])
+    def test_enformer_gamma_normalisations_match_their_formulas(self, normalization):
+        num_basis, length = 4, 40
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=6 * num_basis, length_scale=length,
+                                               gamma_normalization=normalization)
+        # every distance of an input of `length` tokens, as both references evaluate them
+        distances = list(range(-length + 1, length))
+        raw = [enformer_gamma_raw(d, num_basis, length) for d in distances]
+        if normalization == "global":            # DeepMind: probabilities / tf.reduce_max(probabilities)
+            top = max(max(row) for row in raw)
+            want = [[g / top for g in row] for row in raw]
+        elif normalization == "per_distance":    # enformer-pytorch: probabilities / amax(probabilities, dim=-1)
+            want = [[g / max(row) for g in row] for row in raw]
+        else:                                    # each density over its own peak
+            peaks = [max(row[f] for row in raw) for f in range(num_basis)]
+            want = [[g / p for g, p in zip(row, peaks)] for row in raw]
+        got = enformer.features(torch.tensor(distances))[:, 2 * num_basis : 3 * num_basis]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-15)
+        assert normalization in repr(enformer)
+
+    def test_enformer_gamma_normalisations_differ_and_default_is_per_feature(self):
+        make = lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=40, **kw).features(
+            torch.arange(-39, 40))
+        features = {n: make(gamma_normalization=n) for n in ("per_feature", "global", "per_distance")}
+        torch.testing.assert_close(make(), features["per_feature"], rtol=0, atol=0)
+        assert (features["global"] - features["per_feature"]).abs().max() > 1e-2
+        assert (features["per_distance"] - features["per_feature"]).abs().max() > 1e-1
+        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: gamma_normalization must be one of "
+                                             "'per_feature', 'global', 'per_distance', got gamma_normalization='max'"):
+            EnformerPositionalEmbedding(2, 4, num_features=24, gamma_normalization="max")
+
+    # --- issue 12 item 12: gradients to float positions; Transformer-XL with Nq > Nk
+    @pytest.mark.parametrize("cls", [TransformerXLPositionalEmbedding, EnformerPositionalEmbedding])
+    def test_gradcheck_float_positions(self, cls):
+        pe = (cls(2, 4, d_model=6) if cls is TransformerXLPositionalEmbedding
+              else cls(2, 4, num_features=12, length_scale=16)).double()
+        q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64)
+        # distinct distances away from 0 and from the central masks' steps (2**k - 1)
+        pos_q = torch.tensor([0.25, 4.6, 9.1], dtype=torch.float64, requires_grad=True)
+        pos_k = torch.tensor([2.1, 5.45, 0.7, 12.35], dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a, b: pe(q, k, a, b), (pos_q, pos_k))
+        batched = torch.stack([pos_q.detach(), pos_q.detach() + 0.05]).requires_grad_()
+        assert torch.autograd.gradcheck(lambda a: pe(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), a, pos_k),
+                                        (batched,))
+        # the values equal the no-grad (distinct-distance) path
+        torch.testing.assert_close(pe(q, k, pos_q, pos_k), pe(q, k, pos_q.detach(), pos_k.detach()))
+
+    def test_transformer_xl_rejects_more_queries_than_keys_with_default_positions(self):
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
+        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: default positions need at least as "
+                                             "many keys as queries .*got Nq=5 > Nk=3; pass positions_q and "
+                                             "positions_k explicitly"):
+            xl(q, k)
+        out = xl(q, k, torch.arange(5), torch.arange(3))                                # explicit: defined
+        assert out.shape == (1, 2, 5, 3)
+        assert xl(q[..., :3, :], k).shape == (1, 2, 3, 3)
