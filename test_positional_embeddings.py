@@ -6,11 +6,13 @@ maths against slow float64 oracles written plainly here and against published co
 """
 
 import copy
+import csv
 import doctest
 import importlib
 import inspect
 import math
 import os
+import pathlib
 import pickle
 import sys
 from dataclasses import dataclass, field
@@ -5052,6 +5054,18 @@ def test_readme_examples_run():
         exec(compile(block, "README.md", "exec"), namespace)
 
 
+@pytest.mark.parametrize("page", sorted(p.name for p in (pathlib.Path(__file__).parent / "docs").glob("*.md")))
+def test_docs_examples_run(page):
+    """Every ```python block of each docs/ page runs, in order, in one namespace per page
+    (``py`` blocks are shown, not run: they need a process group)."""
+    import re
+
+    text = (pathlib.Path(__file__).parent / "docs" / page).read_text()
+    namespace = {}
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        exec(compile(block, page, "exec"), namespace)
+
+
 def test_compare_quick_runs_end_to_end():
     """benchmarks/compare.py --quick trains and evaluates every task kind (2 steps, 1 eval batch)."""
     import pathlib
@@ -5367,3 +5381,68 @@ class TestReviewFixes:
         out = xl(q, k, torch.arange(5), torch.arange(3))                                # explicit: defined
         assert out.shape == (1, 2, 5, 3)
         assert xl(q[..., :3, :], k).shape == (1, 2, 3, 3)
+
+
+# ---------------------------------------------------------------------------
+# Evidence scripts: extrapolation study (quick mode) and the gallery
+# ---------------------------------------------------------------------------
+
+
+REPO = pathlib.Path(__file__).resolve().parent
+
+
+def _load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extrapolation_quick_runs(tmp_path):
+    extrapolation = _load_benchmark("extrapolation")
+    extrapolation.main(["--quick", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "extrapolation.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    encodings = extrapolation.QUICK_ENCODINGS
+    train_len = extrapolation.QUICK["train_len"]
+    lengths = [train_len * f for f in extrapolation.LENGTH_FACTORS]
+    # one row per encoding x evaluation length (one seed in quick mode), nothing else
+    assert sorted((r["encoding"], int(r["eval_len"])) for r in rows) == sorted(
+        (name, n) for name in encodings for n in lengths)
+    for r in rows:
+        bpb = float(r["bpb"])
+        assert math.isfinite(bpb) and bpb > 0, r
+        if int(r["eval_len"]) == train_len:
+            assert math.isnan(float(r["bpb_beyond_L"])), r   # no position >= L in a window of L
+            assert bpb < extrapolation.UNIFORM_BPB, f"{r['encoding']} does not beat uniform guessing at L: {bpb}"
+        else:
+            assert math.isfinite(float(r["bpb_beyond_L"])), r
+        assert int(r["eval_bytes"]) == extrapolation.QUICK["eval_segments"] * lengths[-1]   # same bytes at every length
+    with open(tmp_path / "extrapolation_positions.csv") as handle:
+        positions = list(csv.DictReader(handle))
+    assert {r["encoding"] for r in positions} == set(encodings)
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("extrapolation.png", "extrapolation_position.png", "extrapolation_cost.png"):
+            assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_extrapolation_registry_covers_library():
+    extrapolation = _load_benchmark("extrapolation")
+    assert extrapolation.uncovered_classes() == []
+    corpus_files = extrapolation.corpus_files(pathlib.Path(extrapolation.sysconfig.get_paths()["stdlib"]))
+    assert corpus_files == sorted(corpus_files) and corpus_files
+    assert not any(part in extrapolation.EXCLUDED_DIRS for f in corpus_files for part in f.split("/")[:-1])
+
+
+def test_gallery_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    gallery = _load_benchmark("gallery")
+    outcome = gallery.make_gallery(str(tmp_path))
+    assert (tmp_path / "gallery.png").stat().st_size > 50_000
+    failed = {name: result for name, result in outcome.items() if not result.endswith(".png")}
+    assert not failed, failed
+    for name in gallery.GALLERY:
+        assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
+    assert gallery.uncovered_classes() == []
