@@ -2164,7 +2164,22 @@ def _diagonals(scores: Tensor, q_len: int, k_len: int) -> Tensor:
     return flat.unflatten(-1, (q_len, length - 1))[..., :k_len]                                  # [..., Nq, Nk]
 
 
-class _RelativeLogits(PositionalEmbedding):
+class _ExplicitLogits(PositionalEmbedding):
+    """A ``"logits"`` kind: ``full_precision_logits`` computes the logits (float32); ``forward`` and
+    ``forward_attn`` return them in the input dtype, and ``attention()`` softmaxes them itself."""
+
+    kind = "logits"
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``; no value term)."""
+        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
+
+
+class _RelativeLogits(_ExplicitLogits):
     """Logits ``q_c . k + q_r . r(pos_k - pos_q)`` with learned per-distance keys ``r``.
 
     Subclasses give ``biased_queries`` (the content and position queries, with the paper's
@@ -2195,14 +2210,6 @@ class _RelativeLogits(PositionalEmbedding):
     def _check_lengths(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
                        positions_k: Optional[Tensor]) -> None:
         """Subclass hook: reject query/key lengths the encoding does not define."""
-
-    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``)."""
-        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
-
-    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
 
     def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
@@ -2980,7 +2987,7 @@ def _reject_positions(owner: str, positions_q, positions_k, why: str) -> None:
             raise ValueError(f"{owner}: {name} must be None: {why}, got {got}")
 
 
-class CoPEPositionalEmbedding(PositionalEmbedding):
+class CoPEPositionalEmbedding(_ExplicitLogits):
     """Contextual Position Encoding (Golovneva et al., arXiv:2405.18719).
 
     Positions are counted by the content: query ``i`` opens a gate on every key,
@@ -3056,14 +3063,6 @@ class CoPEPositionalEmbedding(PositionalEmbedding):
             nn.init.normal_(self.pos_emb, std=self.init_std)
         else:
             nn.init.zeros_(self.pos_emb)
-
-    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``); ``-inf`` after the query."""
-        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
-
-    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
 
     def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
         owner = type(self).__name__
@@ -3345,7 +3344,7 @@ def _row_sums(weights: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     return buckets.scatter_add(-1, rows.expand(weights.shape), weights)
 
 
-class ShawPositionalEmbedding(PositionalEmbedding):
+class ShawPositionalEmbedding(_ExplicitLogits):
     """Shaw et al.'s relative position representations (arXiv:1803.02155).
 
     ``logits[i, j] = scale * q_i . (k_j + a_K[r(i, j)])`` and, inside ``attention()``,
@@ -3455,14 +3454,6 @@ class ShawPositionalEmbedding(PositionalEmbedding):
         distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
         return distances.clamp(-self.left, self.right) + self.left
 
-    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``; no value term)."""
-        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
-
-    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
-
     def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
@@ -3520,7 +3511,7 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
     return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
 
 
-class DebertaPositionalEmbedding(PositionalEmbedding):
+class DebertaPositionalEmbedding(_ExplicitLogits):
     """DeBERTa's disentangled attention (He et al., arXiv:2006.03654), as in DeBERTa-v2/v3.
 
     ``logits[i, j] = scale * (q_i . k_j + q_i . K_r[h, idx(i, j)] + k_j . Q_r[h, idx(i, j)])``
@@ -3697,14 +3688,6 @@ class DebertaPositionalEmbedding(PositionalEmbedding):
                                           max_relative_positions=self.max_relative_positions)
         rows = (relative + self.span).clamp(0, 2 * self.span - 1)
         return _toeplitz(rows, q_len, k_len) if positions_q is None and positions_k is None else rows
-
-    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """Pre-softmax logits ``[B, H, Nq, Nk]`` (same as ``forward_attn``)."""
-        return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
-
-    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        return self.full_precision_logits(q, k, positions_q, positions_k, scale=scale).to(q.dtype)
 
     def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
