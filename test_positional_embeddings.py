@@ -5384,6 +5384,64 @@ class TestReviewFixes:
 
 
 # ---------------------------------------------------------------------------
+# attention() and today's models: grouped-query attention, packed documents
+# ---------------------------------------------------------------------------
+
+
+def _attention_kwargs(case, n):
+    positions_q, positions_k = case.positions(n, n)
+    return {"positions_q": positions_q, "positions_k": positions_k}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input"], ids=repr)
+def test_grouped_query_attention_equals_repeated_kv(case):
+    """k, v with H / 2 heads give what the same k, v repeated per query head give."""
+    pe = case.make()
+    q = torch.randn(B, H, N, DH)
+    k, v = torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
+    kwargs = _attention_kwargs(case, N)
+    want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, **kwargs)
+    torch.testing.assert_close(attention(q, k, v, pe, causal=True, **kwargs), want)
+
+
+def test_grouped_query_attention_checks_head_counts():
+    q, k = torch.randn(B, 4, N, DH), torch.randn(B, 3, N, DH)
+    with pytest.raises(ValueError, match="attention: k and v must have as many heads as q or divide them"):
+        attention(q, k, k)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input" and c.required_positions is None
+                                  and c.make().takes_positions], ids=repr)
+def test_packed_documents_equal_each_document_alone(case):
+    """Oracle: each document run alone with its own default positions."""
+    pe = case.make()
+    q, k, v = qkv()
+    ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+    got = attention(q, k, v, pe, causal=True, document_ids=ids)
+    start = 0
+    for length in (5, 7, 4):
+        piece = slice(start, start + length)
+        want = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=True)
+        torch.testing.assert_close(got[..., piece, :], want)
+        start += length
+
+
+def test_packed_documents_batched_ids_and_positions():
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
+    assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]]
+    pe = ALiBiPositionalEmbedding(H)
+    q, k, v = qkv(6, 6)
+    got = attention(q, k, v, pe, causal=True, document_ids=ids)
+    for row in range(2):
+        for doc in ids[row].unique():
+            keep = ids[row] == doc
+            want = attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], pe, causal=True)
+            torch.testing.assert_close(got[row:row + 1, :, keep], want)
+    with pytest.raises(TypeError, match="attention: document_ids must be an integer tensor"):
+        attention(q, k, v, pe, document_ids=torch.zeros(6))
+
+
+# ---------------------------------------------------------------------------
 # Evidence scripts: extrapolation study (quick mode) and the gallery
 # ---------------------------------------------------------------------------
 
