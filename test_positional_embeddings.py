@@ -4799,8 +4799,6 @@ class TestRotaryFromConfig:
                 assert hf_sin[n, i].item() == pytest.approx(math.sin(angle), abs=2e-5)
         assert self.qwen3_vl()[0].to_dict()["text_config"]["rope_parameters"]["mrope_interleaved"] is True
 
-    @pytest.mark.xfail(not lib_accepts(RotaryPositionalEmbedding, "section_layout"), strict=False,
-                       reason="needs the lead's RoPE extension (section_layout)")
     def test_qwen3_vl_interleaved_mrope(self):
         config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
         compare_cos_sin("qwen3_vl (interleaved mrope)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, axes.T)
@@ -4837,7 +4835,6 @@ class TestRotaryFromConfig:
                 assert hf_cos[n, i].item() == pytest.approx(math.cos(n * freq), abs=2e-5)
                 assert hf_sin[n, i].item() == pytest.approx(math.sin(n * freq), abs=2e-5)
 
-    @pytest.mark.xfail(strict=False, reason="needs the lead's RoPE extension (rope_type='proportional')")
     def test_gemma4_proportional(self):
         config, (hf_cos, hf_sin) = self.gemma4()
         compare_cos_sin("gemma4/proportional", _rotary_kwargs_from_config(config, layer_type="full_attention"),
