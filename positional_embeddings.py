@@ -325,6 +325,13 @@ def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offs
     return _default_positions(n, offset, device)
 
 
+def _axis_positions(module: "PositionalEmbedding", positions: Optional[Tensor], n: int, offset: int, device) -> Tensor:
+    """Validated positions as ``[..., N, A]`` (one axis gets a trailing 1; default ``arange(N) + offset``),
+    for the learned rotations that treat every axis alike."""
+    positions = _or_default(type(module).__name__, "positions", positions, n, offset, device, module.num_axes)
+    return positions.unsqueeze(-1) if module.num_axes == 1 else positions
+
+
 def _token_positions(module: "PositionalEmbedding", positions: Optional[Tensor], x: Tensor, offset: int) -> Tensor:
     """Positions for the tokens of ``x`` ``[..., N, D]``: validated, or ``arange(N) + offset``."""
     owner, n, num_axes = type(module).__name__, x.shape[-2], module.num_axes
@@ -3880,27 +3887,22 @@ class _OrthogonalRotation(PositionalEmbedding):
             rotated = torch.matmul(rotated, basis.mT)                                   # Q R(p theta) Q^T x
         return rotated.transpose(-2, -3).flatten(-2).to(x.dtype)                        # [..., H, N, Dh]
 
-    def _positions_or_default(self, positions: Optional[Tensor], n: int, offset: int, device) -> Tensor:
-        """[..., N, A] positions (one axis: arange(N) + offset by default)."""
-        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
-        return positions.unsqueeze(-1) if self.num_axes == 1 else positions
-
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         """``W^p x`` for every token (per axis on grids): x [..., H, N, Dh]."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
         self._check_heads(x, "x")
         positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
-        positions = self._positions_or_default(positions, x.shape[-2], offset, x.device)
+        positions = _axis_positions(self, positions, x.shape[-2], offset, x.device)
         return self._transform(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), full=True)
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
-        cos_k, sin_k = self._cos_sin(self._positions_or_default(positions_k, k_len, 0, k.device), dtype)
+        cos_k, sin_k = self._cos_sin(_axis_positions(self, positions_k, k_len, 0, k.device), dtype)
         if positions_q is None and positions_k is None and q_len == k_len:
             cos_q, sin_q = cos_k, sin_k
         else:
-            positions_q = self._positions_or_default(positions_q, q_len, _query_offset(q_len, k_len), q.device)
+            positions_q = _axis_positions(self, positions_q, q_len, _query_offset(q_len, k_len), q.device)
             cos_q, sin_q = self._cos_sin(positions_q, dtype)
         return self._transform(q, cos_q, sin_q, full=False), self._transform(k, cos_k, sin_k, full=False)
 
@@ -4841,11 +4843,6 @@ class _TokenRotation(PositionalEmbedding):
         self.num_heads = _as_sizes(owner, "num_heads", num_heads, 1)[0]
         self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
 
-    def _positions(self, positions: Optional[Tensor], n: int, offset: int, device) -> Tensor:
-        """[..., N, A] positions (one axis: ``arange(N) + offset`` by default)."""
-        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
-        return positions.unsqueeze(-1) if self.num_axes == 1 else positions
-
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         """Rotate ``x`` ``[..., H, N, Dh]`` (call it for q and for k)."""
         owner = type(self).__name__
@@ -4854,15 +4851,15 @@ class _TokenRotation(PositionalEmbedding):
         positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
         if positions is not None and positions.dim() > (1 if self.num_axes == 1 else 2) and x.dim() < 4:
             raise ValueError(f"{owner}: [B, N] positions need x of shape [B, ..., H, N, Dh], got x {tuple(x.shape)}")
-        return self._rotate_tokens(x, self._positions(positions, x.shape[-2], offset, x.device))
+        return self._rotate_tokens(x, _axis_positions(self, positions, x.shape[-2], offset, x.device))
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len = q.shape[-2], k.shape[-2]
-        positions_k_full = self._positions(positions_k, k_len, 0, k.device)
+        positions_k_full = _axis_positions(self, positions_k, k_len, 0, k.device)
         if positions_q is None and positions_k is None and q_len == k_len:
             positions_q_full = positions_k_full
         else:
-            positions_q_full = self._positions(positions_q, q_len, _query_offset(q_len, k_len), q.device)
+            positions_q_full = _axis_positions(self, positions_q, q_len, _query_offset(q_len, k_len), q.device)
         return self._rotate_both(q, positions_q_full, k, positions_k_full)
 
     def _rotate_both(self, q: Tensor, positions_q: Tensor, k: Tensor, positions_k: Tensor) -> tuple:
