@@ -1,6 +1,6 @@
 """Train one tiny transformer with each positional encoding on synthetic tasks; print a table.
 
-Not a test and not a leaderboard: one seed, a few hundred optimiser steps on a 2-core CPU.
+Not a test and not a leaderboard: three seeds, 600 optimiser steps each, on a 2-core CPU.
 It shows which encodings can learn tasks where position matters, at the trained length and
 at twice that length, with the same model, data, optimiser and budget for every encoding.
 
@@ -11,12 +11,17 @@ decay), gradients clipped at 1. Encodings plug in through the library's interfac
 ``kind == "input"`` encodings run ``pe.forward_input(x, positions)`` on the token
 embeddings before the first block; every other kind is passed to
 ``attention(q, k, v, pe, positions_q=..., positions_k=..., causal=...)`` in both blocks (one
-encoding module shared by the two layers). "none" runs plain attention. Each encoding is
+encoding module shared by the two layers; the forget gate is bound to each block's normalised
+token states). "nope" runs plain attention. Each encoding is
 built as in the library's ``_demo_modules``, sized for this model, with these choices: the
 learned table starts at the token embeddings' scale (``init_std=1.0``; BERT's 0.02 matches
 BERT's 0.02 token table, and at 0.02 next to N(0, 1) tokens it did not learn ``reverse``);
-T5, ALiBi and TUPE's bias are bidirectional on bidirectional tasks; Enformer's basis is
-scaled to the longest evaluated sequence (``length_scale``) with 36 features.
+T5, ALiBi, TUPE, KERPLE, Sandwich and FIRE are bidirectional on bidirectional tasks; xPos,
+CoPE and the forget gate are causal by construction and run on the causal task only;
+Enformer's basis is scaled to the longest evaluated sequence (``length_scale``) with 36
+features. On the grid, Swin's table and Swin-v2's continuous bias cover a window the size of
+the long grid (6 x 12) and read each cell's token index in it; the convolution (CPVT's PEG)
+takes the grid shape; the other grid encodings take ``(row, column)`` positions.
 
 Tasks (inputs drawn from a seeded ``torch.Generator``; every encoding sees the same batches):
 
@@ -42,14 +47,15 @@ training length exist but were never trained; the notes column says so.
 
 Run it from the repository root:
 
-    python benchmarks/compare.py                      # everything: 10 to 13 minutes on 2 idle cores
-    python benchmarks/compare.py --quick              # 5 encodings, 200 steps: about 1.5 minutes
-    python benchmarks/compare.py --markdown           # the table as Markdown, for the README
-    python benchmarks/compare.py --tasks reverse,tree --encodings rotary,none --steps 300 --seed 1
+    python benchmarks/compare.py                      # everything, 3 seeds: about an hour on 2 idle cores
+    python benchmarks/compare.py --quick              # 5 encodings, 1 seed, 200 steps: about 1.5 minutes
+    python benchmarks/compare.py --markdown --csv benchmarks/results/compare.csv   # the docs table
+    python benchmarks/compare.py --tasks reverse,tree --encodings rotary,nope --steps 300 --seeds 1
     python benchmarks/compare.py --quick --steps 2 --eval-batches 1   # smoke test (seconds)
 
-Progress goes to stderr, the table and a legend to stdout. Results are deterministic given
-``--seed`` (and the thread count); wall times are not. The script sets
+Progress goes to stderr, the table (mean over seeds, with the range) and a legend to stdout;
+``--csv`` also writes every seed's row. Results are deterministic given the seed (and the
+thread count); wall times are not. The script sets
 ``OMP_WAIT_POLICY=PASSIVE`` (unless already set) so that another process on the machine
 slows it down proportionally instead of 30x.
 """
@@ -205,12 +211,16 @@ class Encoding:
     """How to build one encoding for a task and which positions it reads.
 
     ``axes``: "flat" (default positions: the sequence, row-major or breadth-first order),
-    "grid" (``[N, 2]`` row and column) or "tree" (breadth-first node ids).
+    "grid" (``[N, 2]`` row and column), "window" (token indices into a window the size of
+    the long grid, as Swin's tables take them), "grid_shape" (the ``(H, W)`` tuple a
+    convolution over the token grid takes) or "tree" (breadth-first node ids).
+    ``causal_only``: the encoding is causal by construction (runs on causal tasks only).
     """
 
     name: str
     build: Callable               # Task -> PositionalEmbedding or None
     axes: str = "flat"
+    causal_only: bool = False
 
 
 def _max_tokens(task: Task) -> int:
@@ -218,7 +228,7 @@ def _max_tokens(task: Task) -> int:
 
 
 ENCODINGS = {e.name: e for e in [
-    Encoding("none", lambda task: None),
+    Encoding("nope", lambda task: pe_lib.NoPositionalEmbedding()),
     Encoding("sinusoidal", lambda task: pe_lib.SinusoidalPositionalEmbedding(D_MODEL)),
     # init at the token embeddings' scale, N(0, 1): BERT's 0.02 is the scale of BERT's token table
     Encoding("learned", lambda task: pe_lib.LearnedPositionalEmbedding(_max_tokens(task), D_MODEL, init_std=1.0)),
@@ -233,28 +243,62 @@ ENCODINGS = {e.name: e for e in [
         NUM_HEADS, HEAD_DIM, num_features=36, length_scale=_max_tokens(task))),
     Encoding("algebraic_seq", lambda task: pe_lib.AlgebraicSequencePositionalEmbedding(HEAD_DIM, NUM_HEADS)),
     Encoding("heinsen", lambda task: pe_lib.HeinsenPositionalEmbedding(D_MODEL, D_MODEL)),
+    Encoding("xpos", lambda task: pe_lib.XPosPositionalEmbedding(HEAD_DIM), causal_only=True),
+    Encoding("kerple_log", lambda task: pe_lib.KerplePositionalEmbedding(
+        NUM_HEADS, kernel="log", bidirectional=not task.causal)),
+    Encoding("kerple_power", lambda task: pe_lib.KerplePositionalEmbedding(
+        NUM_HEADS, kernel="power", bidirectional=not task.causal)),
+    Encoding("sandwich", lambda task: pe_lib.SandwichPositionalEmbedding(
+        NUM_HEADS, D_MODEL, bidirectional=not task.causal)),
+    Encoding("fire", lambda task: pe_lib.FIREPositionalEmbedding(NUM_HEADS, bidirectional=not task.causal)),
+    Encoding("cope", lambda task: pe_lib.CoPEPositionalEmbedding(NUM_HEADS, HEAD_DIM), causal_only=True),
+    Encoding("forgetting", lambda task: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS), causal_only=True),
+    Encoding("shaw", lambda task: pe_lib.ShawPositionalEmbedding(NUM_HEADS, HEAD_DIM)),
+    Encoding("deberta", lambda task: pe_lib.DebertaPositionalEmbedding(D_MODEL, NUM_HEADS)),
     Encoding("sinusoidal_2d", lambda task: pe_lib.SinusoidalPositionalEmbedding(D_MODEL, num_axes=2), "grid"),
     Encoding("rotary_2d", lambda task: pe_lib.RotaryPositionalEmbedding(
         HEAD_DIM, sections=[HEAD_DIM // 4, HEAD_DIM // 4], axis_spectrum="per_axis"), "grid"),
     Encoding("algebraic_grid", lambda task: pe_lib.AlgebraicGridPositionalEmbedding(HEAD_DIM, NUM_HEADS), "grid"),
+    Encoding("swin_bias", lambda task: pe_lib.RelativePositionBias2D(NUM_HEADS, task.long_size), "window"),
+    Encoding("swinv2_cpb", lambda task: pe_lib.ContinuousPositionBias(NUM_HEADS, task.long_size), "window"),
+    Encoding("dynamic_bias_2d", lambda task: pe_lib.DynamicPositionBias(NUM_HEADS, num_axes=2), "grid"),
+    Encoding("mixed_rope", lambda task: pe_lib.MixedRotaryPositionalEmbedding(HEAD_DIM, NUM_HEADS), "grid"),
+    Encoding("liere", lambda task: pe_lib.LieREPositionalEmbedding(HEAD_DIM, NUM_HEADS), "grid"),
+    Encoding("conv_peg", lambda task: pe_lib.ConvolutionalPositionalEmbedding(D_MODEL), "grid_shape"),
+    # Gaussian Fourier features of the integer (row, column): frequencies ~ N(0, 0.1^2) cycles per cell
+    Encoding("fourier_2d", lambda task: pe_lib.FourierFeaturePositionalEmbedding(
+        2, D_MODEL, sampling="gaussian", scale=0.1), "grid"),
     Encoding("algebraic_tree", lambda task: pe_lib.AlgebraicTreePositionalEmbedding(
         HEAD_DIM, NUM_HEADS, branching_factor=2, max_depth=task.long_size), "tree"),
 ]}
 
-# which encodings run on each task kind, in table order
+# which encodings run on each task kind, in table order (causal_only ones on causal tasks only)
+SEQUENCE_ENCODINGS = ["sinusoidal", "learned", "rotary", "t5", "alibi", "tupe", "transformer_xl", "enformer",
+                      "algebraic_seq", "heinsen", "xpos", "kerple_log", "kerple_power", "sandwich", "fire",
+                      "cope", "forgetting", "shaw", "deberta", "nope"]
 KIND_ENCODINGS = {
-    "sequence": ["sinusoidal", "learned", "rotary", "t5", "alibi", "tupe", "transformer_xl", "enformer",
-                 "algebraic_seq", "heinsen", "none"],
-    "grid": ["sinusoidal_2d", "rotary_2d", "algebraic_grid", "sinusoidal", "rotary", "none"],
-    "tree": ["algebraic_tree", "rotary", "learned", "none"],
+    "sequence": SEQUENCE_ENCODINGS,
+    "grid": ["sinusoidal_2d", "rotary_2d", "algebraic_grid", "swin_bias", "swinv2_cpb", "dynamic_bias_2d",
+             "mixed_rope", "liere", "conv_peg", "fourier_2d", "sinusoidal", "rotary", "nope"],
+    "tree": ["algebraic_tree", "rotary", "learned", "nope"],
 }
-QUICK_ENCODINGS = ["rotary", "rotary_2d", "algebraic_grid", "algebraic_tree", "none"]
+QUICK_ENCODINGS = ["rotary", "rotary_2d", "algebraic_grid", "algebraic_tree", "nope"]
 
 
-def positions_for(encoding: Encoding, task: Task, size) -> Optional[Tensor]:
-    """The positions an encoding is given at a size: None (default arange), [N, 2] or node ids [N]."""
+def applies(encoding: Encoding, task: Task) -> bool:
+    return task.causal or not encoding.causal_only
+
+
+def positions_for(encoding: Encoding, task: Task, size):
+    """What an encoding is given at a size: None (default arange), [N, 2], window token
+    indices [N], the grid shape (H, W) or tree node ids [N]."""
     if encoding.axes == "grid":
         return task.grid_positions(size)
+    if encoding.axes == "window":
+        rows_cols = task.grid_positions(size)                                            # [N, 2]
+        return rows_cols[:, 0] * task.long_size[1] + rows_cols[:, 1]
+    if encoding.axes == "grid_shape":
+        return tuple(size)
     if encoding.axes == "tree":
         return task.node_ids(size)
     return None
@@ -263,19 +307,33 @@ def positions_for(encoding: Encoding, task: Task, size) -> Optional[Tensor]:
 def notes_for(encoding: Encoding, task: Task) -> str:
     """What makes a row structurally different from the others (empty if nothing)."""
     notes = []
-    if encoding.axes == "flat" and task.kind != "sequence":
+    if encoding.axes == "flat" and task.kind != "sequence" and encoding.name != "nope":
         notes.append("1-D over the " + ("row-major" if task.kind == "grid" else "breadth-first") + " order")
     if encoding.name in ("learned", "tupe"):
         notes.append(f"table of {_max_tokens(task)}; rows >= {task.num_tokens(task.train_size)} never trained")
-    if encoding.name == "alibi" and not task.causal:
-        notes.append("bidirectional: symmetric bias -m * abs(i - j), no left/right")
+    if encoding.name in ("alibi", "kerple_log", "kerple_power", "sandwich", "fire") and not task.causal:
+        notes.append("bidirectional: symmetric in i - j, no left/right")
     if encoding.name == "t5":
         notes.append("logits scaled by 1/sqrt(Dh) (T5 uses 1)")
     if encoding.name == "enformer":
         notes.append(f"length_scale {_max_tokens(task)}, 36 features")
     if encoding.name == "heinsen":
         notes.append("order from a left-to-right recurrence")
+    if encoding.name == "forgetting":
+        notes.append("gate reads each block's normalised token states")
+    if encoding.name == "shaw":
+        notes.append("distances clipped at 16")
+    if encoding.axes == "window":
+        height, width = task.long_size
+        notes.append(f"window {height}x{width}; column offsets >= {task.train_size[1]} never trained")
     return "; ".join(notes)
+
+
+def add_input_encoding(pe, x: Tensor, positions) -> Tensor:
+    """An "input" encoding on the token embeddings: the convolution takes the grid shape."""
+    if isinstance(positions, tuple):
+        return pe(x, positions)
+    return pe.forward_input(x, positions)
 
 
 # ---------------------------------------------------------------------------
@@ -294,11 +352,13 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D_MODEL, MLP_RATIO * D_MODEL), nn.GELU(),
                                  nn.Linear(MLP_RATIO * D_MODEL, D_MODEL))
 
-    def forward(self, x: Tensor, pe: Optional[pe_lib.PositionalEmbedding], positions: Optional[Tensor],
-                causal: bool) -> Tensor:
+    def forward(self, x: Tensor, pe: Optional[pe_lib.PositionalEmbedding], positions, causal: bool) -> Tensor:
         batch, n, _ = x.shape
-        qkv = self.qkv(self.ln_attn(x)).view(batch, n, 3, NUM_HEADS, HEAD_DIM)           # [B, N, 3, H, Dh]
+        h = self.ln_attn(x)                                                              # [B, N, D]
+        qkv = self.qkv(h).view(batch, n, 3, NUM_HEADS, HEAD_DIM)                         # [B, N, 3, H, Dh]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                                    # [B, H, N, Dh] each
+        if isinstance(pe, pe_lib.ForgettingPositionalEmbedding):   # the gate reads this block's states
+            pe = pe(h)
         y = pe_lib.attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal)
         x = x + self.out(y.transpose(1, 2).reshape(batch, n, D_MODEL))                   # [B, N, D]
         return x + self.mlp(self.ln_mlp(x))
@@ -321,7 +381,7 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens)                                                           # [B, N, D]
         attn_pe, attn_positions = self.pe, positions
         if self.pe is not None and self.pe.kind == "input":   # added to the tokens once, not in attention
-            x, attn_pe, attn_positions = self.pe.forward_input(x, positions), None, None
+            x, attn_pe, attn_positions = add_input_encoding(self.pe, x, positions), None, None
         for block in self.blocks:
             x = block(x, attn_pe, attn_positions, self.causal)
         return self.head(self.ln_final(x))                                               # [B, N, vocab]
@@ -422,37 +482,65 @@ def run(task: Task, encoding: Encoding, budget: Budget, seed: int) -> Row:
 # ---------------------------------------------------------------------------
 
 
-COLUMNS = ["encoding", "task", "acc@L", "acc@2L", "params", "time (s)", "seed", "notes"]
+@dataclass(frozen=True)
+class Summary:
+    """The rows of one (task, encoding) pair over its seeds."""
+
+    rows: list
+
+    def spread(self, values: list) -> str:
+        """Mean, and the range over seeds when there is more than one: 0.912 (0.85-0.97)."""
+        mean = sum(values) / len(values)
+        return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.2f}-{max(values):.2f})"
+
+    def cells(self) -> list:
+        first = self.rows[0]
+        at_l = self.spread([row.acc_train_len for row in self.rows])
+        at_2l = "-" if first.acc_long is None else self.spread([row.acc_long for row in self.rows])
+        seconds = sum(row.seconds for row in self.rows) / len(self.rows)
+        return [first.encoding, first.task, at_l, at_2l, str(first.params), f"{seconds:.1f}",
+                ",".join(str(row.seed) for row in self.rows), first.notes]
 
 
-def row_cells(row: Row) -> list:
-    long = "-" if row.acc_long is None else f"{row.acc_long:.3f}"
-    return [row.encoding, row.task, f"{row.acc_train_len:.3f}", long, str(row.params), f"{row.seconds:.1f}",
-            str(row.seed), row.notes]
+COLUMNS = ["encoding", "task", "acc@L", "acc@2L", "params", "s/seed", "seeds", "notes"]
 
 
-def format_table(rows: list, markdown: bool) -> str:
-    cells = [COLUMNS] + [row_cells(row) for row in rows]
+def format_table(summaries: list, markdown: bool) -> str:
+    cells = [COLUMNS] + [summary.cells() for summary in summaries]
     if markdown:
         lines = ["| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in cells]
-        lines.insert(1, "|" + "|".join("---" if i in (0, 1, 7) else "---:" for i in range(len(COLUMNS))) + "|")
+        lines.insert(1, "|" + "|".join("---" if i in (0, 1, 6, 7) else "---:" for i in range(len(COLUMNS))) + "|")
         return "\n".join(lines)
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    right = {2, 3, 4, 5, 6}
+    right = {2, 3, 4, 5}
     fmt = lambda line: "  ".join(c.rjust(w) if i in right else c.ljust(w)
                                  for i, (c, w) in enumerate(zip(line, widths))).rstrip()
     return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(line) for line in cells[1:]])
 
 
-def legend(tasks: list, budget: Budget) -> str:
+def write_csv(path: str, rows: list) -> None:
+    """One line per (task, encoding, seed)."""
+    import csv
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["task", "encoding", "seed", "acc_at_L", "acc_at_2L", "params", "seconds", "notes"])
+        for row in rows:
+            long = "" if row.acc_long is None else f"{row.acc_long:.4f}"
+            writer.writerow([row.task, row.encoding, row.seed, f"{row.acc_train_len:.4f}", long, row.params,
+                             f"{row.seconds:.1f}", row.notes])
+
+
+def legend(tasks: list, budget: Budget, seeds: list) -> str:
     lines = [f"Model: {NUM_LAYERS} pre-LN layers, d_model {D_MODEL}, {NUM_HEADS} heads, MLP {MLP_RATIO}x; "
              f"{budget.steps} AdamW steps of batch {budget.batch_size}; accuracy over "
              f"{budget.eval_batches} x {budget.batch_size} held-out samples. params: of the encoding module only."]
     for task in tasks:
         lines.append(f"- {task.name}: {task.measures}. L = {task.size_label(task.train_size)}, "
                      f"2L = {task.size_label(task.long_size)}; chance {task.chance:.3f}.")
-    lines.append("One seed per row. Recall is learned through a sudden transition, so a recall row near "
-                 "0.25 at L may be a few hundred steps short rather than unable: try --seed or --steps.")
+    lines.append(f"Accuracies are the mean over seeds {', '.join(map(str, seeds))}"
+                 + (" with the (min-max) range over seeds." if len(seeds) > 1 else ".")
+                 + " xPos, CoPE and the forget gate are causal by construction: they run on the causal task only.")
     return "\n".join(lines)
 
 
@@ -474,9 +562,9 @@ def header(argv: list) -> str:
 def parse_args(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help=f"fewer steps and only {', '.join(QUICK_ENCODINGS)} (every task kind still runs)")
+                        help=f"fewer steps, one seed and only {', '.join(QUICK_ENCODINGS)} (every task kind still runs)")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps per run (default 600, quick 200)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default 0,1,2; quick 0)")
     parser.add_argument("--tasks", default=None,
                         help=f"comma-separated tasks or kinds: {', '.join([*TASKS, *TASK_KINDS])} (default: all)")
     parser.add_argument("--encodings", default=None,
@@ -486,9 +574,18 @@ def parse_args(argv: list) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--csv", default=None, help="also write one line per (task, encoding, seed) to this file")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 200 if args.quick else 600
+    if args.seeds is None:
+        args.seeds = "0" if args.quick else "0,1,2"
+    try:
+        args.seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+    except ValueError:
+        raise SystemExit(f"compare.py: --seeds must be comma-separated integers, got {args.seeds!r}")
+    if not args.seeds:
+        raise SystemExit("compare.py: --seeds names no seed")
     return args
 
 
@@ -516,7 +613,7 @@ def selected_pairs(args: argparse.Namespace) -> list:
     if wanted is None and args.quick:
         wanted = QUICK_ENCODINGS
     return [(task, ENCODINGS[name]) for task in selected_tasks(args) for name in KIND_ENCODINGS[task.kind]
-            if wanted is None or name in wanted]
+            if (wanted is None or name in wanted) and applies(ENCODINGS[name], task)]
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -529,17 +626,22 @@ def main(argv: Optional[list] = None) -> None:
     if not pairs:
         raise SystemExit("compare.py: no encoding of --encodings applies to the tasks of --tasks")
     print(header([sys.argv[0], *argv]), flush=True)
-    rows, start = [], time.perf_counter()
-    for index, (task, encoding) in enumerate(pairs, 1):
-        row = run(task, encoding, budget, args.seed)
-        rows.append(row)
-        long = "-" if row.acc_long is None else f"{row.acc_long:.3f}"
-        print(f"[{index}/{len(pairs)}] {task.name} / {encoding.name}: acc@L {row.acc_train_len:.3f}, acc@2L {long}"
-              f" ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+    summaries, start, runs = [], time.perf_counter(), len(pairs) * len(args.seeds)
+    for index, (task, encoding) in enumerate(pairs):
+        rows = []
+        for number, seed in enumerate(args.seeds, 1):
+            row = run(task, encoding, budget, seed)
+            rows.append(row)
+            long = "-" if row.acc_long is None else f"{row.acc_long:.3f}"
+            print(f"[{index * len(args.seeds) + number}/{runs}] {task.name} / {encoding.name} / seed {seed}: "
+                  f"acc@L {row.acc_train_len:.3f}, acc@2L {long} ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+        summaries.append(Summary(rows))
+    if args.csv:
+        write_csv(args.csv, [row for summary in summaries for row in summary.rows])
     print()
-    print(format_table(rows, args.markdown))
+    print(format_table(summaries, args.markdown))
     print()
-    print(legend([task for task in TASKS.values() if any(t is task for t, _ in pairs)], budget))
+    print(legend([task for task in TASKS.values() if any(t is task for t, _ in pairs)], budget, args.seeds))
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
