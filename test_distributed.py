@@ -2,7 +2,8 @@
 
 One spawn of 2 ranks runs every distributed check (every class of ``CASES`` on a sequence
 shard, Heinsen's sharded scan at a million tokens, PyTorch's context parallel) and each rank
-saves its measured errors; the tests below read them. Runs as ``drafts/test_scale_out.py``
+saves its measured errors; the tests below read them. A second spawn checks data parallelism:
+DDP and FSDP2 (``fully_shard``, deferred meta init) against one process, one case per class. Runs as ``drafts/test_scale_out.py``
 (imports the draft section) or as a top-level ``test_distributed.py`` once the section is in
 ``positional_embeddings.py``.
 """
