@@ -89,6 +89,7 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 import math
 import numbers
 import operator
+import sys
 from typing import Literal, Optional, Sequence, Union
 
 import torch
@@ -359,6 +360,30 @@ def _inverse_frequencies(dim: int, base: float, device=None) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
+def _is_dtensor(t) -> bool:
+    """A DTensor (an FSDP2 or tensor-parallel parameter)? Asked without importing torch.distributed:
+    no tensor is one unless that module was imported."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (gathered from every rank); ``t`` itself otherwise."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+@torch.no_grad()
+def _copy_into(param: Tensor, value: Tensor) -> None:
+    """``param.copy_(value)`` with a full-size ``value`` (broadcast to ``param``'s shape), also when
+    ``param`` is a DTensor (FSDP2 shards it): each rank keeps its own slice of ``value``, with no
+    communication, so a sharded module gets exactly the unsharded values."""
+    value = value.to(param.dtype).expand(param.shape).contiguous()
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
+
+
 class PositionalEmbedding(nn.Module):
     """Base of every encoding: one interface for token-side and attention-side encodings.
 
@@ -482,6 +507,10 @@ class PositionalEmbedding(nn.Module):
             return tensor.device
         return None
 
+    def _gathered_call(self, fn, *args):
+        """``fn(*args)``: attention()'s entry into this encoding, a forward method for FSDP2 (``_with_parameters``)."""
+        return fn(*args)
+
     def _apply(self, fn, recurse=True):
         # Moves and casts go through here; rebuild derived tables at full precision
         # afterwards (a plain Module would round them to bf16 on .bfloat16()).
@@ -589,6 +618,10 @@ def attention(
     stops every token from attending across documents, and default positions restart at 0
     in every document (``document_positions``); explicit positions win.
 
+    FSDP2: an encoding that was ``fully_shard``-ed by itself has its parameters gathered for
+    this call as for its ``forward`` (nothing to register). Its other methods called directly
+    (``forward_attn``, ``encode_qk``, ...) need ``register_fsdp_forward_method(pe, name)``.
+
     Args:
         q (Tensor): queries ``[B, H, Nq, Dh]``.
         k (Tensor): keys ``[B, Hkv, Nk, Dh]``.
@@ -628,7 +661,6 @@ def attention(
     if use_flex is not None:
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
-    q_len, k_len = q.shape[-2], k.shape[-2]
     if document_ids is not None:
         same_document = _document_mask(q, k, document_ids)                              # [(B, 1, ..,) N, N] bool
         if attn_mask is None or attn_mask.dtype == torch.bool:
@@ -637,6 +669,15 @@ def attention(
             attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
         if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
             positions_q = positions_k = document_positions(document_ids)
+    return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
+                            use_flex, group)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], positions_q, positions_k,
+            causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
+            use_flex: Optional[bool], group: int) -> Tensor:
+    """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head)."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
     if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
         k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
     if pe is not None and pe.kind == "logits":
@@ -659,6 +700,26 @@ def attention(
     if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
         mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _with_parameters(pe: Optional[PositionalEmbedding], fn, *args):
+    """``fn(*args)`` with ``pe``'s parameters at hand.
+
+    FSDP2 gathers a ``fully_shard``-ed module's parameters around ``forward()`` only, and
+    attention() reaches an encoding through its hooks (``encode_qk``, ``attention_bias``,
+    ``full_precision_logits``, ``score_mod``). An encoding sharded by itself therefore runs
+    ``fn`` through ``_gathered_call``, registered on first use with FSDP2's own
+    ``register_fsdp_forward_method``: parameters are gathered before, freed after, and
+    gathered again for the backward, whose gradients are reduce-scattered as after ``forward``.
+    An encoding inside a sharded layer needs none of this (its layer's forward gathers it).
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")                                    # None: FSDP2 never imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if pe is None or fsdp_module is None or not isinstance(pe, fsdp_module):
+        return fn(*args)
+    if "_gathered_call" not in vars(pe):
+        fsdp.register_fsdp_forward_method(pe, "_gathered_call")
+    return pe._gathered_call(fn, *args)
 
 
 def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
@@ -2871,7 +2932,8 @@ class FIREPositionalEmbedding(PositionalEmbedding):
 
     with ``d = i - j >= 0`` for a causal query ``i`` and key ``j``; ``f`` is an MLP
     ``1 -> hidden_dim -> H`` with ReLU (``mlp``: ``Linear``, ``ReLU``, ``Linear``); ``c`` and ``L``
-    are learned scalars (used as ``|c|``, ``|L|``, so they stay positive). Dividing by
+    are learned scalars (used as ``|c|``, ``|L|``, so they stay positive), held as ``[1]`` tensors
+    because FSDP2 cannot shard 0-d parameters (0-d checkpoint values load as well). Dividing by
     ``psi(max(L, i))`` maps every distance a query sees into ``[0, 1]`` ("progressive
     interpolation"), so longer inputs reuse the range ``f`` was trained on.
 
@@ -2920,9 +2982,16 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         self.init_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
         self.init_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
         self.mlp = nn.Sequential(nn.Linear(1, self.hidden_dim), nn.ReLU(), nn.Linear(self.hidden_dim, self.num_heads))
-        self.c = nn.Parameter(torch.empty(()))
-        self.L = nn.Parameter(torch.empty(()))
+        self.c = nn.Parameter(torch.empty(1))
+        self.L = nn.Parameter(torch.empty(1))
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("c", "L"):  # 0-d values (checkpoints of the scalar parameters) load into [1]
+            value = state_dict.get(prefix + name)
+            if isinstance(value, Tensor) and value.dim() == 0:
+                state_dict[prefix + name] = value.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, hidden_dim={self.hidden_dim}, bidirectional={self.bidirectional}"
@@ -2941,7 +3010,7 @@ class FIREPositionalEmbedding(PositionalEmbedding):
     def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
         dtype = _compute_dtype(self.c.dtype)
-        c, threshold = self.c.abs().to(dtype), self.L.abs().to(dtype)
+        c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.abs().to(dtype).squeeze(0)      # 0-d
         distance = _causal_distance(pos_k - pos_q, self.bidirectional).to(dtype)
         top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
@@ -3845,7 +3914,7 @@ class _OrthogonalRotation(PositionalEmbedding):
         with torch.no_grad():
             self.basis_generator.zero_()
             width = self.head_dim // self.num_axes
-            self.frequencies.copy_(_inverse_frequencies(width, self.base).expand_as(self.frequencies))
+            _copy_into(self.frequencies, _inverse_frequencies(width, self.base))
 
     def _basis(self) -> Tensor:
         """Q = matrix_exp(S - S^T): [A, H, d, d], exactly orthogonal (float32 or better: CPU
@@ -3866,8 +3935,8 @@ class _OrthogonalRotation(PositionalEmbedding):
         basis = torch.stack([q for q, _ in planes]).view_as(w)
         frequencies = torch.stack([theta for _, theta in planes]).view(*w.shape[:-2], -1)
         generator = torch.stack([_skew_log(q) / 2 for q in basis.reshape(-1, *w.shape[-2:])]).view_as(w)
-        self.basis_generator.copy_(generator)
-        self.frequencies.copy_(frequencies)
+        _copy_into(self.basis_generator, generator)
+        _copy_into(self.frequencies, frequencies)
 
     def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple:
         """cos and sin of ``p_a theta_{a,h}``: positions [..., N, A] -> two [..., H, A, N, d/2]."""
@@ -4051,7 +4120,8 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         with torch.no_grad():
             theta = _inverse_frequencies(self.head_dim, self.base, self.generators.device)   # [Dh/2]
             rope = _plane_blocks(torch.zeros_like(theta), theta / 2)                       # G - G^T = J(theta)
-            self.generators.copy_(rope + self.init_std * torch.randn_like(self.generators))
+            noise = torch.randn(self.generators.shape, dtype=self.generators.dtype, device=self.generators.device)
+            _copy_into(self.generators, rope + self.init_std * noise)   # full-size draw: sharding keeps the values
 
     @property
     def primitives(self) -> Tensor:
@@ -4077,7 +4147,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         if convention == "reference":
             w = w.mT
         logs = torch.stack([_skew_log(matrix) for matrix in w.reshape(-1, *shape[-2:])]).view(shape)
-        self.generators.copy_(logs / 2)
+        _copy_into(self.generators, logs / 2)
 
     def node_ids_from_paths(self, paths: list) -> Tensor:
         """Breadth-first ids of nodes given as root-to-node branch lists (``[]`` is the root)."""
@@ -4947,7 +5017,7 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
             frame = torch.linalg.qr(torch.randn(heads, axes, axes, dtype=torch.float64, device="cpu"))[0]
             frame = frame.permute(1, 0, 2)                                                         # [A, H, A]
         freqs = (frame.unsqueeze(-1) * magnitude).flatten(-2)                                    # [A, H, F]
-        self.freqs.copy_(freqs.to(self.freqs.dtype))
+        _copy_into(self.freqs, freqs)
 
     def angles(self, positions: Tensor) -> Tensor:
         """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A] -> [..., H, N, F]."""
@@ -5177,7 +5247,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
         fan_in = (self.dim // self.groups) * self.kernel_size ** self.num_axes
         if self.weight_norm:   # wav2vec 2.0 / transformers: N(0, 2 / sqrt(k * D)), bias 0, g = |v|
             nn.init.normal_(self.weight_v, std=2 * math.sqrt(1 / (self.kernel_size * self.dim)))
-            self.weight_g.copy_(self.weight_v.norm(dim=(0, 1), keepdim=True).to(self.weight_g.dtype))
+            _copy_into(self.weight_g, _full(self.weight_v).norm(dim=(0, 1), keepdim=True))
             nn.init.zeros_(self.bias)
         else:                  # nn.Conv's default init (CPVT and timm keep it)
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))

@@ -2,7 +2,8 @@
 
 One spawn of 2 ranks runs every distributed check (every class of ``CASES`` on a sequence
 shard, Heinsen's sharded scan at a million tokens, PyTorch's context parallel) and each rank
-saves its measured errors; the tests below read them. Runs as ``drafts/test_scale_out.py``
+saves its measured errors; the tests below read them. A second spawn checks data parallelism:
+DDP and FSDP2 (``fully_shard``, deferred meta init) against one process, one case per class. Runs as ``drafts/test_scale_out.py``
 (imports the draft section) or as a top-level ``test_distributed.py`` once the section is in
 ``positional_embeddings.py``.
 """
@@ -348,7 +349,7 @@ def _worker(rank: int, port: int, out_dir: str, backend: str, names: list) -> No
     if "nccl" in backend:
         torch.cuda.set_device(rank)
     results = {}
-    for name, check in _checks():
+    for name, check in _checks() + _data_parallel_checks():
         if name not in names:
             continue
         try:
@@ -469,6 +470,157 @@ def test_context_parallel_rope_cuda():
     assert "error" not in found, found["error"]
     assert found["layout_is_head_tail"] == 1.0
     assert found["output"] <= 1e-3, found   # flash / efficient kernels round in their own order
+
+
+# ---------------------------------------------------------------------------
+# Data parallel: DDP and FSDP2 (fully_shard, deferred meta init) equal the single-process run
+# ---------------------------------------------------------------------------
+
+
+def _one_case_per_class() -> list:
+    """The first case of every class that has parameters (the others have nothing to shard or reduce),
+    and wav2vec 2.0's weight-normed convolution (its init reads one parameter into another)."""
+    seen, cases = set(), []
+    for case in CASES:
+        pe = case.make()
+        if (type(pe) not in seen or case.name == "conv_wav2vec2") and any(True for _ in pe.parameters()):
+            seen.add(type(pe))
+            cases.append(case)
+    return cases
+
+
+PARALLEL_CASES = _one_case_per_class()
+# the classes whose seed-dependent parameters the library itself draws full-size (``_copy_into``), so
+# a sharded deferred init keeps them bitwise; nn.init on a CPU DTensor draws each shard from the local
+# generator instead (torch's DTensor RNG tracker covers CUDA-like devices only)
+FULL_DRAWS = (pe_lib.AlgebraicTreePositionalEmbedding, pe_lib.MixedRotaryPositionalEmbedding)
+
+
+class _Layer(torch.nn.Module):
+    """A tiny attention layer around an encoding: qkv projection, the encoding, attention()."""
+
+    def __init__(self, case) -> None:
+        super().__init__()
+        self.case = case
+        self.qkv = torch.nn.Linear(case.token_dim, 3 * H * DH)
+        self.pe = case.make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = None if self.case.required_positions is None else self.case.required_positions(x.shape[-2])
+        if self.pe.kind == "input":
+            x = self.pe.forward_input(x, positions) if self.case.takes_positions else self.pe(x)
+        q, k, v = self.qkv(x).unflatten(-1, (3, H, DH)).permute(2, 0, 3, 1, 4)          # [B, H, N, Dh] each
+        return attention(q, k, v, self.pe, positions_q=positions, positions_k=positions, causal=True)
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """Single-process output and gradients of the loss the ranks' mean gives: sum(out * weight) / WORLD."""
+    model = copy.deepcopy(model)
+    out = model(x)
+    ((out * weight).sum() / WORLD).backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+def _rank_errors(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, rank: int, want: tuple) -> dict:
+    """This rank's half of the batch through ``model`` (DDP or FSDP2) against the reference."""
+    rows = slice(rank, rank + 1)
+    out = model(x[rows])
+    (out * weight[rows]).sum().backward()
+    grads = [pe_lib._full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in model.parameters()]
+    want_out, want_grads = want
+    return {"output": _max_error(out, want_out[rows]),
+            "grad_params_rel": max(_max_error(g, w) / max(1.0, w.abs().max().item()) for g, w in zip(grads, want_grads))}
+
+
+def _check_data_parallel(case, rank: int) -> dict:
+    """DDP, FSDP2 (the encoding and the layer each fully_shard-ed) and FSDP2 with deferred init."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Layer(case)
+    x = torch.randn(WORLD, N, case.token_dim)                                           # the global batch
+    weight = torch.randn(WORLD, H, N, DH)
+    want = _reference(model, x, weight)
+    errors = {}
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    errors.update({f"ddp_{m}": e for m, e in _rank_errors(ddp, x, weight, rank, want).items()})
+    sharded = copy.deepcopy(model)
+    fully_shard(sharded.pe)
+    fully_shard(sharded)
+    errors.update({f"fsdp_{m}": e for m, e in _rank_errors(sharded, x, weight, rank, want).items()})
+
+    # deferred init: build on meta, shard, allocate, reset; against reset_parameters of a normal module
+    with torch.device("meta"):
+        deferred = _Layer(case)
+    fully_shard(deferred.pe)
+    fully_shard(deferred)
+    deferred.to_empty(device="cpu")
+    deferred.qkv.reset_parameters()
+    torch.manual_seed(1)
+    deferred.pe.reset_parameters()
+    normal, other = case.make(), case.make()
+    torch.manual_seed(1)
+    normal.reset_parameters()
+    torch.manual_seed(2)
+    other.reset_parameters()                                                            # tells what depends on the seed
+    fixed, drawn = [], []
+    for got, same_seed, other_seed in zip(deferred.pe.parameters(), normal.parameters(), other.parameters()):
+        (drawn if not torch.equal(same_seed, other_seed) else fixed).append(_max_error(pe_lib._full(got), same_seed))
+    fixed += [_max_error(got, same) for got, same in zip(deferred.pe.buffers(), normal.buffers())]
+    errors["deferred_init_fixed"] = max(fixed, default=0.0)
+    if isinstance(normal, FULL_DRAWS):
+        errors["deferred_init_drawn"] = max(drawn, default=0.0)
+    # the deferred model against a single process holding its (gathered) weights
+    single = _Layer(case)
+    with torch.no_grad():
+        for p, q in zip(single.parameters(), deferred.parameters()):
+            p.copy_(pe_lib._full(q))
+    errors.update({f"deferred_{m}": e for m, e in _rank_errors(deferred, x, weight, rank, _reference(single, x, weight)).items()})
+    return errors
+
+
+def _data_parallel_checks() -> list:
+    return [(f"data_parallel/{case.name}", lambda rank, case=case: _check_data_parallel(case, rank))
+            for case in PARALLEL_CASES]
+
+
+def _has_fully_shard() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return HAS_GLOO
+
+
+@pytest.fixture(scope="module")
+def data_parallel_results():
+    if not _has_fully_shard():
+        pytest.skip("torch.distributed, gloo or FSDP2's fully_shard is not available")
+    return run_distributed([name for name, _ in _data_parallel_checks()])
+
+
+def test_fire_loads_zero_dim_c_and_l():
+    """FIRE holds c and L as [1] tensors (FSDP2 shards no 0-d parameter); 0-d checkpoint values still load."""
+    fire = pe_lib.FIREPositionalEmbedding(2, hidden_dim=4)
+    state = {name: (value.reshape(()) * 3 if name in ("c", "L") else value) for name, value in fire.state_dict().items()}
+    fire.load_state_dict(state)
+    assert fire.c.shape == fire.L.shape == (1,)
+    assert fire.c.item() == state["c"].item() and fire.L.item() == state["L"].item()
+
+
+# float32 at N=16: DDP and FSDP2 average the two ranks' gradients, the reference sums the whole
+# batch: the same terms added in another order
+PARALLEL_TOL = 1e-5
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", PARALLEL_CASES, ids=repr)
+def test_ddp_and_fsdp2_equal_single_process(data_parallel_results, case):
+    found = _measured(data_parallel_results, f"data_parallel/{case.name}")
+    for metric, error in found.items():
+        want = 0.0 if metric.startswith("deferred_init") else PARALLEL_TOL   # init: bitwise
+        assert error <= want, f"{case.name}: {metric} differs by {error:.2e}"
 
 
 if __name__ == "__main__":  # the figures for the README
