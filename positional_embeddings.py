@@ -5728,7 +5728,7 @@ EmbedPosition = HeinsenPositionalEmbedding
 # that old ``config.json`` files still carry. No transformers import is needed.
 
 # Models whose rotate_half pairs channels (2i, 2i+1) instead of (i, i + R/2).
-_INTERLEAVED_ROPE_MODELS = {"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "helium"}
+_INTERLEAVED_ROPE_MODELS = {"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "helium", "llama4", "llama4_text"}
 # Models with a fixed base 10000 and ``rotary_dim`` in channels (GPT-J's sinusoid table).
 _ROTARY_DIM_MODELS = {"gptj", "codegen"}
 # transformers' defaults when a raw config.json omits the field.

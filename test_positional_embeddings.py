@@ -4710,6 +4710,18 @@ class TestRotaryFromConfig:
         want, _ = hf_module("cohere", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
         torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
 
+    def test_llama4_interleaved(self):
+        # Llama 4 rotates adjacent pairs through complex numbers (view_as_complex), whatever the config says
+        config = hf_config("Llama4TextConfig", **TINY, head_dim=16, max_position_embeddings=64)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["interleaved"] is True
+        freqs_cis = hf_module("llama4", "Llama4TextRotaryEmbedding")(config)(torch.zeros(1), POSITIONS[None])  # [1, N, 8]
+        pe = compare_cos_sin("llama4 (interleaved)", kwargs, freqs_cis.real[0].double().repeat_interleave(2, -1),
+                             freqs_cis.imag[0].double().repeat_interleave(2, -1), POSITIONS, interleaved_output=True)
+        q = torch.randn(2, 200, 4, 16)                                                       # Llama 4's [B, N, H, Dh]
+        want, _ = hf_module("llama4", "apply_rotary_emb")(q, q, freqs_cis)
+        torch.testing.assert_close(pe(q, POSITIONS, seq_dim=-3), want, atol=3e-5, rtol=1e-5)
+
     def test_glm_partial_interleaved(self):
         config = hf_config("GlmConfig", **TINY, max_position_embeddings=64, head_dim=16, partial_rotary_factor=0.5)
         kwargs = _rotary_kwargs_from_config(config)

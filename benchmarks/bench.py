@@ -6,6 +6,7 @@ same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when ab
 
     python benchmarks/bench.py                 # everything
     python benchmarks/bench.py rope --reps 50  # one section
+    python benchmarks/bench.py gqa             # grouped-query attention against repeated k/v (time, peak memory)
 
 glibc's malloc decides, from its history, whether a large tensor gets fresh pages (the
 kernel zero-fills them on first touch, which can cost more than the arithmetic) or reuses
@@ -150,7 +151,7 @@ def bench_rope_precision(reps: int, compile: bool) -> None:
     """Max |error| against float64 at positions near 1e6, fp32 and bf16 inputs."""
     d, base = 128, 10000.0
     positions = torch.arange(1_000_000 - 64, 1_000_000)
-    x = torch.randn(1, 8, 64, d)
+    x = torch.randn(1, 8, 64, d, generator=torch.Generator().manual_seed(0))   # the same input every run
     rows, want = {}, {}
     ours = pe_lib.RotaryPositionalEmbedding(d, base=base)
     for dtype in (torch.float32, torch.bfloat16):
@@ -423,8 +424,43 @@ def bench_all(reps: int, compile: bool) -> None:
            times, next(iter(times)), memory)
 
 
+def bench_gqa(reps: int, compile: bool) -> None:
+    """Grouped-query attention (32 query heads, 8 key/value heads) against repeating k and v."""
+    b, hq, hkv, n, d = 1, 32, 8, 2048, 128
+    q = torch.randn(b, hq, n, d, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, requires_grad=True) for _ in range(2))
+    group = hq // hkv
+    encodings = {"RoPE": pe_lib.RotaryPositionalEmbedding(d), "ALiBi": pe_lib.ALiBiPositionalEmbedding(hq),
+                 "T5": pe_lib.T5PositionalEmbedding(hq)}
+    calls = {}
+    for name, pe in encodings.items():
+        calls[f"{name}: attention(q, k, v) with {hkv} kv heads"] = \
+            lambda pe=pe: pe_lib.attention(q, k, v, pe, causal=True)
+        calls[f"{name}: k, v repeated to {hq} heads first"] = \
+            lambda pe=pe: pe_lib.attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), pe,
+                                           causal=True)
+
+    def training(fn):
+        def step():
+            fn().float().sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return step
+
+    title = f"Grouped-query attention, B={b}, Hq={hq}, Hkv={hkv}, N={n}, Dh={d} fp32, causal"
+    with torch.no_grad():
+        times = medians(calls, max(3, reps // 3))
+        memory = {name: peak_memory(fn) for name, fn in calls.items()}
+    report(f"{title}: forward (ratio to the first row)", times, next(iter(times)), memory)
+    train = {name: training(fn) for name, fn in calls.items()}
+    times = medians(train, max(3, reps // 3))
+    memory = {name: peak_memory(fn) for name, fn in train.items()}
+    report(f"{title}: forward + backward", times, next(iter(times)), memory)
+
+
 SECTIONS = {"all": bench_all, "rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
-            "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic}
+            "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic,
+            "gqa": bench_gqa}
 
 
 REGIMES = {
