@@ -68,6 +68,11 @@ round (measured per-step times, see docs/extrapolation.md); every full run first
 own estimate for the machine it runs on (about 15 s of probing), so adjust ``--steps`` there.
     python benchmarks/extrapolation.py --encodings rotary,alibi,nope --seeds 0 --steps 300
 
+On a machine shared with other work, one process per seed (``--seeds 1 --threads 1
+--out-dir DIR1``, ...) uses the cores better than one process with two threads on this
+small model; ``--merge DIR0,DIR1,DIR2`` then combines their CSVs into the usual outputs,
+figures and tables without training anything.
+
 Outputs: ``benchmarks/results/extrapolation.csv`` (one row per encoding x seed x length),
 ``benchmarks/results/extrapolation_positions.csv`` (bits per byte by position inside the
 ``16L`` windows), ``docs/figures/extrapolation.png``, ``docs/figures/extrapolation_position.png``
@@ -89,7 +94,7 @@ import sys
 import sysconfig
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 # Sleeping OpenMP waiters: on a shared 2-core machine spinning ones make each step 3x-30x
@@ -519,6 +524,24 @@ def write_position_csv(path: pathlib.Path, curves: dict) -> None:
                 writer.writerow([name, seed, first, last, f"{bits:.5f}"])
 
 
+def read_csv(path: pathlib.Path) -> list:
+    """The rows ``write_csv`` wrote, as ``Result``s."""
+    types = {field.name: field.type for field in fields(Result)}
+    with open(path, newline="") as handle:
+        return [Result(**{k: (float(v) if types[k] in (float, "float") else int(v) if types[k] in (int, "int") else v)
+                          for k, v in row.items()}) for row in csv.DictReader(handle)]
+
+
+def read_position_csv(path: pathlib.Path) -> dict:
+    """The curves ``write_position_csv`` wrote: (encoding, seed) -> [(first, last, bits)]."""
+    curves = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            curves.setdefault((row["encoding"], int(row["seed"])), []).append(
+                (int(row["first_position"]), int(row["last_position"]), float(row["bpb"])))
+    return curves
+
+
 def mean_spread(values: list) -> tuple:
     """Mean and sample standard deviation (0 for one value) of the finite values."""
     values = [v for v in values if not math.isnan(v)]
@@ -696,6 +719,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=None,
                         help="write the CSVs and PNGs into this folder instead of benchmarks/results and docs/figures")
     parser.add_argument("--no-figures", action="store_true")
+    parser.add_argument("--merge", default=None, metavar="DIR,DIR,...",
+                        help="train nothing: combine the CSVs that runs with --out-dir DIR wrote (e.g. one process "
+                             "per seed) into the outputs, figures and tables")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     for key, value in preset.items():
@@ -728,6 +754,10 @@ def main(argv: Optional[list] = None) -> list:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = Config(args.train_len, args.steps, args.batch_size, args.lr, args.eval_segments, args.eval_chunk_tokens)
+    if args.merge:
+        results, curves = merged_results([d for d in args.merge.split(",") if d.strip()])
+        report(results, curves, config, args, output_paths(args.out_dir), time.perf_counter())
+        return results
     corpus = load_corpus(args.corpus_root)
     segments = eval_segments(corpus.valid, config)
     encodings = [ENCODINGS[name] for name in args.encoding_names]
@@ -759,12 +789,32 @@ def main(argv: Optional[list] = None) -> list:
               + ", ".join(f"{r.eval_len}: {r.bpb:.3f}" for r in rows)
               + f" bits/byte (train {rows[0].train_seconds:.1f} s, eval {sum(r.eval_seconds for r in rows):.1f} s)",
               file=sys.stderr, flush=True)
-    order = {name: i for i, name in enumerate(args.encoding_names)}
-    results.sort(key=lambda r: (order[r.encoding], r.seed, r.eval_len))
+    report(results, curves, config, args, paths, start)
+    return results
+
+
+def merged_results(dirs: list) -> tuple:
+    """Results and position curves of several ``--out-dir`` folders; a run found twice is an error."""
+    results, curves = [], {}
+    for folder in dirs:
+        base = pathlib.Path(folder)
+        results.extend(read_csv(base / "extrapolation.csv"))
+        for key, curve in read_position_csv(base / "extrapolation_positions.csv").items():
+            if key in curves:
+                raise SystemExit(f"extrapolation.py: --merge: {key[0]} seed {key[1]} appears twice")
+            curves[key] = curve
+    return results, curves
+
+
+def report(results: list, curves: dict, config: Config, args: argparse.Namespace, paths: dict, start: float) -> None:
+    """Sorted CSVs, the figures and the Markdown tables of a finished (or merged) run."""
+    order = {name: i for i, name in enumerate(ENCODINGS)}
+    results.sort(key=lambda r: (order.get(r.encoding, len(order)), r.seed, r.eval_len))
     write_csv(paths["csv"], results)
     write_position_csv(paths["positions"], curves)
+    seeds = sorted({r.seed for r in results})
     title = (f"byte-level LM on the Python stdlib, trained at L = {config.train_len} ({config.steps} steps, "
-             f"seeds {', '.join(map(str, args.seeds))})")
+             f"seeds {', '.join(map(str, seeds))})")
     if not args.no_figures:
         try:
             plot_extrapolation(paths["figure"], results, config, title)
@@ -780,7 +830,6 @@ def main(argv: Optional[list] = None) -> list:
     print()
     print(markdown_table(results, config, "bpb_beyond_L"))
     print(f"\ntotal {time.perf_counter() - start:.0f} s; wrote {', '.join(str(p) for p in paths.values())}")
-    return results
 
 
 if __name__ == "__main__":
