@@ -2932,8 +2932,14 @@ class FIREPositionalEmbedding(PositionalEmbedding):
 
     with ``d = i - j >= 0`` for a causal query ``i`` and key ``j``; ``f`` is an MLP
     ``1 -> hidden_dim -> H`` with ReLU (``mlp``: ``Linear``, ``ReLU``, ``Linear``); ``c`` and ``L``
-    are learned scalars (used as ``|c|``, ``|L|``, so they stay positive), held as ``[1]`` tensors
-    because FSDP2 cannot shard 0-d parameters (0-d checkpoint values load as well). Dividing by
+    are learned, used as ``|c|`` and ``|L|`` so they stay positive. As in the paper's appendix
+    code, the threshold is learned as a multiplier of its initial value,
+    ``L = |L_multiplier * init_L|`` (``L_multiplier`` starts at 1; ``init_L`` is a frozen
+    parameter), so an optimiser step moves ``L`` in units of ``init_L``, and a checkpoint of that
+    code (``c``, ``init_L``, ``L_multiplier``, ``mlp.*``) loads by copying; its ``eps = 1e-6``
+    added to the normaliser is left out (a 2.5e-7 relative difference at the defaults). The
+    scalars are ``[1]`` tensors, because FSDP2 cannot shard 0-d parameters; 0-d checkpoint
+    values load as well. Dividing by
     ``psi(max(L, i))`` maps every distance a query sees into ``[0, 1]`` ("progressive
     interpolation"), so longer inputs reuse the range ``f`` was trained on.
 
@@ -2955,9 +2961,8 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         num_heads (int): heads ``H``.
         hidden_dim (int): hidden width of ``f``. Default: 32.
         bidirectional (bool): see above. Default: False.
-        init_c (float): initial ``c``. Default: 0.1.
-        init_L (float): initial threshold ``L``. Default: 512.0. (Neither default is checked
-            against the paper's appendix yet.)
+        init_c (float): initial ``c``. Default: 0.1 (the paper's appendix code).
+        init_L (float): initial threshold ``L``. Default: 512.0 (the paper's appendix code).
 
     Shape:
         - Output of ``forward(q_len, k_len)``: ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]``
@@ -2979,15 +2984,21 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
         self.hidden_dim = _check_positive_int(owner, "hidden_dim", hidden_dim)
         self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
-        self.init_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
-        self.init_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
+        self.initial_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
+        self.initial_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
         self.mlp = nn.Sequential(nn.Linear(1, self.hidden_dim), nn.ReLU(), nn.Linear(self.hidden_dim, self.num_heads))
         self.c = nn.Parameter(torch.empty(1))
-        self.L = nn.Parameter(torch.empty(1))
+        self.L_multiplier = nn.Parameter(torch.empty(1))
+        self.init_L = nn.Parameter(torch.empty(1), requires_grad=False)   # frozen, as in the appendix code
         self.reset_parameters()
 
+    @property
+    def L(self) -> Tensor:
+        """The threshold ``|L_multiplier * init_L|``: ``[1]``."""
+        return (self.L_multiplier * self.init_L).abs()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name in ("c", "L"):  # 0-d values (checkpoints of the scalar parameters) load into [1]
+        for name in ("c", "L_multiplier", "init_L"):  # 0-d values (the appendix code's scalars) load into [1]
             value = state_dict.get(prefix + name)
             if isinstance(value, Tensor) and value.dim() == 0:
                 state_dict[prefix + name] = value.reshape(1)
@@ -2999,8 +3010,10 @@ class FIREPositionalEmbedding(PositionalEmbedding):
     def reset_parameters(self) -> None:
         self.mlp[0].reset_parameters()
         self.mlp[2].reset_parameters()
-        nn.init.constant_(self.c, self.init_c)
-        nn.init.constant_(self.L, self.init_L)
+        nn.init.constant_(self.c, self.initial_c)
+        nn.init.ones_(self.L_multiplier)
+        with torch.no_grad():
+            self.init_L.fill_(self.initial_L)
 
     def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None) -> Tensor:

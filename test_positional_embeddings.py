@@ -433,7 +433,8 @@ class TestEveryClass:
         loss.backward()
         assert q.grad is not None and q.grad.abs().sum() > 0
         for name, p in pe.named_parameters():
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
+            if p.requires_grad:   # frozen ones (FIRE's init_L, as in its reference) get none
+                assert p.grad is not None and p.grad.abs().sum() > 0, name
 
     def test_gradcheck_float64(self, case):
         pe = case.make().double()
@@ -449,7 +450,7 @@ class TestEveryClass:
                                             fast_mode=True)
         if pe.kind == "input":
             assert torch.autograd.gradcheck(pe.forward_input, (x.requires_grad_(),), fast_mode=True)
-        params = [p for p in pe.parameters()]
+        params = [p for p in pe.parameters() if p.requires_grad]
         if not params:
             return
         weights = torch.randn_like(finite(pe.forward_attn(q, k, *positions)))
@@ -2762,6 +2763,34 @@ class TestFIRE:
         want = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=False)
         got = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=True)
         torch.testing.assert_close(got, want)
+
+    def test_appendix_checkpoint_loads(self):
+        # the paper's appendix code keeps 0-d c, a frozen init_L and a learned L_multiplier (threshold
+        # |L_multiplier * init_L|) and adds eps = 1e-6 to the normaliser; its state dict loads by copying
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, H))
+        c, init_l, multiplier, eps = torch.tensor(0.3), torch.tensor(6.0), torch.tensor(1.5), 1e-6
+        state = {"c": c, "init_L": init_l, "L_multiplier": multiplier, **{f"mlp.{k}": v for k, v in mlp.state_dict().items()}}
+        fire = FIREPositionalEmbedding(H, hidden_dim=8)
+        fire.load_state_dict(state)
+        assert fire.c.shape == fire.L_multiplier.shape == fire.init_L.shape == (1,)
+        assert fire.L.item() == 9.0
+        positions = torch.arange(20.0)
+        distance = (positions[:, None] - positions[None, :]).clamp_min(0)        # causal: keys after the query -> 0
+        normaliser = torch.log(c * torch.maximum(positions, multiplier * init_l) + 1)[:, None]
+        u = torch.log(c * distance + 1) / (normaliser + eps)
+        with torch.no_grad():
+            want = mlp(u.unsqueeze(-1)).permute(2, 0, 1)                            # [H, N, N]
+        torch.testing.assert_close(fire(20, 20), want, atol=2e-6, rtol=1e-6)
+
+    def test_threshold_is_learned_in_units_of_init_L(self):
+        # d loss / d L_multiplier = init_L * d loss / d L, so an Adam step moves L by about lr * init_L
+        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=8.0)
+        optimizer = torch.optim.Adam(fire.parameters(), lr=1e-2)
+        fire(32, 32).sum().backward()
+        assert fire.L_multiplier.grad.abs().item() > 0
+        optimizer.step()
+        assert abs(abs(fire.L.item() - 8.0) - 1e-2 * 8.0) < 1e-5
 
     def test_bad_arguments(self):
         with pytest.raises(ValueError, match="FIREPositionalEmbedding: num_heads must be a positive int, got num_heads=0"):
