@@ -182,9 +182,15 @@ def _describe(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _is_bool(value) -> bool:
+    """A Python or numpy bool (numpy 1 names its type ``bool_``, numpy 2 ``bool``)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def _check_flag(owner: str, name: str, value) -> bool:
     """A boolean option: ``True``/``False`` (numpy bools too); a string such as ``"false"`` is a TypeError."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         return bool(value)
     raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {_describe(value)}")
 
@@ -193,7 +199,7 @@ def _as_int(owner: str, name: str, value, minimum: Optional[int] = 1) -> int:
     """An integer size (Python, numpy or torch.SymInt) ``>= minimum``, returned as such."""
     if isinstance(value, torch.SymInt):
         return value
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         raise TypeError(f"{owner}: {name} must be an int, got bool {value!r}")
     try:
         number = operator.index(value)
@@ -213,7 +219,7 @@ def _check_positive_int(owner: str, name: str, value) -> int:
 def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
               exclusive: bool = False) -> float:
     """A finite real number in ``[minimum, maximum]`` (``(minimum, ...]`` when ``exclusive``)."""
-    if isinstance(value, (bool, Tensor)) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
+    if isinstance(value, Tensor) or _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a real number, got {type(value).__name__} {_describe(value)}")
     number = float(value)
     below = minimum is not None and (number <= minimum if exclusive else number < minimum)
