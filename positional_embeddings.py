@@ -183,9 +183,15 @@ def _describe(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _is_bool(value) -> bool:
+    """A Python or numpy bool (numpy 1 names its type ``bool_``, numpy 2 ``bool``)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def _check_flag(owner: str, name: str, value) -> bool:
     """A boolean option: ``True``/``False`` (numpy bools too); a string such as ``"false"`` is a TypeError."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         return bool(value)
     raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__} {_describe(value)}")
 
@@ -194,7 +200,7 @@ def _as_int(owner: str, name: str, value, minimum: Optional[int] = 1) -> int:
     """An integer size (Python, numpy or torch.SymInt) ``>= minimum``, returned as such."""
     if isinstance(value, torch.SymInt):
         return value
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if _is_bool(value):
         raise TypeError(f"{owner}: {name} must be an int, got bool {value!r}")
     try:
         number = operator.index(value)
@@ -214,7 +220,7 @@ def _check_positive_int(owner: str, name: str, value) -> int:
 def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
               exclusive: bool = False) -> float:
     """A finite real number in ``[minimum, maximum]`` (``(minimum, ...]`` when ``exclusive``)."""
-    if isinstance(value, (bool, Tensor)) or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
+    if isinstance(value, Tensor) or _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a real number, got {type(value).__name__} {_describe(value)}")
     number = float(value)
     below = minimum is not None and (number <= minimum if exclusive else number < minimum)
@@ -234,8 +240,16 @@ def _check_choice(owner: str, name: str, value, choices: tuple):
 
 def _uninitialised(module_cls, *args, **kwargs) -> nn.Module:
     """A submodule built without its own random init (``reset_parameters`` draws it once), so a
-    normal build and a meta build + ``reset_parameters()`` consume the same random numbers."""
-    return nn.utils.skip_init(module_cls, *args, device=torch.get_default_device(), **kwargs)
+    normal build and a meta build + ``reset_parameters()`` consume the same random numbers.
+
+    Built on the meta device (its init draws nothing there), then given uninitialised storage on
+    the current default device, like ``nn.utils.skip_init`` but for any module (this library's
+    too, which take no ``device`` argument).
+    """
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        module = module_cls(*args, **kwargs)
+    return module.to_empty(device=device)
 
 
 def _check_last_dim(owner: str, name: str, value: Tensor, size: int) -> None:
@@ -1403,9 +1417,14 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
         >>> w_hf = permute_rotary_weight(w, 64, to="half_split")
     """
     owner = "permute_rotary_weight"
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if to not in ("half_split", "interleaved"):
-        raise ValueError(f"{owner}: to must be 'half_split' or 'interleaved', got {to!r}")
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{owner}: weight must be a torch.Tensor (wrap a numpy array in torch.from_numpy), "
+                        f"got {type(weight).__name__} {_describe(weight)}")
+    if weight.dim() < 1:
+        raise ValueError(f"{owner}: weight must be [heads * head_dim, ...], got {_describe(weight)}")
+    head_dim = _check_positive_int(owner, "head_dim", head_dim)
+    rotary_dim = head_dim if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
+    _check_choice(owner, "to", to, ("half_split", "interleaved"))
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or weight.shape[0] % head_dim:
         raise ValueError(f"{owner}: need an even rotary_dim <= head_dim and rows divisible by head_dim, "
                          f"got rotary_dim={rotary_dim}, head_dim={head_dim}, weight {tuple(weight.shape)}")
@@ -2112,18 +2131,22 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
                  cls_token: bool = False, init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)):
-            _check_positive_int(owner, name, value)
+        max_len, num_heads, head_dim = (_check_positive_int(owner, name, value) for name, value in (
+            ("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)))
+        relative_bias = _check_flag(owner, "relative_bias", relative_bias)
+        num_buckets, max_distance, bidirectional = _check_buckets(owner, num_buckets, max_distance, bidirectional)
         self.max_len, self.num_heads, self.head_dim = max_len, num_heads, head_dim
-        self.cls_token, self.init_std = cls_token, init_std
+        self.cls_token = _check_flag(owner, "cls_token", cls_token)
+        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
         width = num_heads * head_dim
         self.position_embeddings = _uninitialised(nn.Embedding, max_len, width)         # p: [max_len, H * Dh]
         self.pos_ln = nn.LayerNorm(width)
         self.pos_q_linear = _uninitialised(nn.Linear, width, width)                     # U_q
         self.pos_k_linear = _uninitialised(nn.Linear, width, width)                     # U_k
-        self.relative = T5PositionalEmbedding(num_heads, num_buckets=num_buckets, max_distance=max_distance,
-                                              bidirectional=bidirectional, init_std=init_std) if relative_bias else None
-        if cls_token:
+        self.relative = _uninitialised(T5PositionalEmbedding, num_heads, num_buckets=num_buckets,
+                                       max_distance=max_distance, bidirectional=bidirectional,
+                                       init_std=self.init_std) if relative_bias else None
+        if self.cls_token:
             self.cls_to_others = nn.Parameter(torch.empty(num_heads))                  # theta_1: [H]
             self.others_to_cls = nn.Parameter(torch.empty(num_heads))                  # theta_2: [H]
         self.reset_parameters()
@@ -2263,8 +2286,8 @@ class _RelativeLogits(_ExplicitLogits):
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int(owner, "num_heads", num_heads)
-        _check_positive_int(owner, "head_dim", head_dim)
+        num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        head_dim = _check_positive_int(owner, "head_dim", head_dim)
         self.num_heads, self.head_dim = num_heads, head_dim
         self.r_w_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # u: [H, Dh] (paper's name)
         self.r_r_bias = nn.Parameter(torch.empty(num_heads, head_dim))                  # v: [H, Dh]
@@ -2353,14 +2376,14 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
                  clamp_len: Optional[int] = None, init_std: float = 0.02) -> None:
         super().__init__(num_heads, head_dim)
         owner = type(self).__name__
-        d_model = num_heads * head_dim if d_model is None else d_model
-        if not isinstance(d_model, int) or d_model <= 0 or d_model % 2:
+        d_model = self.num_heads * self.head_dim if d_model is None else _check_positive_int(owner, "d_model", d_model)
+        if d_model % 2:
             raise ValueError(f"{owner}: d_model must be a positive even int, got d_model={d_model!r}")
-        if clamp_len is not None:
-            _check_positive_int(owner, "clamp_len", clamp_len)
+        clamp_len = None if clamp_len is None else _check_positive_int(owner, "clamp_len", clamp_len)
         _check_base(owner, base)
-        self.d_model, self.base, self.clamp_len, self.init_std = d_model, float(base), clamp_len, init_std
-        self.r_net = _uninitialised(nn.Linear, d_model, num_heads * head_dim, bias=False)   # W_r
+        self.d_model, self.base, self.clamp_len = d_model, float(base), clamp_len
+        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.r_net = _uninitialised(nn.Linear, d_model, self.num_heads * self.head_dim, bias=False)   # W_r
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -2468,17 +2491,20 @@ class EnformerPositionalEmbedding(_RelativeLogits):
                  gamma_normalization: Literal["per_feature", "global", "per_distance"] = "per_feature") -> None:
         super().__init__(num_heads, head_dim)
         owner = type(self).__name__
-        _check_positive_int(owner, "length_scale", length_scale)
+        length_scale = _check_positive_int(owner, "length_scale", length_scale)
         _check_choice(owner, "gamma_normalization", gamma_normalization, ("per_feature", "global", "per_distance"))
+        symmetric = _check_flag(owner, "symmetric", symmetric)
         components = 3 if symmetric else 6
-        if not isinstance(num_features, int) or num_features <= 0 or num_features % components:
+        num_features = _check_positive_int(owner, "num_features", num_features)
+        if num_features % components:
             raise ValueError(f"{owner}: num_features must be a positive multiple of {components} "
                              f"(symmetric={symmetric}), got num_features={num_features!r}")
-        if not 0 < min_half_life < math.log2(length_scale):
+        min_half_life = _as_float(owner, "min_half_life", min_half_life, minimum=0.0, exclusive=True)
+        if not min_half_life < math.log2(length_scale):
             raise ValueError(f"{owner}: min_half_life must lie in (0, log2(length_scale)={math.log2(length_scale):.2f}), "
                              f"got min_half_life={min_half_life!r}")
         self.num_features, self.length_scale = num_features, length_scale
-        self.min_half_life, self.symmetric = float(min_half_life), symmetric
+        self.min_half_life, self.symmetric = min_half_life, symmetric
         self.gamma_normalization = gamma_normalization
         self.r_k = _uninitialised(nn.Linear, num_features, num_heads * head_dim, bias=False)   # W_r
         self.reset_parameters()
@@ -2791,8 +2817,7 @@ class KerplePositionalEmbedding(_RelativeBias):
         super().__init__()
         owner = type(self).__name__
         self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        if kernel not in ("log", "power"):
-            raise ValueError(f"{owner}: kernel must be 'log' or 'power', got kernel={kernel!r}")
+        _check_choice(owner, "kernel", kernel, ("log", "power"))
         self.kernel, self.bidirectional = kernel, _check_flag(owner, "bidirectional", bidirectional)
         self.eps = _as_float(owner, "eps", eps, minimum=0.0, maximum=2.0, exclusive=True)
         self.bias_p = nn.Parameter(torch.empty(self.num_heads, 1, 1))   # log: r1; power: r2 (exponent)
@@ -2986,7 +3011,8 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
         self.initial_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
         self.initial_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
-        self.mlp = nn.Sequential(nn.Linear(1, self.hidden_dim), nn.ReLU(), nn.Linear(self.hidden_dim, self.num_heads))
+        self.mlp = nn.Sequential(_uninitialised(nn.Linear, 1, self.hidden_dim), nn.ReLU(),
+                                 _uninitialised(nn.Linear, self.hidden_dim, self.num_heads))
         self.c = nn.Parameter(torch.empty(1))
         self.L_multiplier = nn.Parameter(torch.empty(1))
         self.init_L = nn.Parameter(torch.empty(1), requires_grad=False)   # frozen, as in the appendix code
@@ -3131,14 +3157,11 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
                  init_std: float = 0.0) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("max_position", max_position)):
-            _check_positive_int(owner, name, value)
-        if not isinstance(per_head, bool):
-            raise TypeError(f"{owner}: per_head must be a bool, got {type(per_head).__name__} {per_head!r}")
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < float("inf"):
-            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
+        num_heads, head_dim, max_position = (_check_positive_int(owner, name, value) for name, value in (
+            ("num_heads", num_heads), ("head_dim", head_dim), ("max_position", max_position)))
+        per_head = _check_flag(owner, "per_head", per_head)
         self.num_heads, self.head_dim, self.max_position = num_heads, head_dim, max_position
-        self.per_head, self.init_std = per_head, float(init_std)
+        self.per_head, self.init_std = per_head, _as_float(owner, "init_std", init_std, minimum=0.0)
         shape = (num_heads, max_position, head_dim) if per_head else (max_position, head_dim)
         self.pos_emb = nn.Parameter(torch.empty(shape))                                # e: [(H,) P, Dh]
         self.reset_parameters()
@@ -3240,16 +3263,13 @@ class ForgettingPositionalEmbedding(PositionalEmbedding):
                  init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int(owner, "dim", dim)
-        _check_positive_int(owner, "num_heads", num_heads)
+        dim, num_heads = _check_positive_int(owner, "dim", dim), _check_positive_int(owner, "num_heads", num_heads)
         if fgate_proj is not None and (not isinstance(fgate_proj, nn.Linear) or fgate_proj.in_features != dim
                                        or fgate_proj.out_features != num_heads):
             raise ValueError(f"{owner}: fgate_proj must be an nn.Linear({dim}, {num_heads}), got {fgate_proj!r}")
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < float("inf"):
-            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
-        self.dim, self.num_heads, self.init_std = dim, num_heads, init_std
+        self.dim, self.num_heads, self.init_std = dim, num_heads, _as_float(owner, "init_std", init_std, minimum=0.0)
         owns = fgate_proj is None
-        self.fgate_proj = nn.Linear(dim, num_heads) if owns else fgate_proj           # w_h, b_h (authors' name)
+        self.fgate_proj = _uninitialised(nn.Linear, dim, num_heads) if owns else fgate_proj   # w_h, b_h (authors' name)
         self.register_buffer("states", None, persistent=False)                          # bound x: [B, N, D]
         self.register_buffer("log_forget_values", None, persistent=False)               # bound log f: [B, H, N]
         if owns:
@@ -3490,14 +3510,12 @@ class ShawPositionalEmbedding(_ExplicitLogits):
             left, right = (_as_int(owner, "max_distance", m, 0) for m in max_distance)
         else:
             left = right = _as_int(owner, "max_distance", max_distance, 0)
-        _check_flag(owner, "key_query", key_query)
-        _check_flag(owner, "values", values)
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
-            raise ValueError(f"{owner}: init_std must be a finite number >= 0, got init_std={init_std!r}")
+        key_query, values = _check_flag(owner, "key_query", key_query), _check_flag(owner, "values", values)
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.left, self.right, self.key_query, self.init_std = left, right, key_query, float(init_std)
-        self.relative_keys = nn.Embedding(left + right + 1, head_dim)                   # a_K: [R, Dh]
-        self.relative_values = nn.Embedding(left + right + 1, head_dim) if values else None   # a_V: [R, Dh]
+        self.left, self.right, self.key_query = left, right, key_query
+        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.relative_keys = _uninitialised(nn.Embedding, left + right + 1, head_dim)  # a_K: [R, Dh]
+        self.relative_values = _uninitialised(nn.Embedding, left + right + 1, head_dim) if values else None  # a_V
         self.reset_parameters()
 
     @property
@@ -3577,6 +3595,18 @@ class ShawPositionalEmbedding(_ExplicitLogits):
         return torch.matmul(_row_sums(weights, rows, table.shape[0]), table)             # [B, H, Nq, Dh]
 
 
+def _check_log_buckets(owner: str, position_buckets, max_relative_positions) -> tuple:
+    """DeBERTa's log buckets: ``position_buckets >= 2`` and ``max_relative_positions`` past their
+    ``position_buckets // 2`` exact ones (the log's denominator must be positive)."""
+    position_buckets = _as_int(owner, "position_buckets", position_buckets, 2)
+    max_relative_positions = _check_positive_int(owner, "max_relative_positions", max_relative_positions)
+    if max_relative_positions - 1 <= position_buckets // 2:
+        raise ValueError(f"{owner}: max_relative_positions must exceed position_buckets // 2 + 1 = "
+                         f"{position_buckets // 2 + 1} (log buckets), got "
+                         f"max_relative_positions={max_relative_positions}")
+    return position_buckets, max_relative_positions
+
+
 def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256,
                        max_relative_positions: int = 512) -> Tensor:
     """DeBERTa-v2's log bucket of each (query - key) distance (``make_log_bucket_position``).
@@ -3590,6 +3620,11 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
     Returns:
         int64 buckets, same shape.
     """
+    owner = "deberta_log_bucket"
+    position_buckets, _ = _check_log_buckets(owner, position_buckets, max_relative_positions)
+    if not isinstance(relative_position, Tensor) or relative_position.is_floating_point() \
+            or relative_position.is_complex() or relative_position.dtype == torch.bool:
+        raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
     mid = position_buckets // 2
     sign = torch.sign(relative_position)
     near = (relative_position < mid) & (relative_position > -mid)
@@ -3666,11 +3701,7 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         num_heads = _as_int(owner, "num_heads", num_heads, 1)
         max_relative_positions = _as_int(owner, "max_relative_positions", max_relative_positions, 1)
         if position_buckets is not None:
-            position_buckets = _as_int(owner, "position_buckets", position_buckets, 2)
-            if max_relative_positions - 1 <= position_buckets // 2:
-                raise ValueError(f"{owner}: max_relative_positions must exceed position_buckets // 2 + 1 = "
-                                 f"{position_buckets // 2 + 1} (log buckets), got "
-                                 f"max_relative_positions={max_relative_positions}")
+            position_buckets, _ = _check_log_buckets(owner, position_buckets, max_relative_positions)
         if isinstance(pos_att_type, str):
             pos_att_type = [t.strip() for t in pos_att_type.lower().split("|") if t.strip()]
         if not isinstance(pos_att_type, (tuple, list)) or any(t not in ("c2p", "p2c") for t in pos_att_type) \
@@ -3701,22 +3732,21 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         if shared and query_proj.out_features != num_heads * head_dim:
             raise ValueError(f"{owner}: head_dim must be query_proj.out_features / num_heads = "
                              f"{query_proj.out_features // num_heads}, got head_dim={head_dim}")
-        _check_flag(owner, "layer_norm", layer_norm)
-        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, (int, float)) \
-                or not 0 < layer_norm_eps < math.inf:
-            raise ValueError(f"{owner}: layer_norm_eps must be a number > 0, got layer_norm_eps={layer_norm_eps!r}")
+        layer_norm = _check_flag(owner, "layer_norm", layer_norm)
+        layer_norm_eps = _as_float(owner, "layer_norm_eps", layer_norm_eps, minimum=0.0, exclusive=True)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
-        self.pos_att_type, self.init_std = tuple(pos_att_type), float(init_std)
+        self.pos_att_type = tuple(pos_att_type)
+        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
         self.span = max_relative_positions if position_buckets is None else position_buckets   # S
-        self.rel_embeddings = nn.Embedding(2 * self.span, dim)                          # [2 S, D]
+        self.rel_embeddings = _uninitialised(nn.Embedding, 2 * self.span, dim)         # [2 S, D]
         self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if layer_norm else None
         # shared projections are the attention's: a plain tuple keeps them out of this module's tree
         self._shared = (query_proj, key_proj) if shared else None
         if not shared and "p2c" in self.pos_att_type:
-            self.pos_query_proj = nn.Linear(dim, num_heads * head_dim)
+            self.pos_query_proj = _uninitialised(nn.Linear, dim, num_heads * head_dim)
         if not shared and "c2p" in self.pos_att_type:
-            self.pos_key_proj = nn.Linear(dim, num_heads * head_dim)
+            self.pos_key_proj = _uninitialised(nn.Linear, dim, num_heads * head_dim)
         self.reset_parameters()
 
     @property
@@ -3908,8 +3938,8 @@ class _OrthogonalRotation(PositionalEmbedding):
     def __init__(self, head_dim: int, num_heads: int, num_axes: int, base: float) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("head_dim", head_dim), ("num_heads", num_heads), ("num_axes", num_axes)):
-            _check_positive_int(owner, name, value)
+        head_dim, num_heads, num_axes = (_check_positive_int(owner, name, value) for name, value in (
+            ("head_dim", head_dim), ("num_heads", num_heads), ("num_axes", num_axes)))
         if head_dim % (2 * num_axes):
             raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * num_axes} (each axis "
                              f"rotates pairs), got head_dim={head_dim}")
@@ -4114,14 +4144,14 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
                  base: float = 10000.0, init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        for name, value in (("head_dim", head_dim), ("num_heads", num_heads),
-                            ("branching_factor", branching_factor), ("max_depth", max_depth)):
-            _check_positive_int(owner, name, value)
+        head_dim, num_heads, branching_factor, max_depth = (_check_positive_int(owner, name, value) for name, value in (
+            ("head_dim", head_dim), ("num_heads", num_heads), ("branching_factor", branching_factor),
+            ("max_depth", max_depth)))
         if head_dim % 2:
             raise ValueError(f"{owner}: head_dim must be even, got head_dim={head_dim}")
         _check_base(owner, base)
         self.head_dim, self.num_heads, self.branching_factor, self.max_depth = head_dim, num_heads, branching_factor, max_depth
-        self.base, self.init_std = float(base), init_std
+        self.base, self.init_std = float(base), _as_float(owner, "init_std", init_std, minimum=0.0)
         self.generators = nn.Parameter(torch.empty(branching_factor, num_heads, head_dim, head_dim))  # G: [b, H, Dh, Dh]
         self.reset_parameters()
 
@@ -4268,26 +4298,14 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
 # ---------------------------------------------------------------------------
 # Image and coordinate biases: Swin / BEiT window table, Swin-v2 CPB, dynamic position bias
 # ---------------------------------------------------------------------------
-#
-# ``_as_positive_int``, ``_check_window``, ``_check_bias_call_axes`` and ``_run_mlp`` are general
-# helpers and could move to the helpers section: ``_as_positive_int`` is ``_check_positive_int`` that
-# also takes numpy ints and returns the Python int; ``_check_bias_call_axes`` is ``_check_bias_call``
-# that also passes the module's ``num_axes``; either could replace its original.
 
 
 def _check_window(owner: str, name: str, value) -> tuple:
-    """A window size: an int ``s`` (square) or a pair ``(Wh, Ww)`` of positive ints (numpy ints too)."""
-    pair = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
-    try:
-        if len(pair) != 2 or any(isinstance(v, bool) for v in pair):
-            raise TypeError
-        pair = tuple(operator.index(v) for v in pair)
-    except TypeError:
-        raise ValueError(f"{owner}: {name} must be a positive int or a pair of positive ints, "
-                         f"got {name}={value!r}") from None
-    if min(pair) < 1:
-        raise ValueError(f"{owner}: {name} must be positive, got {name}={value!r}")
-    return pair
+    """A window size: an int ``s`` (the square ``(s, s)``) or a pair ``(Wh, Ww)`` of positive ints."""
+    if isinstance(value, (tuple, list)):
+        return _as_sizes(owner, name, value, 2)
+    size = _check_positive_int(owner, name, value)
+    return size, size
 
 
 def _run_mlp(layers: nn.Module, x: Tensor) -> Tensor:
@@ -4352,10 +4370,11 @@ class _WindowBias(PositionalEmbedding):
         owner = type(self).__name__
         num_heads = _check_positive_int(owner, "num_heads", num_heads)
         self.window_size = _check_window(owner, "window_size", window_size)
-        if isinstance(num_prefix_tokens, bool) or num_prefix_tokens not in (0, 1):
+        num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, 0)
+        if num_prefix_tokens > 1:
             raise ValueError(f"{owner}: num_prefix_tokens must be 0 or 1 (BEiT's [CLS] token), "
                              f"got num_prefix_tokens={num_prefix_tokens!r}")
-        self.num_heads, self.num_prefix_tokens = num_heads, int(num_prefix_tokens)
+        self.num_heads, self.num_prefix_tokens = num_heads, num_prefix_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -4504,7 +4523,7 @@ class RelativePositionBias2D(_WindowBias):
                  init_std: float = 0.02) -> None:
         super().__init__()
         self._init_window(num_heads, window_size, num_prefix_tokens)
-        self.init_std = init_std
+        self.init_std = _as_float(type(self).__name__, "init_std", init_std, minimum=0.0)
         table = torch.empty(self.num_relative_positions, self.num_heads)
         self.relative_position_bias_table = nn.Parameter(table)                        # [R, H]
         self.reset_parameters()
@@ -4607,8 +4626,8 @@ class ContinuousPositionBias(_WindowBias):
         self.pretrained_window_size = (None if pretrained_window_size is None else
                                        _check_window(owner, "pretrained_window_size", pretrained_window_size))
         self.hidden_dim = hidden_dim
-        self.cpb_mlp = nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(),                  # official/timm name
-                                     nn.Linear(hidden_dim, self.num_heads, bias=False))
+        self.cpb_mlp = nn.Sequential(_uninitialised(nn.Linear, 2, hidden_dim), nn.ReLU(),  # official/timm name
+                                     _uninitialised(nn.Linear, hidden_dim, self.num_heads, bias=False))
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -4742,19 +4761,18 @@ class DynamicPositionBias(_RelativeBias):
         owner = type(self).__name__
         num_heads, num_axes, hidden_dim, depth = (_check_positive_int(owner, name, value) for name, value in (
             ("num_heads", num_heads), ("num_axes", num_axes), ("hidden_dim", hidden_dim), ("depth", depth)))
-        for name, value in (("log_distance", log_distance), ("norm", norm)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{owner}: {name} must be a bool, got {name}={value!r}")
+        log_distance, norm = _check_flag(owner, "log_distance", log_distance), _check_flag(owner, "norm", norm)
         self.num_heads, self.num_axes, self.hidden_dim, self.depth = num_heads, num_axes, hidden_dim, depth
         self.log_distance, self.norm = log_distance, norm
 
         def block(width_in: int, norm_layer) -> nn.Sequential:
             norms = [norm_layer(hidden_dim)] if norm else []
-            return nn.Sequential(nn.Linear(width_in, hidden_dim), *norms, nn.SiLU())
+            return nn.Sequential(_uninitialised(nn.Linear, width_in, hidden_dim), *norms, nn.SiLU())
 
         # x-transformers normalises the first block without a bias (its own LayerNorm), the others with nn.LayerNorm
         hidden = [block(hidden_dim, nn.LayerNorm) for _ in range(depth - 1)]
-        self.mlp = nn.ModuleList([block(num_axes, _GammaLayerNorm), *hidden, nn.Linear(hidden_dim, num_heads)])
+        self.mlp = nn.ModuleList([block(num_axes, _GammaLayerNorm), *hidden,
+                                  _uninitialised(nn.Linear, hidden_dim, num_heads)])
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -4818,28 +4836,17 @@ class DynamicPositionBias(_RelativeBias):
 
 
 def _as_sizes(owner: str, name: str, value, count: Optional[int] = None) -> tuple:
-    """A tuple of positive ints (numpy ints accepted) from an int or a sequence of them."""
-    items = value if isinstance(value, (tuple, list, torch.Size)) else (value,)
-    try:
-        sizes = tuple(operator.index(item) for item in items)
-    except TypeError:
-        raise TypeError(f"{owner}: {name} must be a positive int or a tuple of them, got {value!r}") from None
-    if not sizes or any(size <= 0 for size in sizes) or any(isinstance(item, bool) for item in items) \
-            or (count is not None and len(sizes) != count):
-        want = "positive ints" if count is None else f"{count} positive ints"
-        raise ValueError(f"{owner}: {name} must be {want}, got {name}={value!r}")
-    return sizes
-
-
-def _check_float(owner: str, name: str, value, *, low: float = 0.0, optional: bool = False,
-                 inclusive: bool = False) -> None:
-    """A real number > low (>= low with ``inclusive``), or None when ``optional``."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (value >= low if inclusive else value > low):
-        raise ValueError(f"{owner}: {name} must be a finite number {'>=' if inclusive else '>'} {low}"
-                         f"{' or None' if optional else ''}, got {name}={value!r}")
+    """A tuple of positive ints (numpy ints too) from a sequence of ``count`` of them (any number
+    for None), or from one int where one may stand for the sequence."""
+    sequence = isinstance(value, (tuple, list, torch.Size))
+    items = tuple(value) if sequence else (value,)
+    if not items or (count is not None and len(items) != count):
+        want = ("a positive int or a non-empty sequence of them" if count is None
+                else "a positive int" if count == 1 else f"a sequence of {count} positive ints")
+        raise ValueError(f"{owner}: {name} must be {want}, got {name}={_describe(value)}")
+    if not sequence:
+        return (_check_positive_int(owner, name, value),)
+    return tuple(_check_positive_int(owner, f"{name}[{i}]", item) for i, item in enumerate(items))
 
 
 def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"] = "separate",
@@ -4884,11 +4891,9 @@ def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"]
     """
     owner = "rope_coordinates"
     sizes = _as_sizes(owner, "grid_shape", grid_shape)
-    if normalize not in ("separate", "max", "min"):
-        raise ValueError(f"{owner}: normalize must be 'separate', 'max' or 'min', got normalize={normalize!r}")
-    _check_float(owner, "shift", shift, optional=True, inclusive=True)
-    _check_float(owner, "jitter", jitter, low=1.0, optional=True, inclusive=True)
-    _check_float(owner, "rescale", rescale, low=1.0, optional=True, inclusive=True)
+    _check_choice(owner, "normalize", normalize, ("separate", "max", "min"))
+    shift, jitter, rescale = (None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low
+                              in (("shift", shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__}")
     count = len(sizes)
@@ -4922,9 +4927,9 @@ class _TokenRotation(PositionalEmbedding):
 
     def _check_init(self, head_dim, num_heads, num_axes) -> None:
         owner = type(self).__name__
-        self.head_dim = _as_sizes(owner, "head_dim", head_dim, 1)[0]
-        self.num_heads = _as_sizes(owner, "num_heads", num_heads, 1)[0]
-        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
+        self.head_dim = _check_positive_int(owner, "head_dim", head_dim)
+        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
+        self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         """Rotate ``x`` ``[..., H, N, Dh]`` (call it for q and for k)."""
@@ -5020,6 +5025,8 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.freqs.is_meta:   # no storage to fill, and the CPU draws below would advance the global
+            return               # generator: a meta build + reset_parameters() would then differ
         heads, axes, per_vector = self.num_heads, self.num_axes, self.head_dim // (2 * self.num_axes)
         magnitude = self.base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * axes / self.head_dim)  # [F/A]
         if axes == 2:   # rope-vit: a random angle per head, frame (cos, sin), (cos, sin)(phi + pi/2)
@@ -5094,7 +5101,7 @@ class LieREPositionalEmbedding(_TokenRotation):
         super().__init__()
         owner = type(self).__name__
         self._check_init(head_dim, num_heads, num_axes)
-        block = self.head_dim if block_size is None else _as_sizes(owner, "block_size", block_size, 1)[0]
+        block = self.head_dim if block_size is None else _check_positive_int(owner, "block_size", block_size)
         if not 2 <= block <= self.head_dim:
             raise ValueError(f"{owner}: block_size must be an int in [2, head_dim={self.head_dim}], "
                              f"got block_size={block_size!r}")
@@ -5219,20 +5226,17 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
                  activation: Optional[Literal["gelu"]] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        self.dim = _as_sizes(owner, "dim", dim, 1)[0]
-        self.kernel_size = _as_sizes(owner, "kernel_size", kernel_size, 1)[0]
-        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
+        self.dim = _check_positive_int(owner, "dim", dim)
+        self.kernel_size = _check_positive_int(owner, "kernel_size", kernel_size)
+        self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
         if self.num_axes > 3:
             raise ValueError(f"{owner}: num_axes must be 1, 2 or 3, got num_axes={num_axes!r}")
         self.grid_shape = None if grid_shape is None else _as_sizes(owner, "grid_shape", grid_shape, self.num_axes)
-        if not isinstance(num_prefix_tokens, int) or isinstance(num_prefix_tokens, bool) or num_prefix_tokens < 0:
-            raise ValueError(f"{owner}: num_prefix_tokens must be a non-negative int, "
-                             f"got num_prefix_tokens={num_prefix_tokens!r}")
-        self.groups = self.dim if groups is None else _as_sizes(owner, "groups", groups, 1)[0]
+        num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, 0)
+        self.groups = self.dim if groups is None else _check_positive_int(owner, "groups", groups)
         if self.dim % self.groups:
             raise ValueError(f"{owner}: groups must divide dim={self.dim}, got groups={groups!r}")
-        if not isinstance(weight_norm, bool):
-            raise TypeError(f"{owner}: weight_norm must be a bool, got {type(weight_norm).__name__} {weight_norm!r}")
+        weight_norm = _check_flag(owner, "weight_norm", weight_norm)
         if weight_norm and self.num_axes != 1:
             raise ValueError(f"{owner}: weight_norm is wav2vec 2.0's 1-D option, got num_axes={self.num_axes}")
         if activation not in (None, "gelu"):
@@ -5360,18 +5364,16 @@ class FourierFeaturePositionalEmbedding(PositionalEmbedding):
                  scale: float = 1.0, seed: int = 0) -> None:
         super().__init__()
         owner = type(self).__name__
-        self.num_axes = _as_sizes(owner, "num_axes", num_axes, 1)[0]
-        self.dim = _as_sizes(owner, "dim", dim, 1)[0]
-        if sampling not in ("octave", "gaussian"):
-            raise ValueError(f"{owner}: sampling must be 'octave' or 'gaussian', got sampling={sampling!r}")
+        self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
+        self.dim = _check_positive_int(owner, "dim", dim)
+        _check_choice(owner, "sampling", sampling, ("octave", "gaussian"))
         multiple = 2 * self.num_axes if sampling == "octave" else 2
         if self.dim % multiple:
             raise ValueError(f"{owner}: dim must be a multiple of {multiple} for sampling={sampling!r}, "
                              f"got dim={dim!r}")
-        _check_float(owner, "scale", scale)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"{owner}: seed must be an int, got {type(seed).__name__} {seed!r}")
-        self.sampling, self.scale, self.seed = sampling, float(scale), seed
+        scale = _as_float(owner, "scale", scale, minimum=0.0, exclusive=True)
+        seed = _as_int(owner, "seed", seed, minimum=None)
+        self.sampling, self.scale, self.seed = sampling, scale, seed
         self._init_buffers(None)
 
     def extra_repr(self) -> str:
@@ -5634,9 +5636,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
                  R: Optional[nn.Module] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int(owner, "d_emb", d_emb)
-        _check_positive_int(owner, "d_hid", d_hid)
-        self.d_emb, self.d_hid = d_emb, d_hid
+        self.d_emb, self.d_hid = _check_positive_int(owner, "d_emb", d_emb), _check_positive_int(owner, "d_hid", d_hid)
         for name, module in (("H", H), ("R", R)):
             if module is not None and not isinstance(module, nn.Module):
                 raise TypeError(f"{owner}: {name} must be an nn.Module or None, got "
@@ -5672,6 +5672,8 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.d_emb)
+        using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
+        return_state = _check_flag(owner, "return_state", return_state)
         if using_prev_context and state is not None:
             raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
         if using_prev_context:
@@ -6071,8 +6073,7 @@ def shard_positions(seq_len: int, rank: int, world_size: int, *,
     """
     owner = "shard_positions"
     seq_len, rank, world_size = _check_rank_args(owner, seq_len, rank, world_size)
-    if not isinstance(offset, int) or isinstance(offset, bool):
-        raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
+    offset = _as_int(owner, "offset", offset, minimum=None)
     if layout == "contiguous":
         size, extra = divmod(seq_len, world_size)
         start = rank * size + min(rank, extra)
@@ -6201,8 +6202,7 @@ def sharded_log_linear_scan(log_p: Tensor, h: Tensor, initial: Optional[Tensor] 
     _check_tensor(owner, "h", h, 2)
     if log_p.shape != h.shape:
         raise ValueError(f"{owner}: log_p and h must have the same shape, got {tuple(log_p.shape)} and {tuple(h.shape)}")
-    if not isinstance(return_state, bool):
-        raise TypeError(f"{owner}: return_state must be a bool, got {type(return_state).__name__} {return_state!r}")
+    return_state = _check_flag(owner, "return_state", return_state)
     _check_group(owner, group)
     dtype = _compute_dtype(torch.promote_types(log_p.dtype, h.dtype))
     log_p, h = log_p.to(dtype), h.to(dtype)
@@ -6256,9 +6256,8 @@ def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using
     owner = type(module).__name__
     _check_tensor(owner, "x", x, 2)
     _check_last_dim(owner, "x", x, module.d_emb)
-    for name, flag in (("using_prev_context", using_prev_context), ("return_state", return_state)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{owner}: {name} must be a bool, got {type(flag).__name__} {flag!r}")
+    using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
+    return_state = _check_flag(owner, "return_state", return_state)
     if using_prev_context and state is not None:
         raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
     if using_prev_context:

@@ -2587,7 +2587,7 @@ class TestKerple:
         torch.testing.assert_close(got, want)
 
     def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="KerplePositionalEmbedding: kernel must be 'log' or 'power', got kernel='cubic'"):
+        with pytest.raises(ValueError, match="KerplePositionalEmbedding: kernel must be one of 'log', 'power', got kernel='cubic'"):
             KerplePositionalEmbedding(4, kernel="cubic")
         with pytest.raises(ValueError, match="KerplePositionalEmbedding: num_heads must be a positive int, got num_heads=0"):
             KerplePositionalEmbedding(0)
@@ -3163,7 +3163,7 @@ class TestForgetting:
             ForgettingPositionalEmbedding(D, H, fgate_proj=torch.nn.Linear(D, H + 1))
         with pytest.raises(TypeError, match=owner + "num_heads must be an int, got str '4'"):
             ForgettingPositionalEmbedding(D, "4")
-        with pytest.raises(ValueError, match=owner + "init_std must be a finite number >= 0, got init_std=nan"):
+        with pytest.raises(ValueError, match=owner + "init_std must be a finite number >= 0.0, got init_std=nan"):
             ForgettingPositionalEmbedding(D, H, init_std=float("nan"))
         with pytest.raises(ValueError, match=owner + "pe\\(x\\) takes the token states alone"):
             fox(torch.randn(B, N, D), 3)
@@ -3585,7 +3585,7 @@ class TestDeberta:
             DebertaPositionalEmbedding(D, H, position_buckets=256, max_relative_positions=100)
         with pytest.raises(ValueError, match=f"{name}: dim must be divisible by num_heads"):
             DebertaPositionalEmbedding(10, 4)
-        with pytest.raises(ValueError, match=f"{name}: layer_norm_eps must be a number > 0, got layer_norm_eps=0"):
+        with pytest.raises(ValueError, match=f"{name}: layer_norm_eps must be a finite number > 0.0, got layer_norm_eps=0"):
             DebertaPositionalEmbedding(D, H, layer_norm_eps=0)
         with pytest.raises(TypeError, match=f"{name}: layer_norm must be a bool"):
             DebertaPositionalEmbedding(D, H, layer_norm="yes")
@@ -3802,11 +3802,11 @@ class TestRelativePositionBias2D:
         name = "RelativePositionBias2D"
         with pytest.raises(ValueError, match=f"{name}: num_prefix_tokens must be 0 or 1 .*got num_prefix_tokens=2"):
             RelativePositionBias2D(4, 7, num_prefix_tokens=2)
-        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int or a pair .*got window_size=\\(7,\\)"):
+        with pytest.raises(ValueError, match=f"{name}: window_size must be a sequence of 2 positive ints, got window_size=\\(7,\\)"):
             RelativePositionBias2D(4, (7,))
-        with pytest.raises(ValueError, match=f"{name}: window_size must be positive, got window_size=\\(0, 3\\)"):
+        with pytest.raises(ValueError, match=f"{name}: window_size\\[0\\] must be a positive int, got window_size\\[0\\]=0"):
             RelativePositionBias2D(4, (0, 3))
-        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int .*got window_size=7.0"):
+        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got float 7.0"):
             RelativePositionBias2D(4, 7.0)
         with pytest.raises(ValueError, match=f"{name}: num_heads must be a positive int, got num_heads=0"):
             RelativePositionBias2D(0, 7)
@@ -3821,7 +3821,7 @@ class TestRelativePositionBias2D:
             pe(2, 2, positions_q=torch.tensor([0.0, 1.0]))
         with pytest.raises(ValueError, match=f"{name}: interpolation must be 'geometric' or 'bicubic', got 'nearest'"):
             pe.resize(6, interpolation="nearest")
-        with pytest.raises(ValueError, match=f"{name}: new_window_size must be positive"):
+        with pytest.raises(ValueError, match=f"{name}: new_window_size\\[0\\] must be a positive int"):
             pe.resize((0, 2))
 
     def test_numpy_ints_accepted(self):
@@ -3918,9 +3918,9 @@ class TestContinuousPositionBias:
         name = "ContinuousPositionBias"
         with pytest.raises(ValueError, match=f"{name}: hidden_dim must be a positive int, got hidden_dim=0"):
             ContinuousPositionBias(2, 4, hidden_dim=0)
-        with pytest.raises(ValueError, match=f"{name}: pretrained_window_size must be positive, got pretrained_window_size=\\(0, 3\\)"):
+        with pytest.raises(ValueError, match=f"{name}: pretrained_window_size\\[0\\] must be a positive int, got pretrained_window_size\\[0\\]=0"):
             ContinuousPositionBias(2, 4, pretrained_window_size=(0, 3))
-        with pytest.raises(ValueError, match=f"{name}: window_size must be a positive int or a pair .*got window_size='7'"):
+        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got str '7'"):
             ContinuousPositionBias(2, "7")
         with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 16 tokens"):
             ContinuousPositionBias(2, 4)(17, 17)
@@ -4022,7 +4022,7 @@ class TestDynamicPositionBias:
         name = "DynamicPositionBias"
         with pytest.raises(ValueError, match=f"{name}: depth must be a positive int, got depth=0"):
             DynamicPositionBias(2, depth=0)
-        with pytest.raises(TypeError, match=f"{name}: log_distance must be a bool, got log_distance='false'"):
+        with pytest.raises(TypeError, match=f"{name}: log_distance must be a bool, got str 'false'"):
             DynamicPositionBias(2, log_distance="false")
         with pytest.raises(ValueError, match=f"{name}: num_axes must be a positive int, got num_axes=0"):
             DynamicPositionBias(2, num_axes=0)
@@ -4141,7 +4141,7 @@ class TestMixedRotary:
             MixedRotaryPositionalEmbedding(30, 4)
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
             MixedRotaryPositionalEmbedding(32, 4, base=1.0)
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: num_heads must be 1 positive ints, got num_heads=True"):
+        with pytest.raises(TypeError, match="MixedRotaryPositionalEmbedding: num_heads must be an int, got bool True"):
             MixedRotaryPositionalEmbedding(32, True)
         pe = MixedRotaryPositionalEmbedding(DH, H)
         q, k, _ = qkv()
@@ -4236,7 +4236,7 @@ class TestLieRE:
     def test_bad_input(self):
         with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be an int in \\[2, head_dim=32\\], got block_size=64"):
             LieREPositionalEmbedding(32, 4, block_size=64)
-        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be 1 positive ints, got block_size=0"):
+        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be a positive int, got block_size=0"):
             LieREPositionalEmbedding(32, 4, block_size=0)
         pe = LieREPositionalEmbedding(DH, H)
         with pytest.raises(TypeError, match="LieREPositionalEmbedding: positions must be an integer or float tensor"):
@@ -4405,7 +4405,7 @@ class TestFourierFeatures:
     def test_bad_input(self):
         with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: dim must be a multiple of 6 for sampling='octave', got dim=16"):
             FourierFeaturePositionalEmbedding(3, 16)
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: sampling must be 'octave' or 'gaussian'"):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: sampling must be one of 'octave', 'gaussian'"):
             FourierFeaturePositionalEmbedding(2, 16, sampling="uniform")
         with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: scale must be a finite number > 0"):
             FourierFeaturePositionalEmbedding(2, 16, scale=0.0)
@@ -4566,13 +4566,13 @@ class TestRopeCoordinates:
             assert out.shape == v.shape and torch.isfinite(out).all()
 
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="rope_coordinates: normalize must be 'separate', 'max' or 'min'"):
+        with pytest.raises(ValueError, match="rope_coordinates: normalize must be one of 'separate', 'max', 'min'"):
             rope_coordinates((2, 2), normalize="mean")
-        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0 or None, got jitter=0.5"):
+        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0, got jitter=0.5"):
             rope_coordinates((2, 2), jitter=0.5)
-        with pytest.raises(ValueError, match="rope_coordinates: grid_shape must be positive ints, got grid_shape=\\(2, 0\\)"):
+        with pytest.raises(ValueError, match="rope_coordinates: grid_shape\\[1\\] must be a positive int, got grid_shape\\[1\\]=0"):
             rope_coordinates((2, 0))
-        with pytest.raises(TypeError, match="rope_coordinates: grid_shape must be a positive int or a tuple of them"):
+        with pytest.raises(TypeError, match="rope_coordinates: grid_shape\\[1\\] must be an int, got float 2.5"):
             rope_coordinates((2, 2.5))
 
 
@@ -5542,3 +5542,230 @@ def test_gallery_runs(tmp_path):
     for name in gallery.GALLERY:
         assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
     assert gallery.uncovered_classes() == []
+
+
+# ---------------------------------------------------------------------------
+# Review leftovers (issue 12): every flag a real bool, every numeric argument typed and
+# ranged with a message naming the class and the argument, meta init == normal init bitwise
+# ---------------------------------------------------------------------------
+
+_HEINSEN_X = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(2))
+
+# (owner in the message, call taking the flag as a keyword, flag name)
+FLAG_ARGS = [
+    ("RotaryPositionalEmbedding", lambda **kw: RotaryPositionalEmbedding(8, **kw), "interleaved"),
+    ("t5_relative_position_bucket", lambda **kw: t5_relative_position_bucket(torch.arange(3), **kw), "bidirectional"),
+    ("T5PositionalEmbedding", lambda **kw: T5PositionalEmbedding(2, **kw), "bidirectional"),
+    ("ALiBiPositionalEmbedding", lambda **kw: ALiBiPositionalEmbedding(2, **kw), "bidirectional"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "relative_bias"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "cls_token"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "bidirectional"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
+     "bidirectional"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
+                                                                             **kw), "symmetric"),
+    ("XPosPositionalEmbedding", lambda **kw: XPosPositionalEmbedding(8, **kw), "interleaved"),
+    ("KerplePositionalEmbedding", lambda **kw: KerplePositionalEmbedding(2, **kw), "bidirectional"),
+    ("SandwichPositionalEmbedding", lambda **kw: SandwichPositionalEmbedding(2, 8, **kw), "bidirectional"),
+    ("FIREPositionalEmbedding", lambda **kw: FIREPositionalEmbedding(2, hidden_dim=4, **kw), "bidirectional"),
+    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw), "per_head"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "key_query"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "values"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding.from_bert(torch.zeros(5, 4), 2, **kw),
+     "key_query"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, max_relative_positions=8,
+                                                                           position_buckets=4, **kw), "layer_norm"),
+    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "log_distance"),
+    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "norm"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, num_axes=1, **kw),
+     "weight_norm"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw),
+     "using_prev_context"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw), "return_state"),
+    ("attention", lambda **kw: attention(*qkv(4, 4), **kw), "causal"),
+]
+# flags checked before the process group is looked for (a valid call needs torch.distributed)
+SHARDED_FLAG_ARGS = [
+    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
+                                                                        **kw), "using_prev_context"),
+    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
+                                                                        **kw), "return_state"),
+    ("sharded_log_linear_scan", lambda **kw: sharded_log_linear_scan(-torch.ones(3, 2), torch.ones(3, 2), **kw),
+     "return_state"),
+]
+
+
+def _tiny_numeric(owner, make, name, value, error, want):
+    return pytest.param(owner, make, name, value, error, want, id=f"{owner}-{name}-{value!r}")
+
+
+# (owner, call taking the argument as a keyword, argument, bad value, error, what the message says)
+# The message must read "<owner>: <argument> must <want>" (an entry "<argument>[i]" for a sequence), with
+# the value in it; <want> starts with "be" unless given as a whole "must ..." phrase.
+NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
+                                                                             **kw),
+     "min_half_life", "3", TypeError, "a real number, got str '3'"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, length_scale=16, **kw),
+     "num_features", 12.0, TypeError, "an int, got float 12.0"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, **kw),
+     "length_scale", "16", TypeError, "an int, got str '16'"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "d_model", "8", TypeError, "an int, got str '8'"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "clamp_len", 2.5, TypeError, "an int, got float 2.5"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "init_std", -1.0, ValueError, "a finite number >= 0.0, got init_std=-1.0"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
+     "num_buckets", 0, ValueError, "a positive int, got num_buckets=0"),
+    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw),
+     "init_std", "0.1", TypeError, "a real number, got str '0.1'"),
+    ("ForgettingPositionalEmbedding", lambda **kw: ForgettingPositionalEmbedding(8, 2, **kw),
+     "init_std", None, TypeError, "a real number, got NoneType None"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw),
+     "init_std", -0.5, ValueError, "a finite number >= 0.0, got init_std=-0.5"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
+     "layer_norm_eps", "1e-7", TypeError, "a real number, got str '1e-7'"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), **kw),
+     "position_buckets", 1, ValueError, "an int >= 2, got position_buckets=1"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), position_buckets=8, **kw),
+     "max_relative_positions", 5, ValueError, "must exceed position_buckets // 2 \\+ 1 = 5 .*got max_relative_positions=5"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(**kw),
+     "relative_position", torch.zeros(3), TypeError, "an integer tensor, got a tensor of shape \\[3\\]"),
+    ("AlgebraicTreePositionalEmbedding", lambda **kw: AlgebraicTreePositionalEmbedding(4, 2, 2, 3, **kw),
+     "init_std", float("inf"), ValueError, "a finite number >= 0.0, got init_std=inf"),
+    ("AlgebraicGridPositionalEmbedding", lambda **kw: AlgebraicGridPositionalEmbedding(8, 2, **kw),
+     "base", "100", TypeError, "a real number, got str '100'"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
+     "num_prefix_tokens", -1, ValueError, "a non-negative int, got num_prefix_tokens=-1"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, **kw),
+     "window_size", (3, 0), ValueError, "a positive int, got window_size\\[1\\]=0"),
+    ("MixedRotaryPositionalEmbedding", lambda **kw: MixedRotaryPositionalEmbedding(8, **kw),
+     "num_heads", 0, ValueError, "a positive int, got num_heads=0"),
+    ("LieREPositionalEmbedding", lambda **kw: LieREPositionalEmbedding(8, 2, **kw),
+     "block_size", "4", TypeError, "an int, got str '4'"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "kernel_size", 0, ValueError, "a positive int, got kernel_size=0"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "num_prefix_tokens", 1.5, TypeError, "an int, got float 1.5"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "grid_shape", (2, 3, 4), ValueError, "a sequence of 2 positive ints, got grid_shape=\\(2, 3, 4\\)"),
+    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
+     "seed", 1.5, TypeError, "an int, got float 1.5"),
+    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
+     "scale", "1", TypeError, "a real number, got str '1'"),
+    ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
+     "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
+     "d_hid", 2.5, TypeError, "an int, got float 2.5"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), to="half_split", **kw),
+     "head_dim", "4", TypeError, "an int, got str '4'"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, to="half_split", **kw),
+     "rotary_dim", 0, ValueError, "a positive int, got rotary_dim=0"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, **kw),
+     "to", "halfsplit", ValueError, "one of 'half_split', 'interleaved', got to='halfsplit'"),
+    ("shard_positions", lambda **kw: shard_positions(8, 0, 2, **kw),
+     "offset", 1.5, TypeError, "an int, got float 1.5"),
+]]
+
+# Builds taking sizes and reals, once with Python numbers and once with numpy's (given as
+# `num`): both must give the same module (numpy ints and floats are accepted as such).
+NUMPY_BUILDS = [
+    lambda num: UnifiedPositionalEmbedding(num.int64(8), num.int32(2), num.int64(4), num_buckets=num.int64(8),
+                                           max_distance=num.int64(12), init_std=num.float32(0.5)),
+    lambda num: TransformerXLPositionalEmbedding(num.int64(2), num.int64(4), d_model=num.int64(6),
+                                                 clamp_len=num.int64(5), init_std=num.float64(0.5)),
+    lambda num: EnformerPositionalEmbedding(num.int64(2), num.int64(4), num_features=num.int64(6),
+                                            length_scale=num.int64(16), min_half_life=num.float32(2.0)),
+    lambda num: CoPEPositionalEmbedding(num.int64(2), num.int64(4), max_position=num.int64(4),
+                                        init_std=num.float32(0.5)),
+    lambda num: ForgettingPositionalEmbedding(num.int64(8), num.int64(2), init_std=num.float32(0.5)),
+    lambda num: DebertaPositionalEmbedding(num.int64(8), num.int64(2), max_relative_positions=num.int64(8),
+                                           position_buckets=num.int64(4), layer_norm_eps=num.float64(1e-5),
+                                           init_std=num.float64(0.5)),
+    lambda num: AlgebraicTreePositionalEmbedding(num.int64(4), num.int64(2), num.int64(2), num.int64(3),
+                                                 init_std=num.float32(0.5)),
+    lambda num: RelativePositionBias2D(num.int64(2), (num.int64(3), num.int32(2)), num_prefix_tokens=num.int64(1),
+                                       init_std=num.float32(0.5)),
+    lambda num: ConvolutionalPositionalEmbedding(num.int64(4), kernel_size=num.int64(3), num_axes=num.int64(1),
+                                                 num_prefix_tokens=num.int64(1), groups=num.int64(2)),
+    lambda num: FourierFeaturePositionalEmbedding(num.int64(1), num.int64(4), sampling="gaussian",
+                                                  scale=num.float32(0.5), seed=num.int64(3)),
+    lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
+    lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
+]
+
+# Every property-test case, plus options whose parameters the cases do not cover.
+META_CASES = [pytest.param(case.make, id=case.name) for case in CASES] + [
+    pytest.param(lambda: UnifiedPositionalEmbedding(16, 2, 4, relative_bias=False), id="tupe_absolute_only"),
+    pytest.param(lambda: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16, symmetric=True),
+                 id="enformer_symmetric"),
+    pytest.param(lambda: MixedRotaryPositionalEmbedding(12, 2, 3), id="mixed_rope_three_axes"),
+    pytest.param(lambda: ForgettingPositionalEmbedding(8, 2), id="forgetting_unbound"),
+    pytest.param(lambda: ConvolutionalPositionalEmbedding(8, num_axes=3), id="conv_peg_3d"),
+    pytest.param(lambda: DebertaPositionalEmbedding(8, 2, max_relative_positions=8, position_buckets=4,
+                                                    pos_att_type="p2c"), id="deberta_p2c"),
+]
+
+
+class TestHardeningLeftovers:
+    @pytest.mark.parametrize("bad", ["false", 1, None], ids=["str", "int", "None"])
+    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}")
+                                                   for row in FLAG_ARGS + SHARDED_FLAG_ARGS])
+    def test_flags_must_be_real_bools(self, owner, make, name, bad):
+        with pytest.raises(TypeError, match=f"^{owner}: {name} must be a bool, got {type(bad).__name__} {bad!r}$"):
+            make(**{name: bad})
+
+    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}") for row in FLAG_ARGS])
+    def test_numpy_bools_are_accepted_as_flags(self, owner, make, name):
+        numpy = pytest.importorskip("numpy")
+        make(**{name: numpy.bool_(False)})   # the same call with a bad flag is the TypeError above
+
+    @pytest.mark.parametrize("owner, make, name, value, error, want", NUMERIC_ARGS)
+    def test_numeric_arguments_are_typed_and_ranged(self, owner, make, name, value, error, want):
+        want = want[len("must "):] if want.startswith("must ") else "be " + want
+        with pytest.raises(error, match=f"^{owner}: {name}(\\[\\d+\\])? must {want}"):
+            make(**{name: value})
+
+    @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
+                                                         "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
+                                                         "liere", "heinsen"])
+    def test_numpy_numbers_build_the_same_module(self, build):
+        numpy = pytest.importorskip("numpy")
+        python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
+        torch.manual_seed(0)
+        plain = build(python)
+        torch.manual_seed(0)
+        from_numpy = build(numpy)
+        assert repr(from_numpy) == repr(plain)
+        want, got = plain.state_dict(), from_numpy.state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[key], got[key]) for key in want)
+        stored = [(name, value) for name, value in vars(from_numpy).items()
+                  for item in (value if isinstance(value, tuple) else (value,)) if isinstance(item, numpy.generic)]
+        assert not stored, stored   # sizes are kept as Python ints
+
+    def test_permute_rotary_weight_rejects_numpy_arrays(self):
+        numpy = pytest.importorskip("numpy")
+        with pytest.raises(TypeError, match="^permute_rotary_weight: weight must be a torch.Tensor .*got ndarray"):
+            permute_rotary_weight(numpy.zeros((8, 2)), 4, to="half_split")
+
+    @pytest.mark.parametrize("make", META_CASES)
+    def test_meta_init_then_reset_equals_normal_init_bitwise(self, make):
+        torch.manual_seed(0)
+        normal = make()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            meta = make()
+        meta.to_empty(device="cpu")
+        meta.reset_parameters()
+        want = dict(normal.named_parameters()) | dict(normal.named_buffers())
+        got = dict(meta.named_parameters()) | dict(meta.named_buffers())
+        assert want.keys() == got.keys()
+        differ = [name for name in want if want[name].dtype != got[name].dtype or not torch.equal(want[name], got[name])]
+        assert not differ, differ
