@@ -587,7 +587,11 @@ def attention(
 
     Packed sequences: ``document_ids`` ``[N]`` or ``[B, N]`` (self-attention, ``Nq == Nk``)
     stops every token from attending across documents, and default positions restart at 0
-    in every document (``document_positions``); explicit positions win.
+    in every document (``document_positions``); explicit positions win. The FlexAttention
+    path masks documents with a ``BlockMask`` (blocks that cross documents are skipped; under
+    ``torch.compile`` no ``[N, N]`` mask exists), the other paths with a boolean ``[N, N]``
+    mask. Input encodings take the same positions: ``pe.forward_input(x,
+    document_positions(document_ids))`` (Heinsen's recurrence restarts at every 0).
 
     Args:
         q (Tensor): queries ``[B, H, Nq, Dh]``.
@@ -606,8 +610,8 @@ def attention(
         dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
         use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
             their ``score_mod`` (no dense bias). None: on CUDA when there is no
-            ``attn_mask``, no dropout and no ``document_ids``; True: also on the CPU (eager
-            FlexAttention, for testing). Default: None.
+            ``attn_mask`` and no dropout; True: also on the CPU (eager FlexAttention, for
+            testing). Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
 
@@ -629,23 +633,26 @@ def attention(
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
     q_len, k_len = q.shape[-2], k.shape[-2]
+    flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
+        and (use_flex or (use_flex is None and q.is_cuda))
     if document_ids is not None:
-        same_document = _document_mask(q, k, document_ids)                              # [(B, 1, ..,) N, N] bool
-        if attn_mask is None or attn_mask.dtype == torch.bool:
-            attn_mask = same_document if attn_mask is None else attn_mask & same_document
-        else:
-            attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
+        document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
+        if not flex:  # the flex path masks documents block-wise instead
+            same_document = _document_mask(q, document_ids)                             # [(B, 1, ..,) N, N] bool
+            if attn_mask is None or attn_mask.dtype == torch.bool:
+                attn_mask = same_document if attn_mask is None else attn_mask & same_document
+            else:
+                attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
         if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
             positions_q = positions_k = document_positions(document_ids)
     if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
         k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
     if pe is not None and pe.kind == "logits":
         return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p)
-    if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-            and (use_flex or (use_flex is None and q.is_cuda)):
+    if flex:
         pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale)
+        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids)
     bias = None
     if pe is not None:
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
@@ -692,32 +699,61 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                    causal: bool, scale: float) -> Tensor:
+                    causal: bool, scale: float, document_ids: Optional[Tensor] = None) -> Tensor:
     """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask).
 
     FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
-    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions repeated).
+    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
+    ids repeated). Documents (and then causality too) go into a ``BlockMask``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
     lead = q.shape[:-3]
     batch = math.prod(lead) if lead else 1
+    per_row = batch // (lead[0] if lead else 1)
+
+    def rows(p: Optional[Tensor], batched_dim: int) -> Optional[Tensor]:  # [1, N] -> [N]; [B, N] -> [B * G, N]
+        if not isinstance(p, Tensor) or p.dim() != batched_dim:
+            return p
+        if p.shape[0] == 1:
+            return p[0]
+        return p.repeat_interleave(per_row, dim=0) if per_row > 1 else p
+
     if q.dim() != 4:
         q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
-        per_row = batch // (lead[0] if lead else 1)
-
-        def rows(p: Optional[Tensor]) -> Optional[Tensor]:                             # [B, N] -> [B * G, N]
-            return p.repeat_interleave(per_row, dim=0) if isinstance(p, Tensor) and p.dim() == 2 else p
-        positions_q, positions_k = rows(positions_q), rows(positions_k)
+    batched_dim = 2 if pe.num_axes == 1 else 3
+    positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
+    document_ids = rows(document_ids, 2)
     add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
     offset = _query_offset(q.shape[-2], k.shape[-2])
+    block_mask = None if document_ids is None else _document_block_mask(document_ids, causal, offset)
+    causal_scores = causal and block_mask is None
 
     def score_mod(score, b, h, q_idx, kv_idx):
         score = add_bias(score, b, h, q_idx, kv_idx)
-        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal else score
+        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal_scores else score
 
-    out = flex_attention(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                         enable_gqa=q.shape[-3] != k.shape[-3])
     return out.reshape(*lead, *out.shape[-3:])
+
+
+def _document_block_mask(ids: Tensor, causal: bool, offset: int = 0):
+    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (and, with
+    ``causal``, to keys at most ``offset`` past it), from ids ``[N]`` (shared) or ``[B, N]``.
+
+    It is built from a ``mask_mod``: blocks that cross documents are skipped by the kernel, and
+    under ``torch.compile`` no ``[N, N]`` mask is materialised.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = ids.shape[-1]
+
+    def same_document(b, h, q_idx, kv_idx):
+        keep = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
+        return keep & (kv_idx <= q_idx + offset) if causal else keep
+
+    return create_block_mask(same_document, ids.shape[0] if ids.dim() == 2 else None, None, n, n, device=ids.device)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
@@ -748,8 +784,8 @@ def _check_document_ids(owner: str, document_ids) -> Tensor:
     return document_ids.long()
 
 
-def _document_mask(q: Tensor, k: Tensor, document_ids: Tensor) -> Tensor:
-    """Boolean ``[N, N]`` (``[B, 1, .., N, N]`` for ``[B, N]`` ids): True within a document."""
+def _check_document_ids_for(q: Tensor, k: Tensor, document_ids) -> Tensor:
+    """attention()'s ``document_ids``: int64 ``[N]`` or ``[B, N]`` for self-attention on q, k."""
     owner = "attention"
     ids = _check_document_ids(owner, document_ids)
     n = q.shape[-2]
@@ -759,6 +795,12 @@ def _document_mask(q: Tensor, k: Tensor, document_ids: Tensor) -> Tensor:
                          f"[{q.shape[0]}, {n}], got ids {tuple(ids.shape)} for q {tuple(q.shape)} and k {tuple(k.shape)}")
     if ids.device != q.device:
         raise ValueError(f"{owner}: document_ids must be on {q.device}, got {ids.device}")
+    return ids
+
+
+def _document_mask(q: Tensor, ids: Tensor) -> Tensor:
+    """Boolean ``[N, N]`` (``[B, 1, .., N, N]`` for ``[B, N]`` ids): True within a document."""
+    n = ids.shape[-1]
     same = ids.unsqueeze(-1) == ids.unsqueeze(-2)                                       # [(B,) N, N]
     if ids.dim() == 2:
         same = same.reshape(ids.shape[0], *([1] * (q.dim() - 3)), n, n)
