@@ -630,7 +630,11 @@ def attention(
 
     Packed sequences: ``document_ids`` ``[N]`` or ``[B, N]`` (self-attention, ``Nq == Nk``)
     stops every token from attending across documents, and default positions restart at 0
-    in every document (``document_positions``); explicit positions win.
+    in every document (``document_positions``); explicit positions win. The FlexAttention
+    path masks documents with a ``BlockMask`` (blocks that cross documents are skipped; under
+    ``torch.compile`` no ``[N, N]`` mask exists), the other paths with a boolean ``[N, N]``
+    mask. Input encodings take the same positions: ``pe.forward_input(x,
+    document_positions(document_ids))`` (Heinsen's recurrence restarts at every 0).
 
     FSDP2: an encoding that was ``fully_shard``-ed by itself has its parameters gathered for
     this call as for its ``forward`` (nothing to register). Its other methods called directly
@@ -653,8 +657,8 @@ def attention(
         dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
         use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
             their ``score_mod`` (no dense bias). None: on CUDA when there is no
-            ``attn_mask``, no dropout and no ``document_ids``; True: also on the CPU (eager
-            FlexAttention, for testing). Default: None.
+            ``attn_mask`` and no dropout; True: also on the CPU (eager FlexAttention, for
+            testing). Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
 
@@ -675,32 +679,36 @@ def attention(
     if use_flex is not None:
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
+    flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
+        and (use_flex or (use_flex is None and q.is_cuda))
     if document_ids is not None:
-        same_document = _document_mask(q, k, document_ids)                              # [(B, 1, ..,) N, N] bool
-        if attn_mask is None or attn_mask.dtype == torch.bool:
-            attn_mask = same_document if attn_mask is None else attn_mask & same_document
-        else:
-            attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
+        document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
+        if not flex:  # the flex path masks documents block-wise instead
+            same_document = _document_mask(q, document_ids)                             # [(B, 1, ..,) N, N] bool
+            if attn_mask is None or attn_mask.dtype == torch.bool:
+                attn_mask = same_document if attn_mask is None else attn_mask & same_document
+            else:
+                attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
         if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
             positions_q = positions_k = document_positions(document_ids)
     return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
-                            use_flex, group)
+                            flex, document_ids, group)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], positions_q, positions_k,
             causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
-            use_flex: Optional[bool], group: int) -> Tensor:
-    """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head)."""
+            flex: bool, document_ids: Optional[Tensor], group: int) -> Tensor:
+    """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head);
+    ``flex``: a bias through FlexAttention, documents (if any) masked block-wise there."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
         k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
     if pe is not None and pe.kind == "logits":
         return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p)
-    if pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-            and (use_flex or (use_flex is None and q.is_cuda)):
+    if flex:
         pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale)
+        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids)
     bias = None
     if pe is not None:
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
@@ -767,32 +775,61 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                    causal: bool, scale: float) -> Tensor:
+                    causal: bool, scale: float, document_ids: Optional[Tensor] = None) -> Tensor:
     """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask).
 
     FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
-    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions repeated).
+    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
+    ids repeated). Documents (and then causality too) go into a ``BlockMask``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
     lead = q.shape[:-3]
     batch = math.prod(lead) if lead else 1
+    per_row = batch // (lead[0] if lead else 1)
+
+    def rows(p: Optional[Tensor], batched_dim: int) -> Optional[Tensor]:  # [1, N] -> [N]; [B, N] -> [B * G, N]
+        if not isinstance(p, Tensor) or p.dim() != batched_dim:
+            return p
+        if p.shape[0] == 1:
+            return p[0]
+        return p.repeat_interleave(per_row, dim=0) if per_row > 1 else p
+
     if q.dim() != 4:
         q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
-        per_row = batch // (lead[0] if lead else 1)
-
-        def rows(p: Optional[Tensor]) -> Optional[Tensor]:                             # [B, N] -> [B * G, N]
-            return p.repeat_interleave(per_row, dim=0) if isinstance(p, Tensor) and p.dim() == 2 else p
-        positions_q, positions_k = rows(positions_q), rows(positions_k)
+    batched_dim = 2 if pe.num_axes == 1 else 3
+    positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
+    document_ids = rows(document_ids, 2)
     add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
     offset = _query_offset(q.shape[-2], k.shape[-2])
+    block_mask = None if document_ids is None else _document_block_mask(document_ids, causal, offset)
+    causal_scores = causal and block_mask is None
 
     def score_mod(score, b, h, q_idx, kv_idx):
         score = add_bias(score, b, h, q_idx, kv_idx)
-        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal else score
+        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal_scores else score
 
-    out = flex_attention(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                         enable_gqa=q.shape[-3] != k.shape[-3])
     return out.reshape(*lead, *out.shape[-3:])
+
+
+def _document_block_mask(ids: Tensor, causal: bool, offset: int = 0):
+    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (and, with
+    ``causal``, to keys at most ``offset`` past it), from ids ``[N]`` (shared) or ``[B, N]``.
+
+    It is built from a ``mask_mod``: blocks that cross documents are skipped by the kernel, and
+    under ``torch.compile`` no ``[N, N]`` mask is materialised.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = ids.shape[-1]
+
+    def same_document(b, h, q_idx, kv_idx):
+        keep = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
+        return keep & (kv_idx <= q_idx + offset) if causal else keep
+
+    return create_block_mask(same_document, ids.shape[0] if ids.dim() == 2 else None, None, n, n, device=ids.device)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
@@ -807,9 +844,14 @@ def document_positions(document_ids: Tensor) -> Tensor:
         tensor([0, 1, 2, 0, 1, 0])
     """
     ids = _check_document_ids("document_positions", document_ids)
-    index = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)              # [(B,) N]
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return _positions_since(starts)
+
+
+def _positions_since(starts: Tensor) -> Tensor:
+    """Tokens since the latest start (True) at or before each token, int64 ``[..., N]``."""
+    index = torch.arange(starts.shape[-1], device=starts.device).expand_as(starts)     # [..., N]
     start_of_run = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - start_of_run
 
@@ -823,8 +865,8 @@ def _check_document_ids(owner: str, document_ids) -> Tensor:
     return document_ids.long()
 
 
-def _document_mask(q: Tensor, k: Tensor, document_ids: Tensor) -> Tensor:
-    """Boolean ``[N, N]`` (``[B, 1, .., N, N]`` for ``[B, N]`` ids): True within a document."""
+def _check_document_ids_for(q: Tensor, k: Tensor, document_ids) -> Tensor:
+    """attention()'s ``document_ids``: int64 ``[N]`` or ``[B, N]`` for self-attention on q, k."""
     owner = "attention"
     ids = _check_document_ids(owner, document_ids)
     n = q.shape[-2]
@@ -834,6 +876,12 @@ def _document_mask(q: Tensor, k: Tensor, document_ids: Tensor) -> Tensor:
                          f"[{q.shape[0]}, {n}], got ids {tuple(ids.shape)} for q {tuple(q.shape)} and k {tuple(k.shape)}")
     if ids.device != q.device:
         raise ValueError(f"{owner}: document_ids must be on {q.device}, got {ids.device}")
+    return ids
+
+
+def _document_mask(q: Tensor, ids: Tensor) -> Tensor:
+    """Boolean ``[N, N]`` (``[B, 1, .., N, N]`` for ``[B, N]`` ids): True within a document."""
+    n = ids.shape[-1]
     same = ids.unsqueeze(-1) == ids.unsqueeze(-2)                                       # [(B,) N, N]
     if ids.dim() == 2:
         same = same.reshape(ids.shape[0], *([1] * (q.dim() - 3)), n, n)
@@ -5421,7 +5469,8 @@ class FourierFeaturePositionalEmbedding(PositionalEmbedding):
 # ---------------------------------------------------------------------------
 
 
-def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: bool = False) -> Tensor:
+def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: bool = False,
+                     segmented: bool = False) -> Tensor:
     """``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))`` from ``s_0 = initial``, in parallel.
 
     log_p, h: [..., N, d]; initial: [..., 1, d] -> s: [..., N, d]. The closed form
@@ -5435,6 +5484,11 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: 
     differentiate twice (the double backward's recomputation): steps without ``out=`` in the
     blocks, and the chain by this blocked scan again rather than ``logcumsumexp``, whose
     backward gives NaN second derivatives wherever the gradient reaching it is 0.
+
+    ``segmented=True`` allows ``log_p = -inf`` (a decay of exactly 0: the state is dropped,
+    packed documents): every closed form would meet ``-inf - -inf`` there, so the blocks step
+    and the chain is this scan again, and every ``logaddexp`` that may see the dropped state
+    goes through ``_logaddexp_dropped`` (finite derivatives of every order).
     """
     n = log_p.shape[-2]
     size = min(n, _SCAN_BLOCK)                                                          # T
@@ -5442,34 +5496,45 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: 
     if pad:  # any finite values (no -inf: NaN second derivatives): cut off, and the chain skips the last block
         log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad))
     blocks = (n + pad) // size
-    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)), differentiable)
+    a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)), differentiable,
+                            segmented)
     entering = initial.double()                                                         # [..., 1, d]
     if blocks > 1:  # the states after every block but the last, by the recurrence over their summaries
         decay, last = a[..., :-1, -1, :].double(), local[..., :-1, -1, :].double()       # [..., nb - 1, d]
-        after = (_log_linear_scan(decay, last, entering, differentiable=True) if differentiable
+        after = (_log_linear_scan(decay, last, entering, differentiable, segmented) if differentiable or segmented
                  else _log_linear_scan_exact(decay, last, entering))                   # [..., nb - 1, d]
         entering = torch.cat([entering, after], dim=-2)                                 # [..., nb, d]
         del decay, last, after
     # rebinding frees the old ``a`` (peak memory as in place); not in place: vmap may batch entering alone
     a = a + entering.to(a.dtype).unsqueeze(-2)                                          # [..., nb, T, d]
-    s = torch.logaddexp(a, local)                                                       # [..., nb, T, d]
+    s = _logaddexp_dropped(a, local) if segmented else torch.logaddexp(a, local)       # [..., nb, T, d]
     return s.flatten(-3, -2)[..., :n, :]
 
 
-def _scan_blocks(log_p: Tensor, h: Tensor, differentiable: bool = False) -> tuple:
+def _logaddexp_dropped(x: Tensor, y: Tensor) -> Tensor:
+    """``logaddexp(x, y)`` where ``x`` is ``-inf`` at dropped states (segmented scans): ``y`` there,
+    through a ``where`` whose other branch stays finite, since logaddexp's own second derivative
+    is NaN at ``-inf``."""
+    dropped = torch.isneginf(x)
+    return torch.where(dropped, y, torch.logaddexp(x.masked_fill(dropped, 0.0), y))
+
+
+def _scan_blocks(log_p: Tensor, h: Tensor, differentiable: bool = False, segmented: bool = False) -> tuple:
     """Every block scanned from an empty state (``s = log 0``), all blocks at once.
 
     log_p, h: [..., nb, T, d] -> (a, local), both [..., nb, T, d]: ``a = cumsum(log_p)`` and
     ``local_t = log(exp(log_p_t + local_{t-1}) + exp(h_t))``. Eager mode steps through the
     ``T`` tokens of every block together: one rounding per step, and ~6x faster on CPU than
     ``logcumsumexp``; ``differentiable=True`` takes the same steps as new tensors (autograd
-    cannot record ``out=``); traced code uses the closed form, one fused expression.
+    cannot record ``out=``); traced code uses the closed form, one fused expression, except
+    ``segmented`` scans (``log_p = -inf`` breaks it), which step there too.
     """
     a = log_p.cumsum(dim=-2)
-    if differentiable:
+    if differentiable or (segmented and _is_compiling()):
+        step = _logaddexp_dropped if segmented else torch.logaddexp
         local = [h[..., 0, :]]
         for t in range(1, h.shape[-2]):
-            local.append(torch.logaddexp(local[-1] + log_p[..., t, :], h[..., t, :]))
+            local.append(step(local[-1] + log_p[..., t, :], h[..., t, :]))
         return a, torch.stack(local, dim=-2)
     if _is_compiling():
         return a, torch.logcumsumexp(h - a, dim=-2).add_(a)
@@ -5489,17 +5554,19 @@ def _log_linear_scan_exact(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
 _SCAN_BLOCK = 128
 
 
-def _signed_linear_scan(log_c: Tensor, u: Tensor, initial: Tensor) -> Tensor:
+def _signed_linear_scan(log_c: Tensor, u: Tensor, initial: Tensor, segmented: bool = False) -> Tensor:
     """``T_t = c_t T_{t-1} + u_t`` from ``T_0 = initial``, for ``c = exp(log_c) > 0`` and signed u.
 
     log_c, u: [..., N, d]; initial: [..., 1, d] -> T: [..., N, d]. The recurrence is linear
     with positive weights, so the positive and negative parts of (u, initial) follow it
     separately: two log-space scans ``_log_linear_scan(log_c, log u+, log T_0+)``, then
     ``T = exp(positive) - exp(negative)``. ``u`` is overwritten (peak memory matters here).
-    The backward (``G``, reversed time) and the jvp (the tangent of ``s``) both are this scan.
+    The backward (``G``, reversed time) and the jvp (the tangent of ``s``) both are this scan;
+    ``segmented``: ``log_c`` is ``-inf`` where the state was dropped.
     """
-    positive = _log_linear_scan(log_c, u.clamp(min=0).log(), initial.clamp(min=0).log())
-    negative = _log_linear_scan(log_c, u.neg_().clamp_(min=0).log_(), initial.neg().clamp_(min=0).log_())
+    positive = _log_linear_scan(log_c, u.clamp(min=0).log(), initial.clamp(min=0).log(), segmented=segmented)
+    negative = _log_linear_scan(log_c, u.neg_().clamp_(min=0).log_(), initial.neg().clamp_(min=0).log_(),
+                                segmented=segmented)
     return positive.exp_().sub_(negative.exp_())
 
 
@@ -5514,15 +5581,18 @@ class _LogLinearScanFunction(torch.autograd.Function):
     Autograd through the closed form would keep three more ``[..., N, d]`` tensors; it is
     used only when the gradient must itself be differentiated (``create_graph=True``).
     ``vmap`` moves the batch dim to the front: the scan takes any leading dims.
+    ``segmented=True``: ``log_p`` may be ``-inf`` (dropped states); then ``c = 0`` there, and
+    both linear scans are segmented the same way.
     """
 
     @staticmethod
-    def forward(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
-        return _log_linear_scan(log_p, h, initial)                                      # [..., N, d]
+    def forward(log_p: Tensor, h: Tensor, initial: Tensor, segmented: bool = False) -> Tensor:
+        return _log_linear_scan(log_p, h, initial, segmented=segmented)                 # [..., N, d]
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        log_p, h, initial = inputs
+        log_p, h, initial = inputs[:3]
+        ctx.segmented = len(inputs) > 3 and inputs[3]
         ctx.save_for_backward(log_p, h, initial, output)
         ctx.save_for_forward(log_p, h, initial, output)
 
@@ -5530,24 +5600,25 @@ class _LogLinearScanFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         log_p, h, initial, s = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True (functorch's too): the gradient may be differentiated again
-            return _scan_vjp_differentiable(log_p, h, initial, grad)
+            return (*_scan_vjp_differentiable(log_p, h, initial, grad, ctx.segmented), None)
         # The reversed scan at step tau (token t = N + 1 - tau) applies c_{t+1}: log c flipped, shifted by one.
         # log c is built twice rather than kept: this runs on [..., N, d] tensors and peak memory matters.
         log_next = torch.zeros_like(s)
         log_next[..., 1:, :] = _log_keep(log_p, s, initial)[..., 1:, :].flip(-2)
-        total = _signed_linear_scan(log_next, grad.flip(-2), torch.zeros_like(initial)).flip(-2)  # G: [..., N, d]
+        total = _signed_linear_scan(log_next, grad.flip(-2), torch.zeros_like(initial),
+                                    ctx.segmented).flip(-2)                              # G: [..., N, d]
         del log_next
         grad_h = total * (h - s).exp_()                                                  # G w (vmap: G alone batched)
         grad_log_p = total.mul_(_log_keep(log_p, s, initial).exp_())                     # G c
-        return grad_log_p, grad_h, grad_log_p[..., :1, :].clone()
+        return grad_log_p, grad_h, grad_log_p[..., :1, :].clone(), None
 
     @staticmethod
-    def vmap(info, in_dims: tuple, log_p: Tensor, h: Tensor, initial: Tensor) -> tuple:
+    def vmap(info, in_dims: tuple, log_p: Tensor, h: Tensor, initial: Tensor, segmented: bool = False) -> tuple:
         def batch_first(tensor: Tensor, dim: Optional[int]) -> Tensor:
             return tensor.expand(info.batch_size, *tensor.shape) if dim is None else tensor.movedim(dim, 0)
 
         inputs = [batch_first(t, dim) for t, dim in zip((log_p, h, initial), in_dims)]
-        return _scan_apply(*inputs), 0
+        return _scan_apply(*inputs, segmented), 0
 
 
 class _LogLinearScanWithJvp(_LogLinearScanFunction):
@@ -5558,7 +5629,8 @@ class _LogLinearScanWithJvp(_LogLinearScanFunction):
     """
 
     @staticmethod
-    def jvp(ctx, d_log_p: Optional[Tensor], d_h: Optional[Tensor], d_initial: Optional[Tensor]) -> Tensor:
+    def jvp(ctx, d_log_p: Optional[Tensor], d_h: Optional[Tensor], d_initial: Optional[Tensor],
+            *_: None) -> Tensor:
         log_p, h, initial, s = ctx.saved_tensors
         log_c = _log_keep(log_p, s, initial)                                             # [..., N, d]
         # u = c dlog_p + w dh, out of place: under vmap the tangents may be batched and the rest not
@@ -5566,13 +5638,13 @@ class _LogLinearScanWithJvp(_LogLinearScanFunction):
         if d_h is not None:
             u = u + (h - s).exp_() * d_h
         start = torch.zeros_like(initial) if d_initial is None else d_initial            # [..., 1, d]
-        return _signed_linear_scan(log_c, u, start)                                      # T: [..., N, d]
+        return _signed_linear_scan(log_c, u, start, ctx.segmented)                      # T: [..., N, d]
 
 
-def _scan_apply(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
+def _scan_apply(log_p: Tensor, h: Tensor, initial: Tensor, segmented: bool = False) -> Tensor:
     """The scan under autograd: with its jvp in eager mode, without it while Dynamo traces."""
     function = _LogLinearScanFunction if _is_compiling() else _LogLinearScanWithJvp
-    return function.apply(log_p, h, initial)                                            # [..., N, d]
+    return function.apply(log_p, h, initial, segmented)                                 # [..., N, d]
 
 
 def _log_keep(log_p: Tensor, s: Tensor, initial: Tensor) -> Tensor:
@@ -5581,7 +5653,8 @@ def _log_keep(log_p: Tensor, s: Tensor, initial: Tensor) -> Tensor:
     return previous.sub_(s).add_(log_p)
 
 
-def _scan_vjp_differentiable(log_p: Tensor, h: Tensor, initial: Tensor, grad: Tensor) -> tuple:
+def _scan_vjp_differentiable(log_p: Tensor, h: Tensor, initial: Tensor, grad: Tensor,
+                             segmented: bool = False) -> tuple:
     """The backward as a graph autograd can differentiate again (``create_graph=True``).
 
     The scan is recomputed from its saved inputs with ``differentiable=True`` (the same
@@ -5589,7 +5662,8 @@ def _scan_vjp_differentiable(log_p: Tensor, h: Tensor, initial: Tensor, grad: Te
     which composes with outer autograd and with functorch transforms alike (``jacrev``,
     nested ``grad``). Costs autograd's memory for every step.
     """
-    _, vjp = torch.func.vjp(lambda *inputs: _log_linear_scan(*inputs, differentiable=True), log_p, h, initial)
+    _, vjp = torch.func.vjp(lambda *inputs: _log_linear_scan(*inputs, differentiable=True, segmented=segmented),
+                            log_p, h, initial)
     return vjp(grad)                                                                     # like (log_p, h, initial)
 
 
@@ -5615,6 +5689,14 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
     ``return_state=True``: the returned state is not detached, so gradients flow across
     chunks unless you detach it.
 
+    Packed sequences: ``forward_input(x, document_positions(document_ids))`` (or
+    ``forward(x, positions=...)``) restarts the state at every position 0, so each document
+    is encoded exactly as if it ran alone (values and gradients). Positions must be exactly
+    such within-document positions (``[N]`` or ``[B, N]``, 0 first, +1 within a document):
+    anything else is a ``ValueError``, since the recurrence, not the positions, sets the order.
+    The restart is a decay of exactly 0 at the first token of a document (``log_p = -inf``,
+    ``h = logaddexp(log_p, h)``: the state before it is ``s = 0``), inside the same scan.
+
     Args:
         d_emb (int): token width ``D``.
         d_hid (int): number of exponentiated states.
@@ -5622,12 +5704,13 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         R (nn.Module, optional): ``[..., d_hid] -> [..., D]``. Default: ``nn.Linear``.
 
     Shape:
-        - x: ``[..., N, D]`` -> ``[..., N, D]``; state: ``[..., 1, d_hid]``.
+        - x: ``[..., N, D]`` -> ``[..., N, D]``; state: ``[..., 1, d_hid]``; positions ``[N]`` or ``[B, N]``.
 
     Example:
         >>> embed = HeinsenPositionalEmbedding(d_emb=512, d_hid=512)
         >>> y = embed(torch.randn(2, 1000, 512))
         >>> y_next = embed(torch.randn(2, 1000, 512), using_prev_context=True)
+        >>> packed = embed.forward_input(torch.randn(1000, 512), document_positions(torch.arange(1000) // 300))
     """
 
     kind = "input"
@@ -5667,8 +5750,9 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         return self
 
     def forward(self, x: Tensor, using_prev_context: bool = False, *, state: Optional[Tensor] = None,
-                return_state: bool = False):
-        """``x + R(s)``; with ``return_state=True`` also the final log-state ``[..., 1, d_hid]``."""
+                return_state: bool = False, positions: Optional[Tensor] = None):
+        """``x + R(s)``; with ``return_state=True`` also the final log-state ``[..., 1, d_hid]``.
+        ``positions``: within-document positions of packed sequences (the state restarts at each 0)."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.d_emb)
@@ -5676,6 +5760,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         return_state = _check_flag(owner, "return_state", return_state)
         if using_prev_context and state is not None:
             raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+        restart = self._restarts(positions, x)                                          # [(B, 1..,) N, 1] or None
+        if restart is not None and (using_prev_context or state is not None):
+            raise ValueError(f"{owner}: positions start a new document at the first token, so no state is "
+                             f"continued: pass positions or using_prev_context / state, not both")
         if using_prev_context:
             if self.prev_context is None:
                 raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "
@@ -5690,7 +5778,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         if x.shape[-2] == 0:  # an empty chunk leaves the stream where it was
             self.prev_context = initial.detach()
             return (x, initial) if return_state else x
-        s = _scan_apply(log_p, h, initial)                                              # [..., N, d_hid]
+        if restart is not None:  # a document starts from s = 0: s_t = logaddexp(log_p_t + 0, h_t), old state dropped
+            h = torch.where(restart, torch.logaddexp(log_p, h), h)                      # [..., N, d_hid]
+            log_p = log_p.masked_fill(restart, float("-inf"))                           # [..., N, d_hid]
+        s = _scan_apply(log_p, h, initial, restart is not None)                         # [..., N, d_hid]
         final = s[..., -1:, :]                                                          # [..., 1, d_hid]
         self.prev_context = final.detach()
         r = self.R(s.to(logits.dtype))                                                  # [..., N, D]
@@ -5699,10 +5790,25 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         return (y, final) if return_state else y
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        if positions is not None:
-            raise ValueError(f"{type(self).__name__}: positions must be None: order is encoded by the "
-                             f"recurrence, got a tensor of shape {tuple(positions.shape)}")
-        return self(x)
+        """``x + R(s)``; ``positions``: None, or within-document positions (``document_positions``)."""
+        return self(x, positions=positions)
+
+    def _restarts(self, positions: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
+        """Where documents start (position 0), from exact within-document positions: bool
+        ``[(B, 1, ..,) N, 1]``, or None. Other positions are a ValueError (checked unless tracing)."""
+        if positions is None:
+            return None
+        owner, n = type(self).__name__, x.shape[-2]
+        checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, device=x.device)
+        starts = checked == 0                                                           # [(B, 1..,) N]
+        wrong = checked != _positions_since(starts).to(checked.dtype)                   # [(B, 1..,) N]
+        if not _skip_value_checks(checked) and wrong.any():
+            first = wrong.reshape(-1, n).any(dim=0).nonzero()[0, 0]
+            raise ValueError(f"{owner}: positions must be None or within-document positions "
+                             f"(document_positions(document_ids): 0 at the first token, +1 within a document, "
+                             f"0 where the next starts), since the recurrence encodes order; got "
+                             f"{checked.reshape(-1, n)[:, first].tolist()} at token {int(first)}")
+        return starts.unsqueeze(-1)
 
     def _initial_state(self, state: Optional[Tensor], x: Tensor, dtype: torch.dtype, name: str) -> Tensor:
         """The log-state before the first token: zeros, or ``state`` checked against x: [..., 1, d_hid]."""

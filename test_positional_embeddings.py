@@ -2271,7 +2271,7 @@ class TestHeinsen:
         with pytest.raises(ValueError, match="x must have last dim 4"):
             pe(torch.randn(2, 5, 5))
         with pytest.raises(ValueError, match="positions must be None"):
-            pe.forward_input(torch.randn(2, 5, 4), torch.arange(5))
+            pe.forward_input(torch.randn(2, 5, 4), torch.arange(5) + 1)
         with pytest.raises(ValueError, match="d_hid must be a positive int, got d_hid=0"):
             HeinsenPositionalEmbedding(4, 0)
 
@@ -5769,3 +5769,222 @@ class TestHardeningLeftovers:
         assert want.keys() == got.keys()
         differ = [name for name in want if want[name].dtype != got[name].dtype or not torch.equal(want[name], got[name])]
         assert not differ, differ
+
+
+# ---------------------------------------------------------------------------
+# Packed documents: FlexAttention's block mask, Heinsen's restarting recurrence
+# ---------------------------------------------------------------------------
+
+
+class TestPackedDocumentsMore:
+    """``document_ids`` on the FlexAttention path and within-document positions for Heinsen."""
+
+    BIAS_MAKERS = {
+        "t5": lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12),
+        "alibi": lambda: ALiBiPositionalEmbedding(H),
+        "alibi_bidirectional": lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+        "tupe": lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True, num_buckets=8, max_distance=12),
+        "kerple": lambda: KerplePositionalEmbedding(H),
+        "fire": lambda: FIREPositionalEmbedding(H),
+        "sandwich": lambda: SandwichPositionalEmbedding(H, 16),
+        "dynamic": lambda: DynamicPositionBias(H),
+    }
+    LENGTHS = (5, 7, 4)                                                    # [N] ids: three documents, N = 16
+    ROWS = ([3, 9, 4], [10, 6])                                            # [B, N] ids: other boundaries per row
+
+    @staticmethod
+    def ids_of(lengths):
+        return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+    @staticmethod
+    def pieces(lengths):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return [slice(s, s + n) for s, n in zip(starts, lengths)]
+
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("name", list(BIAS_MAKERS))
+    def test_flex_documents_equal_dense_and_each_document_alone(self, name, causal):
+        pe = self.BIAS_MAKERS[name]()
+        q, k, v = qkv()
+        ids = self.ids_of(self.LENGTHS)
+        got = attention(q, k, v, pe, causal=causal, document_ids=ids, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal, document_ids=ids, use_flex=False))
+        for piece in self.pieces(self.LENGTHS):  # oracle: the document alone, default positions from 0
+            alone = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=causal, use_flex=False)
+            torch.testing.assert_close(got[..., piece, :], alone)
+        batched = torch.stack([self.ids_of(r) for r in self.ROWS])                          # [B, N]
+        got = attention(q, k, v, pe, causal=causal, document_ids=batched, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal, document_ids=batched, use_flex=False))
+        for row, lengths in enumerate(self.ROWS):
+            for piece in self.pieces(lengths):
+                alone = attention(q[row:row + 1, :, piece], k[row:row + 1, :, piece], v[row:row + 1, :, piece], pe,
+                                  causal=causal, use_flex=False)
+                torch.testing.assert_close(got[row:row + 1, :, piece], alone)
+
+    @pytest.mark.parametrize("name", ["t5", "fire", "alibi"])
+    def test_flex_documents_with_extra_dims_shared_rows_and_grouped_heads(self, name):
+        pe = self.BIAS_MAKERS[name]()
+        ids = torch.stack([self.ids_of(r) for r in self.ROWS])
+        q5, k5, v5 = (torch.randn(B, 3, H, N, DH) for _ in range(3))                       # [B, G, H, N, Dh]
+        for doc in (ids, ids[:1], ids[0]):
+            want = attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=False)
+            torch.testing.assert_close(attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=True), want)
+        shared = document_positions(ids[:1]) * 2                                            # [1, N] explicit positions
+        want = attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=False)
+        torch.testing.assert_close(attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=True), want)
+        q, k, v = torch.randn(B, H, N, DH), torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
+        want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, document_ids=ids,
+                         use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True), want)
+
+    def test_flex_documents_build_no_dense_mask(self, monkeypatch):
+        def dense_mask(*args):
+            raise AssertionError("a dense [N, N] document mask was built")
+
+        monkeypatch.setattr(pe_lib, "_document_mask", dense_mask)
+        pe, (q, k, v) = ALiBiPositionalEmbedding(H), qkv()
+        ids = self.ids_of(self.LENGTHS)
+        assert attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True).shape == (B, H, N, DH)
+        with pytest.raises(AssertionError, match="dense"):  # the dense path does build it: the patch is live
+            attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=False)
+
+    def test_block_mask_skips_blocks_across_documents(self):
+        ids = torch.arange(256) // 128                                                      # two documents of one block each
+        blocks = pe_lib._document_block_mask(ids, causal=False).to_dense()                  # [1, 1, 2, 2] visited blocks
+        assert blocks.reshape(2, 2).tolist() == [[1, 0], [0, 1]]
+        one = pe_lib._document_block_mask(torch.zeros(256, dtype=torch.long), causal=True).to_dense()
+        assert one.reshape(2, 2).tolist() == [[1, 0], [1, 1]]
+        rows = torch.stack([ids, torch.zeros(256, dtype=torch.long)])                       # per-row documents
+        assert pe_lib._document_block_mask(rows, causal=False).to_dense().reshape(2, 2, 2).tolist() == \
+            [[[1, 0], [0, 1]], [[1, 1], [1, 1]]]
+
+    # -- Heinsen: within-document positions restart the recurrence ---------------------------------
+
+    @staticmethod
+    def heinsen_loop(pe, x, positions):
+        """float64 plain loop of ``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))``, ``s = 0`` where a position is 0."""
+        weight, bias = pe.H.weight.detach().double().tolist(), pe.H.bias.detach().double().tolist()
+        d, out = pe.d_hid, []
+        for row in range(x.shape[0]):
+            pos = (positions if positions.dim() == 1 else positions[row]).tolist()
+            s, states = [0.0] * d, []
+            for t in range(x.shape[1]):
+                token = x[row, t].detach().double().tolist()
+                z = [sum(w * e for w, e in zip(weight[i], token)) + bias[i] for i in range(2 * d)]
+                s = [0.0] * d if pos[t] == 0 else s
+                s = [math.log(math.exp(-math.log1p(math.exp(-z[i])) + s[i]) + math.exp(z[d + i])) for i in range(d)]
+                states.append(s)
+            out.append(states)
+        s = torch.tensor(out, dtype=torch.float64)
+        return x.detach().double() + F.linear(s, pe.R.weight.detach().double(), pe.R.bias.detach().double())
+
+    @staticmethod
+    def reset_scan_oracle(log_p, h, starts):
+        """The scan as a differentiable loop: the state is set to 0 (not decayed) where a document starts."""
+        s, states = torch.zeros_like(h[..., 0, :]), []
+        for t in range(h.shape[-2]):
+            s = torch.where(starts[..., t, :], torch.zeros_like(s), s)
+            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
+            states.append(s)
+        return torch.stack(states, dim=-2)
+
+    @staticmethod
+    def library_scan(log_p, h, starts):
+        """What the module hands the scan: a decay of exactly 0 and ``h = logaddexp(log_p, h)`` at starts."""
+        h = torch.where(starts, torch.logaddexp(log_p, h), h)
+        return pe_lib._scan_apply(log_p.masked_fill(starts, float("-inf")), h, torch.zeros_like(h[..., :1, :]), True)
+
+    @pytest.mark.parametrize("block", [128, 4])                   # one block; many, with starts inside and on edges
+    def test_heinsen_packed_equals_float64_loop_and_each_document_alone(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        pe = HeinsenPositionalEmbedding(6, 5)
+        x = torch.randn(B, N, 6)
+        ids = self.ids_of(self.LENGTHS)
+        got = pe.forward_input(x, document_positions(ids))
+        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, document_positions(ids)), rtol=0, atol=1e-5)
+        for piece in self.pieces(self.LENGTHS):
+            torch.testing.assert_close(got[:, piece], pe.forward_input(x[:, piece]))
+        batched = document_positions(torch.stack([self.ids_of(r) for r in self.ROWS]))    # [B, N], rows differ
+        got = pe.forward_input(x, batched)
+        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, batched), rtol=0, atol=1e-5)
+        for row, lengths in enumerate(self.ROWS):
+            for piece in self.pieces(lengths):
+                torch.testing.assert_close(got[row:row + 1, piece], pe.forward_input(x[row:row + 1, piece]))
+        torch.testing.assert_close(pe.forward_input(x, torch.arange(N)), pe.forward_input(x))   # one document
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_heinsen_packed_gradients_equal_each_document_alone(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        pe = HeinsenPositionalEmbedding(6, 5).double()
+        x = torch.randn(B, N, 6, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(B, N, 6, dtype=torch.float64)
+        leaves = [x, *pe.parameters()]
+        positions = document_positions(torch.stack([self.ids_of(r) for r in self.ROWS]))
+        got = torch.autograd.grad((pe.forward_input(x, positions) * weights).sum(), leaves)
+        total = sum((pe.forward_input(x[row:row + 1, piece]) * weights[row:row + 1, piece]).sum()
+                    for row, lengths in enumerate(self.ROWS) for piece in self.pieces(lengths))
+        want = torch.autograd.grad(total, leaves)
+        for g, w in zip(got, want):
+            assert w.abs().max() > 1e-3
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_heinsen_packed_gradcheck_and_gradgradcheck(self, monkeypatch):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", 4)
+        pe = HeinsenPositionalEmbedding(3, 2).double()
+        positions = document_positions(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 5, 5, 5, 5]]))
+        x = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
+        weight = pe.H.weight
+        run = lambda x, weight: torch.func.functional_call(pe, {"H.weight": weight}, (x,), {"positions": positions})
+        assert torch.autograd.gradcheck(run, (x, weight), fast_mode=True)
+        assert torch.autograd.gradgradcheck(run, (x, weight), fast_mode=True)
+        pe.requires_grad_(False)  # forward mode through the module (parameters need no gradient there)
+        assert torch.autograd.gradcheck(lambda x: pe.forward_input(x, positions), (x,), check_forward_ad=True,
+                                        check_backward_ad=False, fast_mode=True)
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_heinsen_packed_scan_derivatives_match_reset_oracle(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        positions = document_positions(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3],
+                                                     [5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 8]]))
+        starts = (positions == 0).unsqueeze(-1)                                              # [B, N, 1]
+        log_p = F.logsigmoid(torch.randn(2, 12, 3, dtype=torch.float64))
+        h = torch.randn(2, 12, 3, dtype=torch.float64)
+        oracle = lambda log_p, h: self.reset_scan_oracle(log_p, h, starts)
+        mine = lambda log_p, h: self.library_scan(log_p, h, starts)
+        torch.testing.assert_close(mine(log_p, h), oracle(log_p, h), rtol=0, atol=1e-12)
+        weights = torch.randn(2, 12, 3, dtype=torch.float64)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        for g, w in zip(torch.func.grad(loss(mine), argnums=(0, 1))(log_p, h),
+                        torch.func.grad(loss(oracle), argnums=(0, 1))(log_p, h)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        hessian = torch.func.jacrev(torch.func.jacrev(loss(mine), argnums=1), argnums=1)(log_p, h)
+        want = torch.func.jacrev(torch.func.jacrev(loss(oracle), argnums=1), argnums=1)(log_p, h)
+        assert want.abs().max() > 1e-3 and torch.isfinite(hessian).all()
+        torch.testing.assert_close(hessian, want, rtol=0, atol=1e-12)
+        tangents = (torch.randn_like(log_p), torch.randn_like(h))
+        torch.testing.assert_close(torch.func.jvp(mine, (log_p, h), tangents)[1],
+                                   torch.func.jvp(oracle, (log_p, h), tangents)[1], rtol=0, atol=1e-12)
+        stacked = torch.stack([h, h.flip(-1)])                                               # vmap over a new batch dim
+        got = torch.func.vmap(lambda h: mine(log_p, h))(stacked)
+        torch.testing.assert_close(got, torch.stack([oracle(log_p, t) for t in stacked]), rtol=0, atol=1e-12)
+
+    def test_heinsen_positions_must_be_document_positions(self):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        x = torch.randn(2, 5, 4)
+        for bad in (torch.arange(5) + 1, torch.tensor([0, 2, 3, 4, 5]), torch.tensor([0, 1, 0, 2, 3]),
+                    torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 2, 3]])):
+            with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must be None or "
+                                                 "within-document positions"):
+                pe.forward_input(x, bad)
+        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must have shape \\[5\\]"):
+            pe.forward_input(x, torch.arange(6))
+        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions start a new document"):
+            pe(x, state=torch.zeros(2, 1, 3), positions=torch.arange(5))
+        positions = torch.tensor([0, 1, 2, 0, 1])
+        torch.testing.assert_close(pe.forward_input(x, positions.double()), pe.forward_input(x, positions))
+        # streaming: a packed chunk, then the last document goes on in the next chunk
+        more = torch.randn(2, 3, 4)
+        pe.forward_input(x, positions)
+        continued = pe(more, using_prev_context=True)
+        alone = pe(torch.cat([x[:, 3:], more], dim=1))
+        torch.testing.assert_close(continued, alone[:, 2:])
