@@ -6463,6 +6463,25 @@ def _demo() -> None:
             invariance = f"max |logits(p) - logits(p + 1000)| = {gap:.1e}"
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
         print(f"{name:<20}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
+    _demo_today(batch, heads, head_dim, seq_len)
+
+
+def _demo_today(batch: int, heads: int, head_dim: int, seq_len: int) -> None:
+    """Grouped-query attention and packed documents, each against its plain equivalent."""
+    q = torch.randn(batch, heads, seq_len, head_dim)
+    k, v = torch.randn(2, batch, heads // 4, seq_len, head_dim).unbind(0)               # 4 query heads per kv head
+    rope = RotaryPositionalEmbedding(head_dim)
+    grouped = attention(q, k, v, rope, causal=True)
+    repeated = attention(q, k.repeat_interleave(4, -3), v.repeat_interleave(4, -3), rope, causal=True)
+    print(f"\ngrouped-query attention, {heads} query / {heads // 4} kv heads, RoPE: "
+          f"max |grouped - k/v repeated| = {(grouped - repeated).abs().max().item():.1e}")
+    ids = torch.arange(seq_len) * 3 // seq_len                                           # three packed documents
+    first, last = int((ids == 1).nonzero()[0]), int((ids == 1).nonzero()[-1]) + 1
+    alibi = ALiBiPositionalEmbedding(heads)
+    packed = attention(q, k, v, alibi, causal=True, document_ids=ids)[..., first:last, :]
+    alone = attention(q[..., first:last, :], k[..., first:last, :], v[..., first:last, :], alibi, causal=True)
+    print(f"packed documents, ALiBi: max |document {first}..{last - 1} packed - alone| = "
+          f"{(packed - alone).abs().max().item():.1e}")
 
 
 if __name__ == "__main__":
