@@ -153,6 +153,22 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _is_exporting() -> bool:
+    """True while ``torch.export`` traces (torch >= 2.6): one graph must then serve every length the
+    export allows, so a branch on a dynamic size (which would pin it) is avoided."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return is_exporting is not None and is_exporting()
+
+
+def _surely(condition) -> bool:
+    """A size condition as a bool; while exporting, True only if it holds for every size the export
+    allows (no guard is added, so a dynamic length stays dynamic: the caller takes its general path)."""
+    if _is_exporting():
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        return statically_known_true(condition)
+    return bool(condition)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for every input dtype, float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -1743,7 +1759,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             low, high, count = int(positions.min()), int(positions.max()), positions.shape[-1]
         cache = self.cos_sin_cached                     # read once: a concurrent grow swaps the whole tensor
         length = cache.shape[1]
-        if low < 0 or (high >= length and (compiling or high + 1 > max(4 * count, length))):
+        # while exporting, only a call that fits the cache at every allowed length reads it
+        if not _surely(low >= 0) or (not _surely(high < length) and (compiling or high + 1 > max(4 * count, length))):
             return None
         if high >= length:
             cache = self._grow_cache(max(high + 1, 2 * length))
@@ -1778,10 +1795,15 @@ def _toeplitz(values: Tensor, q_len: int, k_len: int) -> Tensor:
     One strided pass over the output; nothing of size N x N is computed twice.
     """
     if _is_compiling():  # unfold would specialise on the length; inductor fuses this gather instead
-        queries, keys = torch.arange(q_len, device=values.device), torch.arange(k_len, device=values.device)
-        return values[..., keys - queries[:, None] + q_len - 1]
+        return values[..., _diagonal_index(q_len, k_len, values.device)]
     windows = values.unfold(-1, k_len, 1)          # [..., Nq, Nk]; window r starts at t = r (row Nq - 1 - r)
     return windows.flip(-2)                         # contiguous copy, rows in query order
+
+
+def _diagonal_index(q_len: int, k_len: int, device) -> Tensor:
+    """``j - i + Nq - 1`` for query ``i`` and key ``j``: the column of each pair's diagonal, [Nq, Nk]."""
+    queries, keys = torch.arange(q_len, device=device), torch.arange(k_len, device=device)
+    return keys - queries[:, None] + q_len - 1
 
 
 def _default_distances(q_len: int, k_len: int, device) -> Tensor:
@@ -2298,6 +2320,9 @@ def _diagonals(scores: Tensor, q_len: int, k_len: int) -> Tensor:
     """
     if q_len == 1:
         return scores
+    if _is_compiling():  # the view below would specialise on Nq (its strides); a gather serves every length
+        index = _diagonal_index(q_len, k_len, scores.device)                           # [Nq, Nk]
+        return scores.gather(-1, index.expand(*scores.shape[:-1], k_len))
     length = scores.shape[-1]
     flat = scores.contiguous().flatten(-2)[..., q_len - 1 : q_len - 1 + q_len * (length - 1)]   # [..., Nq (L - 1)]
     return flat.unflatten(-1, (q_len, length - 1))[..., :k_len]                                  # [..., Nq, Nk]
@@ -5491,24 +5516,33 @@ def _log_linear_scan(log_p: Tensor, h: Tensor, initial: Tensor, differentiable: 
     goes through ``_logaddexp_dropped`` (finite derivatives of every order).
     """
     n = log_p.shape[-2]
-    size = min(n, _SCAN_BLOCK)                                                          # T
-    pad = -n % size
-    if pad:  # any finite values (no -inf: NaN second derivatives): cut off, and the chain skips the last block
-        log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad))
-    blocks = (n + pad) // size
+    exporting = _is_exporting()
+    if exporting:  # one graph for every N: no N % T and no size that is 1 for some N only (export cannot bound
+        # them); a spare block, the padding repeating the last token
+        size = _SCAN_BLOCK                                                              # T
+        blocks = (n + 2 * size - 1) // size                                             # nb = ceil(N / T) + 1
+        index = torch.arange(blocks * size, device=log_p.device).clamp_(max=n - 1)     # [nb T]
+        log_p, h = log_p.index_select(-2, index), h.index_select(-2, index)
+    else:
+        size = min(n, _SCAN_BLOCK)                                                      # T
+        pad = -n % size
+        if pad:  # any finite values (no -inf: NaN second derivatives): cut off, and the chain skips the last block
+            log_p, h = F.pad(log_p, (0, 0, 0, pad)), F.pad(h, (0, 0, 0, pad))
+        blocks = (n + pad) // size
     a, local = _scan_blocks(log_p.unflatten(-2, (blocks, size)), h.unflatten(-2, (blocks, size)), differentiable,
                             segmented)
     entering = initial.double()                                                         # [..., 1, d]
     if blocks > 1:  # the states after every block but the last, by the recurrence over their summaries
-        decay, last = a[..., :-1, -1, :].double(), local[..., :-1, -1, :].double()       # [..., nb - 1, d]
+        chained = blocks if exporting else blocks - 1   # C; exporting: the spare one too (nb - 1 may be 1)
+        decay, last = a[..., :chained, -1, :].double(), local[..., :chained, -1, :].double()   # [..., C, d]
         after = (_log_linear_scan(decay, last, entering, differentiable, segmented) if differentiable or segmented
-                 else _log_linear_scan_exact(decay, last, entering))                   # [..., nb - 1, d]
-        entering = torch.cat([entering, after], dim=-2)                                 # [..., nb, d]
+                 else _log_linear_scan_exact(decay, last, entering))                   # [..., C, d]
+        entering = torch.cat([entering, after], dim=-2)[..., :blocks, :]                # [..., nb, d]
         del decay, last, after
     # rebinding frees the old ``a`` (peak memory as in place); not in place: vmap may batch entering alone
     a = a + entering.to(a.dtype).unsqueeze(-2)                                          # [..., nb, T, d]
-    s = _logaddexp_dropped(a, local) if segmented else torch.logaddexp(a, local)       # [..., nb, T, d]
-    return s.flatten(-3, -2)[..., :n, :]
+    s = (_logaddexp_dropped(a, local) if segmented else torch.logaddexp(a, local)).flatten(-3, -2)   # [..., nb T, d]
+    return s.index_select(-2, torch.arange(n, device=s.device)) if exporting else s[..., :n, :]
 
 
 def _logaddexp_dropped(x: Tensor, y: Tensor) -> Tensor:

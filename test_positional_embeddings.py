@@ -5988,3 +5988,113 @@ class TestPackedDocumentsMore:
         continued = pe(more, using_prev_context=True)
         alone = pe(torch.cat([x[:, 3:], more], dim=1))
         torch.testing.assert_close(continued, alone[:, 2:])
+
+
+# ---------------------------------------------------------------------------
+# torch.export with a dynamic sequence length: one program, checked at two other lengths
+# ---------------------------------------------------------------------------
+
+# Every class named in issue 12 plus a few of the newer ones (each export costs ~0.2-3 s on one core).
+# Not in this list, and why:
+# - RelativePositionBias2D, ContinuousPositionBias: a window's table bounds the length (N <= Wh * Ww plus prefix
+#   tokens); export works with Dim(max=window) and a larger max is refused by export itself (tests below).
+# - ForgettingPositionalEmbedding: a bound module carries token states of one length; bind inside the exported
+#   model instead, with the states as an input (test below).
+# - ConvolutionalPositionalEmbedding with 2 axes: grid_shape is a Python tuple, so each grid is its own export.
+# Known specialisation: attention(causal=True) on "qk" and "input" kinds takes SDPA's is_causal fast path when
+# Nq == Nk, so an export with separate Nq and Nk dims holds only on the side of Nq == Nk of its example.
+EXPORT_CASES = ["sinusoidal", "learned", "rotary", "rotary_yarn", "rotary_mrope", "t5", "alibi", "tupe",
+                "transformer_xl", "enformer", "algebraic_sequence", "algebraic_grid", "algebraic_tree", "heinsen",
+                "nope", "xpos_interleaved", "kerple_log", "sandwich", "fire_bidirectional", "cope", "shaw", "deberta",
+                "dynamic_bias_2d", "mixed_rope", "liere_blocks", "conv_peg_1d", "fourier_octave"]
+
+
+class _Exported(nn.Module):
+    """``fn(pe, *inputs)`` as a module, so export sees the encoding's parameters and buffers."""
+
+    def __init__(self, pe, fn):
+        super().__init__()
+        self.pe, self.fn = pe, fn
+
+    def forward(self, *inputs):
+        return self.fn(self.pe, *inputs)
+
+
+def export_and_compare(pe, fn, make_inputs, dims, lengths=(9, 23), example=16, max_len=512):
+    """Export ``fn(pe, *make_inputs(example))`` with dim ``dims[i]`` of input ``i`` dynamic (one Dim for all),
+    then run the program at ``lengths`` against eager."""
+    n = torch.export.Dim("n", min=2, max=max_len)
+    program = torch.export.export(_Exported(pe, fn), make_inputs(example),
+                                  dynamic_shapes=(tuple({dim: n} for dim in dims),))
+    for length in lengths:
+        inputs = make_inputs(length)
+        torch.testing.assert_close(program.module()(*inputs), fn(pe, *inputs), msg=f"N={length}")
+
+
+def _attend(pe, q, k, v, *positions):
+    return attention(q, k, v, pe, causal=True, **dict(zip(("positions_q", "positions_k"), positions)))
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="torch.export needs torch >= 2.6 here")
+class TestExport:
+    @pytest.mark.parametrize("case", [c for c in CASES if c.name in EXPORT_CASES], ids=repr)
+    def test_dynamic_length_matches_eager(self, case):
+        """attention() (forward_input for the input kinds) at two lengths the program was not traced at."""
+        pe = case.make().eval()
+        if pe.kind == "input":
+            export_and_compare(pe, lambda pe, x: pe.forward_input(x), lambda n: (tokens(case, n),), (1,))
+            return
+        extra = () if case.required_positions is None else (0, 0)
+
+        def make_inputs(n):
+            return (*qkv(n, n), *(p for p in case.positions(n, n) if p is not None))
+
+        export_and_compare(pe, _attend, make_inputs, (2, 2, 2, *extra))
+
+    @pytest.mark.parametrize("name", ["t5", "alibi", "tupe"])
+    def test_bias_called_with_symbolic_lengths(self, name):
+        pe = next(c for c in CASES if c.name == name).make().eval()
+        export_and_compare(pe, lambda pe, q, k: pe(q.shape[-2], k.shape[-2]), lambda n: qkv(n, n)[:2], (2, 2))
+
+    @pytest.mark.parametrize("name", ["t5", "alibi", "transformer_xl", "enformer"])
+    def test_separate_query_and_key_lengths(self, name):
+        """Decoding with a cache: Nq and Nk are two dims, queries bottom-right aligned (Nq == Nk included)."""
+        pe = next(c for c in CASES if c.name == name).make().eval()
+        nq, nk = torch.export.Dim("nq", min=1, max=512), torch.export.Dim("nk", min=1, max=512)
+        program = torch.export.export(_Exported(pe, _attend), qkv(4, 16),
+                                      dynamic_shapes=(({2: nq}, {2: nk}, {2: nk}),))
+        for q_len, k_len in ((3, 9), (7, 7)):
+            inputs = qkv(q_len, k_len)
+            torch.testing.assert_close(program.module()(*inputs), _attend(pe, *inputs))
+
+    def test_rotary_beyond_its_cache_and_symbolic_offset(self):
+        """An unbounded length outgrows the cos/sin cache: the program computes the angles, never pins N."""
+        pe = RotaryPositionalEmbedding(DH, cache_len=8)
+        n = torch.export.Dim("n", min=2)
+        program = torch.export.export(_Exported(pe, lambda pe, q, k: pe(q, offset=k.shape[-2])), qkv(4, 4)[:2],
+                                      dynamic_shapes=(({2: n}, {2: n}),))
+        for length in (9, 23):
+            q, k, _ = qkv(length, length)
+            torch.testing.assert_close(program.module()(q, k), pe(q, offset=length))
+
+    def test_heinsen_over_several_blocks(self):
+        """Lengths beyond one scan block (128 tokens) and not a multiple of it."""
+        pe = HeinsenPositionalEmbedding(D, 16)
+        export_and_compare(pe, lambda pe, x: pe(x), lambda n: (torch.randn(1, n, D),), (1,), lengths=(128, 300),
+                           max_len=None)
+
+    def test_forgetting_with_states_as_input(self):
+        def fn(pe, q, k, v, x):
+            return attention(q, k, v, pe(x), causal=True)
+
+        export_and_compare(ForgettingPositionalEmbedding(D, H), fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)),
+                           (2, 2, 2, 1))
+
+    @pytest.mark.parametrize("make", [lambda: RelativePositionBias2D(H, (4, 5)),
+                                      lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32)],
+                             ids=["relpos2d", "cpb"])
+    def test_window_bias_up_to_its_window(self, make):
+        pe = make()
+        export_and_compare(pe, _attend, lambda n: qkv(n, n), (2, 2, 2), lengths=(9, 20), max_len=20)
+        with pytest.raises(torch._dynamo.exc.UserError, match="max=20"):
+            export_and_compare(pe, _attend, lambda n: qkv(n, n), (2, 2, 2), max_len=64)
