@@ -5588,16 +5588,26 @@ def _log_linear_scan_exact(log_p: Tensor, h: Tensor, initial: Tensor) -> Tensor:
 _SCAN_BLOCK = 128
 
 
-def _signed_linear_scan(log_c: Tensor, u: Tensor, initial: Tensor, segmented: bool = False) -> Tensor:
+def _signed_linear_scan(log_c: Tensor, u: Tensor, initial: Tensor, segmented: bool = False,
+                        differentiable: bool = False) -> Tensor:
     """``T_t = c_t T_{t-1} + u_t`` from ``T_0 = initial``, for ``c = exp(log_c) > 0`` and signed u.
 
     log_c, u: [..., N, d]; initial: [..., 1, d] -> T: [..., N, d]. The recurrence is linear
     with positive weights, so the positive and negative parts of (u, initial) follow it
     separately: two log-space scans ``_log_linear_scan(log_c, log u+, log T_0+)``, then
-    ``T = exp(positive) - exp(negative)``. ``u`` is overwritten (peak memory matters here).
-    The backward (``G``, reversed time) and the jvp (the tangent of ``s``) both are this scan;
-    ``segmented``: ``log_c`` is ``-inf`` where the state was dropped.
+    ``T = exp(positive) - exp(negative)``. ``u`` is overwritten (peak memory matters here),
+    except with ``differentiable=True``: then every step is recorded out of place, for autograd
+    through the result (reverse-over-forward: a gradient of a jvp). The backward (``G``,
+    reversed time) and the jvp (the tangent of ``s``) both are this scan; ``segmented``:
+    ``log_c`` is ``-inf`` where the state was dropped.
     """
+    if differentiable:  # log 0 = -inf enters the scans: safe logs, and the logaddexps that tolerate -inf
+        def log_part(t: Tensor) -> Tensor:                                              # log max(t, 0), finite derivatives
+            return torch.where(t > 0, torch.where(t > 0, t, 1.0).log(), float("-inf"))
+
+        def scan(log_u: Tensor, log_initial: Tensor) -> Tensor:
+            return _log_linear_scan(log_c, log_u, log_initial, differentiable=True, segmented=True)
+        return scan(log_part(u), log_part(initial)).exp() - scan(log_part(-u), log_part(-initial)).exp()
     positive = _log_linear_scan(log_c, u.clamp(min=0).log(), initial.clamp(min=0).log(), segmented=segmented)
     negative = _log_linear_scan(log_c, u.neg_().clamp_(min=0).log_(), initial.neg().clamp_(min=0).log_(),
                                 segmented=segmented)
@@ -5672,7 +5682,16 @@ class _LogLinearScanWithJvp(_LogLinearScanFunction):
         if d_h is not None:
             u = u + (h - s).exp_() * d_h
         start = torch.zeros_like(initial) if d_initial is None else d_initial            # [..., 1, d]
-        return _signed_linear_scan(log_c, u, start, ctx.segmented)                      # T: [..., N, d]
+        # a tangent autograd may go through (torch.func's transforms hide requires_grad behind their
+        # wrappers: parameters that require grad, a gradient of this jvp) is recorded step by step
+        recorded = torch.is_grad_enabled() and any(t.requires_grad or _functorch_wrapped(t) for t in (log_c, u, start))
+        return _signed_linear_scan(log_c, u, start, ctx.segmented, recorded)            # T: [..., N, d]
+
+
+def _functorch_wrapped(t: Tensor) -> bool:
+    """Is ``t`` wrapped by a ``torch.func`` transform (jvp, vmap, grad)?"""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return check is not None and check(t)
 
 
 def _scan_apply(log_p: Tensor, h: Tensor, initial: Tensor, segmented: bool = False) -> Tensor:

@@ -6098,3 +6098,52 @@ class TestExport:
         export_and_compare(pe, _attend, lambda n: qkv(n, n), (2, 2, 2), lengths=(9, 20), max_len=20)
         with pytest.raises(torch._dynamo.exc.UserError, match="max=20"):
             export_and_compare(pe, _attend, lambda n: qkv(n, n), (2, 2, 2), max_len=64)
+
+
+# ---------------------------------------------------------------------------
+# Heinsen: forward mode with live parameters (jvp, jacfwd, a gradient of a jvp)
+# ---------------------------------------------------------------------------
+
+
+class TestHeinsenForwardMode:
+    """The scan's jvp rule with parameters that require grad: it used to run the ``out=`` scan on
+    tensors autograd tracks (a RuntimeError); now its tangent is recorded, checked here against
+    central differences in float64 (step 1e-6: truncation error ~1e-12, rounding ~1e-10)."""
+
+    def setup_method(self):
+        torch.manual_seed(0)
+        self.pe = HeinsenPositionalEmbedding(8, 8).double()
+        self.x = torch.randn(1, 10, 8, dtype=torch.float64)
+        self.t = torch.randn_like(self.x)
+
+    def tangent(self, x):
+        return torch.func.jvp(self.pe.forward_input, (x,), (self.t[:, :x.shape[1]],))[1]
+
+    def test_jvp_matches_central_difference(self):
+        assert all(p.requires_grad for p in self.pe.parameters())
+        step = 1e-6
+        numeric = (self.pe.forward_input(self.x + step * self.t) - self.pe.forward_input(self.x - step * self.t)) / (2 * step)
+        torch.testing.assert_close(self.tangent(self.x), numeric, atol=1e-8, rtol=0)
+
+    def test_gradient_of_jvp_matches_central_difference(self):
+        weights = torch.randn(1, 10, 8, dtype=torch.float64)
+        params = list(self.pe.parameters())[:3]   # R's bias does not reach the tangent
+        grads = torch.autograd.grad((self.tangent(self.x) * weights).sum(), params)
+        for param, grad in zip(params, grads):
+            direction = torch.randn_like(param)
+
+            def loss(scale):
+                with torch.no_grad():
+                    param.add_(scale * direction)
+                value = (self.tangent(self.x) * weights).sum().item()
+                with torch.no_grad():
+                    param.sub_(scale * direction)
+                return value
+            numeric = (loss(1e-6) - loss(-1e-6)) / 2e-6
+            assert math.isfinite(numeric) and abs((grad * direction).sum().item() - numeric) < 1e-7
+
+    def test_jacfwd_equals_jacrev(self):
+        x = self.x[:, :4]
+        forward = torch.func.jacfwd(self.pe.forward_input)(x)
+        reverse = torch.func.jacrev(self.pe.forward_input)(x)
+        torch.testing.assert_close(forward, reverse, atol=1e-12, rtol=0)
