@@ -635,9 +635,9 @@ def main(argv: Optional[list] = None) -> None:
             long = "-" if row.acc_long is None else f"{row.acc_long:.3f}"
             print(f"[{index * len(args.seeds) + number}/{runs}] {task.name} / {encoding.name} / seed {seed}: "
                   f"acc@L {row.acc_train_len:.3f}, acc@2L {long} ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+            if args.csv:  # after every run: a long run that stops keeps what it measured
+                write_csv(args.csv, [row for summary in summaries for row in summary.rows] + rows)
         summaries.append(Summary(rows))
-    if args.csv:
-        write_csv(args.csv, [row for summary in summaries for row in summary.rows])
     print()
     print(format_table(summaries, args.markdown))
     print()
