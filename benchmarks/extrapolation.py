@@ -28,10 +28,8 @@ encoding also starts from the same trunk for a seed.
 Encodings plug in through the library's interface: ``kind == "input"`` runs
 ``pe.forward_input(x)`` on the byte embeddings before the first block; every other kind goes
 to ``attention(q, k, v, pe, causal=True)`` in both blocks (one module shared by the two
-layers). Encodings are listed in ``ENCODINGS`` (a name -> factory registry); the classes
-that land later (NoPE, xPos, KERPLE, Sandwich, FIRE, CoPE, Forgetting, Shaw, DeBERTa) are
-registered behind ``hasattr`` guards, so the script runs before and after they exist. Every
-run reports which 1-D classes of ``positional_embeddings.__all__`` no entry covers.
+layers); the forget gate is bound to each block's normalised token states. Encodings are
+listed in ``ENCODINGS`` (a name -> factory registry). Every run reports which 1-D classes of ``positional_embeddings.__all__`` no entry covers.
 
 Choices that matter for extrapolation (the ``notes`` column repeats them):
 
@@ -43,8 +41,7 @@ Choices that matter for extrapolation (the ``notes`` column repeats them):
   never trained and stay at their initial values.
 * ``enformer``: basis scaled to the training length (``length_scale = L``), 36 features;
   the model never learns about the evaluation lengths.
-* ``nope`` is plain causal attention (``NoPositionalEmbedding`` once the library has it,
-  ``pe=None`` before: the same computation).
+* ``nope`` is plain causal attention (``NoPositionalEmbedding``).
 * ``heinsen`` encodes order by a recurrence, which runs at any length.
 
 Evaluation: ``--eval-segments`` segments of ``16L + 1`` bytes at evenly spaced offsets of the
@@ -184,14 +181,9 @@ class Encoding:
 
 
 def _registry() -> dict:
-    """Every 1-D encoding of the library, by short name, in table order.
-
-    A class the library does not have yet is skipped (one guarded line per class).
-    """
-    has = lambda name: hasattr(pe_lib, name)
+    """Every 1-D encoding of the library, by short name, in table order."""
     entries = [
-        Encoding("nope", "NoPositionalEmbedding",
-                 lambda L, M: pe_lib.NoPositionalEmbedding() if has("NoPositionalEmbedding") else None,
+        Encoding("nope", "NoPositionalEmbedding", lambda L, M: pe_lib.NoPositionalEmbedding(),
                  "no position information: plain causal attention"),
         Encoding("sinusoidal", "SinusoidalPositionalEmbedding",
                  lambda L, M: pe_lib.SinusoidalPositionalEmbedding(D_MODEL)),
@@ -216,34 +208,24 @@ def _registry() -> dict:
                  lambda L, M: pe_lib.AlgebraicSequencePositionalEmbedding(HEAD_DIM, NUM_HEADS)),
         Encoding("heinsen", "HeinsenPositionalEmbedding",
                  lambda L, M: pe_lib.HeinsenPositionalEmbedding(D_MODEL, D_MODEL), "order from a recurrence"),
+        Encoding("xpos", "XPosPositionalEmbedding", lambda L, M: pe_lib.XPosPositionalEmbedding(HEAD_DIM)),
+        Encoding("kerple_log", "KerplePositionalEmbedding",
+                 lambda L, M: pe_lib.KerplePositionalEmbedding(NUM_HEADS, kernel="log")),
+        Encoding("kerple_power", "KerplePositionalEmbedding",
+                 lambda L, M: pe_lib.KerplePositionalEmbedding(NUM_HEADS, kernel="power")),
+        Encoding("sandwich", "SandwichPositionalEmbedding",
+                 lambda L, M: pe_lib.SandwichPositionalEmbedding(NUM_HEADS, D_MODEL)),
+        Encoding("fire", "FIREPositionalEmbedding", lambda L, M: pe_lib.FIREPositionalEmbedding(NUM_HEADS)),
+        Encoding("cope", "CoPEPositionalEmbedding", lambda L, M: pe_lib.CoPEPositionalEmbedding(NUM_HEADS, HEAD_DIM)),
+        Encoding("forgetting", "ForgettingPositionalEmbedding",
+                 lambda L, M: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS),
+                 "gate reads each block's normalised token states"),
+        Encoding("shaw", "ShawPositionalEmbedding",
+                 lambda L, M: pe_lib.ShawPositionalEmbedding(NUM_HEADS, HEAD_DIM), "distances clipped at 16"),
+        Encoding("deberta", "DebertaPositionalEmbedding",
+                 lambda L, M: pe_lib.DebertaPositionalEmbedding(D_MODEL, NUM_HEADS),
+                 "log buckets (256 buckets, max relative 512)"),
     ]
-    # classes that land later: one guarded line each
-    if has("XPosPositionalEmbedding"):
-        entries.append(Encoding("xpos", "XPosPositionalEmbedding", lambda L, M: pe_lib.XPosPositionalEmbedding(HEAD_DIM)))
-    if has("KerplePositionalEmbedding"):
-        entries.append(Encoding("kerple_log", "KerplePositionalEmbedding",
-                                lambda L, M: pe_lib.KerplePositionalEmbedding(NUM_HEADS, kernel="log")))
-        entries.append(Encoding("kerple_power", "KerplePositionalEmbedding",
-                                lambda L, M: pe_lib.KerplePositionalEmbedding(NUM_HEADS, kernel="power")))
-    if has("SandwichPositionalEmbedding"):
-        entries.append(Encoding("sandwich", "SandwichPositionalEmbedding",
-                                lambda L, M: pe_lib.SandwichPositionalEmbedding(NUM_HEADS, D_MODEL)))
-    if has("FIREPositionalEmbedding"):
-        entries.append(Encoding("fire", "FIREPositionalEmbedding", lambda L, M: pe_lib.FIREPositionalEmbedding(NUM_HEADS)))
-    if has("CoPEPositionalEmbedding"):
-        entries.append(Encoding("cope", "CoPEPositionalEmbedding",
-                                lambda L, M: pe_lib.CoPEPositionalEmbedding(NUM_HEADS, HEAD_DIM)))
-    if has("ForgettingPositionalEmbedding"):
-        entries.append(Encoding("forgetting", "ForgettingPositionalEmbedding",
-                                lambda L, M: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS),
-                                "gate reads each block's normalised token states"))
-    if has("ShawPositionalEmbedding"):
-        entries.append(Encoding("shaw", "ShawPositionalEmbedding",
-                                lambda L, M: pe_lib.ShawPositionalEmbedding(NUM_HEADS, HEAD_DIM), "distances clipped at 16"))
-    if has("DebertaPositionalEmbedding"):
-        entries.append(Encoding("deberta", "DebertaPositionalEmbedding",
-                                lambda L, M: pe_lib.DebertaPositionalEmbedding(D_MODEL, NUM_HEADS),
-                                "log buckets (256 buckets, max relative 512)"))
     return {entry.name: entry for entry in entries}
 
 
@@ -272,18 +254,10 @@ def uncovered_classes() -> list:
 # ---------------------------------------------------------------------------
 
 
-def _wants_states(pe) -> bool:
-    return pe is not None and hasattr(pe_lib, "ForgettingPositionalEmbedding") and \
-        isinstance(pe, pe_lib.ForgettingPositionalEmbedding)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, pe, states: Tensor) -> Tensor:
-    """Causal ``attention()``; a data-dependent encoding (the forget gate) also gets the states."""
-    if _wants_states(pe):
-        import inspect
-        if "states" in inspect.signature(pe_lib.attention).parameters:
-            return pe_lib.attention(q, k, v, pe, causal=True, states=states)
-        return pe_lib.attention(q, k, v, pe(states), causal=True)   # the encoding bound to the states
+    """Causal ``attention()``; the forget gate is bound to the block's token states first."""
+    if isinstance(pe, pe_lib.ForgettingPositionalEmbedding):
+        pe = pe(states)
     return pe_lib.attention(q, k, v, pe, causal=True)
 
 
