@@ -5122,6 +5122,34 @@ def test_compare_quick_runs_end_to_end():
         assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
 
 
+def test_compare_every_encoding_two_seeds(tmp_path):
+    """Every (task, encoding) pair of compare.py builds, trains one step and evaluates, over two
+    seeds: the table gives the mean and the range, the CSV one line per seed."""
+    import csv
+    import pathlib
+    import subprocess
+    import sys
+
+    out = tmp_path / "compare.csv"
+    command = [sys.executable, "benchmarks/compare.py", "--steps", "1", "--eval-batches", "1", "--batch-size", "8",
+               "--seeds", "0,1", "--markdown", "--csv", str(out)]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    with open(out) as handle:
+        per_seed = list(csv.DictReader(handle))
+    assert len(per_seed) == 2 * len(rows) and {r["seed"] for r in per_seed} == {"0", "1"}
+    for row in rows:
+        seeds = [r for r in per_seed if (r["task"], r["encoding"]) == (row[1], row[0])]
+        mean = sum(float(r["acc_at_L"]) for r in seeds) / 2
+        assert row[2].startswith(f"{mean:.3f} ("), (row, seeds)
+    assert {row[0] for row in rows if row[1] == "recall"} >= {"xpos", "cope", "forgetting"}
+    assert not {row[0] for row in rows if row[1] == "reverse"} & {"xpos", "cope", "forgetting"}   # causal only
+    assert {row[0] for row in rows if row[1] == "grid"} >= {"swin_bias", "swinv2_cpb", "dynamic_bias_2d", "mixed_rope",
+                                                           "liere", "conv_peg", "fourier_2d"}
+
+
 class TestHeinsenReview:
     """Second derivatives, torch.func transforms and argument checks of the Heinsen scan."""
 
