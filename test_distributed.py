@@ -518,7 +518,7 @@ def _reference(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) ->
     model = copy.deepcopy(model)
     out = model(x)
     ((out * weight).sum() / WORLD).backward()
-    return out.detach(), [p.grad for p in model.parameters()]
+    return out.detach(), [p.grad for p in model.parameters() if p.requires_grad]
 
 
 def _rank_errors(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, rank: int, want: tuple) -> dict:
@@ -526,7 +526,8 @@ def _rank_errors(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, 
     rows = slice(rank, rank + 1)
     out = model(x[rows])
     (out * weight[rows]).sum().backward()
-    grads = [pe_lib._full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in model.parameters()]
+    trained = [p for p in model.parameters() if p.requires_grad]                       # FIRE's init_L is frozen
+    grads = [pe_lib._full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in trained]
     want_out, want_grads = want
     return {"output": _max_error(out, want_out[rows]),
             "grad_params_rel": max(_max_error(g, w) / max(1.0, w.abs().max().item()) for g, w in zip(grads, want_grads))}
