@@ -3122,7 +3122,7 @@ class FIREPositionalEmbedding(PositionalEmbedding):
     def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
         dtype = _compute_dtype(self.c.dtype)
-        c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.abs().to(dtype).squeeze(0)      # 0-d
+        c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.to(dtype).squeeze(0)            # 0-d (L is |.|)
         distance = _causal_distance(pos_k - pos_q, self.bidirectional).to(dtype)
         top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
@@ -5854,8 +5854,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         owner, n = type(self).__name__, x.shape[-2]
         checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, device=x.device)
         starts = checked == 0                                                           # [(B, 1..,) N]
+        if _skip_value_checks(checked):
+            return starts.unsqueeze(-1)
         wrong = checked != _positions_since(starts).to(checked.dtype)                   # [(B, 1..,) N]
-        if not _skip_value_checks(checked) and wrong.any():
+        if wrong.any():
             first = wrong.reshape(-1, n).any(dim=0).nonzero()[0, 0]
             raise ValueError(f"{owner}: positions must be None or within-document positions "
                              f"(document_positions(document_ids): 0 at the first token, +1 within a document, "
