@@ -5560,6 +5560,64 @@ def test_extrapolation_registry_covers_library():
     assert not any(part in extrapolation.EXCLUDED_DIRS for f in corpus_files for part in f.split("/")[:-1])
 
 
+def test_extrapolation_trial_runs_leave_committed_results_alone(tmp_path, monkeypatch):
+    """Issue 22 item 7: --quick (and any run that is not the full study) writes into SCRATCH, never
+    into the committed benchmarks/results and docs/figures; --write-results asks for them."""
+    extrapolation = _load_benchmark("extrapolation")
+    committed = {"csv": REPO / "benchmarks" / "results" / "extrapolation.csv",
+                 "positions": REPO / "benchmarks" / "results" / "extrapolation_positions.csv",
+                 "figure": REPO / "docs" / "figures" / "extrapolation.png",
+                 "position_figure": REPO / "docs" / "figures" / "extrapolation_position.png",
+                 "cost": REPO / "docs" / "figures" / "extrapolation_cost.png"}
+    paths = lambda *argv: extrapolation.output_paths(extrapolation.parse_args(list(argv)))
+    assert paths() == committed                                             # the full study
+    assert paths("--threads", "1", "--eval-chunk-tokens", "512") == committed   # speed only
+    assert paths("--merge", "A,B") == committed
+    for trial in (["--quick"], ["--seeds", "0"], ["--encodings", "rotary,alibi,nope"], ["--steps", "300"],
+                  ["--train-len", "32"], ["--lr", "1e-3"], ["--corpus-root", "src"]):
+        assert set(paths(*trial).values()) == {extrapolation.SCRATCH / p.name for p in committed.values()}, trial
+        assert paths(*trial, "--write-results") == committed, trial
+    assert set(paths("--quick", "--out-dir", "D").values()) == {pathlib.Path("D") / p.name for p in committed.values()}
+    with pytest.raises(SystemExit):   # one place or the other
+        extrapolation.parse_args(["--quick", "--out-dir", "D", "--write-results"])
+
+    # a tiny --quick run, end to end, on a two-file corpus: the committed CSVs keep their bytes
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    names = [f"m{i}.py" for i in range(100)]
+    valid = next(n for n in names if extrapolation.is_validation(n))
+    train = next(n for n in names if not extrapolation.is_validation(n))
+    for name in (valid, train):
+        (corpus / name).write_text("def f(x):\n    return x + 1\n" * 200)
+    before = {key: committed[key].read_bytes() for key in ("csv", "positions")}
+    monkeypatch.setattr(extrapolation, "SCRATCH", tmp_path / "scratch")
+    extrapolation.main(["--quick", "--encodings", "nope", "--steps", "2", "--eval-segments", "1", "--no-figures",
+                        "--corpus-root", str(corpus)])
+    assert {key: committed[key].read_bytes() for key in ("csv", "positions")} == before
+    with open(tmp_path / "scratch" / "extrapolation.csv") as handle:
+        assert {r["encoding"] for r in csv.DictReader(handle)} == {"nope"}
+    assert (tmp_path / "scratch" / "extrapolation_positions.csv").is_file()
+
+
+def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch):
+    """Issue 22 item 7: ``bench.py rope --regime both`` gave the child ``both`` as a section name."""
+    bench = _load_benchmark("bench")
+    calls = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, check: calls.append((command, env)))
+    for argv in (["rope", "--regime", "both"], ["rope", "--regime=both", "--reps", "3"], ["--regime", "both"], []):
+        calls.clear()
+        bench.main(argv)
+        assert [env["MALLOC_MMAP_THRESHOLD_"] for _, env in calls] == [
+            regime["MALLOC_MMAP_THRESHOLD_"] for regime in bench.REGIMES.values()], argv
+        for (command, _), regime in zip(calls, bench.REGIMES):
+            child = bench.parse_args(command[2:])   # [python, bench.py, *argv]
+            want = bench.parse_args([a for a in argv if "regime" not in a and a != "both"])
+            assert (child.sections, child.reps, child.no_compile, child.regime) == (
+                want.sections, want.reps, want.no_compile, regime), (argv, command)
+    with pytest.raises(SystemExit):   # an abbreviation would escape the filter
+        bench.parse_args(["rope", "--reg", "both"])
+
+
 def test_gallery_runs(tmp_path):
     pytest.importorskip("matplotlib")
     gallery = _load_benchmark("gallery")

@@ -470,18 +470,38 @@ REGIMES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list) -> argparse.Namespace:
+    # allow_abbrev=False: "--reg" would otherwise mean --regime and escape child_argv's filter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("sections", nargs="*", choices=[[], *SECTIONS], default=[], help="default: all")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per implementation")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
     parser.add_argument("--regime", choices=[*REGIMES, "both"], default="both",
                         help="allocator regime (default: both, each in a child process)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def child_argv(argv: list, regime: str) -> list:
+    """``argv`` with every ``--regime X`` / ``--regime=X`` replaced by one ``--regime <regime>``."""
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--regime":
+            skip_value = True   # its value is the next word ("both"), not a section
+        elif not arg.startswith("--regime="):
+            kept.append(arg)
+    return [*kept, "--regime", regime]
+
+
+def main(argv: list = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if args.regime == "both":
         for regime, env in REGIMES.items():
-            argv = [a for a in sys.argv[1:] if not a.startswith("--regime")] + ["--regime", regime]
-            subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **env}, check=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *child_argv(argv, regime)],
+                           env={**os.environ, **env}, check=True)
         return
     print(f"\n===== allocator: {args.regime} ({' '.join(f'{k}={v}' for k, v in REGIMES[args.regime].items())}) =====")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "

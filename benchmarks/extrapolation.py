@@ -58,11 +58,12 @@ Run it from the repository root:
 
     python benchmarks/extrapolation.py                 # full: every encoding x 3 seeds, L = 64, 1500 steps
     python benchmarks/extrapolation.py --estimate      # time a few steps of each encoding, print the full-run estimate
-    python benchmarks/extrapolation.py --quick         # 4 encodings, 1 seed, L = 16, 100 steps: about 10 s
+    python benchmarks/extrapolation.py --quick         # 4 encodings, 1 seed, L = 16, 100 steps: about 10 s (to SCRATCH)
 
 The full run was sized to about an hour on 2 idle cores for the 20 encodings of the second
 round (measured per-step times, see docs/extrapolation.md); every full run first prints its
-own estimate for the machine it runs on (about 15 s of probing), so adjust ``--steps`` there.
+own estimate for the machine it runs on (about 15 s of probing), so adjust ``--steps`` there
+(with ``--write-results`` if that run is to replace the committed study):
     python benchmarks/extrapolation.py --encodings rotary,alibi,nope --seeds 0 --steps 300
 
 On a machine shared with other work, one process per seed (``--seeds 1 --threads 1
@@ -70,12 +71,22 @@ On a machine shared with other work, one process per seed (``--seeds 1 --threads
 small model; ``--merge DIR0,DIR1,DIR2`` then combines their CSVs into the usual outputs,
 figures and tables without training anything.
 
-Outputs: ``benchmarks/results/extrapolation.csv`` (one row per encoding x seed x length),
-``benchmarks/results/extrapolation_positions.csv`` (bits per byte by position inside the
-``16L`` windows), ``docs/figures/extrapolation.png``, ``docs/figures/extrapolation_position.png``
-and ``docs/figures/extrapolation_cost.png`` (``--out-dir`` puts all of them in one folder
-instead). Progress goes to stderr; the Markdown table goes to stdout. matplotlib is needed
-for the figures only (the CSV and table are written without it).
+Outputs: ``extrapolation.csv`` (one row per encoding x seed x length),
+``extrapolation_positions.csv`` (bits per byte by position inside the ``16L`` windows),
+``extrapolation.png``, ``extrapolation_position.png`` and ``extrapolation_cost.png``. Where
+they go:
+
+* the full study (no option that changes what is trained or measured) and ``--merge``
+  replace the committed ``benchmarks/results/*.csv`` and ``docs/figures/*.png``;
+* every other run (``--quick``, a subset of encodings or seeds, other sizes) writes into
+  ``<tempdir>/positional_embeddings_extrapolation/`` (``SCRATCH``), so trying the script never
+  overwrites the published study; ``--write-results`` sends such a run to the committed
+  files on purpose;
+* ``--out-dir DIR`` puts all five files in ``DIR``.
+
+The last line of the output names the files written. Progress goes to stderr; the Markdown
+table goes to stdout. matplotlib is needed for the figures only (the CSV and table are
+written without it).
 """
 
 import argparse
@@ -89,6 +100,7 @@ import shlex
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass, fields
@@ -670,6 +682,7 @@ def header(argv: list, corpus: Corpus, config: Config, seeds: list) -> str:
 
 FULL = dict(train_len=64, steps=1500, batch_size=32, eval_segments=64)
 QUICK = dict(train_len=16, steps=100, batch_size=16, eval_segments=8)
+SCRATCH = pathlib.Path(tempfile.gettempdir()) / "positional_embeddings_extrapolation"   # runs that are not the study
 
 
 def parse_args(argv: list) -> argparse.Namespace:
@@ -690,8 +703,13 @@ def parse_args(argv: list) -> argparse.Namespace:
                         help="tokens per evaluation forward (at least one window)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--corpus-root", default=None, help="folder of .py files (default: the stdlib)")
-    parser.add_argument("--out-dir", default=None,
-                        help="write the CSVs and PNGs into this folder instead of benchmarks/results and docs/figures")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", default=None,
+                       help="write the CSVs and PNGs into this folder instead of benchmarks/results and docs/figures "
+                            f"(full study, --merge) or {SCRATCH} (any other run)")
+    where.add_argument("--write-results", action="store_true",
+                       help="write a run that is not the full study into the committed benchmarks/results and "
+                            "docs/figures anyway")
     parser.add_argument("--no-figures", action="store_true")
     parser.add_argument("--merge", default=None, metavar="DIR,DIR,...",
                         help="train nothing: combine the CSVs that runs with --out-dir DIR wrote (e.g. one process "
@@ -711,12 +729,23 @@ def parse_args(argv: list) -> argparse.Namespace:
     return args
 
 
-def output_paths(out_dir: Optional[str]) -> dict:
-    if out_dir:
-        base = pathlib.Path(out_dir)
-        results = figures = base
-    else:
+def is_full_study(args: argparse.Namespace) -> bool:
+    """Whether ``args`` trains and measures exactly what the committed results hold (threads and
+    evaluation chunking change the speed only)."""
+    return (not args.quick and args.corpus_root is None and args.encoding_names == list(ENCODINGS)
+            and args.seeds == [0, 1, 2] and args.lr == 3e-3
+            and all(getattr(args, key) == value for key, value in FULL.items()))
+
+
+def output_paths(args: argparse.Namespace) -> dict:
+    """The five output files: the committed ones only for the full study, ``--merge`` or
+    ``--write-results``; ``SCRATCH`` for any other run; everything in ``--out-dir`` if given."""
+    if args.out_dir:
+        results = figures = pathlib.Path(args.out_dir)
+    elif args.merge or args.write_results or is_full_study(args):
         results, figures = REPO / "benchmarks" / "results", REPO / "docs" / "figures"
+    else:
+        results = figures = SCRATCH
     return {"csv": results / "extrapolation.csv", "positions": results / "extrapolation_positions.csv",
             "figure": figures / "extrapolation.png", "position_figure": figures / "extrapolation_position.png",
             "cost": figures / "extrapolation_cost.png"}
@@ -730,7 +759,7 @@ def main(argv: Optional[list] = None) -> list:
     config = Config(args.train_len, args.steps, args.batch_size, args.lr, args.eval_segments, args.eval_chunk_tokens)
     if args.merge:
         results, curves = merged_results([d for d in args.merge.split(",") if d.strip()])
-        report(results, curves, config, args, output_paths(args.out_dir), time.perf_counter())
+        report(results, curves, config, args, output_paths(args), time.perf_counter())
         return results
     corpus = load_corpus(args.corpus_root)
     segments = eval_segments(corpus.valid, config)
@@ -751,7 +780,7 @@ def main(argv: Optional[list] = None) -> list:
     else:  # warm-up, so the first run's training time is not charged for the allocator's start-up
         train(build_model(encodings[0], config, 0), corpus.train, config, 0, steps=2)
     results, curves, start = [], {}, time.perf_counter()
-    paths = output_paths(args.out_dir)
+    paths = output_paths(args)
     runs = [(encoding, seed) for seed in args.seeds for encoding in encodings]
     for index, (encoding, seed) in enumerate(runs, 1):
         rows, curve = run_one(encoding, corpus, segments, config, seed)
