@@ -6491,6 +6491,28 @@ def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
     return torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)
 
 
+def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> str:
+    """The demo's last column, measured: do the logits stay the same when every position moves?"""
+    if pe.kind == "input":
+        return "n/a (acts on the tokens)"
+    if not pe.takes_positions:
+        return "n/a (takes no positions: counts them from the content)"
+    if isinstance(pe, AlgebraicTreePositionalEmbedding):
+        return "n/a (node ids: depends on tree paths)"
+    n = q.shape[-2]
+    if isinstance(pe, (_WindowBias, UnifiedPositionalEmbedding)):   # positions index a table of n: stay inside it
+        shift = n // 2   # whole rows of a square window, so 2-D offsets are kept
+        positions, q, k = torch.arange(n // 2), q[..., :n // 2, :], k[..., :n // 2, :]
+    else:
+        shift = 1000
+        positions = torch.arange(n) if positions is None else positions
+    base = pe.forward_attn(q, k, positions, positions)
+    shifted = pe.forward_attn(q, k, positions + shift, positions + shift)
+    gap = torch.where(base == shifted, 0.0, base - shifted).abs().max().item()   # -inf == -inf
+    verdict = "invariant" if gap <= 1e-4 * base.masked_fill(base.isinf(), 0).abs().max().item() else "not invariant"
+    return f"{verdict}: max |logits(p) - logits(p + {shift})| = {gap:.1e}"
+
+
 def _demo() -> None:
     import time
 
@@ -6507,16 +6529,8 @@ def _demo() -> None:
         out = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=pe.num_axes == 1)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
-        invariance = "n/a (acts on the tokens)" if pe.kind == "input" else "n/a (absolute positions)"
-        if isinstance(pe, AlgebraicTreePositionalEmbedding):
-            invariance = "n/a (depends on tree paths)"
-        if pe.translation_invariant:
-            shift = (torch.arange(seq_len) if positions is None else positions) + 1000
-            base = pe.forward_attn(q, k, positions, positions)
-            shifted = pe.forward_attn(q, k, shift, shift)
-            gap = torch.where(base == shifted, 0.0, base - shifted).abs().max().item()   # -inf == -inf
-            invariance = f"max |logits(p) - logits(p + 1000)| = {gap:.1e}"
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
+        invariance = _demo_translation(pe, q, k, positions)
         print(f"{name:<20}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
     _demo_today(batch, heads, head_dim, seq_len)
 

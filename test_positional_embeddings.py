@@ -2288,6 +2288,26 @@ def test_demo_runs(capsys):
         assert name in out
 
 
+def test_demo_translation_column_is_measured_for_every_class():
+    """Issue 22 item 13: the column said "n/a (absolute positions)" for FIRE and the Swin bias,
+    which take relative positions. It now shifts every position and reports what it measured."""
+    heads, head_dim, n = 2, 8, 16
+    q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
+    # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
+    moves = {"fire", "liere", "tupe"}
+    for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
+        column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
+        assert "absolute positions" not in column, (name, column)
+        if pe.kind == "input" or not pe.takes_positions or name == "algebraic_tree":
+            assert column.startswith("n/a ("), (name, column)
+            continue
+        gap = float(column.rsplit("= ", 1)[1])
+        if name in moves:
+            assert column.startswith("not invariant") and gap > 1e-3, (name, column)
+        else:
+            assert column.startswith("invariant") and gap < 1e-4, (name, column)
+
+
 def paired_positions(nq, nk):
     """Default positions written out: keys 0..nk-1, queries the last nq of them."""
     return [i + max(nk - nq, 0) for i in range(nq)], list(range(nk))
