@@ -6354,9 +6354,12 @@ def sharded_log_linear_scan(log_p: Tensor, h: Tensor, initial: Optional[Tensor] 
         ``s`` ``[..., N_local, d]`` in float32 (float64 for float64 inputs), and the final
         state with ``return_state=True``.
 
-    Example:
-        >>> idx = shard_positions(n, dist.get_rank(), dist.get_world_size())
-        >>> s = sharded_log_linear_scan(log_p[..., idx, :], h[..., idx, :])
+    Example (on every rank of an initialised process group, so doctest skips those lines;
+    ``test_distributed.py`` runs this on two gloo processes):
+        >>> import torch.distributed as dist
+        >>> log_p, h = F.logsigmoid(torch.randn(2, 64, 16)), torch.randn(2, 64, 16)   # the whole sequence
+        >>> idx = shard_positions(64, dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
+        >>> s = sharded_log_linear_scan(log_p[..., idx, :], h[..., idx, :])  # doctest: +SKIP
     """
     owner = "sharded_log_linear_scan"
     _check_tensor(owner, "log_p", log_p, 2)
@@ -6407,9 +6410,12 @@ def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using
     by ``return_state=True`` are the final state of the WHOLE sequence, identical on every
     rank, so the next sharded chunk continues from it.
 
-    Example:
-        >>> idx = shard_positions(x_full.shape[-2], dist.get_rank(), dist.get_world_size())
-        >>> y_local = heinsen_forward_sharded(embed, x_full[:, idx])
+    Example (on every rank of an initialised process group, so doctest skips those lines;
+    ``test_distributed.py`` runs this on two gloo processes):
+        >>> import torch.distributed as dist
+        >>> embed, x_full = HeinsenPositionalEmbedding(32, 16), torch.randn(2, 64, 32)
+        >>> idx = shard_positions(x_full.shape[-2], dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
+        >>> y_local = heinsen_forward_sharded(embed, x_full[:, idx])  # doctest: +SKIP
     """
     if not isinstance(module, HeinsenPositionalEmbedding):
         raise TypeError(f"heinsen_forward_sharded: module must be a HeinsenPositionalEmbedding, "

@@ -4056,13 +4056,20 @@ class TestDynamicPositionBias:
 
 
 def test_docstring_examples_run():
-    vision_bias = pe_lib
-    for cls in (RelativePositionBias2D, ContinuousPositionBias, DynamicPositionBias):
-        globs = {**vars(vision_bias), "torch": torch}
-        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-        for test in doctest.DocTestFinder().find(cls, globs=globs):
-            runner.run(test)
-        assert runner.failures == 0, cls.__name__
+    """Every ``>>>`` example in the library file runs (issue 22: those of the sharded Heinsen
+    functions needed a process group; those lines are marked ``# doctest: +SKIP``)."""
+    tests = [t for t in doctest.DocTestFinder().find(pe_lib, globs=vars(pe_lib)) if t.examples]
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    failed = [t.name for t in tests if runner.run(copy.copy(t), out=lambda _: None).failed]
+    assert not failed, failed
+    # the finder reached every docstring that has an example (it also walks methods and helpers)
+    found = {t.name.split(".", 1)[1] for t in tests}
+    for name in pe_lib.__all__:
+        obj = getattr(pe_lib, name)
+        if ">>>" in (inspect.getdoc(obj) or ""):
+            assert obj.__name__ in found, name   # aliases (EmbedPosition) under their class's name
+    skipped = sum(e.options.get(doctest.SKIP, False) for t in tests for e in t.examples)
+    assert skipped == 4, skipped   # the two sharded examples' process-group lines, nothing else
 
 
 def rotate_pairs_oracle(x, angle):
