@@ -905,6 +905,101 @@ class TestLearned:
         with pytest.raises(ValueError, match="mode must be one of 'nearest'"):
             pe.resize(12, mode="cubic")
 
+    @staticmethod
+    def bicubic_oracle(table, old, new, antialias):
+        """A row-major ``[h0 * w0, D]`` table resampled to ``new = (h, w)`` bicubically (pixel
+        centres, ``align_corners=False``), in float64: each axis's weights one entry at a time,
+        either the plain cubic convolution (``a = -0.75``, edge rows repeated) or, with
+        ``antialias``, PIL's kernel (``a = -0.5``) stretched by the shrink factor and renormalised."""
+        def cubic(x, a):
+            x = abs(x)
+            if x < 1:
+                return ((a + 2) * x - (a + 3)) * x * x + 1
+            return (((x - 5) * x + 8) * x - 4) * a if x < 2 else 0.0
+
+        def axis_weights(n_in, n_out):                                     # [n_out, n_in]
+            w, scale = torch.zeros(n_out, n_in, dtype=torch.float64), n_in / n_out
+            for i in range(n_out):
+                if antialias:
+                    stretch, centre = max(scale, 1.0), (i + 0.5) * scale
+                    for j in range(max(int(centre - 2 * stretch + 0.5), 0), min(int(centre + 2 * stretch + 0.5), n_in)):
+                        w[i, j] = cubic((j + 0.5 - centre) / stretch, -0.5)
+                    w[i] /= w[i].sum()
+                else:
+                    source = (i + 0.5) * scale - 0.5
+                    first = math.floor(source)
+                    for j in range(first - 1, first + 3):
+                        w[i, min(max(j, 0), n_in - 1)] += cubic(source - j, -0.75)
+            return w
+
+        grid = table.double().reshape(*old, -1)                            # [h0, w0, D]
+        out = torch.einsum("ij,jkd,lk->ild", axis_weights(old[0], new[0]), grid, axis_weights(old[1], new[1]))
+        return out.reshape(new[0] * new[1], -1)                            # [h * w, D]
+
+    @pytest.mark.parametrize("antialias", [False, True])
+    @pytest.mark.parametrize("old, new", [((5, 5), (7, 7)), ((8, 6), (4, 3)), ((4, 6), (6, 4))])
+    def test_resize_grid_antialias_matches_oracle(self, old, new, antialias):
+        """Issue 22 item 13: ``antialias=`` (default False, today's kernel) against a plain oracle
+        of both kernels, growing, shrinking and both at once, with a [CLS] row kept."""
+        pe = LearnedPositionalEmbedding(1 + old[0] * old[1], 3)
+        table = pe.weight.detach().clone()
+        pe.resize(new, old_grid=old, num_prefix_tokens=1, antialias=antialias)
+        torch.testing.assert_close(pe.weight.detach()[0], table[0], rtol=0, atol=0)
+        want = self.bicubic_oracle(table[1:], old, new, antialias)
+        torch.testing.assert_close(pe.weight.detach()[1:].double(), want, rtol=0, atol=2e-6)
+        other = self.bicubic_oracle(table[1:], old, new, not antialias)
+        assert (want - other).abs().max() > 1e-3   # the two kernels do differ here: the test can tell them apart
+        if not antialias:
+            default = LearnedPositionalEmbedding(1 + old[0] * old[1], 3)
+            default.weight.data.copy_(table)
+            torch.testing.assert_close(default.resize(new, old_grid=old, num_prefix_tokens=1).weight, pe.weight)
+
+    @pytest.mark.parametrize("antialias", [False, True])
+    def test_resize_grid_equals_timm_when_installed(self, antialias):
+        """timm's ``resample_abs_pos_embed`` with the same ``antialias``, to the bit (timm needs a
+        torchvision that matches torch; skipped otherwise)."""
+        try:
+            from timm.layers.pos_embed import resample_abs_pos_embed
+        except Exception as error:   # absent, or present with a mismatched torchvision
+            pytest.skip(f"timm unavailable: {error}")
+        for old, new in [((14, 14), (20, 20)), ((24, 24), (12, 12)), ((6, 8), (9, 5))]:
+            pe = LearnedPositionalEmbedding(1 + old[0] * old[1], 16)
+            want = resample_abs_pos_embed(pe.weight.detach()[None].clone(), list(new), list(old),
+                                          num_prefix_tokens=1, antialias=antialias)[0]
+            pe.resize(new, old_grid=old, num_prefix_tokens=1, antialias=antialias)
+            torch.testing.assert_close(pe.weight.detach(), want, rtol=0, atol=0)
+
+    def test_resize_grid_equals_transformers_vit_interpolation(self):
+        """transformers' ``ViTEmbeddings.interpolate_pos_encoding`` (bicubic, no antialias) to the bit."""
+        transformers = pytest.importorskip("transformers")
+        embeddings = transformers.models.vit.modeling_vit.ViTEmbeddings(
+            transformers.ViTConfig(hidden_size=8, image_size=20, patch_size=4))   # a 5 x 5 grid + [CLS]
+        with torch.no_grad():
+            embeddings.position_embeddings.normal_()
+            table = embeddings.position_embeddings.detach()[0].clone()                # [26, 8]
+            want = embeddings.interpolate_pos_encoding(torch.zeros(1, 1 + 7 * 7, 8), 28, 28)[0]   # a 7 x 7 grid
+        pe = LearnedPositionalEmbedding(26, 8)
+        pe.weight.data.copy_(table)
+        torch.testing.assert_close(pe.resize((7, 7), num_prefix_tokens=1).weight.detach(), want, rtol=0, atol=0)
+
+    @pytest.mark.parametrize("call, error, message", [
+        (lambda pe: pe.resize((4, 4), old_grid=(2.0, 4.0)), TypeError, "old_grid must be an int, got float 2.0"),
+        (lambda pe: pe.resize((4, 4), old_grid=(8,)), ValueError, "old_grid must be an \\(h, w\\) pair"),
+        (lambda pe: pe.resize((4, 4), old_grid=8), ValueError, "old_grid must be an \\(h, w\\) pair"),
+        (lambda pe: pe.resize(12, old_grid=(2, 4)), ValueError, "old_grid describes a 2-D table"),
+        (lambda pe: pe.resize((4, 4), old_grid=(2, 4), antialias=1), TypeError, "antialias must be a bool"),
+        (lambda pe: pe.resize(12, antialias=True), ValueError, "antialias=True needs an \\(h, w\\) new_size"),
+        (lambda pe: pe.resize((4, 4), old_grid=(2, 4), mode="nearest", antialias=True), ValueError,
+         "antialias=True needs .* mode 'bilinear' or 'bicubic', got new_size=\\(4, 4\\), mode='nearest'"),
+    ])
+    def test_bad_resize_grid_arguments(self, call, error, message):
+        """Issue 22 item 6: ``old_grid=(2.0, 4.0)`` raised reshape()'s TypeError naming neither."""
+        pe = LearnedPositionalEmbedding(8, 4)
+        before = pe.weight.detach().clone()
+        with pytest.raises(error, match="LearnedPositionalEmbedding: " + message):
+            call(pe)
+        assert torch.equal(pe.weight.detach(), before) and pe.max_len == 8   # untouched
+
 
 # ---------------------------------------------------------------------------
 # Rotary
