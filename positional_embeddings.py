@@ -1844,9 +1844,10 @@ def _pair_distances(owner: str, q_len: int, k_len: int, positions_q: Optional[Te
 
 
 def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                     positions_k: Optional[Tensor]) -> tuple:
+                     positions_k: Optional[Tensor], device=None) -> tuple:
     """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions
-    as ``attention_bias`` takes them (``[B, N]`` becomes ``[B, 1, N]``: one row for all heads)."""
+    as ``attention_bias`` takes them (``[B, N]`` becomes ``[B, 1, N]``: one row for all heads). Positions
+    must be on ``device`` (default: the module's)."""
     owner = type(module).__name__
     for name, length in (("q_len", q_len), ("k_len", k_len)):
         if isinstance(length, Tensor):
@@ -1864,8 +1865,29 @@ def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positi
     if axes > 1 and (positions_q is None or positions_k is None):
         raise ValueError(f"{owner}: positions_q and positions_k are required for {axes} axes "
                          f"(shape [N, {axes}] or [B, N, {axes}]), got None")
-    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, axes, integer),
-            _check_positions(owner, "positions_k", positions_k, lead, k_len, axes, integer))
+    device = module._buffer_device() if device is None else device
+    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, axes, integer, device),
+            _check_positions(owner, "positions_k", positions_k, lead, k_len, axes, integer, device))
+
+
+def _bias_positions(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                    positions_k: Optional[Tensor], device=None) -> tuple:
+    """``attention_bias``'s positions in the form the base hands them: int64 or float64, ``[N(, A)]`` or
+    ``[B, 1, .., 1, N(, A)]`` (a slot for the heads). Positions as a caller writes them (``[B, N(, A)]``, a
+    narrower dtype, another device) are validated and reshaped as ``forward`` does, so that a direct
+    ``attention_bias(q_len, k_len, positions_q, positions_k)`` returns ``[B, H, Nq, Nk]``."""
+    axes = 0 if module.num_axes == 1 else 1
+
+    target = module._buffer_device() if device is None else torch.device(device)
+
+    def ready(p: Optional[Tensor], n: int) -> bool:
+        return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64) and p.dim() != 2 + axes
+                             and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
+                             and (target is None or p.device == target))
+
+    if ready(positions_q, q_len) and ready(positions_k, k_len):
+        return positions_q, positions_k
+    return _check_bias_call(module, q_len, k_len, positions_q, positions_k, device)
 
 
 class _RelativeBias(PositionalEmbedding):
@@ -1891,6 +1913,7 @@ class _RelativeBias(PositionalEmbedding):
         return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         device = self._buffer_device() if device is None else device
         heads = torch.arange(self.num_heads, device=device)
         if q_len == 0 or k_len == 0:
@@ -2165,11 +2188,16 @@ class ALiBiPositionalEmbedding(_RelativeBias):
         return bias.masked_fill(distance > 0, float("-inf"))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         if self.num_axes == 1:
             return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
         device = self.slopes.device if device is None else device
         offsets = positions_k.to(device).unsqueeze(-3) - positions_q.to(device).unsqueeze(-2)   # [.., Nq, Nk, A]
-        distance = offsets.to(torch.float64).square().sum(-1).sqrt()                   # [(B, 1..,) Nq, Nk]
+        squared = offsets.to(torch.float64).square().sum(-1)                            # [(B, 1..,) Nq, Nk]
+        # sqrt's slope is infinite at 0: a double where keeps float positions' gradient finite there
+        # (0, the symmetric subgradient of the cone |offset|)
+        positive = squared > 0
+        distance = torch.where(positive, torch.where(positive, squared, 1.0).sqrt(), 0.0)
         heads = torch.arange(self.num_heads, device=device)[:, None, None]
         return self.bias_at(distance, heads)                                            # [(B, 1..,) H, Nq, Nk]
 
@@ -2268,6 +2296,7 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
         return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         owner = type(self).__name__
         device = self.position_embeddings.weight.device if device is None else device
         unhead = lambda p: p.squeeze(-2) if p.dim() > 1 else p                          # [B, 1.., 1, N] -> [B, 1.., N]
@@ -2530,8 +2559,13 @@ def _enformer_basis(distance: Tensor, num_basis: int, length: int, min_half_life
     stddev = length / (2 * num_basis)
     mean = torch.linspace(length / num_basis, length, num_basis, dtype=torch.float64, device=device)
     concentration, rate = (mean / stddev) ** 2, mean / stddev ** 2
-    log_pdf = torch.xlogy(concentration - 1, d) - rate * d - (torch.lgamma(concentration) - concentration * rate.log())
-    gamma = torch.exp(log_pdf) + 1e-8                                                   # [L, num_basis]
+    # concentration >= 4, so each density is 0 at d = 0 with zero slope; log(d) is kept away from 0
+    # (the double where), else its infinite derivative times exp(-inf) = 0 gives a NaN gradient
+    positive = d > 0
+    safe_d = torch.where(positive, d, torch.ones_like(d))
+    log_pdf = torch.xlogy(concentration - 1, safe_d) - rate * safe_d - (torch.lgamma(concentration)
+                                                                       - concentration * rate.log())
+    gamma = torch.where(positive, torch.exp(log_pdf), 0.0) + 1e-8                        # [L, num_basis]
     gamma = gamma / (gamma.amax(-1, keepdim=True) if gamma_peak is None else gamma_peak.to(device))
     return torch.cat([exponential, central_mask, gamma], dim=-1)
 
@@ -2957,7 +2991,10 @@ class KerplePositionalEmbedding(_RelativeBias):
         d = _causal_distance(distance, self.bidirectional).to(p.dtype)
         if self.kernel == "log":
             return -p * torch.log1p(a * d)
-        return -a * d.pow(p)
+        # d ** r2 is 0 at d = 0; its slope there (infinite for r2 < 1) is taken as 0, the symmetric
+        # subgradient, through a double where: a plain pow gives inf * 0 = NaN to float positions
+        positive = d > 0
+        return -a * torch.where(positive, torch.where(positive, d, torch.ones_like(d)).pow(p), 0.0)
 
 
 class SandwichPositionalEmbedding(_RelativeBias):
@@ -3025,6 +3062,7 @@ class SandwichPositionalEmbedding(_RelativeBias):
         return (inner / self.head_scales[head]).float()
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         if (positions_q is None and positions_k is None) or q_len == 0 or k_len == 0:
             return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
         owner, device = type(self).__name__, self.inv_freq.device if device is None else device
@@ -3156,6 +3194,7 @@ class FIREPositionalEmbedding(PositionalEmbedding):
                 second.weight.to(dtype), second.bias.to(dtype))                         # [H, hidden], [H]
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         owner = type(self).__name__
         device = self.c.device if device is None else device
         pos_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
@@ -4515,6 +4554,7 @@ class _WindowBias(PositionalEmbedding):
         return pos_q, pos_k
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         device = self.relative_position_index.device if device is None else device
         pos_q, pos_k = self._window_positions(q_len, k_len, positions_q, positions_k, device)
         index = self.relative_position_index.to(device)[pos_q.unsqueeze(-1), pos_k.unsqueeze(-2)]   # [(B, 1..,) Nq, Nk]
@@ -4886,11 +4926,13 @@ class DynamicPositionBias(_RelativeBias):
         """MLP of query - key offsets ``[..., A]`` -> ``[..., H]``, once per distinct offset (eager)."""
         dtype = _compute_dtype(self.mlp[-1].weight.dtype)
         flat, inverse = offsets.reshape(-1, self.num_axes), None                        # [M, A]
-        if not _is_compiling() and flat.shape[0] > 1:   # traced code: every row (no data-dependent shapes)
+        # traced code (no data-dependent shapes) and offsets that require grad (torch.unique has no
+        # backward, and each pair's gradient must reach its own positions) evaluate every row
+        if not _is_compiling() and not flat.requires_grad and flat.shape[0] > 1:
             flat, inverse = _distinct_rows(flat)                                         # [U, A], [M]
         x = flat.to(dtype)
-        if self.log_distance:
-            x = torch.sign(x) * torch.log1p(x.abs())
+        if self.log_distance:  # sign(x) log(1 + |x|), written so its slope at 0 is 1 (sign's would give 0)
+            x = torch.where(x >= 0, torch.log1p(x.clamp(min=0)), -torch.log1p((-x).clamp(min=0)))
         values = _run_mlp(self.mlp, x)                                                   # [U, H]
         if inverse is not None:
             values = values[inverse]                                                     # [M, H]
@@ -4909,6 +4951,7 @@ class DynamicPositionBias(_RelativeBias):
         return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
         if self.num_axes == 1:
             return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
         device = self.mlp[-1].weight.device if device is None else device
@@ -5224,7 +5267,9 @@ class LieREPositionalEmbedding(_TokenRotation):
         ``matrix_exp`` per distinct position (eager)."""
         positions = positions.to(torch.float64)
         inverse = None
-        if not _is_compiling() and positions.shape[0] > 1:
+        # every token while tracing (data-dependent sizes) and for positions that require grad (no
+        # backward for torch.unique; each token's gradient must reach its own position)
+        if not _is_compiling() and not positions.requires_grad and positions.shape[0] > 1:
             positions, inverse = torch.unique(positions, dim=0, return_inverse=True)           # [U, A]
         generator = torch.tensordot(positions, self.generators, dims=([1], [0]))               # [U, H, Dh/g, g, g]
         rotation = torch.matrix_exp(generator)

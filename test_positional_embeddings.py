@@ -6398,3 +6398,158 @@ class TestHeinsenForwardMode:
         forward = torch.func.jacfwd(self.pe.forward_input)(x)
         reverse = torch.func.jacrev(self.pe.forward_input)(x)
         torch.testing.assert_close(forward, reverse, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# Float positions: gradients where a query and a key share a position (distance 0)
+# ---------------------------------------------------------------------------
+
+# Every class that takes float positions (the shared cases), plus options the cases leave out whose
+# formula has its own behaviour at distance 0.
+FLOAT_POSITION_CASES = [case for case in CASES if case.takes_positions] + [
+    Case("alibi_2d", lambda: ALiBiPositionalEmbedding(H, bidirectional=True, num_axes=2),
+         required_positions=grid_rc, has_offset=False),
+    Case("kerple_power_causal", lambda: KerplePositionalEmbedding(H, kernel="power"), has_offset=False),
+    Case("enformer_per_distance_symmetric", lambda: EnformerPositionalEmbedding(
+        H, DH, num_features=6, length_scale=64, symmetric=True, gamma_normalization="per_distance"),
+         has_offset=False),
+    Case("fire_causal", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0), has_offset=False),
+    Case("sandwich_bidirectional", lambda: SandwichPositionalEmbedding(H, DH, bidirectional=True), has_offset=False),
+    Case("dynamic_bias_log_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16, log_distance=True),
+         required_positions=grid_rc, has_offset=False),
+    Case("liere_full_2d", lambda: LieREPositionalEmbedding(8, H), required_positions=grid_rc, has_offset=False),
+]
+
+
+# Cases whose logits jump at distance 0 (a kink is fine, a jump has no derivative to compare with):
+# causal ALiBi's -inf on keys after the query, Enformer's sign(d) features.
+JUMP_AT_DISTANCE_0 = {"alibi", "enformer"}
+
+
+def _float_positions(case, n):
+    """Distinct float64 positions (no distance a multiple of 1 but 0, so no step of a basis is
+    crossed by a small perturbation): the case's own ones or ``arange(n)``, scaled by 1/sqrt(2)."""
+    base = case.positions(n, n)[1]
+    base = torch.arange(n) if base is None else base
+    return base.double() / math.sqrt(2.0) + 0.3
+
+
+def _position_loss(pe, case, inputs, weights):
+    """A scalar function of the positions: logits (and attention output) of self-attention, or the
+    encoded tokens of an input encoding."""
+    finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)                                   # noqa: E731
+    if pe.kind == "input":
+        x = inputs[0]
+        return lambda pq, pk: (pe.forward_input(x, pq) * weights[0]).sum()
+    q, k, v = inputs
+
+    def loss(pq, pk):
+        total = (finite(pe.forward_attn(q, k, pq, pk)) * weights[0]).sum()
+        return total + (attention(q, k, v, pe, positions_q=pq, positions_k=pk) * weights[1]).sum()
+    return loss
+
+
+@pytest.mark.parametrize("case", FLOAT_POSITION_CASES, ids=repr)
+class TestFloatPositionGradients:
+    n = 6
+
+    def setup(self, case):
+        pe = case.make().double()
+        if pe.integer_positions:
+            pytest.skip("integer positions only")
+        n, dh = self.n, getattr(pe, "head_dim", None) or DH
+        if pe.kind == "input":
+            inputs = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
+            weights = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
+        else:
+            inputs = tuple(torch.randn(1, H, n, dh, dtype=torch.float64) for _ in range(3))
+            weights = (torch.randn(1, H, n, n, dtype=torch.float64), torch.randn(1, H, n, dh, dtype=torch.float64))
+        # ALiBi's and Sandwich's biases are float32 whatever the module's dtype: difference them coarsely
+        coarse = pe.kind == "bias" and pe.attention_bias(2, 2, *case.positions(2, 2)).dtype == torch.float32
+        self.step, self.rel = (1e-3, 1e-3) if coarse else (1e-6, 1e-5)
+        return pe, _position_loss(pe, case, inputs, weights), _float_positions(case, n)
+
+    @staticmethod
+    def grads(value, tensors):
+        """Gradients of ``value`` to ``tensors``; zeros for a tensor it does not depend on (NoPE)."""
+        if not value.requires_grad:
+            return [torch.zeros_like(t) for t in tensors]
+        grads = torch.autograd.grad(value, tensors, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors)]
+
+    def test_shared_positions_gradient_is_finite_and_matches_central_differences(self, case):
+        """Self-attention (one tensor for queries and keys): every diagonal pair sits at distance 0."""
+        pe, loss, p = self.setup(case)
+        p = p.requires_grad_()
+        (grad,) = self.grads(loss(p, p), [p])
+        assert torch.isfinite(grad).all(), grad
+        direction = torch.randn_like(p)
+        step = self.step
+        with torch.no_grad():
+            numeric = (loss(p + step * direction, p + step * direction)
+                       - loss(p - step * direction, p - step * direction)) / (2 * step)
+        assert (grad * direction).sum().item() == pytest.approx(numeric.item(), rel=self.rel, abs=self.rel / 10)
+
+    def test_separate_positions_gradient_is_finite_and_a_one_sided_bound(self, case):
+        """Queries and keys as two tensors with equal values: distance 0 is a kink for |d| kernels.
+        The gradient of one query position must be finite and lie between the two one-sided
+        difference quotients (equal to both where the function is differentiable there)."""
+        pe, loss, p = self.setup(case)
+        pq, pk = p.clone().requires_grad_(), p.clone().requires_grad_()
+        grad_q, grad_k = self.grads(loss(pq, pk), [pq, pk])   # input kinds take one tensor: grad_k is 0
+        assert torch.isfinite(grad_q).all() and torch.isfinite(grad_k).all(), (grad_q, grad_k)
+        if case.name in JUMP_AT_DISTANCE_0:
+            return
+        i, step = self.n // 2, self.step
+        direction = torch.zeros_like(p)
+        direction[i] = 1.0
+        with torch.no_grad():
+            middle = loss(pq, pk).item()
+            right = (loss(pq + step * direction, pk).item() - middle) / step
+            left = (middle - loss(pq - step * direction, pk).item()) / step
+        slope = (grad_q * direction).sum().item()
+        tolerance = self.rel * 10 * (1 + abs(slope))
+        assert min(left, right) - tolerance <= slope <= max(left, right) + tolerance, (left, slope, right)
+
+
+# ---------------------------------------------------------------------------
+# attention_bias(q_len, k_len, positions_q, positions_k) with positions as a caller writes them
+# ---------------------------------------------------------------------------
+
+BIAS_CASES = [case for case in CASES if case.takes_positions and case.make().kind == "bias"]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
+@pytest.mark.parametrize("batch", [H, 3, 1])
+def test_attention_bias_with_raw_batched_positions_is_per_batch(case, batch):
+    """[B, N] positions give [B, H, Nq, Nk] (B == H used to broadcast batch against heads), each row the
+    bias of that row's [N] positions; int32 positions equal int64 ones."""
+    pe = case.make()
+    n = 6
+    base_q, base_k = case.positions(n, n)
+    if base_q is None:
+        base_q = base_k = torch.arange(n)
+    rows_q = torch.stack([base_q.roll(b, 0) if not pe.integer_positions else base_q for b in range(batch)])
+    rows_k = torch.stack([base_k + (0 if pe.integer_positions else b) for b in range(batch)])
+    if isinstance(pe, RelativePositionBias2D | ContinuousPositionBias):   # token indices in the window
+        rows_q = torch.stack([base_q.flip(0) if b % 2 else base_q for b in range(batch)])
+    got = pe.attention_bias(n, n, rows_q, rows_k)
+    assert got.shape == (batch, H, n, n)
+    for b in range(batch):
+        torch.testing.assert_close(got[b], pe.attention_bias(n, n, rows_q[b], rows_k[b]))
+        torch.testing.assert_close(got[b], pe(n, n, positions_q=rows_q[b], positions_k=rows_k[b]))
+    torch.testing.assert_close(pe.attention_bias(n, n, rows_q.int(), rows_k.int()), got)
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
+def test_attention_bias_with_wrong_positions_raises(case):
+    pe = case.make()
+    n = 6
+    base_q, base_k = case.positions(n, n)
+    if base_q is None:
+        base_q = base_k = torch.arange(n)
+    name = type(pe).__name__
+    with pytest.raises(ValueError, match=f"{name}: positions_k must have shape"):
+        pe.attention_bias(n, n, base_q, base_k[:-1])
+    with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k must have the same batch size"):
+        pe.attention_bias(n, n, torch.stack([base_q] * 2), torch.stack([base_k] * 3))
