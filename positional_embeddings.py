@@ -240,7 +240,8 @@ def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, 
         raise TypeError(f"{owner}: {name} must be a real number, got {type(value).__name__} {_describe(value)}")
     number = float(value)
     below = minimum is not None and (number <= minimum if exclusive else number < minimum)
-    if not math.isfinite(number) or below or (maximum is not None and number > maximum):
+    # abs(x) < inf rather than math.isfinite: dynamo cannot trace math.isfinite under dynamic=True
+    if not abs(number) < math.inf or below or (maximum is not None and number > maximum):
         low = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum}"
         high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
         raise ValueError(f"{owner}: {name} must be a finite number{low}{high}, got {name}={value!r}")
@@ -439,6 +440,15 @@ class PositionalEmbedding(nn.Module):
     integer_positions: bool = False  # positions index buckets, tables or tree nodes: floats are a TypeError
     takes_positions: bool = True     # False: order comes from the content (contextual, recurrent, gated)
 
+    @property
+    def is_causal(self) -> bool:
+        """True for a causal-mode encoding, defined for causal attention only (a decoder's: keys
+        after the query are masked, or evaluated as if at distance 0, by the encoding itself).
+        ``attention()`` then masks the future by default and rejects ``causal=False``. Classes
+        with a ``bidirectional`` option are causal-mode when it is False; CoPE and the forget
+        gate always are."""
+        return getattr(self, "bidirectional", True) is False
+
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Tokens with position information; identity for attention-side kinds."""
         return self(x, positions) if self.kind == "input" else x
@@ -624,7 +634,7 @@ def attention(
     *,
     positions_q: Optional[Tensor] = None,
     positions_k: Optional[Tensor] = None,
-    causal: bool = False,
+    causal: Optional[bool] = None,
     attn_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
@@ -663,18 +673,23 @@ def attention(
         pe (PositionalEmbedding, optional): the encoding. Default: None.
         positions_q, positions_k (Tensor, optional): ``[N]`` or ``[B, N]`` positions.
             Default: keys ``arange(Nk)``, queries the last ``Nq`` of them.
-        causal (bool): mask keys after each query, bottom-right aligned when
+        causal (bool, optional): mask keys after each query, bottom-right aligned when
             ``Nq < Nk`` (decoding with a cache). Index based, not position based.
-            Default: False.
+            None follows the encoding: causal for a causal-mode encoding (``pe.is_causal``:
+            ALiBi, KERPLE, Sandwich, FIRE, T5 and TUPE with ``bidirectional=False``, CoPE, the
+            forget gate), else not. ``causal=False`` with a causal-mode encoding is a
+            ValueError. Default: None.
         attn_mask (Tensor, optional): boolean (True = attend) or additive float mask
             broadcastable to ``[B, H, Nq, Nk]``. Default: None.
         scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)`` (the encoding's own
             default where it has one).
         dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
         use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
-            their ``score_mod`` (no dense bias). None: on CUDA when there is no
-            ``attn_mask`` and no dropout; True: also on the CPU (eager FlexAttention, for
-            testing). Default: None.
+            their ``score_mod`` (no dense bias; needs no ``attn_mask`` and no dropout).
+            None: where it runs fused, i.e. on CUDA (traced when ``torch.compile`` traces
+            the call, else through a ``flex_attention`` the library compiles once); the
+            dense bias through SDPA on the CPU. True: also on the CPU (unfused, for
+            testing). False: never. Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
 
@@ -689,14 +704,14 @@ def attention(
     """
     owner = "attention"
     group = _check_attention_inputs(q, k, v, pe)
-    causal = _check_flag(owner, "causal", causal)
+    causal = _causal_for(pe, causal)
     dropout_p = _as_float(owner, "dropout_p", dropout_p, minimum=0.0, maximum=1.0)
     scale = None if scale is None else _as_float(owner, "scale", scale)
     if use_flex is not None:
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
     flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-        and (use_flex or (use_flex is None and q.is_cuda))
+        and (use_flex or (use_flex is None and _flex_is_fused(q)))
     if document_ids is not None:
         document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
         if not flex:  # the flex path masks documents block-wise instead
@@ -709,6 +724,45 @@ def attention(
             positions_q = positions_k = document_positions(document_ids)
     return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
                             flex, document_ids, group)
+
+
+def _causal_for(pe: Optional[PositionalEmbedding], causal) -> bool:
+    """attention()'s one causal rule: None follows the encoding (causal for a causal-mode one);
+    an explicit False with a causal-mode encoding would let a token see what the encoding
+    assumes it cannot, so it is a ValueError."""
+    if causal is None:
+        return pe is not None and pe.is_causal
+    causal = _check_flag("attention", "causal", causal)
+    if not causal and pe is not None and pe.is_causal:
+        name = type(pe).__name__
+        fix = ("build it with bidirectional=True for bidirectional attention" if hasattr(pe, "bidirectional")
+               or hasattr(pe, "relative") else "it has no bidirectional form")
+        raise ValueError(f"attention: causal=False with {name}, a causal-mode encoding ({name}.is_causal=True, "
+                         f"defined for causal attention only); pass causal=True or leave causal unset, or {fix}")
+    return causal
+
+
+def _flex_is_fused(q: Tensor) -> bool:
+    """attention()'s default for ``"bias"`` kinds: FlexAttention where it runs fused and has a
+    backward, i.e. on CUDA (traced by ``torch.compile``, else ``_compiled_flex_attention``).
+
+    Not on the CPU (torch 2.13): there FlexAttention has no backward, inductor lowers it only
+    when its ``score_mod`` reads tensors made outside the compiled graph (so not inside a
+    user's ``torch.compile``), and compiling it in eager mode would need a C++ compiler at run
+    time. The dense bias through SDPA runs there instead."""
+    return q.is_cuda
+
+
+_COMPILED_FLEX = []   # [torch.compile(flex_attention)], built on first use
+
+
+def _compiled_flex_attention():
+    """``flex_attention`` compiled once and reused (torch recompiles it for new shapes, then
+    dynamically): the fused kernel in eager mode."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    return _COMPILED_FLEX[0]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], positions_q, positions_k,
@@ -796,7 +850,8 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, po
 
     FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
     one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
-    ids repeated). Documents (and then causality too) go into a ``BlockMask``.
+    ids repeated). Causality and documents go into a ``BlockMask`` (masked blocks are
+    skipped). In eager mode on CUDA the call goes through ``_compiled_flex_attention``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -817,35 +872,36 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, po
     positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
     document_ids = rows(document_ids, 2)
     add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
-    offset = _query_offset(q.shape[-2], k.shape[-2])
-    block_mask = None if document_ids is None else _document_block_mask(document_ids, causal, offset)
-    causal_scores = causal and block_mask is None
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = add_bias(score, b, h, q_idx, kv_idx)
-        return torch.where(kv_idx > q_idx + offset, float("-inf"), score) if causal_scores else score
-
-    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                         enable_gqa=q.shape[-3] != k.shape[-3])
+    block_mask = _block_mask(document_ids, causal, q.shape[-2], k.shape[-2], q.device)
+    attend = _compiled_flex_attention() if q.is_cuda and not _is_compiling() else flex_attention
+    out = attend(q, k, v, score_mod=add_bias, block_mask=block_mask, scale=scale,
+                 enable_gqa=q.shape[-3] != k.shape[-3])
     return out.reshape(*lead, *out.shape[-3:])
 
 
-def _document_block_mask(ids: Tensor, causal: bool, offset: int = 0):
-    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (and, with
-    ``causal``, to keys at most ``offset`` past it), from ids ``[N]`` (shared) or ``[B, N]``.
+def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device):
+    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (ids ``[N]``
+    shared or ``[B, N]``; None: one document) and, with ``causal``, to keys at most
+    ``_query_offset`` past it; None when nothing is masked.
 
-    It is built from a ``mask_mod``: blocks that cross documents are skipped by the kernel, and
-    under ``torch.compile`` no ``[N, N]`` mask is materialised.
+    It is built from a ``mask_mod``: blocks that are wholly masked are skipped by the kernel, and
+    under ``torch.compile`` no ``[Nq, Nk]`` mask is materialised.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    n = ids.shape[-1]
+    if ids is None and not causal:
+        return None
+    offset = _query_offset(q_len, k_len)
 
-    def same_document(b, h, q_idx, kv_idx):
-        keep = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
-        return keep & (kv_idx <= q_idx + offset) if causal else keep
+    def keep(b, h, q_idx, kv_idx):
+        seen = kv_idx <= q_idx + offset
+        if ids is None:
+            return seen
+        same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
+        return same & seen if causal else same
 
-    return create_block_mask(same_document, ids.shape[0] if ids.dim() == 2 else None, None, n, n, device=ids.device)
+    batch = ids.shape[0] if ids is not None and ids.dim() == 2 else None
+    return create_block_mask(keep, batch, None, q_len, k_len, device=device)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
@@ -2271,6 +2327,11 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
             self.others_to_cls = nn.Parameter(torch.empty(num_heads))                  # theta_2: [H]
         self.reset_parameters()
 
+    @property
+    def is_causal(self) -> bool:
+        """Causal-mode when its relative bias is (``bidirectional=False``)."""
+        return self.relative is not None and self.relative.is_causal
+
     def extra_repr(self) -> str:
         return (f"max_len={self.max_len}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"cls_token={self.cls_token}")
@@ -3208,7 +3269,11 @@ class FIREPositionalEmbedding(PositionalEmbedding):
 
     def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
                   positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod`` evaluating ``f`` per logit (no ``[H, Nq, Nk]`` tensor)."""
+        """A FlexAttention ``score_mod`` evaluating ``f`` per logit (no ``[H, Nq, Nk]`` tensor).
+
+        The MLP is unrolled over its hidden units into scalar operations: inductor lowers a
+        ``score_mod`` made of pointwise operations only (a reduction there does not compile). Its
+        input cannot be tabulated per distance: the normaliser depends on the query position."""
         owner, device = type(self).__name__, self.c.device
         flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
         pos_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
@@ -3218,8 +3283,10 @@ class FIREPositionalEmbedding(PositionalEmbedding):
 
         def add_bias(score, b, h, q_idx, kv_idx):
             u = self._inputs(pick(pos_q, b, q_idx), pick(pos_k, b, kv_idx))
-            hidden = torch.relu(u * w1 + b1)                                            # [hidden]
-            return score + ((w2[h] * hidden).sum() + b2[h]).to(score.dtype)
+            out = b2[h]
+            for unit in range(w1.shape[0]):
+                out = out + w2[h, unit] * torch.relu(u * w1[unit] + b1[unit])
+            return score + out.to(score.dtype)
         return add_bias
 
 
@@ -3286,6 +3353,7 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
 
     kind = "logits"
     takes_positions = False
+    is_causal = True  # causal by construction: keys after the query get -inf
 
     def __init__(self, num_heads: int, head_dim: int, *, max_position: int = 64, per_head: bool = False,
                  init_std: float = 0.0) -> None:
@@ -3392,6 +3460,7 @@ class ForgettingPositionalEmbedding(PositionalEmbedding):
 
     kind = "bias"
     takes_positions = False
+    is_causal = True  # causal by construction: keys after the query get -inf
 
     def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
                  init_std: float = 0.02) -> None:

@@ -6101,12 +6101,12 @@ class TestPackedDocumentsMore:
 
     def test_block_mask_skips_blocks_across_documents(self):
         ids = torch.arange(256) // 128                                                      # two documents of one block each
-        blocks = pe_lib._document_block_mask(ids, causal=False).to_dense()                  # [1, 1, 2, 2] visited blocks
+        blocks = pe_lib._block_mask(ids, False, 256, 256, ids.device).to_dense()                  # [1, 1, 2, 2] visited blocks
         assert blocks.reshape(2, 2).tolist() == [[1, 0], [0, 1]]
-        one = pe_lib._document_block_mask(torch.zeros(256, dtype=torch.long), causal=True).to_dense()
+        one = pe_lib._block_mask(torch.zeros(256, dtype=torch.long), True, 256, 256, ids.device).to_dense()
         assert one.reshape(2, 2).tolist() == [[1, 0], [1, 1]]
         rows = torch.stack([ids, torch.zeros(256, dtype=torch.long)])                       # per-row documents
-        assert pe_lib._document_block_mask(rows, causal=False).to_dense().reshape(2, 2, 2).tolist() == \
+        assert pe_lib._block_mask(rows, False, 256, 256, ids.device).to_dense().reshape(2, 2, 2).tolist() == \
             [[[1, 0], [0, 1]], [[1, 1], [1, 1]]]
 
     # -- Heinsen: within-document positions restart the recurrence ---------------------------------

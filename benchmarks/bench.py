@@ -7,6 +7,8 @@ same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when ab
     python benchmarks/bench.py                 # everything
     python benchmarks/bench.py rope --reps 50  # one section
     python benchmarks/bench.py gqa             # grouped-query attention against repeated k/v (time, peak memory)
+    python benchmarks/bench.py bias_paths      # bias encodings: eager dense, compiled flex, compiled dense
+    python benchmarks/bench.py gpu --regime "reused memory"   # the GPU table (says "no GPU" without one)
 
 glibc's malloc decides, from its history, whether a large tensor gets fresh pages (the
 kernel zero-fills them on first touch, which can cost more than the arithmetic) or reuses
@@ -458,9 +460,116 @@ def bench_gqa(reps: int, compile: bool) -> None:
     report(f"{title}: forward + backward", times, next(iter(times)), memory)
 
 
+def _bias_encodings(h: int) -> dict:
+    return {"T5": pe_lib.T5PositionalEmbedding(h), "ALiBi": pe_lib.ALiBiPositionalEmbedding(h),
+            "KERPLE": pe_lib.KerplePositionalEmbedding(h), "FIRE": pe_lib.FIREPositionalEmbedding(h)}
+
+
+def bench_bias_paths(reps: int, compile: bool) -> None:
+    """A bias encoding's attention, no grad, causal (ratios to SDPA causal): attention()'s eager
+    dense bias (the CPU default), ``flex_attention`` compiled once (the library's
+    ``_compiled_flex_attention``, the CUDA default in eager mode) with the encoding's score_mod
+    and a causal block mask built once outside the timing, and attention() compiled whole (dense:
+    inductor's CPU FlexAttention does not lower score_mod tensors made inside the graph)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, h, d = 1, 8, 64
+    for n, names in ((1024, ("T5", "ALiBi", "KERPLE", "FIRE")), (8192, ("T5",))):
+        q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+        calls = {"SDPA causal (no positions)": lambda: sdpa(q, k, v, is_causal=True)}
+        for name in names:
+            pe = _bias_encodings(h)[name]
+            calls[f"{name}: eager, dense bias"] = lambda pe=pe: pe_lib.attention(q, k, v, pe, causal=True,
+                                                                                 use_flex=False)
+            if compile:
+                torch._dynamo.reset()
+                flex, mask = pe_lib._compiled_flex_attention(), pe_lib._block_mask(None, True, n, n, q.device)
+                dense = torch.compile(lambda q, k, v, pe=pe: pe_lib.attention(q, k, v, pe, causal=True,
+                                                                              use_flex=False), dynamic=False)
+                calls[f"{name}: compiled flex_attention + score_mod"] = lambda pe=pe: flex(
+                    q, k, v, score_mod=pe.score_mod(n, n), block_mask=mask, scale=d ** -0.5)
+                calls[f"{name}: compiled, dense bias"] = lambda f=dense: f(q, k, v)
+        with torch.no_grad():
+            times = medians(calls, max(3, reps // 3))
+            memory = {name: peak_memory(fn) for name, fn in calls.items()}
+        report(f"Bias encodings, attention() paths: forward, no grad, B={b}, H={h}, N={n}, Dh={d} fp32, causal "
+               f"(ratio to SDPA causal)", times, next(iter(times)), memory)
+
+
+def bench_gpu(reps: int, compile: bool) -> None:
+    """Every encoding on the GPU: forward and forward + backward through attention()'s default path
+    (bias kinds: FlexAttention compiled once) and, for biases, the dense path; ratios to SDPA and
+    to the peers. Prints "no GPU" and returns on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        print("\nbench.py gpu: no GPU (torch.cuda.is_available() is False); nothing measured")
+        return
+    device = torch.device("cuda")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    b, h, n, d = 2, 8, 4096, 64
+    q, k, v = (torch.randn(b, h, n, d, device=device, requires_grad=True) for _ in range(3))
+    x = torch.randn(b, n, h * d, device=device, requires_grad=True)
+    calls = {"plain SDPA, causal (floor: no positions)": lambda q, k, v, x: sdpa(q, k, v, is_causal=True)}
+    for name, pe in pe_lib._demo_modules(h, d, n).items():
+        pe = pe.to(device)
+        positions = pe_lib._demo_positions(pe, n)
+        positions = None if positions is None else positions.to(device)
+        if pe.kind == "input":
+            calls[f"{name} (forward_input + SDPA)"] = \
+                lambda q, k, v, x, pe=pe: (pe.forward_input(x), sdpa(q, k, v, is_causal=True))
+            continue
+        causal = positions is None or pe.is_causal
+        calls[name] = lambda q, k, v, x, pe=pe, p=positions, c=causal: pe_lib.attention(
+            q, k, v, pe, positions_q=p, positions_k=p, causal=c)
+        if pe.kind == "bias":
+            calls[f"{name}, dense bias (use_flex=False)"] = lambda q, k, v, x, pe=pe, p=positions, c=causal: \
+                pe_lib.attention(q, k, v, pe, positions_q=p, positions_k=p, causal=c, use_flex=False)
+    calls.update(_peer_attentions(q, k, v, x, h, d, n))
+    working = {}
+    for name, fn in calls.items():  # a peer built for the CPU may not run on the GPU: leave it out, say so
+        try:
+            fn(q, k, v, x)
+            working[name] = fn
+        except Exception as error:  # noqa: BLE001
+            print(f"  left out {name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
+
+    def total(out):
+        return sum(t.float().sum() for t in (out if isinstance(out, tuple) else (out,)))
+
+    def synced(fn):
+        def call():
+            fn()
+            torch.cuda.synchronize()
+        return call
+
+    def training(fn):
+        def step():
+            total(fn(q, k, v, x)).backward()
+            for t in (q, k, v, x):
+                t.grad = None
+        return synced(step)
+
+    def gpu_peak(fn) -> int:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        return torch.cuda.max_memory_allocated() - base
+
+    print(f"\n{torch.cuda.get_device_name()}")
+    with torch.no_grad():
+        forward = {name: synced(lambda fn=fn: fn(q, k, v, x)) for name, fn in working.items()}
+        times = medians(forward, max(3, reps // 3))
+        memory = {name: gpu_peak(fn) for name, fn in forward.items()}
+    report(f"GPU, every encoding: attention forward, B={b}, H={h}, N={n}, Dh={d} fp32 (ratio to plain SDPA)",
+           times, next(iter(times)), memory)
+    train = {name: training(fn) for name, fn in working.items()}
+    times = medians(train, max(3, reps // 3))
+    memory = {name: gpu_peak(fn) for name, fn in train.items()}
+    report(f"GPU, every encoding: attention forward + backward, B={b}, H={h}, N={n}, Dh={d} fp32",
+           times, next(iter(times)), memory)
+
+
 SECTIONS = {"all": bench_all, "rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
             "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic,
-            "gqa": bench_gqa}
+            "gqa": bench_gqa, "bias_paths": bench_bias_paths, "gpu": bench_gpu}
 
 
 REGIMES = {
