@@ -6225,7 +6225,7 @@ def census_config(model_type: str):
     from transformers.models.auto import configuration_auto
     if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {pytest.importorskip('transformers').__version__} has no {model_type!r}")
-    config = configuration_auto.CONFIG_MAPPING[model_type]()
+    config = copy.deepcopy(census_default_config(model_type))
     text = census_text(config)
     for key, value in CENSUS_CONFIG_FIXES.get(model_type, {}).items():
         if key == "partial_rotary_factor":
@@ -6233,6 +6233,13 @@ def census_config(model_type: str):
         else:
             setattr(text, key, value)
     return config
+
+
+@functools.lru_cache(maxsize=None)
+def census_default_config(model_type: str):
+    """The default config, built once (census_config hands out copies to change)."""
+    from transformers.models.auto import configuration_auto
+    return configuration_auto.CONFIG_MAPPING[model_type]()
 
 
 def census_text(config):
@@ -6305,7 +6312,8 @@ def census_compare(model_type: str, config, layer_type=None, scaling_name=None) 
     """Largest |q . k logit difference| between the model's module and from_config; None where the
     model's module does not accept the rope type."""
     text = census_text(config)
-    ours = RotaryPositionalEmbedding.from_config(config, layer_type=layer_type)
+    # from_config(config) is RotaryPositionalEmbedding(**kwargs); a short table keeps the census cheap
+    ours = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, layer_type=layer_type), cache_len=CENSUS_N)
     num_axes = 1 if ours.sections is None else len(ours.sections)
     positions = census_positions(num_axes)
     g = torch.Generator().manual_seed(0)
@@ -6359,6 +6367,16 @@ def census_layer_types(config) -> list:
     return nested or [None]
 
 
+@pytest.fixture
+def one_thread():
+    """The census runs hundreds of tiny ops: one intra-op thread spares the pool's start-up (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
 class TestRotaryFromConfigCensus:
     @pytest.mark.parametrize("model_type", sorted(pe_lib._ROPE_MODEL_TYPES))
     def test_model_type_matches_its_module(self, model_type):
@@ -6374,7 +6392,8 @@ class TestRotaryFromConfigCensus:
                 if (model_type, name) in CENSUS_SKIP:
                     continue
                 scaled = census_config(model_type)
-                half = RotaryPositionalEmbedding.from_config(scaled, layer_type=layer_type).rotary_dim // 2
+                kwargs = _rotary_kwargs_from_config(scaled, layer_type=layer_type)
+                half = kwargs.get("rotary_dim", kwargs["dim"]) // 2
                 census_set_scaling(scaled, layer_type, scaling, half)
                 diff = census_compare(model_type, scaled, layer_type, name)
                 if diff is None:
@@ -6553,3 +6572,10 @@ class TestFromConfigModelTypes:
         scale = modeling.get_llama_4_attn_scale(positions[None], 0.1, 16)[0, :, :, 0]           # [1, N]
         want = 1 + 0.1 * torch.log1p(torch.floor(positions / 16.0))
         torch.testing.assert_close(scale[0], want)
+
+
+def test_print_census_max_differences():
+    """Runs after the census: prints its largest differences (pytest -s)."""
+    for family, diff in sorted(MAX_DIFF.items()):
+        if family.startswith("census"):
+            print(f"| {family} | {diff:.2e} |")
