@@ -1662,6 +1662,12 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if section_layout == "interleaved" and (sections is None or len(sections) != 3):
             raise ValueError(f"{owner}: section_layout='interleaved' (Qwen3-VL) needs three sections (t, h, w), "
                              f"got sections={sections}")
+        if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= rotary_dim // 2
+                                                   for axis in (1, 2)):
+            # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
+            raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
+                             f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {rotary_dim // 2}; "
+                             f"got sections={sections}")
         _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis"))
         if axis_spectrum == "per_axis" and (sections is None or section_layout != "contiguous"):
             raise ValueError(f"{owner}: axis_spectrum='per_axis' needs contiguous sections, "
@@ -1673,11 +1679,22 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self._set_scaling(params)
 
     @classmethod
-    def from_config(cls, config, *, layer_type: Optional[str] = None) -> "RotaryPositionalEmbedding":
+    def from_config(cls, config, *, layer_type: Optional[str] = None, interleaved: Optional[bool] = None,
+                    rotary_dim: Optional[int] = None, sections: Optional[list] = None,
+                    section_layout: Optional[Literal["contiguous", "interleaved"]] = None
+                    ) -> "RotaryPositionalEmbedding":
         """The RoPE of a Hugging Face model config (object or ``to_dict()``), as that model computes it
         (``head_dim``, ``rope_parameters`` / ``rope_scaling`` / ``rope_theta``, partial rotary,
-        interleaved layouts, M-RoPE sections); ``layer_type`` picks one of Gemma 3/4's per-layer RoPEs."""
-        return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type))
+        interleaved layouts, M-RoPE sections); ``layer_type`` picks one of Gemma 3/4's per-layer RoPEs.
+
+        Model types tested against their transformers module are read as they are (the list is in
+        docs/model_parity.md); any other one raises a ``ValueError`` unless you state its layout with
+        ``interleaved=`` (and ``section_layout=`` when the config has ``mrope_section``). The keywords
+        override the config's values; with them you take responsibility for the layout.
+        """
+        return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
+                                                rotary_dim=rotary_dim, sections=sections,
+                                                section_layout=section_layout))
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
@@ -6039,10 +6056,21 @@ EmbedPosition = HeinsenPositionalEmbedding
 # spellings (``rope_scaling``, ``rope_theta``, ``rotary_pct``, ``rotary_emb_base``, ``"type"``)
 # that old ``config.json`` files still carry. No transformers import is needed.
 
-# Models whose rotate_half pairs channels (2i, 2i+1) instead of (i, i + R/2).
-_INTERLEAVED_ROPE_MODELS = {"gptj", "codegen", "cohere", "cohere2", "glm", "glm4", "helium", "llama4", "llama4_text"}
+# Models whose rotate_half pairs channels (2i, 2i+1) instead of (i, i + R/2) (DeepSeek's
+# apply_rotary_pos_emb_interleave and the complex-number rotations included).
+_INTERLEAVED_ROPE_MODELS = {
+    "gptj", "codegen", "cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium", "llama4", "llama4_text",
+    "ernie4_5", "ernie4_5_moe", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "moonshine", "moonshine_streaming",
+    "openai_privacy_filter", "pe_audio", "pe_audio_encoder", "pe_video", "pe_video_encoder", "pe_audio_video",
+    "pe_audio_video_encoder", "deepseek_v2", "deepseek_v4", "hy_v4_vl", "hy_v4_vl_text", "bailing_hybrid",
+    "glm_moe_dsa", "longcat_flash",
+}
 # Models with a fixed base 10000 and ``rotary_dim`` in channels (GPT-J's sinusoid table).
 _ROTARY_DIM_MODELS = {"gptj", "codegen"}
+# Models whose rotated slice is int(head_dim * partial_rotary_factor) channels, which their qk_rope_head_dim
+# already equals (DeepSeek-V4 rotates the trailing slice, Mistral 4 its rope part): from_config describes the
+# slice (dim = rotary_dim = its width), not applying the factor a second time.
+_ROPE_SLICE_MODELS = {"deepseek_v4", "mistral4", "mistral_large4", "mistral_large4_text"}
 # transformers' defaults when a raw config.json omits the field.
 _PARTIAL_ROTARY_DEFAULTS = {"gpt_neox": 0.25, "phi": 0.5}
 # M-RoPE models: (default mrope_section, section layout); Qwen3-VL interleaves its sections.
@@ -6051,13 +6079,77 @@ _MROPE_MODELS = {
     "qwen2_5_vl": ([16, 24, 24], "contiguous"), "qwen2_5_vl_text": ([16, 24, 24], "contiguous"),
     "qwen3_vl": ([24, 20, 20], "interleaved"), "qwen3_vl_text": ([24, 20, 20], "interleaved"),
     "qwen3_vl_moe": ([24, 20, 20], "interleaved"), "qwen3_vl_moe_text": ([24, 20, 20], "interleaved"),
+    "qwen3_5": ([11, 11, 10], "interleaved"), "qwen3_5_text": ([11, 11, 10], "interleaved"),
+    "qwen3_5_moe": ([11, 11, 10], "interleaved"), "qwen3_5_moe_text": ([11, 11, 10], "interleaved"),
+    "qwen4_exp": ([11, 11, 10], "interleaved"), "qwen4_exp_text": ([11, 11, 10], "interleaved"),
+    "qwen3_omni_moe_text": ([24, 20, 20], "interleaved"), "qwen3_omni_moe_thinker": ([24, 20, 20], "interleaved"),
+    "qwen3_omni_moe_talker_text": ([24, 20, 20], "interleaved"),
+    "cosmos3_edge": ([24, 20, 20], "interleaved"), "cosmos3_edge_text": ([24, 20, 20], "interleaved"),
+    "hy_v4_vl": ([24, 20, 20], "interleaved"), "hy_v4_vl_text": ([24, 20, 20], "interleaved"),
+    "glm4v": ([8, 12, 12], "contiguous"), "glm4v_text": ([8, 12, 12], "contiguous"),
+    "glm_ocr": ([8, 12, 12], "contiguous"), "glm_ocr_text": ([8, 12, 12], "contiguous"),
+    "paddleocr_vl": ([16, 24, 24], "contiguous"), "paddleocr_vl_text": ([16, 24, 24], "contiguous"),
+    "qwen2_5_omni_text": ([16, 24, 24], "contiguous"), "qwen2_5_omni_thinker": ([16, 24, 24], "contiguous"),
+    "qwen2_5_omni_talker": ([16, 24, 24], "contiguous"),
 }
 # Model types that use RoPE even when a raw config.json names none of its fields.
 _ROPE_DEFAULT_MODELS = _ROTARY_DIM_MODELS | set(_PARTIAL_ROTARY_DEFAULTS) | set(_MROPE_MODELS)
 # rope_parameters keys that become constructor arguments (or are spelled differently) rather
 # than entries of ``scaling``.
 _ROPE_KEYS_NOT_SCALING = {"rope_theta", "rope_type", "type", "partial_rotary_factor", "mrope_section",
-                          "mrope_interleaved"}
+                          "mrope_interleaved", "llama_4_scaling_beta"}
+# The model types whose RoPE ``from_config`` reads exactly: each one is held against the model's own
+# rotary module and ``apply_rotary_pos_emb`` (same q, k and positions, every rope type its config
+# accepts) by ``TestRotaryFromConfigCensus`` with the pinned transformers (5.24.0); docs/model_parity.md
+# lists the same names (a test compares them). Any other model type needs the layout stated by the caller.
+_ROPE_MODEL_TYPES = frozenset({
+    "EvollaModel", "afmoe", "apertus", "apertus1p5", "apertus1p5_text", "arcee", "aria", "aria_text", "axk1",
+    "axk2", "bailing_hybrid", "bamba", "beam", "bitnet", "chameleon", "codegen", "cohere", "cohere2",
+    "cohere2_moe", "cosmos3_edge", "cosmos3_edge_text", "csm", "csm_depth_decoder_model", "cwm", "dbrx",
+    "deepseek_ocr2", "deepseek_ocr2_encoder", "deepseek_ocr2_text", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "dia_decoder", "dia_encoder", "diffllama", "doge", "dory", "dots1",
+    "dots3_note", "dots3_note_audio_encoder", "dots3_note_text", "embedding_gemma2", "embedding_gemma2_text",
+    "emu3", "emu3_text_model", "ernie4_5", "ernie4_5_moe", "esmc", "eurobert", "evolla", "exaone4",
+    "exaone_moe", "falcon", "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2", "gemma3", "gemma3_text",
+    "gemma3n", "gemma3n_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm4v", "glm4v_text", "glm_moe_dsa",
+    "glm_ocr", "glm_ocr_text", "glmasr", "glmasr_encoder", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
+    "gradium_phonon_tts", "granite", "granite4_vision", "granite4_vision_text", "granite_docling",
+    "granite_docling_text", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+    "granitemoeshared", "gte", "helium", "higgs_audio_v2", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "hy_v3", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "hyperclovax", "idefics", "jais2", "jetmoe",
+    "jina_embeddings_v3", "kolibri1", "kyutai_speech_to_text", "lara_mini", "lasr_encoder", "lfm2", "lfm2_moe",
+    "llama", "llama4", "llama4_text", "longcat_flash", "mimi", "mimi_decoder", "mimi_encoder", "mimo_v2_flash",
+    "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl", "minimax_m3_vl_text", "ministral", "ministral3",
+    "mistral", "mistral4", "mixtral", "mllama", "mllama_text_model", "modernbert", "modernbert-decoder",
+    "molmo2", "molmo2_text", "moonshine", "moonshine_streaming", "moshi", "muse_glimmer",
+    "muse_glimmer_assistant", "muse_glimmer_text", "muse_spark", "muse_spark_text", "nemotron",
+    "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_word_timestamp", "nemotron3_diarization_audio",
+    "neomme", "neucodec", "nomic_bert", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
+    "openai_privacy_filter", "paddleocr_vl", "paddleocr_vl_text", "pe_audio_encoder", "pe_audio_video_encoder",
+    "pe_video_encoder", "persimmon", "phi", "phi3", "phi4_multimodal", "pocket_tts", "pocket_tts_audio_tokenizer",
+    "pocket_tts_audio_tokenizer_decoder", "pocket_tts_audio_tokenizer_encoder", "qwen2", "qwen2_5_omni_talker",
+    "qwen2_5_omni_text", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_moe", "qwen2_vl",
+    "qwen2_vl_text", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+    "qwen3_next", "qwen3_omni_moe_text", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe",
+    "qwen3_vl_moe_text", "qwen3_vl_text", "qwen4_exp", "qwen4_exp_text", "recurrent_gemma", "seed_oss",
+    "smollm3", "solar_open", "stablelm", "starcoder2", "step3p5", "step3p7", "t5_gemma_module",
+    "t5gemma2_decoder", "t5gemma2_encoder", "t5gemma2_text", "timesfm2_5", "ultrabert", "unlimited_ocr",
+    "unlimited_ocr_text", "vaultgemma", "voxtral_realtime", "voxtral_realtime_encoder", "voxtral_realtime_text",
+    "xcodec2", "youtu", "zamba2",
+})
+# Model types refused whatever the caller states: (config field, why no keyword expresses the model).
+_ROPE_REFUSED = {
+    "ernie4_5_vl_moe": ("mrope_section", "ERNIE-4.5-VL alternates h and w over the first frequency pairs and gives "
+                        "t the last ones (its mrope_section is ordered h, w, t); no sections layout expresses that "
+                        "yet (it needs a pair-to-axis map)"),
+    "nanochat": ("model_type", "NanoChat's rotate_half turns every pair by minus the angle, so its q . k depends "
+                 "on m - n where RoPE's depends on n - m; no keyword expresses it"),
+    "hunyuan_vl": ("rope_parameters", "HunYuan-VL's XD-RoPE assigns the two halves of a pair to position axes "
+                   "separately and scales with NTK alpha; no keyword expresses it yet"),
+    "mistral_large4": ("rope_parameters", "Mistral Large 4's attention rotates a per-layer slice, with NoPE layers, "
+                       "that one RoPE module read from the config does not describe (its q . k differs)"),
+}
+_ROPE_REFUSED.update({f"{name}_text": reason for name, reason in list(_ROPE_REFUSED.items()) if name != "nanochat"})
 
 
 def _config_get(config, name: str, default=None):
@@ -6117,7 +6209,9 @@ def _layer_override(config, layer_type: Optional[str]) -> dict:
     return {}
 
 
-def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> dict:
+def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, interleaved: Optional[bool] = None,
+                               rotary_dim: Optional[int] = None, sections: Optional[list] = None,
+                               section_layout: Optional[str] = None) -> dict:
     """Keyword arguments of ``RotaryPositionalEmbedding`` reproducing a Hugging Face model's RoPE.
 
     Reads, as transformers does: the head dim (``qk_rope_head_dim`` for DeepSeek's MLA, else
@@ -6128,6 +6222,11 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
     and Qwen3-VL's interleaved sections (``mrope_interleaved`` or the model type). VLM configs
     are read through their ``text_config``. Configs with one RoPE per layer type (Gemma 3/4)
     need ``layer_type`` (e.g. ``"full_attention"``).
+
+    Only the model types of ``_ROPE_MODEL_TYPES`` (each tested against its transformers module) are
+    read on trust; any other one raises a ``ValueError`` unless the caller states the pair layout
+    (``interleaved=``) and, for a config with ``mrope_section``, the ``section_layout=``. Given keywords
+    (``interleaved``, ``rotary_dim``, ``sections``, ``section_layout``) override what the config says.
 
     Returns a dict with keys among ``dim, base, interleaved, rotary_dim, scaling, sections,
     section_layout``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
@@ -6140,6 +6239,11 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
     if _config_get(text, "alibi") is True:
         raise ValueError(f"{owner}: config has alibi=True ({model_type or 'Falcon'}): the model uses ALiBi, not "
                          f"RoPE; use ALiBiPositionalEmbedding.from_config")
+    if interleaved is not None:
+        interleaved = _check_flag(owner, "interleaved", interleaved)
+    if model_type in _ROPE_REFUSED:
+        field, why = _ROPE_REFUSED[model_type]
+        raise ValueError(f"{owner}: model_type={model_type!r} is not supported ({field}): {why}")
     params = _config_get(text, "rope_parameters") or _config_get(text, "rope_scaling") or {}
     params = dict(params)
     if params and all(isinstance(value, dict) or value is None for value in params.values()):
@@ -6156,6 +6260,7 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
             and rotary_dim_field is None and model_type not in _ROPE_DEFAULT_MODELS:
         raise ValueError(f"{owner}: config (model_type={model_type!r}) has no rotary embedding: no rope_parameters, "
                          f"rope_scaling, rope_theta or rotary_dim")
+    _check_model_type_known(owner, model_type, text, params, interleaved, section_layout)
 
     # frequency base: rope_parameters, then the legacy top-level spellings, then the model's default
     if model_type in _ROTARY_DIM_MODELS:
@@ -6168,7 +6273,8 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
 
     # head dim: DeepSeek's MLA rotates a separate qk_rope_head_dim slice
     override = _layer_override(text, layer_type)
-    head_dim = (override.get("head_dim") or _config_get(text, "qk_rope_head_dim") or _config_get(text, "head_dim"))
+    rope_head_dim = None if model_type in _ROPE_SLICE_MODELS else _config_get(text, "qk_rope_head_dim")
+    head_dim = override.get("head_dim") or rope_head_dim or _config_get(text, "head_dim")
     if head_dim is None:
         hidden = _config_first(text, ("hidden_size", "n_embd", "d_model"))
         if hidden is None:
@@ -6185,7 +6291,10 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
     kwargs = {"dim": head_dim, "base": float(base)}
     partial = (params.get("partial_rotary_factor") or _config_get(text, "partial_rotary_factor")
                or _config_get(text, "rotary_pct") or _PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
-    if model_type in _ROTARY_DIM_MODELS:
+    stated_rotary_dim = rotary_dim
+    if stated_rotary_dim is not None:
+        rotary_dim = _check_positive_int(owner, "rotary_dim", stated_rotary_dim)
+    elif model_type in _ROTARY_DIM_MODELS:
         rotary_dim = int(rotary_dim_field or head_dim)
     elif rope_type == "proportional":
         rotary_dim = head_dim     # every pair is returned; the unrotated ones get zero frequency
@@ -6194,20 +6303,26 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"{owner}: the rotated dim must be even and in (0, head_dim={head_dim}], got "
                          f"rotary_dim={rotary_dim} (partial_rotary_factor={partial})")
+    if model_type in _ROPE_SLICE_MODELS:
+        kwargs["dim"] = head_dim = rotary_dim     # the module describes the rotated slice only
     if rotary_dim != head_dim:
         kwargs["rotary_dim"] = rotary_dim
-    interleaved = model_type in _INTERLEAVED_ROPE_MODELS or (
-        _config_get(text, "rope_interleave") is True and _config_get(text, "qk_rope_head_dim") is not None)
+    if interleaved is None:
+        interleaved = model_type in _INTERLEAVED_ROPE_MODELS or (
+            _config_get(text, "rope_interleave") is True and _config_get(text, "qk_rope_head_dim") is not None)
     if interleaved:
         kwargs["interleaved"] = True
 
     # multi-axis (M-RoPE) sections
     default_sections, layout = _MROPE_MODELS.get(model_type, (None, "contiguous"))
-    sections = params.get("mrope_section") or _config_get(text, "mrope_section") or default_sections
+    if sections is None:
+        sections = params.get("mrope_section") or _config_get(text, "mrope_section") or default_sections
     if sections is not None:
-        kwargs["sections"] = [int(s) for s in sections]
-        if params.get("mrope_interleaved") or layout == "interleaved":
-            kwargs["section_layout"] = "interleaved"
+        kwargs["sections"] = [int(s) for s in _as_list(owner, "sections", sections)]
+        if section_layout is None:
+            section_layout = "interleaved" if params.get("mrope_interleaved") or layout == "interleaved" else None
+        if section_layout is not None and section_layout != "contiguous":
+            kwargs["section_layout"] = section_layout
 
     if rope_type != "default":
         scaling = {key: value for key, value in params.items() if key not in _ROPE_KEYS_NOT_SCALING}
@@ -6233,6 +6348,61 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> d
     return kwargs
 
 
+def _check_model_type_known(owner: str, model_type: str, text, params: dict, interleaved: Optional[bool],
+                            section_layout: Optional[str]) -> None:
+    """A model type outside ``_ROPE_MODEL_TYPES`` is read only when the caller states its layout."""
+    if model_type in _ROPE_MODEL_TYPES:
+        return
+    has_sections = bool(params.get("mrope_section") or _config_get(text, "mrope_section"))
+    if interleaved is not None and (section_layout is not None or not has_sections):
+        return
+    missing = "interleaved=True or False" if interleaved is None else ""
+    if has_sections and section_layout is None:
+        missing += (" and " if missing else "") + "section_layout='contiguous' or 'interleaved'"
+    raise ValueError(
+        f"{owner}: model_type={model_type!r} (config field model_type) is not among the model types checked "
+        f"against their transformers module (docs/model_parity.md lists them), and the config does not say which "
+        f"channels pair up{' or how mrope_section maps pairs to axes' if has_sections else ''}. If you know the "
+        f"model's layout, state it and take responsibility for it: from_config(config, {missing}); rotary_dim= "
+        f"and sections= override the config's values too")
+
+
+# Model types whose T5 bias from_config reads exactly (each held against the model's own ``compute_bias``
+# with the same weights by ``TestBiasFromConfigCensus``), and the ones refused with the reason.
+_T5_MODEL_TYPES = frozenset({"t5", "mt5", "umt5", "switch_transformers", "pop2piano", "pix2struct",
+                             "pix2struct_text_model"})
+# T5-style models whose only biased attention is a causal decoder's (Pix2Struct's text model buckets
+# unidirectionally whatever is_decoder says).
+_T5_DECODER_ONLY = {"pix2struct", "pix2struct_text_model"}
+_T5_REFUSED = {
+    "pix2struct_vision_model": "the Pix2Struct vision encoder never adds the T5 bias its config describes",
+    "udop": "UDOP adds a bounding-box (2-D) bias to the 1-D T5 bias; from_config would give the 1-D part only",
+    "longt5": "LongT5's local and transient-global attention compute the bias per block of keys",
+    "prophetnet": "ProphetNet's main and n-gram predicting streams bucket their distances separately "
+                  "(num_buckets, relative_max_distance)",
+    "wavlm": "WavLM gates its bucketed bias with weights computed from the hidden states",
+    "layoutlmv2": "LayoutLMv2 adds 2-D bounding-box buckets to the 1-D ones (rel_pos_bins, max_rel_pos)",
+    "layoutlmv3": "LayoutLMv3 adds 2-D bounding-box buckets to the 1-D ones (rel_pos_bins, max_rel_pos)",
+    "layoutxlm": "LayoutXLM (LayoutLMv2) adds 2-D bounding-box buckets to the 1-D ones (rel_pos_bins, max_rel_pos)",
+    "cpmant": "CPM-Ant buckets distances within segments and adds a segment bias (position_bias_num_buckets)",
+}
+# Model types whose ALiBi from_config reads exactly (TestBiasFromConfigCensus), and the ones refused.
+_ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
+_ALIBI_REFUSED = {
+    "dbrx": "DBRX uses RoPE (attn_config.rope_theta), not ALiBi; use RotaryPositionalEmbedding.from_config",
+}
+
+
+def _check_bias_model_type(owner: str, model_type: str, accepted: frozenset, refused: dict, keywords: str) -> None:
+    """A bias model type is read only when a test holds it against the model's module."""
+    if model_type in refused:
+        raise ValueError(f"{owner}: model_type={model_type!r} is not supported: {refused[model_type]}")
+    if model_type not in accepted:
+        raise ValueError(f"{owner}: model_type={model_type!r} (config field model_type) is not among the model types "
+                         f"checked against their transformers module ({', '.join(sorted(accepted))}). If you know "
+                         f"the model computes this bias, build it yourself and take responsibility: {keywords}")
+
+
 def _t5_kwargs_from_config(config, *, decoder: Optional[bool] = None) -> dict:
     """Keyword arguments of ``T5PositionalEmbedding`` reproducing T5's ``compute_bias``.
 
@@ -6245,11 +6415,18 @@ def _t5_kwargs_from_config(config, *, decoder: Optional[bool] = None) -> dict:
     text = _text_config(owner, config)
     if decoder is not None and not isinstance(decoder, bool):
         raise TypeError(f"{owner}: decoder must be a bool or None, got {type(decoder).__name__} {decoder!r}")
+    _check_bias_model_type(owner, _model_type(config, text), _T5_MODEL_TYPES, _T5_REFUSED,
+                           "T5PositionalEmbedding(num_heads, num_buckets=..., max_distance=..., bidirectional=...)")
     num_buckets = _config_get(text, "relative_attention_num_buckets")
     if num_buckets is None:
         raise ValueError(f"{owner}: config (model_type={_model_type(config, text)!r}) has no T5 relative "
                          f"attention bias: relative_attention_num_buckets is missing")
     is_decoder = bool(_config_get(text, "is_decoder", False)) if decoder is None else decoder
+    if _model_type(config, text) in _T5_DECODER_ONLY:
+        if decoder is False:
+            raise ValueError(f"{owner}: model_type={_model_type(config, text)!r} buckets distances causally "
+                             f"(its text decoder is its only T5-biased attention); got decoder=False")
+        is_decoder = True
     return {"num_heads": _head_count(owner, text), "num_buckets": int(num_buckets),
             "max_distance": int(_config_get(text, "relative_attention_max_distance", 128)),
             "bidirectional": not is_decoder}
@@ -6269,15 +6446,17 @@ def _alibi_kwargs_from_config(config) -> dict:
     owner = "ALiBiPositionalEmbedding.from_config"
     text = _text_config(owner, config)
     model_type = _model_type(config, text)
+    _check_bias_model_type(owner, model_type, _ALIBI_MODEL_TYPES, _ALIBI_REFUSED,
+                           "ALiBiPositionalEmbedding(num_heads, slopes=[...]) or (num_heads, max_bias=...)")
     attn_config = _config_get(text, "attn_config")
-    if model_type == "mpt" or attn_config is not None:
+    if model_type == "mpt":
         attn_config = {} if attn_config is None else attn_config
         if _config_get(attn_config, "alibi", True) is not True:
             raise ValueError(f"{owner}: MPT config has attn_config.alibi={_config_get(attn_config, 'alibi')!r}: "
                              f"it uses no ALiBi")
         heads = _head_count(owner, text)
         slopes = alibi_slopes(heads, float(_config_get(attn_config, "alibi_bias_max", 8)))
-    elif model_type == "falcon" or _config_get(text, "alibi") is not None:
+    elif model_type == "falcon":
         if _config_get(text, "alibi") is not True:
             raise ValueError(f"{owner}: Falcon config has alibi={_config_get(text, 'alibi', False)!r}: it uses "
                              f"RoPE; use RotaryPositionalEmbedding.from_config")

@@ -8,12 +8,14 @@ maths against slow float64 oracles written plainly here and against published co
 import copy
 import csv
 import doctest
+import functools
 import importlib
 import inspect
 import math
 import os
 import pathlib
 import pickle
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -5082,8 +5084,8 @@ class TestT5FromConfig:
         assert _t5_kwargs_from_config(encoder_config, decoder=True)["bidirectional"] is False
 
     def test_bad_configs(self):
-        with pytest.raises(ValueError, match="T5PositionalEmbedding.from_config: config \\(model_type='llama'\\) has "
-                                             "no T5 relative attention bias"):
+        with pytest.raises(ValueError, match="T5PositionalEmbedding.from_config: model_type='llama' \\(config field model_type\\) "
+                                             "is not among the model types checked"):
             _t5_kwargs_from_config({"model_type": "llama", "num_attention_heads": 4})
         with pytest.raises(TypeError, match="T5PositionalEmbedding.from_config: decoder must be a bool or None, got "
                                             "str 'yes'"):
@@ -5180,7 +5182,7 @@ class TestALiBiFromConfig:
 
     def test_bad_configs(self):
         owner = "ALiBiPositionalEmbedding.from_config"
-        with pytest.raises(ValueError, match=f"{owner}: config \\(model_type='llama'\\) has no ALiBi"):
+        with pytest.raises(ValueError, match=f"{owner}: model_type='llama' \\(config field model_type\\) is not among"):
             _alibi_kwargs_from_config(LLAMA3_DICT)
         with pytest.raises(ValueError, match=f"{owner}: Falcon config has alibi=False: it uses RoPE"):
             _alibi_kwargs_from_config({"model_type": "falcon", "alibi": False, "num_attention_heads": 4})
@@ -6553,3 +6555,405 @@ def test_attention_bias_with_wrong_positions_raises(case):
         pe.attention_bias(n, n, base_q, base_k[:-1])
     with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k must have the same batch size"):
         pe.attention_bias(n, n, torch.stack([base_q] * 2), torch.stack([base_k] * 3))
+
+
+# ---------------------------------------------------------------------------
+# from_config census: every model type from_config accepts, against the model's own module
+# ---------------------------------------------------------------------------
+#
+# For each model type of ``pe_lib._ROPE_MODEL_TYPES`` (the list from_config trusts), the model's
+# default config (its rotary module holds no weights, so a default config costs nothing) builds
+# the model's own rotary module; q and k rotated by it and the model's apply function give the same
+# q . k logits as ``RotaryPositionalEmbedding.from_config`` on the same q, k and positions, for the
+# config's own rope type and every other rope type the model's module accepts. Types absent from
+# the installed transformers are skipped.
+
+CENSUS_N = 40
+# rope types tried on every model type besides its config's own (max_position_embeddings is set to 16)
+CENSUS_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+# (model type, rope type) pairs not tried: transformers' legacy Phi-3 configs spell longrope "yarn", and
+# from_config reads them so (test_phi3_longrope), where the 5.x module would compute YaRN for the dict
+CENSUS_SKIP = {("phi3", "yarn")}
+# default configs whose head dims are odd or inconsistent: the smallest change that makes them valid
+# (released GLM-4V and Qwen4-exp configs set the partial_rotary_factor that their default sections assume)
+CENSUS_CONFIG_FIXES = {"glm4_moe": {"head_dim": 64}, "glm4v_moe": {"head_dim": 64}, "glm4v_moe_text": {"head_dim": 64},
+                       "qwen3_omni_moe_text": {"head_dim": 128}, "qwen3_omni_moe_thinker": {"head_dim": 128},
+                       "glm4v": {"partial_rotary_factor": 0.5}, "glm4v_text": {"partial_rotary_factor": 0.5},
+                       "qwen4_exp": {"partial_rotary_factor": 0.25}, "qwen4_exp_text": {"partial_rotary_factor": 0.25}}
+
+
+@functools.lru_cache(maxsize=None)
+def census_modeling(model_type: str):
+    """The transformers modeling module of a model type (each module imported once)."""
+    from transformers.models.auto import configuration_auto
+    name = configuration_auto.model_type_to_module_name(model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def census_config(model_type: str):
+    """A fresh default config of the model type, or a skip where the installed transformers lacks it."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto import configuration_auto
+    if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {pytest.importorskip('transformers').__version__} has no {model_type!r}")
+    config = copy.deepcopy(census_default_config(model_type))
+    text = census_text(config)
+    for key, value in CENSUS_CONFIG_FIXES.get(model_type, {}).items():
+        if key == "partial_rotary_factor":
+            text.rope_parameters = {**text.rope_parameters, key: value}
+        else:
+            setattr(text, key, value)
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def census_default_config(model_type: str):
+    """The default config, built once (census_config hands out copies to change)."""
+    from transformers.models.auto import configuration_auto
+    return configuration_auto.CONFIG_MAPPING[model_type]()
+
+
+def census_text(config):
+    get = getattr(config, "get_text_config", None)
+    return config if get is None else get(decoder=True)
+
+
+def census_rotary(model_type: str, text):
+    """The model's own text rotary module (the first ``*RotaryEmbedding`` class built from a config)."""
+    module = census_modeling(model_type)
+    errors = []
+    for name, cls in vars(module).items():
+        if not (inspect.isclass(cls) and name.endswith("RotaryEmbedding") and cls.__module__ == module.__name__):
+            continue
+        if list(inspect.signature(cls.__init__).parameters)[1:2] != ["config"]:
+            continue
+        try:
+            return module, cls(text)
+        except Exception as error:       # a vision rotary class that rejects the text config
+            errors.append(f"{name}: {error!r}")
+    raise RuntimeError(f"{model_type}: no rotary class takes its text config: {errors}")
+
+
+def census_apply(model_type: str, module, text, out, q, k):
+    """q, k rotated as the model's attention does with its rotary module's output."""
+    if model_type in ("gptj", "codegen"):
+        raise AssertionError("GPT-J / CodeGen build no rotary module")
+    if isinstance(out, torch.Tensor):                   # complex freqs_cis (Llama 4, DeepSeek-V2)
+        try:
+            a, b = module.apply_rotary_emb(q, k, out)
+            if a.shape == q.shape:
+                return a, b
+        except RuntimeError:
+            pass
+        a, b = module.apply_rotary_emb(q.transpose(1, 2), k.transpose(1, 2), out)    # [B, N, H, Dh]
+        return a.transpose(1, 2), b.transpose(1, 2)
+    cos, sin = out
+    interleave = getattr(module, "apply_rotary_pos_emb_interleave", None)
+    plain = getattr(module, "apply_rotary_pos_emb", None)
+    fn = interleave if interleave is not None and (plain is None or getattr(text, "rope_interleave", False)) else plain
+    try:
+        return fn(q, k, cos, sin)
+    except (TypeError, RuntimeError):
+        pass
+    if len(inspect.signature(fn).parameters) <= 4:       # one tensor at a time (DeepSeek-V4)
+        return fn(q, cos, sin), fn(k, cos, sin)
+    width = cos.shape[-1]                                # partial rotary: the attention slices the leading channels
+    a, b = fn(q[..., :width], k[..., :width], cos, sin)
+    return torch.cat([a, q[..., width:]], -1), torch.cat([b, k[..., width:]], -1)
+
+
+def census_positions(num_axes: int) -> torch.Tensor:
+    """Positions [N] (one axis) or [N, A] with a different sequence on every axis."""
+    base = torch.arange(CENSUS_N)
+    columns = [base, base % 7 * 3 + 1, base % 5 * 11 + 2, base % 3 * 5][:num_axes]
+    return base if num_axes == 1 else torch.stack(columns, -1)
+
+
+def census_gptj(model_type: str, config, q, k, positions):
+    module = census_modeling(model_type)
+    rotary_dim = config.rotary_dim or q.shape[-1]
+    table = module.create_sinusoidal_positions(int(positions.max()) + 1, rotary_dim)[positions]   # [N, sin | cos]
+    sin, cos = table[None].chunk(2, -1)
+    rotate = lambda x: torch.cat([module.apply_rotary_pos_emb(x.transpose(1, 2)[..., :rotary_dim], sin, cos),
+                                  x.transpose(1, 2)[..., rotary_dim:]], -1).transpose(1, 2)   # noqa: E731
+    return rotate(q), rotate(k)
+
+
+def census_compare(model_type: str, config, layer_type=None, scaling_name=None) -> Optional[float]:
+    """Largest |q . k logit difference| between the model's module and from_config; None where the
+    model's module does not accept the rope type."""
+    text = census_text(config)
+    # from_config(config) is RotaryPositionalEmbedding(**kwargs); a short table keeps the census cheap
+    ours = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, layer_type=layer_type), cache_len=CENSUS_N)
+    num_axes = 1 if ours.sections is None else len(ours.sections)
+    positions = census_positions(num_axes)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, CENSUS_N, ours.dim, generator=g) for _ in range(2))
+    if model_type in ("gptj", "codegen"):
+        hf_q, hf_k = census_gptj(model_type, text, q, k, positions)
+    else:
+        try:
+            module, rotary = census_rotary(model_type, text)
+        except Exception:          # noqa: BLE001
+            if scaling_name is None:
+                raise
+            return None       # the model's module rejects this rope type
+        ids = positions[None] if num_axes == 1 else positions.T[:, None]                  # [1, N] or [A, 1, N]
+        out = rotary(q, ids) if layer_type is None else rotary(q, ids, layer_type=layer_type)
+        hf_q, hf_k = census_apply(model_type, module, text, out, q, k)
+        if num_axes == 1:          # a model with several position axes must not pass for a one-axis one
+            try:
+                multi = rotary(q, census_positions(3).T[:, None]) if layer_type is None else None
+                wide, _ = census_apply(model_type, module, text, multi, q, k) if multi is not None else (None, None)
+            except Exception:      # noqa: BLE001 - a one-axis module rejects [3, B, N] ids
+                wide = None
+            assert wide is None or wide.shape != q.shape, f"{model_type}: its module takes 3 position axes"
+    logits = lambda a, b: a.double() @ b.double().transpose(-1, -2)   # noqa: E731
+    return (logits(ours(q, positions), ours(k, positions)) - logits(hf_q, hf_k)).abs().max().item()
+
+
+def census_set_scaling(config, layer_type, scaling: dict, half: int) -> None:
+    """Replace the config's rope type (of one layer type) by ``scaling``; lengths shrink to 16."""
+    text = census_text(config)
+    scaling = dict(scaling)
+    if scaling["rope_type"] == "longrope":
+        scaling.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)])
+    params = dict(text.rope_parameters)
+    if layer_type is None:
+        params = {key: value for key, value in params.items() if key in ("rope_theta", "partial_rotary_factor",
+                                                                        "mrope_section", "mrope_interleaved")}
+        params.update(scaling)
+    else:
+        keep = {key: value for key, value in params[layer_type].items() if key in ("rope_theta", "partial_rotary_factor")}
+        params[layer_type] = {**keep, **scaling}
+    text.rope_parameters = params
+    text.max_position_embeddings = 16
+    if getattr(text, "original_max_position_embeddings", None) is not None:
+        text.original_max_position_embeddings = 16
+
+
+def census_layer_types(config) -> list:
+    params = getattr(census_text(config), "rope_parameters", None) or {}
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    return nested or [None]
+
+
+@pytest.fixture
+def one_thread():
+    """The census runs hundreds of tiny ops: one intra-op thread spares the pool's start-up (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+class TestRotaryFromConfigCensus:
+    @pytest.mark.parametrize("model_type", sorted(pe_lib._ROPE_MODEL_TYPES))
+    def test_model_type_matches_its_module(self, model_type):
+        config = census_config(model_type)
+        for layer_type in census_layer_types(config):
+            diff = census_compare(model_type, config, layer_type)
+            family = f"census {model_type}"
+            MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+            assert diff <= 1e-3, f"{model_type} ({layer_type}): q . k logits differ by {diff:.3g}"
+            for name, scaling in CENSUS_SCALINGS.items():
+                if model_type in ("gptj", "codegen"):
+                    break
+                if (model_type, name) in CENSUS_SKIP:
+                    continue
+                scaled = census_config(model_type)
+                kwargs = _rotary_kwargs_from_config(scaled, layer_type=layer_type)
+                half = kwargs.get("rotary_dim", kwargs["dim"]) // 2
+                census_set_scaling(scaled, layer_type, scaling, half)
+                diff = census_compare(model_type, scaled, layer_type, name)
+                if diff is None:
+                    continue
+                MAX_DIFF[family] = max(MAX_DIFF[family], diff)
+                assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
+
+
+def census_t5_attention(model_type: str, text):
+    """The model's own attention module with a relative attention bias (the class with ``compute_bias``)."""
+    module = census_modeling(model_type)
+    for name, cls in vars(module).items():
+        if (inspect.isclass(cls) and cls.__module__ == module.__name__ and hasattr(cls, "compute_bias")
+                and "has_relative_attention_bias" in inspect.signature(cls.__init__).parameters):
+            return cls(text, has_relative_attention_bias=True)
+    raise AssertionError(f"{model_type}: no attention class with compute_bias")
+
+
+def census_alibi_ramp(model_type: str, config, heads: int, n: int):
+    """[H, N]: what the model adds to row N - 1 of its logits, up to a constant (built by its own code)."""
+    module = census_modeling(model_type)
+    if model_type == "bloom":
+        return module.build_alibi_tensor(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
+    if model_type == "mpt":
+        return module.build_mpt_alibi_tensor(heads, n, config.attn_config.alibi_bias_max)[:, 0, :]
+    if model_type == "falcon":   # FalconModel divides its ramp by sqrt(head_dim); its bf16 staircase: see above
+        ramp = module.build_alibi_tensor(torch.ones(1, n, dtype=torch.long), heads, torch.float32).reshape(heads, n)
+        return ramp / math.sqrt(config.hidden_size // heads)
+    raise AssertionError(f"{model_type}: no ramp builder in the census")
+
+
+CENSUS_ALIBI_CONFIGS = {   # tiny configs with ALiBi on
+    "bloom": dict(n_head=6, hidden_size=48, n_layer=1, vocab_size=32),
+    "mpt": dict(n_heads=6, d_model=48, n_layers=1, vocab_size=32, max_seq_len=64,
+                attn_config={"alibi": True, "alibi_bias_max": 8}),
+    "falcon": dict(alibi=True, num_attention_heads=4, hidden_size=16, num_hidden_layers=1, vocab_size=32,
+                   new_decoder_architecture=False, multi_query=False),
+}
+
+
+class TestBiasFromConfigCensus:
+    @pytest.mark.parametrize("decoder", [False, True])
+    @pytest.mark.parametrize("model_type", sorted(pe_lib._T5_MODEL_TYPES))
+    def test_t5_model_type_matches_compute_bias(self, model_type, decoder):
+        config = census_config(model_type)
+        text = pe_lib._text_config("census", config)
+        text.is_decoder = decoder
+        attention = census_t5_attention(model_type, text)
+        ours = T5PositionalEmbedding.from_config(config)
+        assert ours.bidirectional is (not decoder and model_type not in pe_lib._T5_DECODER_ONLY)
+        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
+        for q_len, k_len in ((150, 150), (5, 150)):
+            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
+            diff = (ours(q_len, k_len) - want).abs().max().item()
+            MAX_DIFF[f"census t5 {model_type}"] = max(MAX_DIFF.get(f"census t5 {model_type}", 0.0), diff)
+            assert diff == 0.0, f"{model_type} (decoder={decoder}): bias differs by {diff:.3g}"
+
+    @pytest.mark.parametrize("model_type", sorted(pe_lib._ALIBI_MODEL_TYPES))
+    def test_alibi_model_type_matches_its_ramp(self, model_type):
+        pytest.importorskip("transformers")
+        from transformers.models.auto import configuration_auto
+        config = configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_ALIBI_CONFIGS[model_type])
+        kwargs = _alibi_kwargs_from_config(config)
+        n = 40
+        ramp = census_alibi_ramp(model_type, config, kwargs["num_heads"], n)
+        diff = check_ramp(f"census alibi {model_type}", alibi_from_kwargs(kwargs), ramp, n)
+        # Falcon's bf16 staircase: within 2^-8 of the line, twice (two rounded products per difference)
+        assert diff <= (2.0 ** -7 * ramp.abs().max().item() + 1e-6 if model_type == "falcon" else 1e-5)
+
+    @pytest.mark.parametrize("model_type, fields, message", [
+        ("dbrx", {"n_heads": 16, "attn_config": {"rope_theta": 5e5}}, "DBRX uses RoPE"),
+        ("udop", {"num_heads": 8, "relative_attention_num_buckets": 32}, "bounding-box"),
+        ("pix2struct_vision_model", {"num_attention_heads": 8, "relative_attention_num_buckets": 32}, "never adds"),
+        ("prophetnet", {"num_attention_heads": 8, "num_buckets": 32}, "n-gram"),
+        ("wavlm", {"num_attention_heads": 8, "num_buckets": 320}, "gates"),
+        ("layoutlmv2", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("layoutlmv3", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("layoutxlm", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("cpmant", {"num_attention_heads": 8, "position_bias_num_buckets": 512}, "segment"),
+        ("longt5", {"num_heads": 8, "relative_attention_num_buckets": 32}, "per block"),
+    ])
+    def test_refused_bias_model_types(self, model_type, fields, message):
+        for reader, cls in ((_t5_kwargs_from_config, "T5"), (_alibi_kwargs_from_config, "ALiBi")):
+            with pytest.raises(ValueError, match=f"{cls}PositionalEmbedding.from_config: model_type='{model_type}'"):
+                reader({"model_type": model_type, **fields})
+        reader = _alibi_kwargs_from_config if model_type == "dbrx" else _t5_kwargs_from_config
+        with pytest.raises(ValueError, match=message):
+            reader({"model_type": model_type, **fields})
+
+
+def docs_model_types(heading: str) -> set:
+    """The `names` of the paragraph that follows ``heading`` in docs/model_parity.md."""
+    text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
+    start = text.index(heading)
+    paragraph = text[start + len(heading):].split("\n\n")[0]
+    return set(re.findall(r"`([^`]+)`", paragraph))
+
+
+class TestFromConfigModelTypes:
+    def test_docs_list_the_from_config_model_types(self):
+        assert docs_model_types("RoPE model types (") == set(pe_lib._ROPE_MODEL_TYPES)
+        assert docs_model_types("T5 bias model types (") == set(pe_lib._T5_MODEL_TYPES)
+        assert docs_model_types("ALiBi model types (") == set(pe_lib._ALIBI_MODEL_TYPES)
+        text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
+        for name in [*pe_lib._ROPE_REFUSED, *pe_lib._T5_REFUSED, *pe_lib._ALIBI_REFUSED]:
+            assert f"- `{name}`" in text, f"{name}: refused without a reason in the docs"
+
+    def test_unchecked_model_type_needs_the_layout_stated(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        raw = {"model_type": "my_new_model", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=f"{owner}: model_type='my_new_model' \\(config field model_type\\) is not "
+                                             f"among .*from_config\\(config, interleaved=True or False\\)"):
+            RotaryPositionalEmbedding.from_config(raw)
+        assert RotaryPositionalEmbedding.from_config(raw, interleaved=True).interleaved is True
+        assert _rotary_kwargs_from_config(raw, interleaved=False) == {"dim": 16, "base": 1e4}
+        # a multi-axis config needs its section layout too
+        multi = {**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}}
+        with pytest.raises(ValueError, match="or how mrope_section maps pairs to axes.*section_layout='contiguous' "
+                                             "or 'interleaved'"):
+            RotaryPositionalEmbedding.from_config(multi, interleaved=False)
+        pe = RotaryPositionalEmbedding.from_config(multi, interleaved=False, section_layout="interleaved")
+        assert (pe.sections, pe.section_layout) == ([4, 2, 2], "interleaved")
+        # the keywords override an accepted model type's config (the caller takes responsibility)
+        llama = {**raw, "model_type": "llama"}
+        assert _rotary_kwargs_from_config(llama, interleaved=True, rotary_dim=8) == {
+            "dim": 16, "base": 1e4, "rotary_dim": 8, "interleaved": True}
+        with pytest.raises(TypeError, match=f"{owner}: interleaved must be a bool"):
+            _rotary_kwargs_from_config(llama, interleaved="yes")
+
+    @pytest.mark.parametrize("model_type, message", [
+        ("ernie4_5_vl_moe_text", "h and w over the first frequency pairs"), ("nanochat", "minus the angle"),
+        ("hunyuan_vl", "XD-RoPE"), ("mistral_large4", "NoPE layers")])
+    def test_refused_rope_model_types(self, model_type, message):
+        raw = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+        for stated in ({}, {"interleaved": False, "section_layout": "contiguous"}):   # keywords do not help
+            with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported .*{message}"):
+                RotaryPositionalEmbedding.from_config(raw, **stated)
+
+    def test_the_issue_models_are_now_read_exactly(self):
+        # layouts the census holds against the models' modules (the raw dicts need no transformers)
+        read = lambda model_type, **fields: _rotary_kwargs_from_config(      # noqa: E731
+            {"model_type": model_type, "rope_theta": 1e4, **fields})
+        for model_type in ("cohere2_moe", "ernie4_5", "moonshine", "openai_privacy_filter", "pe_audio_encoder",
+                           "glm4v_text", "deepseek_v2"):
+            assert read(model_type, head_dim=16)["interleaved"] is True, model_type
+        qwen3_5 = read("qwen3_5_text", head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.25})
+        assert (qwen3_5["sections"], qwen3_5["section_layout"], qwen3_5["rotary_dim"]) == ([11, 11, 10],
+                                                                                          "interleaved", 64)
+        hy = read("hy_v4_vl_text", head_dim=128)
+        assert (hy["interleaved"], hy["section_layout"]) == (True, "interleaved")
+        v4 = _rotary_kwargs_from_config({"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64,
+                                         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 0.125}}},
+                                        layer_type="main")
+        assert v4 == {"dim": 64, "base": 1e4, "interleaved": True}     # not 8: the factor is applied once
+        ministral = read("ministral3", head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
+            "llama_4_scaling_beta": 0.1})
+        assert "llama_4_scaling_beta" not in ministral["scaling"]
+
+    def test_interleaved_sections_too_large_raise_value_error(self):
+        # h (axis 1) takes pairs 1, 4, 7: pair 7 does not exist among 7 pairs (was an IndexError)
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: section_layout='interleaved' gives axis a .*"
+                                             "must be < rotary_dim / 2 = 7; got sections=\\[1, 3, 3\\]"):
+            RotaryPositionalEmbedding(14, sections=[1, 3, 3], section_layout="interleaved")
+        with pytest.raises(ValueError, match="must be < rotary_dim / 2 = 5; got sections=\\[1, 1, 3\\]"):   # w too large
+            RotaryPositionalEmbedding(10, sections=[1, 1, 3], section_layout="interleaved")
+        RotaryPositionalEmbedding(10, sections=[3, 1, 1], section_layout="interleaved")
+        RotaryPositionalEmbedding(64, sections=[11, 11, 10], section_layout="interleaved")   # Qwen3.5: fits
+
+    def test_ministral3_query_temperature_stays_with_the_model(self):
+        # the rotation is exact (census); the model's q scale 1 + beta log(1 + floor(p / L)) is not a RoPE term
+        modeling = census_modeling("ministral3") if pytest.importorskip("transformers") else None
+        positions = torch.arange(0, 100)
+        scale = modeling.get_llama_4_attn_scale(positions[None], 0.1, 16)[0, :, :, 0]           # [1, N]
+        want = 1 + 0.1 * torch.log1p(torch.floor(positions / 16.0))
+        torch.testing.assert_close(scale[0], want)
+
+
+def test_print_census_max_differences():
+    """Runs after the census: prints its largest differences (pytest -s)."""
+    for family, diff in sorted(MAX_DIFF.items()):
+        if family.startswith("census"):
+            print(f"| {family} | {diff:.2e} |")
