@@ -200,9 +200,16 @@ def _describe(value) -> str:
 
 
 def _is_bool(value) -> bool:
-    """A Python or numpy bool (numpy 1 names its type ``bool_``, numpy 2 ``bool``)."""
+    """A Python or numpy bool (numpy 1 names its type ``bool_``, numpy 2 ``bool``).
+
+    While compiling only a Python bool counts: dynamo before torch 2.6 cannot trace the read of
+    ``__module__`` (a numpy bool there is then refused by the caller, never taken for an int)."""
+    if isinstance(value, bool):
+        return True
+    if _is_compiling():
+        return False
     kind = type(value)
-    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
 
 
 def _check_flag(owner: str, name: str, value) -> bool:
@@ -255,6 +262,12 @@ def _check_choice(owner: str, name: str, value, choices: tuple):
     return value
 
 
+def _current_default_device() -> torch.device:
+    """The device a factory such as ``torch.empty`` uses now, including a ``with torch.device(...)``
+    block (``torch.get_default_device()`` ignores such a block before torch 2.6)."""
+    return torch.empty(0).device
+
+
 def _uninitialised(module_cls, *args, **kwargs) -> nn.Module:
     """A submodule built without its own random init (``reset_parameters`` draws it once), so a
     normal build and a meta build + ``reset_parameters()`` consume the same random numbers.
@@ -263,7 +276,7 @@ def _uninitialised(module_cls, *args, **kwargs) -> nn.Module:
     the current default device, like ``nn.utils.skip_init`` but for any module (this library's
     too, which take no ``device`` argument).
     """
-    device = torch.get_default_device()
+    device = _current_default_device()
     with torch.device("meta"):
         module = module_cls(*args, **kwargs)
     return module.to_empty(device=device)
@@ -2023,8 +2036,9 @@ class _RelativeBias(PositionalEmbedding):
 def _row_lookup(positions: Tensor):
     """``(b, index) -> position`` for FlexAttention: ``[N]``, or ``[R, 1.., N]`` rows (R = 1 shared, or B)."""
     rows = positions.reshape(-1, positions.shape[-1])                                   # [R, N]
-    if rows.shape[0] == 1:
-        return lambda b, index: rows[0, index]
+    if rows.shape[0] == 1:  # row 0 is taken here: a Python int beside a tensor index does not trace before torch 2.9
+        shared = rows[0]                                                                # [N]
+        return lambda b, index: shared[index]
     return lambda b, index: rows[b, index]
 
 
@@ -2416,8 +2430,9 @@ def _dense_score_mod(module: PositionalEmbedding, q_len: int, k_len: int, positi
     positions_q, positions_k = _check_bias_call(module, q_len, k_len, positions_q, positions_k)
     bias = module.attention_bias(q_len, k_len, positions_q, positions_k)               # [(R,) H, Nq, Nk]
     rows = bias.reshape(-1, *bias.shape[-3:])                                           # [R, H, Nq, Nk], R = 1 or B
-    if rows.shape[0] == 1:
-        return lambda score, b, h, q_idx, kv_idx: score + rows[0, h, q_idx, kv_idx].to(score.dtype)
+    if rows.shape[0] == 1:  # row 0 taken outside the score_mod, as in _row_lookup
+        shared = rows[0]                                                                # [H, Nq, Nk]
+        return lambda score, b, h, q_idx, kv_idx: score + shared[h, q_idx, kv_idx].to(score.dtype)
     return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
 
 
