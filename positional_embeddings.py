@@ -80,6 +80,8 @@ Images, video and coordinates:
 Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
 rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
 ``sharded_log_linear_scan`` and ``heinsen_forward_sharded`` (sequence shards over ranks).
+``vendor`` (``python positional_embeddings.py vendor NAME ... -o FILE``) writes a standalone file
+with only the encodings you name, ``attention()`` and what they use.
 
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
