@@ -6550,8 +6550,9 @@ def _demo_today(batch: int, heads: int, head_dim: int, seq_len: int) -> None:
 # vendor() reads this file's source, cuts it into its top-level statements and follows the names
 # each one uses (by walking its syntax tree) from the requested public names and attention() to
 # every definition they need. An optional part is left out by name: its methods are cut from every
-# class and its functions replaced by a stand-in below (same parameters, checked), so the paths
-# that led into it take a plain route that computes the same thing; what then goes unused drops out.
+# class and its functions replaced by a stand-in below (same parameters, checked; their docstrings
+# speak for the vendored file), so the paths that led into it take a plain route that computes the
+# same thing; what then goes unused drops out.
 
 
 def _vendor_dense_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
@@ -6595,7 +6596,6 @@ _VENDOR_OPTIONS = {
         "stand_ins": {"_with_parameters": _vendor_direct_call, "_full": _vendor_whole, "_copy_into": _vendor_plain_copy},
     },
 }
-_VENDOR_BANNER = "# " + "-" * 75
 
 
 def vendor(names, path=None, *, config: bool = True, flex: bool = True, distributed: bool = True,
