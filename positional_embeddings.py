@@ -6820,11 +6820,14 @@ def _vendor_unit_text(units: list, index: int, plan: dict) -> str:
             for number in range(start, end + 1):
                 if lines[number - first].lstrip().startswith(">>> "):
                     lines[number - first] += "  # doctest: +SKIP"
-    text = "\n".join(line for number, line in enumerate(lines, first) if number not in dropped)
-    if index in plan["replace"]:
+    if index in plan["replace"]:  # the stand-in under the library's name, its signature realigned
         name = next(iter(units[index]["names"]))
-        text = text.replace(f"def {node.name}(", f"def {name}(", 1)
-    return text
+        lines[node.lineno - first] = lines[node.lineno - first].replace(f"def {node.name}(", f"def {name}(", 1)
+        shift = len(node.name) - len(name)
+        for number in range(node.lineno + 1, node.body[0].lineno):
+            line = lines[number - first]
+            lines[number - first] = line[shift:] if shift >= 0 and line.startswith(" " * shift) else " " * -shift + line
+    return "\n".join(line for number, line in enumerate(lines, first) if number not in dropped)
 
 
 def _vendor_origin(source: bytes) -> str:
