@@ -80,12 +80,15 @@ Images, video and coordinates:
 Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
 rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
 ``sharded_log_linear_scan`` and ``heinsen_forward_sharded`` (sequence shards over ranks).
+``vendor`` (``python positional_embeddings.py vendor NAME ... -o FILE``) writes a standalone file
+with only the encodings you name, ``attention()`` and what they use.
 
 Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``N`` tokens (``Nq`` queries, ``Nk`` keys), ``D`` model dim, ``Dh`` head dim,
 ``A`` position axes, ``F`` frequencies (``D / 2``).
 """
 
+import functools
 import math
 import numbers
 import operator
@@ -138,6 +141,7 @@ __all__ = [
     "shard_positions",
     "sharded_log_linear_scan",
     "heinsen_forward_sharded",
+    "vendor",
 ]
 
 Tensor = torch.Tensor
@@ -6889,5 +6893,417 @@ def _demo_today(batch: int, heads: int, head_dim: int, seq_len: int) -> None:
           f"{(packed - alone).abs().max().item():.1e}")
 
 
+# ---------------------------------------------------------------------------
+# Vendoring: a standalone file with only the encodings you use
+# ---------------------------------------------------------------------------
+#
+# vendor() reads this file's source, cuts it into its top-level statements and follows the names
+# each one uses (by walking its syntax tree) from the requested public names and attention() to
+# every definition they need. An optional part is left out by name: its methods are cut from every
+# class and its functions replaced by a stand-in below (same parameters, checked; their docstrings
+# speak for the vendored file), so the paths that led into it take a plain route that computes the
+# same thing; what then goes unused drops out.
+
+
+def _vendor_dense_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                            causal: bool, scale: float, document_ids: Optional[Tensor] = None) -> Tensor:
+    """This file was vendored without FlexAttention: a bias takes the dense path (``use_flex`` is ignored)."""
+    return attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=causal, scale=scale,
+                     use_flex=False, document_ids=document_ids)
+
+
+def _vendor_direct_call(pe: Optional[PositionalEmbedding], fn, *args):
+    """``fn(*args)``: this file was vendored without FSDP2 support (do not ``fully_shard`` an encoding by itself)."""
+    return fn(*args)
+
+
+def _vendor_whole(t: Tensor) -> Tensor:
+    """``t``: this file was vendored without DTensor support, every tensor is whole."""
+    return t
+
+
+@torch.no_grad()
+def _vendor_plain_copy(param: Tensor, value: Tensor) -> None:
+    """``param.copy_(value)`` with ``value`` broadcast to ``param``'s shape (vendored without DTensor support)."""
+    param.copy_(value.to(param.dtype).expand(param.shape))
+
+
+# option -> what it leaves out: "methods" cut from every class, public "functions" refused, library
+# functions replaced by "stand_ins"; "what" words it for the vendored file's docstring.
+_VENDOR_OPTIONS = {
+    "config": {
+        "what": "``from_config`` and the Hugging Face config readers",
+        "methods": ("from_config",), "functions": (), "stand_ins": {},
+    },
+    "flex": {
+        "what": "the FlexAttention path (``score_mod``; ``attention()`` runs every bias densely)",
+        "methods": ("score_mod",), "functions": (), "stand_ins": {"_flex_attention": _vendor_dense_attention},
+    },
+    "distributed": {
+        "what": "FSDP2 / DTensor support and the sequence-sharding functions",
+        "methods": ("_gathered_call",),
+        "functions": ("shard_positions", "sharded_log_linear_scan", "heinsen_forward_sharded"),
+        "stand_ins": {"_with_parameters": _vendor_direct_call, "_full": _vendor_whole, "_copy_into": _vendor_plain_copy},
+    },
+}
+
+
+def vendor(names, path=None, *, config: bool = True, flex: bool = True, distributed: bool = True,
+           dry_run: bool = False) -> str:
+    """A standalone Python file holding only ``names``, ``attention()`` and every definition they use.
+
+    The definitions come verbatim and in this file's order, found by walking the code (the names
+    each definition uses, its bases, decorators, default arguments and annotations), so the file
+    behaves exactly like the library for what it holds. It imports only torch and the standard
+    library; its docstring gives the license, what it holds and the version of this file it came
+    from, and its ``__all__`` lists ``names`` and ``attention``. A docstring example that needs a
+    public name left out is marked ``+SKIP``. Command line:
+    ``python positional_embeddings.py vendor NAME [NAME ...] -o FILE [--no-config] [--no-flex]
+    [--no-distributed] [--dry-run]``.
+
+    Args:
+        names (str or list of str): public names (``__all__``) to keep.
+        path (str, optional): file to write. Default: None (only return the text).
+        config (bool): keep ``from_config`` and the Hugging Face config readers. Default: True.
+        flex (bool): keep the FlexAttention path (``score_mod``); without it ``attention()`` runs
+            every bias through the dense path. Default: True.
+        distributed (bool): keep FSDP2 / DTensor support and the sequence-sharding functions.
+            Default: True.
+        dry_run (bool): return the line count of every definition and the total instead, and
+            write nothing. Default: False.
+
+    Returns:
+        str: the file's text (the line counts with ``dry_run``).
+
+    Example:
+        >>> text = vendor(["ALiBiPositionalEmbedding"], flex=False)
+        >>> "class ALiBiPositionalEmbedding" in text and "def from_config" in text
+        True
+    """
+    owner = "vendor"
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{owner}: names must be a public name or a non-empty list of them, got {_describe(names)}")
+    options = {key: _check_flag(owner, key, value) for key, value in
+               (("config", config), ("flex", flex), ("distributed", distributed))}
+    dry_run = _check_flag(owner, "dry_run", dry_run)
+    public = [name for name in __all__ if name != "vendor"]
+    for name in names:
+        if name not in public:
+            import difflib
+            close = difflib.get_close_matches(name, public, n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            raise ValueError(f"{owner}: names must be public names of positional_embeddings.py, got {name!r}{hint}")
+    names = list(dict.fromkeys(names))
+    with open(__file__, "rb") as handle:
+        source = handle.read()
+    left_out = [key for key, keep in options.items() if not keep]
+    units, plan = _vendor_select(source.decode("utf-8"), names, left_out)
+    parts = _vendor_render(units, plan, names, left_out, _vendor_origin(source))
+    if dry_run:
+        return _vendor_line_counts(parts)
+    text = "\n\n\n".join(text for _, text in parts) + "\n"
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def _vendor_units(source: str) -> list:
+    """This file's top-level statements, parsed once, each a dict: ``node``; the ``names`` it binds; its
+    ``lines`` (``[first, last]``, 1-based, with its decorators and the comments right above it) and their
+    ``text``; ``section``, the banner and comments opening its section (``""`` if it opens none);
+    ``reads``, the names it reads, by method of a class (key ``""``: the rest); and ``examples``, the
+    line range and read names of every docstring with examples."""
+    import ast
+
+    lines = source.splitlines()
+    units, previous_end = [], 0
+    for node in ast.parse(source).body:
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        lead = lines[previous_end:start - 1]                                   # blank lines and comments
+        section = ""
+        banner = next((i for i, line in enumerate(lead) if line.startswith("# ---")), None)
+        if banner is not None:
+            end = banner
+            while end < len(lead) and lead[end].startswith("#"):
+                end += 1
+            section, lead = "\n".join(lead[banner:end]), lead[end:]
+        attached = 0
+        while attached < len(lead) and lead[len(lead) - 1 - attached].startswith("#"):
+            attached += 1
+        first = start - attached
+        units.append({"node": node, "names": _vendor_bound_names(node), "lines": [first, node.end_lineno],
+                      "text": lines[first - 1:node.end_lineno], "section": section,
+                      "reads": _vendor_reads(node), "examples": _vendor_examples(node)})
+        previous_end = node.end_lineno
+    return units
+
+
+def _vendor_bound_names(node) -> set:
+    """The module-level names a top-level statement binds."""
+    import ast
+
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    if isinstance(node, ast.If):  # the demo's `if __name__ == "__main__":` binds nothing anyone uses
+        return set()
+    return {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
+
+
+def _vendor_reads(node) -> dict:
+    """The names a top-level statement reads (bases, decorators, defaults and annotations included), by
+    method for a class (key ``""``: the rest). A local variable that shares a module-level name counts
+    too: it can only add a definition, never lose one."""
+    import ast
+
+    def names(part) -> set:
+        return {sub.id for sub in ast.walk(part) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load)}
+
+    if not isinstance(node, ast.ClassDef):
+        return {"": names(node)}
+    reads = {"": set().union(*map(names, node.bases + node.keywords + node.decorator_list))}
+    for statement in node.body:
+        key = statement.name if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) else ""
+        reads[key] = reads.get(key, set()) | names(statement)
+    return reads
+
+
+def _vendor_examples(node) -> list:
+    """``(first line, last line, names read)`` of every docstring in ``node`` that holds examples."""
+    import ast
+    import doctest
+
+    found = []
+    for sub in ast.walk(node):
+        if not isinstance(sub, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(sub):
+            continue
+        read = set()
+        for example in doctest.DocTestParser().get_examples(ast.get_docstring(sub)):
+            try:
+                read |= {x.id for x in ast.walk(ast.parse(example.source)) if isinstance(x, ast.Name)}
+            except SyntaxError:
+                continue
+        if read:
+            found.append((sub.body[0].lineno, sub.body[0].end_lineno, read))
+    return found
+
+
+def _vendor_select(source: str, names: list, left_out: list) -> tuple:
+    """The units of ``source`` and what to keep of them: a dict with ``kept`` (indices of the units
+    ``names``, ``attention`` and what they use need), ``used`` (the names they read), ``methods``
+    (cut from every class), ``replace`` (index of a replaced function -> index of its stand-in) and
+    ``missing`` (the module-level names left out)."""
+    units = _vendor_units(source)
+    options = [_VENDOR_OPTIONS[key] for key in left_out]
+    methods = tuple(method for option in options for method in option["methods"])
+    refused = {name: key for key in left_out for name in _VENDOR_OPTIONS[key]["functions"]}
+    where = {}
+    for index, unit in enumerate(units):
+        for name in unit["names"] - {"__all__"}:
+            where.setdefault(name, index)
+    replace = {}
+    for option in options:
+        for name, stand_in in option["stand_ins"].items():
+            _vendor_check_stand_in(units, where, name, stand_in.__name__)
+            replace[where[name]] = where[stand_in.__name__]
+    kept, used, todo = set(), set(), [(name, None) for name in [*names, "attention"]]
+    while todo:
+        name, user = todo.pop()
+        if name in refused:
+            why = "you named it" if user is None else f"{user} uses it"
+            raise ValueError(f"vendor: {name} is left out with {refused[name]}=False, but {why}; "
+                             f"vendor with {refused[name]}=True")
+        index = where.get(name)
+        if index is None or index in kept:
+            continue
+        kept.add(index)
+        reads = set().union(*(names for key, names in units[replace.get(index, index)]["reads"].items()
+                               if key not in methods))
+        used |= reads
+        todo += [(read, name) for read in reads if read in where]
+    missing = set(where) - {name for index in kept for name in units[index]["names"]}
+    return units, {"kept": kept, "used": used, "methods": methods, "replace": replace, "missing": missing}
+
+
+def _vendor_check_stand_in(units: list, where: dict, name: str, stand_in: str) -> None:
+    """A stand-in must take exactly the parameters of the function it replaces (else the library changed)."""
+    import ast
+
+    def parameters(index):
+        node = units[index]["node"]
+        return [arg.arg for arg in ast.walk(node.args) if isinstance(arg, ast.arg)]
+
+    if name not in where or parameters(where[name]) != parameters(where[stand_in]):
+        got = parameters(where[name]) if name in where else "nothing (it is gone)"
+        raise RuntimeError(f"vendor: the stand-in {stand_in} takes {parameters(where[stand_in])} but the library's "
+                           f"{name} takes {got}; update {stand_in} and _VENDOR_OPTIONS")
+
+
+def _vendor_unit_text(units: list, index: int, plan: dict) -> str:
+    """The source of one kept unit: a replaced function's stand-in under the function's name, cut methods
+    removed, imports narrowed to the names used, and ``+SKIP`` on the docstring examples that need a
+    definition left out."""
+    import ast
+
+    unit = units[plan["replace"].get(index, index)]
+    node, first, lines = unit["node"], unit["lines"][0], list(unit["text"])
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        aliases = [alias for alias in node.names if (alias.asname or alias.name).split(".")[0] in plan["used"]]
+        if len(aliases) == len(node.names):
+            return "\n".join(lines)
+        return ast.unparse(type(node)(**{**vars(node), "names": aliases}))
+    dropped = set()
+    for statement in node.body if isinstance(node, ast.ClassDef) else []:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name in plan["methods"]:
+            start = min([statement.lineno] + [d.lineno for d in statement.decorator_list])
+            while lines[start - 1 - first].strip().startswith("#"):               # its comments
+                start -= 1
+            if not lines[start - 1 - first].strip():                              # and the blank line above
+                start -= 1
+            dropped.update(range(start, statement.end_lineno + 1))
+    for start, end, read in unit["examples"]:
+        if read & plan["missing"]:
+            for number in range(start, end + 1):
+                if lines[number - first].lstrip().startswith(">>> "):
+                    lines[number - first] += "  # doctest: +SKIP"
+    if index in plan["replace"]:  # the stand-in under the library's name, its signature realigned
+        name = next(iter(units[index]["names"]))
+        lines[node.lineno - first] = lines[node.lineno - first].replace(f"def {node.name}(", f"def {name}(", 1)
+        shift = len(node.name) - len(name)
+        for number in range(node.lineno + 1, node.body[0].lineno):
+            line = lines[number - first]
+            lines[number - first] = line[shift:] if shift >= 0 and line.startswith(" " * shift) else " " * -shift + line
+    return "\n".join(line for number, line in enumerate(lines, first) if number not in dropped)
+
+
+def _vendor_origin(source: bytes) -> str:
+    """Which positional_embeddings.py this is: its sha256, and the git commit it sits on when a git
+    checkout holds it (with a note if it differs from that commit)."""
+    import hashlib
+    import os
+    import subprocess
+
+    origin = f"sha256 {hashlib.sha256(source).hexdigest()[:16]}"
+    folder, name = os.path.split(os.path.abspath(__file__))
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", folder, *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--", name)
+        origin += f", git commit {commit[:12]}" + (" plus uncommitted changes" if changed else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return origin
+
+
+def _vendor_license() -> list:
+    """The license text next to this file (LICENSE), or its name when the file travels alone."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "LICENSE")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip().splitlines()
+    except OSError:
+        return ["MIT License (the license of positional_embeddings.py)"]
+
+
+def _vendor_header(names: list, left_out: list, origin: str, plan_skips: bool) -> str:
+    """The vendored file's license comment and docstring."""
+    import textwrap
+
+    legend = next((p for p in (__doc__ or "").split("\n\n") if p.startswith("Shape legend")), "")
+    flags = "".join(f" --no-{key}" for key in left_out)
+    held = [name for name in names if name != "attention"]
+    lines = [f"# {line}".rstrip() for line in _vendor_license()]
+    title = f"{', '.join(held)} and ``attention()``" if held else "``attention()``"
+    about = (f"Made by ``python positional_embeddings.py vendor {' '.join(names)} -o FILE{flags}`` from "
+             f"positional_embeddings.py ({origin}). It holds these, ``attention()`` and every definition they use, "
+             "unchanged and in the library's order; it imports only torch and the standard library. Regenerate it "
+             "rather than editing it.")
+    lines += ['"""' + f"{title}, vendored from positional_embeddings.py.", "", *textwrap.wrap(about, 100)]
+    if plan_skips:
+        lines += ["", *textwrap.wrap("Docstring examples marked ``+SKIP`` need a definition that is not vendored here.", 100)]
+    if left_out:
+        left = "Left out: " + "; ".join(_VENDOR_OPTIONS[key]["what"] for key in left_out) + "."
+        lines += ["", *textwrap.wrap(left, 100)]
+    if legend:
+        lines += ["", *legend.splitlines()]
+    return "\n".join(lines) + '\n"""'
+
+
+def _vendor_render(units: list, plan: dict, names: list, left_out: list, origin: str) -> list:
+    """The vendored file as a list of ``(label, text)`` parts: the header, then the kept units in the
+    library's order, each section opened by its banner (a label of None: no definition)."""
+    import ast
+
+    exported = [*names, *(["attention"] if "attention" not in names else [])]
+    skips = any(read & plan["missing"] for index in plan["kept"]
+                for _, _, read in units[plan["replace"].get(index, index)]["examples"])
+    parts, section = [(None, _vendor_header(names, left_out, origin, skips))], None
+    for index, unit in enumerate(units):
+        section = unit["section"] or section
+        if "__all__" in unit["names"]:
+            parts.append((None, "__all__ = [\n" + "".join(f'    "{name}",\n' for name in exported) + "]"))
+            continue
+        if index not in plan["kept"]:
+            continue
+        if section:
+            parts.append((None, section))
+            section = None
+        text = _vendor_unit_text(units, index, plan)
+        label = ", ".join(sorted(unit["names"])) + (" (stand-in)" if index in plan["replace"] else "")
+        if isinstance(unit["node"], (ast.Import, ast.ImportFrom)):
+            if parts[-1][0] == "imports":  # one block, the library's groups kept
+                gap = "\n\n" if unit["lines"][0] > units[index - 1]["lines"][1] + 1 else "\n"
+                parts[-1] = ("imports", parts[-1][1] + gap + text)
+            else:
+                parts.append(("imports", text))
+        else:
+            parts.append((label, text))
+    return parts
+
+
+def _vendor_line_counts(parts: list) -> str:
+    """``--dry-run``: the lines of every definition, of the rest (header, banners, blank lines) and the total."""
+    total = len(("\n\n\n".join(text for _, text in parts) + "\n").splitlines())
+    rows = [f"{len(text.splitlines()):6d}  {label}" for label, text in parts if label is not None]
+    rest = total - sum(len(text.splitlines()) for label, text in parts if label is not None)
+    return "\n".join(rows + [f"{rest:6d}  (header, __all__, banners, blank lines)", f"{total:6d}  total"]) + "\n"
+
+
+def _vendor_main(argv: list) -> int:
+    """``python positional_embeddings.py vendor NAME [NAME ...] -o FILE [options]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python positional_embeddings.py vendor",
+                                     description="Write a standalone file with only the named encodings, "
+                                                 "attention() and what they use.")
+    parser.add_argument("names", nargs="+", metavar="NAME", help="public names, e.g. RotaryPositionalEmbedding")
+    parser.add_argument("-o", "--output", metavar="FILE", help="file to write (default: print it)")
+    parser.add_argument("--no-config", action="store_true", help="leave out from_config and the config readers")
+    parser.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention path")
+    parser.add_argument("--no-distributed", action="store_true", help="leave out FSDP2/DTensor and sharding")
+    parser.add_argument("--dry-run", action="store_true", help="print the lines per definition, write nothing")
+    args = parser.parse_args(argv)
+    try:
+        text = vendor(args.names, None if args.dry_run else args.output, config=not args.no_config,
+                      flex=not args.no_flex, distributed=not args.no_distributed, dry_run=args.dry_run)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.dry_run or args.output is None:
+        print(text, end="" if text.endswith("\n") else "\n")
+    else:
+        print(f"wrote {args.output}: {len(text.splitlines())} lines")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["vendor"]:
+        sys.exit(_vendor_main(sys.argv[2:]))
     _demo()

@@ -6957,3 +6957,200 @@ def test_print_census_max_differences():
     for family, diff in sorted(MAX_DIFF.items()):
         if family.startswith("census"):
             print(f"| {family} | {diff:.2e} |")
+
+
+# ---------------------------------------------------------------------------
+# Vendoring
+# ---------------------------------------------------------------------------
+
+# Every public encoding class (and the alias EmbedPosition), each vendored alone.
+VENDOR_CLASSES = [name for name in pe_lib.__all__
+                  if isinstance(getattr(pe_lib, name), type) and issubclass(getattr(pe_lib, name), PositionalEmbedding)]
+VENDOR_LEAN = {"config": False, "flex": False, "distributed": False}
+
+# Run in a fresh process: imports every vendored file given (as JSON: [[path, names, lean], ...]) and
+# compares it with the library on the demo encodings (each entry of `_demo_modules` that names a class the
+# file holds, built once from the library and once from the file with the same seed): parameters, outputs
+# and every gradient, bitwise; then runs its docstring examples (an example already run in an earlier file,
+# same code and same text, is not run again). Prints one JSON line per file; fails on the first difference.
+_VENDOR_CHECK = r'''
+import ast, doctest, importlib.util, inspect, json, py_compile, sys
+import torch
+import positional_embeddings as lib
+
+torch.set_num_threads(1)   # the same kernels for library and file; less contention on a shared machine
+demo = ast.parse(inspect.getsource(lib._demo_modules)).body[0]
+sizes = {"num_heads": 4, "head_dim": 8, "seq_len": 16}
+exec(compile(ast.Module([s for s in demo.body if isinstance(s, ast.Assign)], []), "<demo>", "exec"), {}, sizes)
+entries = next(node for node in ast.walk(demo) if isinstance(node, ast.Dict))
+entries = {key.value: value for key, value in zip(entries.keys, entries.values)}
+
+def build(key, namespace):
+    torch.manual_seed(0)
+    return eval(compile(ast.Expression(entries[key]), "<demo>", "eval"), {**namespace, **sizes})
+
+def run(module, pe, use_flex=None):
+    torch.manual_seed(2)
+    n, heads, dh = sizes["seq_len"], sizes["num_heads"], sizes["head_dim"]
+    x = torch.randn(2, n, heads * dh, requires_grad=True)
+    q, k, v = (torch.randn(2, heads, n, dh, requires_grad=True) for _ in range(3))
+    positions = None if pe is None else lib._demo_positions(pe, n)
+    tokens = pe.forward_input(x) if pe is not None and pe.kind == "input" else x
+    out = module.attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=use_flex,
+                           causal=pe is None or pe.num_axes == 1)
+    params = [] if pe is None else [p for p in pe.parameters() if p.requires_grad]
+    loss = (tokens * torch.randn_like(tokens)).sum() + (out * torch.randn_like(out)).sum()
+    return [tokens, out, *torch.autograd.grad(loss, [x, q, k, v, *params], allow_unused=True)]
+
+def same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b))
+
+seen, library = set(), {}   # docstrings already run; the library's state and results per demo entry
+for index, (path, names, lean) in enumerate(json.loads(sys.argv[1])):
+    py_compile.compile(path, doraise=True)
+    spec = importlib.util.spec_from_file_location(f"vendored_{index}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.__all__ == [*names, "attention"], (path, mod.__all__)
+    held = {name: getattr(mod, name) for name in lib.__all__ if hasattr(mod, name)}
+    compared = [None]
+    assert all(same(a, b) for a, b in zip(run(mod, None), run(lib, None))), f"{path}: attention() differs"
+    for key, value in entries.items():
+        if not any(isinstance(node, ast.Name) and node.id in held for node in ast.walk(value)):
+            continue
+        ours = build(key, {**vars(lib), **held})
+        if key not in library:
+            theirs = build(key, vars(lib))
+            library[key] = (theirs.state_dict(), run(lib, theirs))
+        state, theirs = library[key]
+        assert type(ours).__module__ == spec.name, (path, key)
+        assert ours.state_dict().keys() == state.keys(), (path, key)
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), state.values())), (path, key)
+        flex = True if lean and ours.kind == "bias" else None   # lean files: use_flex takes the dense path
+        bad = [i for i, (a, b) in enumerate(zip(run(mod, ours, flex), theirs)) if not same(a, b)]
+        assert not bad, f"{path}: {key} differs from the library in outputs/gradients {bad}"
+        compared.append([key, type(ours).__name__])
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(mod, spec.name, globs=vars(mod)):
+        key = (test.name.split(".", 1)[-1], test.docstring)   # +SKIP marks are in the docstring
+        if test.examples and key not in seen:
+            seen.add(key)
+            runner.run(test)
+    assert runner.failures == 0, f"{path}: {runner.failures} docstring examples fail"
+    print(json.dumps([path, compared, runner.tries]))
+'''
+
+
+def _vendor_run_check(files) -> list:
+    import json
+    import subprocess
+
+    command = [sys.executable, "-c", _VENDOR_CHECK, json.dumps(files)]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+class TestVendor:
+    def test_vendored_classes_equal_the_library_in_a_fresh_process(self, tmp_path):
+        # lean: every class alone; everything kept: five classes a file (each still compared with the library)
+        files = [[str(tmp_path / f"{name}_lean.py"), [name], True] for name in VENDOR_CLASSES]
+        files += [[str(tmp_path / f"group{i}.py"), VENDOR_CLASSES[i:i + 5], False] for i in range(0, len(VENDOR_CLASSES), 5)]
+        for path, names, lean in files:
+            pe_lib.vendor(names, path, **(VENDOR_LEAN if lean else {}))
+        results = _vendor_run_check(files)
+        assert [path for path, _, _ in results] == [path for path, _, _ in files]
+        demo_classes = {type(pe).__name__ for pe in pe_lib._demo_modules(4, 8, 16).values()}
+        for (path, compared, tries), (_, names, _) in zip(results, files):
+            assert compared[0] is None, path                                   # attention(pe=None)
+            wanted = {getattr(pe_lib, name).__name__ for name in names} & demo_classes   # the base has no demo entry
+            assert wanted <= {cls for _, cls in compared[1:]}, (path, compared)
+        assert sum(tries for _, _, tries in results) > len(files), "docstring examples ran"
+
+    def test_vendored_file_reads_only_torch_and_the_standard_library(self):
+        import ast
+        import importlib.util
+
+        for options in ({}, VENDOR_LEAN):
+            tree = ast.parse(pe_lib.vendor(["RotaryPositionalEmbedding", "HeinsenPositionalEmbedding"], **options))
+            imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                        for alias in node.names}
+            imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+            assert "torch" in imported
+            for name in imported - {"torch"}:        # the standard library: not installed in site-packages
+                origin = importlib.util.find_spec(name).origin or "built-in"
+                assert "site-packages" not in origin and "dist-packages" not in origin, (name, origin)
+
+    def test_only_what_is_used_comes_along(self):
+        text = pe_lib.vendor(["SinusoidalPositionalEmbedding"])
+        assert "class SinusoidalPositionalEmbedding(" in text and "def attention(" in text
+        assert "class RotaryPositionalEmbedding(" not in text and "def _rope_yarn(" not in text
+        assert "def vendor(" not in text and "_demo" not in text and '__name__ == "__main__"' not in text
+        assert text.count("\nclass PositionalEmbedding(") == 1
+        # the rotary docstring example of attention() needs a class left out: skipped, not failing
+        assert "rope = RotaryPositionalEmbedding(64)  # doctest: +SKIP\n" in text and "marked ``+SKIP``" in text
+        with_rope = pe_lib.vendor(["RotaryPositionalEmbedding"])
+        assert "rope = RotaryPositionalEmbedding(64)\n" in with_rope and "def _rope_yarn(" in with_rope
+
+    def test_options_leave_their_parts_out(self):
+        full = pe_lib.vendor(["RotaryPositionalEmbedding", "ALiBiPositionalEmbedding"])
+        lean = pe_lib.vendor(["RotaryPositionalEmbedding", "ALiBiPositionalEmbedding"], **VENDOR_LEAN)
+        for part in ("def from_config(", "def _rotary_kwargs_from_config(", "def score_mod(", "flex_attention import",
+                     "def _document_block_mask(", "def _gathered_call(", "fsdp.register_fsdp_forward_method("):
+            assert part in full and part not in lean, part
+        assert "def _flex_attention(" in lean and "use_flex=False" in lean     # the stand-in, under the library's name
+        assert "_vendor_" not in lean and "Left out: ``from_config``" in lean
+        assert len(lean.splitlines()) < len(full.splitlines())
+        assert "def _is_dtensor(" in pe_lib.vendor(["AlgebraicSequencePositionalEmbedding"])       # via _copy_into
+        assert "def _is_dtensor(" not in pe_lib.vendor(["AlgebraicSequencePositionalEmbedding"], distributed=False)
+        with pytest.raises(ValueError, match="vendor: shard_positions is left out with distributed=False, but you named it"):
+            pe_lib.vendor(["shard_positions"], distributed=False)
+
+    def test_header_says_license_contents_and_version(self):
+        import hashlib
+
+        text = pe_lib.vendor(["T5PositionalEmbedding"], config=False)
+        source = pathlib.Path(pe_lib.__file__).read_bytes()
+        assert text.startswith("# MIT License\n")
+        assert "T5PositionalEmbedding and ``attention()``, vendored from positional_embeddings.py." in text
+        assert f"sha256 {hashlib.sha256(source).hexdigest()[:16]}" in text
+        assert "vendor T5PositionalEmbedding -o FILE --no-config" in text.replace("\n", " ")
+        assert '__all__ = [\n    "T5PositionalEmbedding",\n    "attention",\n]' in text
+
+    def test_bad_names_raise(self):
+        with pytest.raises(ValueError, match="vendor: names must be public names of positional_embeddings.py, got "
+                                             "'RotaryPositionalEmbeding' \\(did you mean 'RotaryPositionalEmbedding'"):
+            pe_lib.vendor(["RotaryPositionalEmbeding"])
+        with pytest.raises(ValueError, match="got '_rotate'"):
+            pe_lib.vendor(["_rotate"])
+        with pytest.raises(ValueError, match="got 'vendor'"):
+            pe_lib.vendor(["vendor"])
+        with pytest.raises(TypeError, match="vendor: names must be a public name or a non-empty list of them, got \\[\\]"):
+            pe_lib.vendor([])
+        with pytest.raises(TypeError, match="vendor: flex must be a bool, got str 'no'"):
+            pe_lib.vendor(["ALiBiPositionalEmbedding"], flex="no")
+
+    def test_stand_ins_take_the_parameters_of_what_they_replace(self, monkeypatch):
+        # a stand-in whose parameters differ from the function it replaces (the library changed): refused
+        flex = {**pe_lib._VENDOR_OPTIONS["flex"], "stand_ins": {"_flex_attention": pe_lib._vendor_whole}}
+        monkeypatch.setattr(pe_lib, "_VENDOR_OPTIONS", {**pe_lib._VENDOR_OPTIONS, "flex": flex})
+        with pytest.raises(RuntimeError, match="vendor: the stand-in _vendor_whole takes \\['t'\\] but the library's "
+                                               "_flex_attention takes \\['q', 'k', 'v', 'pe'"):
+            pe_lib.vendor(["ALiBiPositionalEmbedding"], flex=False)
+
+    def test_command_line_writes_the_file_and_dry_run_counts_lines(self, tmp_path, capsys):
+        path = tmp_path / "rope.py"
+        assert pe_lib._vendor_main(["RotaryPositionalEmbedding", "-o", str(path), "--no-config"]) == 0
+        text = path.read_text()
+        assert text == pe_lib.vendor(["RotaryPositionalEmbedding"], config=False)
+        assert f"wrote {path}: {len(text.splitlines())} lines" in capsys.readouterr().out
+        assert pe_lib._vendor_main(["RotaryPositionalEmbedding", "--no-config", "--dry-run"]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        counts = {row.split(None, 1)[1]: int(row.split(None, 1)[0]) for row in rows}
+        assert counts["total"] == len(text.splitlines())
+        assert sum(count for label, count in counts.items() if label != "total") == counts["total"]
+        rotary = text.split("\nclass RotaryPositionalEmbedding(")[1].split("\n\n\n")[0]     # from its class line
+        assert counts["RotaryPositionalEmbedding"] == len(rotary.splitlines())
+        with pytest.raises(SystemExit):
+            pe_lib._vendor_main(["NotAClass", "--dry-run"])
