@@ -3354,8 +3354,8 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
 
     The sum runs from ``j`` to ``i``, so CoPE is causal by construction: the gates of keys
     after the query are zero (the causal mask is applied to the gates, as in the paper) and
-    the logits there are ``-inf``, whatever ``attention(causal=...)`` says (``causal=False``
-    gives the causal result, it does not attend to the future). With fewer queries than keys
+    the logits there are ``-inf``; ``is_causal`` is True, so ``attention()`` masks causally by
+    default and rejects ``causal=False``. With fewer queries than keys
     the queries are the last ``Nq`` tokens (bottom-right); a query's positions use only its
     own gates, so token-by-token decoding with a cache is exact.
 
@@ -3450,8 +3450,8 @@ class ForgettingPositionalEmbedding(PositionalEmbedding):
     has a forget gate per head ``f_l = sigmoid(w_h . x_l + b_h)`` (``fgate_proj``, an
     ``nn.Linear(dim, num_heads)`` named as in the authors' code), and query ``i`` sees key
     ``j <= i`` with the bias ``D_ij = sum_{l=j+1..i} log f_l = c_i - c_j``, ``c`` the
-    cumulative sum of ``log f``. It is causal; the bias holds ``-inf`` after the query, so
-    ``attention(causal=False)`` cannot attend to the future either. No positions: order is
+    cumulative sum of ``log f``. It is causal (``is_causal``): the bias holds ``-inf`` after the
+    query, and ``attention()`` masks causally by default and rejects ``causal=False``. No positions: order is
     what the gates accumulate (FoX uses no other positional encoding).
 
     The gates depend on the token states, so this module binds them first:

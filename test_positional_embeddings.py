@@ -482,6 +482,8 @@ class TestEveryClass:
     def test_attention_matches_explicit_softmax(self, case):
         pe = case.make()
         for nq, causal in ((N, False), (N, True), (N - 6, True)):
+            if pe.is_causal and not causal:  # a ValueError there (TestCausalRule)
+                continue
             q, k, v = qkv(nq, N, dtype=torch.float64)
             pe64 = copy.deepcopy(pe).double()
             positions = case.positions(nq, N)
@@ -1745,8 +1747,8 @@ class TestFlexAttention:
 
         pe = make()
         q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, pe, causal=causal, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=causal, use_flex=True), want)
+        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
         if not causal:
             got = flex_attention(q, k, v, score_mod=pe.score_mod(N - 3, N), scale=pe.logit_scale(DH))
             torch.testing.assert_close(got, want)
@@ -1773,8 +1775,8 @@ class TestFlexAttention:
         base = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5, torch.arange(N).flip(0)])
         positions = {"batched": base, "shared": base[:1], "narrow": base[:1].to(torch.uint8)}[rows]
         for causal in (False, True):
-            want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal, use_flex=False)
-            got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal, use_flex=True)
+            want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=False)
+            got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=True)
             torch.testing.assert_close(got, want)
         if rows == "narrow":  # uint8 0 - 2 must be -2, not 254: compare with the int64 positions
             wide = attention(q, k, v, pe, positions_q=base[:1], positions_k=base[:1], use_flex=False)
@@ -2695,8 +2697,8 @@ class TestKerple:
     def test_score_mod_matches_dense_bias(self, causal):
         kerple = KerplePositionalEmbedding(H, kernel="power")
         q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, kerple, causal=causal, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, kerple, causal=causal, use_flex=True), want)
+        want = attention(q, k, v, kerple, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, kerple, causal=causal or None, use_flex=True), want)
         positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
         want = attention(q[..., :N, :], k, v, kerple, positions_q=positions[:, -(N - 3):], positions_k=positions,
                          use_flex=False)
@@ -2797,8 +2799,8 @@ class TestSandwich:
     def test_score_mod_matches_dense_bias(self, causal):
         sandwich = SandwichPositionalEmbedding(H, DH)
         q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, sandwich, causal=causal, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, sandwich, causal=causal, use_flex=True), want)
+        want = attention(q, k, v, sandwich, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, sandwich, causal=causal or None, use_flex=True), want)
         positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
         want = attention(q, k, v, sandwich, positions_q=positions[:, 3:], positions_k=positions, use_flex=False)
         got = attention(q, k, v, sandwich, positions_q=positions[:, 3:], positions_k=positions, use_flex=True)
@@ -2874,8 +2876,8 @@ class TestFIRE:
     def test_score_mod_matches_dense_bias(self, causal, bidirectional):
         fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0, bidirectional=bidirectional)
         q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, fire, causal=causal, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, fire, causal=causal, use_flex=True), want)
+        want = attention(q, k, v, fire, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, fire, causal=causal or None, use_flex=True), want)
         positions = torch.stack([torch.arange(N) * 0.5, torch.arange(N) + 50.0])
         want = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=False)
         got = attention(q, k, v, fire, positions_q=positions[:, 3:], positions_k=positions, use_flex=True)
@@ -3014,7 +3016,7 @@ class TestCoPE:
         logits = cope(q, k)
         future = torch.ones(N - 3, N, dtype=torch.bool).triu(4)
         assert torch.isinf(logits[..., future]).all() and torch.isfinite(logits[..., ~future]).all()
-        torch.testing.assert_close(attention(q, k, v, cope, causal=False), attention(q, k, v, cope, causal=True))
+        torch.testing.assert_close(attention(q, k, v, cope), attention(q, k, v, cope, causal=True))
 
     def test_positions_count_open_gates(self):
         # every gate fully open (q = k, large): p_ij = i - j + 1, so each pair reads row i - j + 1
@@ -3162,7 +3164,7 @@ class TestForgetting:
         q, k, v = qkv(q_len, N)
         want = attention(q, k, v, bound, causal=True, use_flex=False)
         torch.testing.assert_close(attention(q, k, v, bound, causal=True, use_flex=True), want)
-        torch.testing.assert_close(attention(q, k, v, bound, causal=False, use_flex=True), want)
+        torch.testing.assert_close(attention(q, k, v, bound, use_flex=True), want)
 
     def test_batch_one_is_shared(self):
         fox = ForgettingPositionalEmbedding(D, H)
@@ -3176,7 +3178,7 @@ class TestForgetting:
         bias = bound(N - 2, N)
         future = torch.ones(N - 2, N, dtype=torch.bool).triu(3)
         assert torch.isinf(bias[..., future]).all() and torch.isfinite(bias[..., ~future]).all()
-        torch.testing.assert_close(attention(q, k, v, bound, causal=False), attention(q, k, v, bound, causal=True))
+        torch.testing.assert_close(attention(q, k, v, bound), attention(q, k, v, bound, causal=True))
 
     def test_decoding_with_a_cache(self):
         # the encoding bound to every token so far (cache + new) gives the full pass's rows
@@ -3907,8 +3909,8 @@ class TestRelativePositionBias2D:
     def test_score_mod_matches_dense_bias(self, causal):
         pe = randomise(RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1))
         q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, pe, causal=causal, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=causal, use_flex=True), want)
+        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
         positions = torch.stack([torch.arange(N) + 5, torch.randperm(21)[:N]])
         q, k, v = qkv()
         want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
@@ -6060,18 +6062,18 @@ class TestPackedDocumentsMore:
         pe = self.BIAS_MAKERS[name]()
         q, k, v = qkv()
         ids = self.ids_of(self.LENGTHS)
-        got = attention(q, k, v, pe, causal=causal, document_ids=ids, use_flex=True)
-        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal, document_ids=ids, use_flex=False))
+        got = attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=False))
         for piece in self.pieces(self.LENGTHS):  # oracle: the document alone, default positions from 0
-            alone = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=causal, use_flex=False)
+            alone = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=causal or None, use_flex=False)
             torch.testing.assert_close(got[..., piece, :], alone)
         batched = torch.stack([self.ids_of(r) for r in self.ROWS])                          # [B, N]
-        got = attention(q, k, v, pe, causal=causal, document_ids=batched, use_flex=True)
-        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal, document_ids=batched, use_flex=False))
+        got = attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=False))
         for row, lengths in enumerate(self.ROWS):
             for piece in self.pieces(lengths):
                 alone = attention(q[row:row + 1, :, piece], k[row:row + 1, :, piece], v[row:row + 1, :, piece], pe,
-                                  causal=causal, use_flex=False)
+                                  causal=causal or None, use_flex=False)
                 torch.testing.assert_close(got[row:row + 1, :, piece], alone)
 
     @pytest.mark.parametrize("name", ["t5", "fire", "alibi"])
@@ -7154,3 +7156,186 @@ class TestVendor:
         assert counts["RotaryPositionalEmbedding"] == len(rotary.splitlines())
         with pytest.raises(SystemExit):
             pe_lib._vendor_main(["NotAClass", "--dry-run"])
+
+
+# ---------------------------------------------------------------------------
+# Compile with dynamic shapes, the default path of bias encodings, the causal rule
+# ---------------------------------------------------------------------------
+
+
+class QuickStartBlock(torch.nn.Module):
+    """The README's quick-start block, with the positions a case requires and the forget gate bound to x."""
+
+    def __init__(self, dim, heads, pe):
+        super().__init__()
+        self.heads, self.pe = heads, pe
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x, positions=None):
+        x = self.pe.forward_input(x, positions)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)   # [B, H, N, Dh] each
+        pe = self.pe(x) if isinstance(self.pe, ForgettingPositionalEmbedding) else self.pe
+        attend_positions = None if pe.kind == "input" else positions
+        y = attention(q, k, v, pe, causal=True, positions_q=attend_positions, positions_k=attend_positions)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+# Every case compiles in the slow run (PE_SLOW=1, as .ci/run does; about 8 s a case); the default run
+# compiles one case per attention path.
+QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_quick_start_block_compiles_fullgraph_dynamic(case):
+    """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
+    if case.name not in QUICK_COMPILE_CASES and not os.environ.get("PE_SLOW"):
+        pytest.skip("compiled in the slow run only (PE_SLOW=1)")
+    pe = case.make()
+    if isinstance(pe, ForgettingPositionalEmbedding):
+        pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
+    dim = case.token_dim if pe.kind == "input" else D
+    block = QuickStartBlock(dim, H, pe)
+    lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, dynamic=True, fullgraph=True, backend=counting_backend)
+    for n in lengths:
+        x = torch.randn(2, n, dim)
+        positions = None if case.required_positions is None else case.required_positions(n)
+        torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for lengths {lengths}"
+
+
+def test_finite_number_check_traces_under_dynamic_shapes():
+    """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
+    q, k, v = qkv()
+    fn = lambda q, k, v: attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+    with pytest.raises(ValueError, match="attention: scale must be a finite number, got scale=inf"):
+        attention(q, k, v, scale=float("inf"))
+
+
+class TestBiasDefaultPath:
+    def test_cpu_default_is_the_dense_bias_eager_and_compiled(self, monkeypatch):
+        """Issue 22.2: on the CPU the default never runs (unfused) FlexAttention, traced or not."""
+        def no_flex(*args, **kwargs):
+            raise AssertionError("FlexAttention was called")
+
+        monkeypatch.setattr(pe_lib, "_flex_attention", no_flex)
+        pe, (q, k, v) = T5PositionalEmbedding(H, bidirectional=False), qkv()
+        want = attention(q, k, v, pe, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe), want)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
+            torch.testing.assert_close(compiled(q, k, v), want)
+
+    def test_causal_flex_skips_blocks_above_the_diagonal(self):
+        mask = pe_lib._block_mask(None, True, 384, 384, torch.device("cpu")).to_dense().reshape(3, 3)
+        assert mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+        assert pe_lib._block_mask(None, False, 384, 384, torch.device("cpu")) is None
+        tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
+        assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
+
+    def test_fire_score_mod_is_pointwise(self):
+        """Issue 22.2: inductor lowers a score_mod without reductions; FIRE's MLP used to sum over its units."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.add(str(func))
+                return func(*args, **(kwargs or {}))
+
+        fire = FIREPositionalEmbedding(H, hidden_dim=8)
+        score_mod = fire.score_mod(N, N)
+        args = (torch.tensor(0.5), torch.tensor(0), torch.tensor(1), torch.tensor(7), torch.tensor(3))
+        ops = set()
+        with torch.no_grad(), Recorder():
+            score_mod(*args)
+        assert ops and not any("sum" in op or "mm" in op or "mean" in op for op in ops), ops
+        want = fire(N, N)[1, 7, 3] + 0.5
+        torch.testing.assert_close(score_mod(*args), want)
+
+    @pytest.mark.skipif(not os.environ.get("PE_SLOW"), reason="inductor compiles FIRE's kernel for minutes on a CPU")
+    def test_fire_score_mod_compiles_with_inductor(self):
+        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=16.0)
+        q, k, v = (torch.randn(1, H, 128, DH) for _ in range(3))
+        mask = pe_lib._block_mask(None, True, 128, 128, q.device)
+        with torch.no_grad():
+            got = pe_lib._compiled_flex_attention()(q, k, v, score_mod=fire.score_mod(128, 128), block_mask=mask)
+            torch.testing.assert_close(got, attention(q, k, v, fire, causal=True, use_flex=False))
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
+                                      lambda: KerplePositionalEmbedding(H), lambda: FIREPositionalEmbedding(H)])
+    def test_cuda_default_is_compiled_flex(self, make):
+        pe = make().cuda()
+        q, k, v = (t.cuda() for t in qkv(N - 3, N))
+        want = attention(q, k, v, pe, causal=True, use_flex=False)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                               # eager flex warns that it is unfused
+            got = attention(q, k, v, pe, causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        q.requires_grad_(True)
+        attention(q, k, v, pe, causal=True).sum().backward()
+        assert torch.isfinite(q.grad).all()
+
+
+CAUSAL_MODE_EXTRA = {
+    "fire_causal": lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0),
+    "kerple_power_causal": lambda: KerplePositionalEmbedding(H, kernel="power"),
+    "tupe_causal": lambda: UnifiedPositionalEmbedding(64, H, DH, bidirectional=False, num_buckets=8, max_distance=12),
+}
+# the causal-mode cases, read from their constructors: bidirectional=False (or a decoder config), or causal by
+# construction (CoPE, the forget gate)
+CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting",
+                     "t5_from_decoder_config"}
+
+
+class TestCausalRule:
+    @pytest.mark.parametrize("case", CASES, ids=repr)
+    def test_is_causal_attribute(self, case):
+        assert case.make().is_causal is (case.name in CAUSAL_MODE_CASES)
+
+    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
+    def test_last_token_does_not_move_token_zero_by_default(self, name):
+        """Issue 22.11: a causal-mode encoding masks the future under attention()'s default call."""
+        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
+        assert pe.is_causal
+        q, k, v = qkv(dtype=torch.float64)
+        pe = pe.double()
+        out = attention(q, k, v, pe)
+        q2, k2, v2 = (t.clone() for t in (q, k, v))
+        for t in (q2, k2, v2):
+            t[..., -1, :] += 5.0                                         # change the last token only
+        moved = attention(q2, k2, v2, pe)
+        torch.testing.assert_close(moved[..., 0, :], out[..., 0, :], rtol=0, atol=1e-12)
+        assert not torch.allclose(moved[..., -1, :], out[..., -1, :])   # the change does reach the last token
+        torch.testing.assert_close(out, attention(q, k, v, pe, causal=True))
+
+    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
+    def test_explicit_non_causal_call_is_rejected(self, name):
+        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match=f"attention: causal=False with {type(pe).__name__}, a causal-mode "
+                                             f"encoding .*pass causal=True or leave causal unset"):
+            attention(q, k, v, pe, causal=False)
+
+    def test_bidirectional_encodings_stay_bidirectional_by_default(self):
+        q, k, v = qkv()
+        for pe in (None, RotaryPositionalEmbedding(DH), T5PositionalEmbedding(H),
+                   ALiBiPositionalEmbedding(H, bidirectional=True), FIREPositionalEmbedding(H, bidirectional=True)):
+            torch.testing.assert_close(attention(q, k, v, pe), attention(q, k, v, pe, causal=False))
+
+    def test_causal_must_be_a_bool_or_none(self):
+        q, k, v = qkv()
+        with pytest.raises(TypeError, match="attention: causal must be a bool, got str"):
+            attention(q, k, v, causal="yes")
