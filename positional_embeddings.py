@@ -247,6 +247,17 @@ def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, 
     return number
 
 
+def _one_of(owner: str, name: str, value, alias: str, alias_value):
+    """A required argument that may also be passed as the keyword ``alias`` (``head_dim=`` for RoPE's
+    ``dim``): exactly one of the two, else a TypeError (two values never silently pick one)."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{owner}: pass {name} or {alias}, not both (they are the same argument), "
+                        f"got {name}={_describe(value)} and {alias}={_describe(alias_value)}")
+    if value is None and alias_value is None:
+        raise TypeError(f"{owner}: missing the required argument {name} (or its keyword alias {alias})")
+    return alias_value if value is None else value
+
+
 def _check_choice(owner: str, name: str, value, choices: tuple):
     """One of ``choices`` (strings), else a ValueError listing them."""
     if not isinstance(value, str) or value not in choices:
@@ -1550,7 +1561,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     to the input dtype. A float32 cos/sin table serves integer positions and grows on demand.
 
     Args:
-        dim (int): head dim ``Dh`` of the tensors to rotate.
+        dim (int): head dim ``Dh`` of the tensors to rotate; also accepted as ``head_dim=`` (the
+            keyword every per-head class uses; passing both is a TypeError).
         base (float): frequency base (``rope_theta``). Default: 10000.0.
         interleaved (bool): pair layout, see above. Default: False.
         rotary_dim (int, optional): rotated channels ``R`` (even, ``<= dim``). Default: ``dim``.
@@ -1576,13 +1588,14 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     kind = "qk"
     translation_invariant = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
+    def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
                  sections: Optional[list] = None, section_layout: Literal["contiguous", "interleaved"] = "contiguous",
-                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096) -> None:
+                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096,
+                 head_dim: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", dim)
+        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
         _check_base(owner, base)
@@ -2788,7 +2801,7 @@ class XPosPositionalEmbedding(PositionalEmbedding):
     constant (as torchscale's centring does), or raise ``scale_base`` / ``gamma``.
 
     Args:
-        dim (int): head dim ``Dh`` (even).
+        dim (int): head dim ``Dh`` (even); also accepted as ``head_dim=`` (passing both is a TypeError).
         base (float): RoPE frequency base. Default: 10000.0.
         scale_base (float): length scale of the decay. Default: 512.0.
         gamma (float): ``zeta`` offset (> 0). Default: 0.4.
@@ -2809,11 +2822,11 @@ class XPosPositionalEmbedding(PositionalEmbedding):
     kind = "qk"
     translation_invariant = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, scale_base: float = 512.0, gamma: float = 0.4,
-                 interleaved: bool = False) -> None:
+    def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, scale_base: float = 512.0,
+                 gamma: float = 0.4, interleaved: bool = False, head_dim: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", dim)
+        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
         _check_base(owner, base)

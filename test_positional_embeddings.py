@@ -6460,3 +6460,59 @@ class TestSmallHelpersReject:
         assert out.shape == x.shape
         full = pe(torch.randn(1, *shape[-2:]), grid)   # and a non-empty batch still works
         assert full.shape == (1, *shape[-2:])
+
+
+# ---------------------------------------------------------------------------
+# Constructor keywords: num_heads=, head_dim=, dim= read the same for every class
+# ---------------------------------------------------------------------------
+
+# (class, keyword arguments): every class built for a head width takes it as head_dim=, every per-head
+# class its head count as num_heads=; dim= is a token width (or Sandwich's sinusoid width).
+KEYWORD_BUILDS = [
+    (RotaryPositionalEmbedding, dict(head_dim=DH)),
+    (XPosPositionalEmbedding, dict(head_dim=DH)),
+    (AlgebraicSequencePositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (LieREPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (TransformerXLPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (EnformerPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (CoPEPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (ShawPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (DebertaPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (UnifiedPositionalEmbedding, dict(max_len=64, num_heads=H, head_dim=DH)),
+    (T5PositionalEmbedding, dict(num_heads=H)),
+    (ALiBiPositionalEmbedding, dict(num_heads=H)),
+    (KerplePositionalEmbedding, dict(num_heads=H)),
+    (SandwichPositionalEmbedding, dict(num_heads=H, dim=DH)),
+    (FIREPositionalEmbedding, dict(num_heads=H)),
+    (DynamicPositionBias, dict(num_heads=H)),
+    (ForgettingPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (SinusoidalPositionalEmbedding, dict(dim=D)),
+    (LearnedPositionalEmbedding, dict(max_len=64, dim=D)),
+    (ConvolutionalPositionalEmbedding, dict(dim=D, num_axes=1)),
+    (NoPositionalEmbedding, dict(dim=D)),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", KEYWORD_BUILDS, ids=[cls.__name__ for cls, _ in KEYWORD_BUILDS])
+def test_constructor_keywords_read_the_same(cls, kwargs):
+    pe = cls(**kwargs)
+    for name, value in kwargs.items():
+        if name in ("num_heads", "head_dim", "dim"):
+            assert getattr(pe, name) == value, name
+
+
+@pytest.mark.parametrize("cls", [RotaryPositionalEmbedding, XPosPositionalEmbedding])
+def test_head_dim_alias_of_dim(cls):
+    torch.manual_seed(0)
+    q, k, _ = qkv()
+    torch.testing.assert_close(cls(head_dim=DH).forward_attn(q, k), cls(DH).forward_attn(q, k))
+    assert cls(head_dim=DH).dim == DH
+    name = cls.__name__
+    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both .* got dim=32 and head_dim=16"):
+        cls(DH, head_dim=16)
+    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both"):
+        cls(dim=DH, head_dim=DH)
+    with pytest.raises(TypeError, match=f"{name}: missing the required argument dim \\(or its keyword alias head_dim\\)"):
+        cls()
