@@ -259,6 +259,17 @@ def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, 
     return number
 
 
+def _one_of(owner: str, name: str, value, alias: str, alias_value):
+    """A required argument that may also be passed as the keyword ``alias`` (``head_dim=`` for RoPE's
+    ``dim``): exactly one of the two, else a TypeError (two values never silently pick one)."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{owner}: pass {name} or {alias}, not both (they are the same argument), "
+                        f"got {name}={_describe(value)} and {alias}={_describe(alias_value)}")
+    if value is None and alias_value is None:
+        raise TypeError(f"{owner}: missing the required argument {name} (or its keyword alias {alias})")
+    return alias_value if value is None else value
+
+
 def _check_choice(owner: str, name: str, value, choices: tuple):
     """One of ``choices`` (strings), else a ValueError listing them."""
     if not isinstance(value, str) or value not in choices:
@@ -339,7 +350,7 @@ def _check_positions(
         suffix = "".join(f", {a}" for a in axes)
         want = f"[{n}{suffix}]" + (f" or [{lead[0]}, {n}{suffix}]" if lead else "")
         raise ValueError(f"{owner}: {name} must have shape {want}, got {tuple(positions.shape)}")
-    if device is not None and positions.device != torch.device(device) and not positions.is_meta:
+    if device is not None and positions.device != torch.device(device):
         raise ValueError(f"{owner}: {name} must be on the device of the inputs ({torch.device(device)}), "
                          f"got {name} on {positions.device}")
     positions = positions.to(torch.float64 if positions.is_floating_point() else torch.long)
@@ -348,14 +359,19 @@ def _check_positions(
         bad = positions.max() if positions.max() > _LARGEST_POSITION else positions.min()
         raise ValueError(f"{owner}: {name} must lie in [-2**62 + 1, 2**62 - 1] so that position differences fit "
                          f"in int64, got {int(bad)}")
-    if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
-        raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
+    _check_finite_positions(owner, name, positions)
     if batched:  # [B, N(, A)] -> [B, 1, ..., 1, N(, A)]
         positions = positions.reshape(core[0], *([1] * (len(lead) - 1)), n, *axes)
     return positions
 
 
 _LARGEST_POSITION = 2**62 - 1
+
+
+def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
+    """Float positions must be finite (a NaN would give NaN features silently); skipped while tracing."""
+    if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
+        raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
 
 
 def _skip_value_checks(tensor: Tensor) -> bool:
@@ -538,13 +554,20 @@ class PositionalEmbedding(nn.Module):
         return positions_q, positions_k
 
     def _check_heads(self, x: Tensor, name: str = "q and k") -> None:
-        """Per-head encodings: x must be [..., H, N, Dh] with this module's H (and Dh)."""
+        """x must be [..., H, N, Dh] with this module's H (per-head encodings) and Dh (those built for
+        one head width: RoPE's ``dim`` is its head dim)."""
         heads, head_dim = getattr(self, "num_heads", None), getattr(self, "head_dim", None)
-        if heads is None or self.kind == "input":
+        if (heads is None and head_dim is None) or self.kind == "input":
             return
-        if x.dim() < 3 or x.shape[-3] != heads or (head_dim is not None and x.shape[-1] != head_dim):
-            want = f"[..., H={heads}, N, Dh{'' if head_dim is None else f'={head_dim}'}]"
+        if (heads is not None and (x.dim() < 3 or x.shape[-3] != heads)) or \
+                (head_dim is not None and x.shape[-1] != head_dim):
+            want = f"[..., {'H' if heads is None else f'H={heads}'}, N, Dh{'' if head_dim is None else f'={head_dim}'}]"
             raise ValueError(f"{type(self).__name__}: {name} must be {want}, got {tuple(x.shape)}")
+
+    def _check_attention_shapes(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """attention()'s entry: q's head count and width against the constructor's (a wrong or swapped
+        constructor argument raises here instead of running or failing deep inside)."""
+        self._check_heads(q, "q")
 
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
@@ -841,6 +864,8 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
         raise ValueError(f"{owner}: v must match k on every dim but the last, got v {tuple(v.shape)} and k {tuple(k.shape)}")
     if pe is not None and not isinstance(pe, PositionalEmbedding):
         raise TypeError(f"{owner}: pe must be a PositionalEmbedding or None, got {type(pe).__name__}")
+    if pe is not None:
+        pe._check_attention_shapes(q, k, v)
     return q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
 
 
@@ -1085,6 +1110,7 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
         if positions.dim() < 1 + axes or (axes and positions.shape[-1] != self.num_axes):
             raise ValueError(f"{owner}: positions must have shape [..., N]{'' if not axes else f' + [{self.num_axes}]'}"
                              f", got {tuple(positions.shape)}")
+        _check_finite_positions(owner, "positions", positions)
         if self.num_axes == 1:
             table = self._encode_axis(positions, self.dim)
         else:
@@ -1171,9 +1197,13 @@ class LearnedPositionalEmbedding(PositionalEmbedding):
         nn.init.normal_(self.weight, std=self.init_std)
 
     def embed(self, positions: Tensor) -> Tensor:
-        """Rows of the table for integer ``positions`` ``[..., N]``: ``[..., N, D]``."""
-        _check_table_range(type(self).__name__, "positions", positions, self.max_len)
-        return F.embedding(positions, self.weight)
+        """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``."""
+        owner = type(self).__name__
+        _check_table_range(owner, "positions", positions, self.max_len)
+        if positions.device != self.weight.device:
+            raise ValueError(f"{owner}: positions must be on the device of the table ({self.weight.device}), "
+                             f"got positions on {positions.device}")
+        return F.embedding(positions.long(), self.weight)                                # uint8, int16 widen
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         """``x + embed(positions)``; default positions ``arange(N) + offset``."""
@@ -1626,7 +1656,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     to the input dtype. A float32 cos/sin table serves integer positions and grows on demand.
 
     Args:
-        dim (int): head dim ``Dh`` of the tensors to rotate.
+        dim (int): head dim ``Dh`` of the tensors to rotate; also accepted as ``head_dim=`` (the
+            keyword every per-head class uses; passing both is a TypeError).
         base (float): frequency base (``rope_theta``). Default: 10000.0.
         interleaved (bool): pair layout, see above. Default: False.
         rotary_dim (int, optional): rotated channels ``R`` (even, ``<= dim``). Default: ``dim``.
@@ -1652,13 +1683,14 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     kind = "qk"
     translation_invariant = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
+    def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
                  sections: Optional[list] = None, section_layout: Literal["contiguous", "interleaved"] = "contiguous",
-                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096) -> None:
+                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096,
+                 head_dim: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", dim)
+        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
         _check_base(owner, base)
@@ -1720,6 +1752,11 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if self.sections is not None:
             text += f", sections={self.sections}, axis_spectrum={self.axis_spectrum!r}"
         return text
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim ``Dh`` this rotation is built for (``dim``): q and k must have it."""
+        return self.dim
 
     @property
     def scaling(self) -> dict:
@@ -2883,7 +2920,7 @@ class XPosPositionalEmbedding(PositionalEmbedding):
     constant (as torchscale's centring does), or raise ``scale_base`` / ``gamma``.
 
     Args:
-        dim (int): head dim ``Dh`` (even).
+        dim (int): head dim ``Dh`` (even); also accepted as ``head_dim=`` (passing both is a TypeError).
         base (float): RoPE frequency base. Default: 10000.0.
         scale_base (float): length scale of the decay. Default: 512.0.
         gamma (float): ``zeta`` offset (> 0). Default: 0.4.
@@ -2904,11 +2941,11 @@ class XPosPositionalEmbedding(PositionalEmbedding):
     kind = "qk"
     translation_invariant = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, scale_base: float = 512.0, gamma: float = 0.4,
-                 interleaved: bool = False) -> None:
+    def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, scale_base: float = 512.0,
+                 gamma: float = 0.4, interleaved: bool = False, head_dim: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", dim)
+        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
         _check_base(owner, base)
@@ -2928,6 +2965,11 @@ class XPosPositionalEmbedding(PositionalEmbedding):
         self.register_buffer("inv_freq", _inverse_frequencies(self.dim, self.base, device), persistent=False)
         self.register_buffer("log_zeta", zeta.log(), persistent=False)                   # [F] float64
 
+    @property
+    def head_dim(self) -> int:
+        """The head dim ``Dh`` this encoding is built for (``dim``): q and k must have it."""
+        return self.dim
+
     def limit(self, dtype: torch.dtype = torch.float32) -> float:
         """The largest ``|position|`` accepted for inputs of ``dtype`` (see the table above)."""
         return _xpos_limit(self.scale_base, math.log(self.gamma / (1 + self.gamma)), dtype)
@@ -2936,6 +2978,7 @@ class XPosPositionalEmbedding(PositionalEmbedding):
                 positions_k: Optional[Tensor] = None, *, offset: int = 0) -> tuple:
         """``(q', k')``; default positions: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        offset = _as_int(type(self).__name__, "offset", offset, minimum=None)
         return self._encode(q, k, positions_q, positions_k, offset)
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
@@ -3791,6 +3834,13 @@ class ShawPositionalEmbedding(_ExplicitLogits):
             pe.relative_keys.weight.copy_(weight.flip(0))
         return pe
 
+    def _check_attention_shapes(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        super()._check_attention_shapes(q, k, v)
+        if self.relative_values is not None and v.shape[-1] != self.head_dim:
+            raise ValueError(f"{type(self).__name__}: v must have the head dim Dh={self.head_dim} of relative_values "
+                             f"(the value term adds a_V to every output; pass values=False for Dv != Dh), "
+                             f"got v {tuple(v.shape)}")
+
     def _rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
               device) -> Tensor:
         """Table row of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched positions."""
@@ -3825,8 +3875,10 @@ class ShawPositionalEmbedding(_ExplicitLogits):
             return None
         owner, (q_len, k_len) = type(self).__name__, weights.shape[-2:]
         lead = tuple(weights.shape[:-2])
-        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q_len, integer=True)
-        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=True)
+        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q_len, integer=True,
+                                       device=weights.device)
+        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=True,
+                                       device=weights.device)
         table = self.relative_values.weight.to(weights.dtype)                            # [R, Dh]
         if q_len == 0 or k_len == 0:
             return weights.new_zeros(*weights.shape[:-1], self.head_dim)
@@ -4243,7 +4295,8 @@ class _OrthogonalRotation(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
         self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes,
+                                     device=x.device)
         positions = _axis_positions(self, positions, x.shape[-2], offset, x.device)
         return self._transform(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), full=True)
 
@@ -4490,7 +4543,8 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
         self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], integer=True)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], integer=True,
+                                     device=x.device)
         return self._transform(x, _or_default(owner, "positions", positions, x.shape[-2], offset, x.device))
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
@@ -5179,7 +5233,8 @@ class _TokenRotation(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 3)
         self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes)
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes,
+                                     device=x.device)
         if positions is not None and positions.dim() > (1 if self.num_axes == 1 else 2) and x.dim() < 4:
             raise ValueError(f"{owner}: [B, N] positions need x of shape [B, ..., H, N, Dh], got x {tuple(x.shape)}")
         return self._rotate_tokens(x, _axis_positions(self, positions, x.shape[-2], offset, x.device))
@@ -5542,7 +5597,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
         dtype = _compute_dtype(x.dtype)
         tokens = x[..., prefix:, :].to(dtype)                                                   # [..., N', D]
         lead = tokens.shape[:-2]
-        maps = tokens.reshape(-1, *grid, self.dim).movedim(-1, 1)                              # [B', D, *grid]
+        maps = tokens.reshape(math.prod(lead), *grid, self.dim).movedim(-1, 1)                 # [B', D, *grid]
         conv = (F.conv1d, F.conv2d, F.conv3d)[self.num_axes - 1]
         out = conv(maps, self.conv_weight(dtype), self.bias.to(dtype), padding=self.kernel_size // 2,
                    groups=self.groups)
@@ -5550,7 +5605,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
             out = out[(...,) + (slice(0, -1),) * self.num_axes]
         if self.activation == "gelu":
             out = F.gelu(out)
-        out = out.movedim(1, -1).reshape(*lead, -1, self.dim)                                   # [..., N', D]
+        out = out.movedim(1, -1).reshape(*lead, tokens.shape[-2], self.dim)                     # [..., N', D]
         encoded = (tokens + out).to(x.dtype)
         return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
 
@@ -5643,6 +5698,7 @@ class FourierFeaturePositionalEmbedding(PositionalEmbedding):
         if positions.dim() < 2 or positions.shape[-1] != self.num_axes:
             raise ValueError(f"{owner}: positions must have shape [..., N, {self.num_axes}], "
                              f"got {tuple(positions.shape)}")
+        _check_finite_positions(owner, "positions", positions)
         dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
         p = positions.to(torch.float64)                                                         # [..., N, A]
         if self.sampling == "octave":

@@ -7339,3 +7339,189 @@ class TestCausalRule:
         q, k, v = qkv()
         with pytest.raises(TypeError, match="attention: causal must be a bool, got str"):
             attention(q, k, v, causal="yes")
+
+
+# ---------------------------------------------------------------------------
+# Positions on another device than the inputs (here the meta device)
+# ---------------------------------------------------------------------------
+
+
+def _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k):
+    """The class's own forward, given explicit positions."""
+    if pe.kind == "input":
+        return pe(x, positions_q)
+    if pe.kind == "bias":
+        return pe(q.shape[-2], k.shape[-2], positions_q=positions_q, positions_k=positions_k)
+    if pe.kind == "logits" or isinstance(case, PairCase):
+        return pe(q, k, positions_q, positions_k)
+    return pe(q, positions_q)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.takes_positions], ids=repr)
+def test_positions_on_another_device_raise_value_error(case):
+    pe = case.make()
+    q, k, v = qkv()
+    x = tokens(case)
+    positions_q, positions_k = case.positions(N, N)
+    if positions_q is None:
+        positions_q = positions_k = torch.arange(N)
+    on_meta_q, on_meta_k = positions_q.to("meta"), positions_k.to("meta")
+    name = type(pe).__name__
+    calls = {
+        "attention": (lambda: attention(q, k, v, pe, positions_q=positions_q, positions_k=on_meta_k), "positions_k"),
+        "forward_attn": (lambda: pe.forward_attn(q, k, on_meta_q, positions_k), "positions_q"),
+        "forward_input": (lambda: pe.forward_input(x, on_meta_k), "positions"),
+        "forward": (lambda: _own_call_with_positions(pe, case, q, k, x, on_meta_q, positions_k),
+                    "positions" if pe.kind == "input" else "positions_q"),
+    }
+    if pe.kind != "input":
+        del calls["forward_input"]     # attention-side encodings leave the tokens alone
+        if pe.kind == "qk" and not isinstance(case, PairCase):
+            calls["forward"] = (calls["forward"][0], "positions")
+    for entry, (call, argument) in calls.items():
+        with pytest.raises(ValueError, match=f"{name}: {argument} must be on the device of the inputs \\(cpu\\), "
+                                             f"got {argument} on meta"):
+            call()
+
+
+# ---------------------------------------------------------------------------
+# Constructor widths and head counts checked at attention()'s entry
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_attention_rejects_a_wrong_head_count_or_head_dim(case):
+    """A wrong (or swapped) constructor argument must not run: every attention-side class built for a head
+    count or a head width checks q against it at attention()'s entry, naming itself."""
+    pe = case.make()
+    heads, head_dim = getattr(pe, "num_heads", None), getattr(pe, "head_dim", None)
+    if pe.kind == "input":
+        pytest.skip("added to the tokens: attention() never sees its widths")
+    if heads is None and head_dim is None:
+        pytest.fail(f"{case.name}: an attention-side class with neither num_heads nor head_dim")
+    positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+    name = type(pe).__name__
+    for h, dh in ((H + 1, DH), (1, DH), (H, 2 * DH), (H, DH // 2)):
+        q, k, v = (torch.randn(B, h, N, dh) for _ in range(3))
+        wrong = (heads is not None and h != heads) or (head_dim is not None and dh != head_dim)
+        if not wrong:   # a bias built for H heads takes any head dim; RoPE any head count
+            assert attention(q, k, v, pe, **positions).shape == (B, h, N, dh)
+            continue
+        with pytest.raises(ValueError, match=f"{name}: q must be \\[\\.\\.\\., H(={heads})?, N, Dh(={head_dim})?\\], "
+                                             f"got \\({B}, {h}, {N}, {dh}\\)"):
+            attention(q, k, v, pe, **positions)
+
+
+def test_attention_rejects_rotary_built_for_another_head_dim():
+    """The one-argument swap of the issue: RotaryPositionalEmbedding(4) (a head count) on head dim 32."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q must be \[\.\.\., H, N, Dh=4\], got \(2, 4, 16, 32\)"):
+        attention(q, k, v, RotaryPositionalEmbedding(4))
+    with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q and k must be \[\.\.\., H, N, Dh=4\]"):
+        RotaryPositionalEmbedding(4).forward_attn(q, k)
+
+
+class TestSmallHelpersReject:
+    """Small entry points: a clear error or the right result, never a NaN or a deep RuntimeError."""
+
+    def test_sinusoidal_embed_rejects_non_finite_positions(self):
+        pe = SinusoidalPositionalEmbedding(8)
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must be finite, got \\["):
+                pe.embed(torch.tensor([bad, 1.0]))
+
+    def test_learned_embed_takes_any_integer_dtype_and_checks_the_device(self):
+        pe = LearnedPositionalEmbedding(8, 4)
+        positions = torch.tensor([0, 3, 7])
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+            torch.testing.assert_close(pe.embed(positions.to(dtype)), pe.weight[positions])
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions must be on the device of the "
+                                             r"table \(cpu\), got positions on meta"):
+            pe.embed(positions.to("meta"))
+
+    def test_fourier_embed_rejects_non_finite_positions_like_forward(self):
+        pe = FourierFeaturePositionalEmbedding(2, 16)
+        bad = torch.tensor([[float("nan"), 0.0]])
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
+            pe.embed(bad)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
+            pe(torch.randn(1, 16), bad)
+
+    def test_xpos_offset_must_be_an_int(self):
+        q = k = torch.randn(1, 2, 3, 8)
+        with pytest.raises(TypeError, match="XPosPositionalEmbedding: offset must be an int, got str '1'"):
+            XPosPositionalEmbedding(8)(q, k, offset="1")
+
+    def test_shaw_value_term_needs_v_of_the_head_dim(self):
+        q, k, v = qkv()
+        wide = torch.randn(B, H, N, DH + 8)
+        with pytest.raises(ValueError, match=r"ShawPositionalEmbedding: v must have the head dim Dh=32 .* "
+                                             r"got v \(2, 4, 16, 40\)"):
+            attention(q, k, wide, ShawPositionalEmbedding(H, DH))
+        no_values = ShawPositionalEmbedding(H, DH, values=False)
+        assert attention(q, k, wide, no_values).shape == (B, H, N, DH + 8)
+
+    @pytest.mark.parametrize("shape, grid", [((0, 5, 16), None), ((2, 0, 5, 16), None), ((0, 3, 4, 16), (2, 2))])
+    def test_convolutional_peg_with_an_empty_batch_returns_empty(self, shape, grid):
+        pe = ConvolutionalPositionalEmbedding(16, num_axes=1 if grid is None else 2)
+        x = torch.randn(shape)
+        out = pe(x, grid)
+        assert out.shape == x.shape
+        full = pe(torch.randn(1, *shape[-2:]), grid)   # and a non-empty batch still works
+        assert full.shape == (1, *shape[-2:])
+
+
+# ---------------------------------------------------------------------------
+# Constructor keywords: num_heads=, head_dim=, dim= read the same for every class
+# ---------------------------------------------------------------------------
+
+# (class, keyword arguments): every class built for a head width takes it as head_dim=, every per-head
+# class its head count as num_heads=; dim= is a token width (or Sandwich's sinusoid width).
+KEYWORD_BUILDS = [
+    (RotaryPositionalEmbedding, dict(head_dim=DH)),
+    (XPosPositionalEmbedding, dict(head_dim=DH)),
+    (AlgebraicSequencePositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (LieREPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (TransformerXLPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (EnformerPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (CoPEPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (ShawPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (DebertaPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (UnifiedPositionalEmbedding, dict(max_len=64, num_heads=H, head_dim=DH)),
+    (T5PositionalEmbedding, dict(num_heads=H)),
+    (ALiBiPositionalEmbedding, dict(num_heads=H)),
+    (KerplePositionalEmbedding, dict(num_heads=H)),
+    (SandwichPositionalEmbedding, dict(num_heads=H, dim=DH)),
+    (FIREPositionalEmbedding, dict(num_heads=H)),
+    (DynamicPositionBias, dict(num_heads=H)),
+    (ForgettingPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (SinusoidalPositionalEmbedding, dict(dim=D)),
+    (LearnedPositionalEmbedding, dict(max_len=64, dim=D)),
+    (ConvolutionalPositionalEmbedding, dict(dim=D, num_axes=1)),
+    (NoPositionalEmbedding, dict(dim=D)),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", KEYWORD_BUILDS, ids=[cls.__name__ for cls, _ in KEYWORD_BUILDS])
+def test_constructor_keywords_read_the_same(cls, kwargs):
+    pe = cls(**kwargs)
+    for name, value in kwargs.items():
+        if name in ("num_heads", "head_dim", "dim"):
+            assert getattr(pe, name) == value, name
+
+
+@pytest.mark.parametrize("cls", [RotaryPositionalEmbedding, XPosPositionalEmbedding])
+def test_head_dim_alias_of_dim(cls):
+    torch.manual_seed(0)
+    q, k, _ = qkv()
+    torch.testing.assert_close(cls(head_dim=DH).forward_attn(q, k), cls(DH).forward_attn(q, k))
+    assert cls(head_dim=DH).dim == DH
+    name = cls.__name__
+    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both .* got dim=32 and head_dim=16"):
+        cls(DH, head_dim=16)
+    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both"):
+        cls(dim=DH, head_dim=DH)
+    with pytest.raises(TypeError, match=f"{name}: missing the required argument dim \\(or its keyword alias head_dim\\)"):
+        cls()
