@@ -6186,7 +6186,7 @@ _ROPE_MODEL_TYPES = frozenset({
     "dots3_note", "dots3_note_audio_encoder", "dots3_note_text", "embedding_gemma2", "embedding_gemma2_text",
     "emu3", "emu3_text_model", "ernie4_5", "ernie4_5_moe", "esmc", "eurobert", "evolla", "exaone4",
     "exaone_moe", "falcon", "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2", "gemma3", "gemma3_text",
-    "gemma3n", "gemma3n_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm4v", "glm4v_text", "glm_moe_dsa",
+    "gemma3n", "gemma3n_text", "gemma4_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm4v", "glm4v_text", "glm_moe_dsa",
     "glm_ocr", "glm_ocr_text", "glmasr", "glmasr_encoder", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
     "gradium_phonon_tts", "granite", "granite4_vision", "granite4_vision_text", "granite_docling",
     "granite_docling_text", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",

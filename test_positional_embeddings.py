@@ -6582,7 +6582,8 @@ CENSUS_SCALINGS = {
 }
 # (model type, rope type) pairs not tried: transformers' legacy Phi-3 configs spell longrope "yarn", and
 # from_config reads them so (test_phi3_longrope), where the 5.x module would compute YaRN for the dict
-CENSUS_SKIP = {("phi3", "yarn")}
+# Gemma 4: its proportional full-attention layers only (other rope types with its partial factor: not checked)
+CENSUS_SKIP = {("phi3", "yarn")} | {("gemma4_text", name) for name in CENSUS_SCALINGS}
 # default configs whose head dims are odd or inconsistent: the smallest change that makes them valid
 # (released GLM-4V and Qwen4-exp configs set the partial_rotary_factor that their default sections assume)
 CENSUS_CONFIG_FIXES = {"glm4_moe": {"head_dim": 64}, "glm4v_moe": {"head_dim": 64}, "glm4v_moe_text": {"head_dim": 64},
@@ -6615,11 +6616,21 @@ def census_config(model_type: str):
     return config
 
 
+# model types whose default config the census cannot read: a tiny config of theirs instead
+# (Gemma 4's default is heterogeneous per layer: its head_dim is read per layer through per_layer_config)
+CENSUS_CONFIG_KWARGS = {"gemma4_text": dict(
+    **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1e6}})}
+
+
 @functools.lru_cache(maxsize=None)
 def census_default_config(model_type: str):
-    """The default config, built once (census_config hands out copies to change)."""
+    """The default (or CENSUS_CONFIG_KWARGS) config, built once (census_config hands out copies to change)."""
     from transformers.models.auto import configuration_auto
-    return configuration_auto.CONFIG_MAPPING[model_type]()
+    return configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_CONFIG_KWARGS.get(model_type, {}))
 
 
 def census_text(config):
