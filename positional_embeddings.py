@@ -2077,7 +2077,7 @@ class _RelativeBias(PositionalEmbedding):
 def _row_lookup(positions: Tensor):
     """``(b, index) -> position`` for FlexAttention: ``[N]``, or ``[R, 1.., N]`` rows (R = 1 shared, or B)."""
     rows = positions.reshape(-1, positions.shape[-1])                                   # [R, N]
-    if rows.shape[0] == 1:  # row 0 is taken here: a Python int beside a tensor index does not trace before torch 2.9
+    if rows.shape[0] == 1:  # row 0 taken here: an int beside a tensor index does not trace on torch <= 2.8
         shared = rows[0]                                                                # [N]
         return lambda b, index: shared[index]
     return lambda b, index: rows[b, index]
