@@ -6538,7 +6538,7 @@ def test_attention_bias_with_raw_batched_positions_is_per_batch(case, batch):
         base_q = base_k = torch.arange(n)
     rows_q = torch.stack([base_q.roll(b, 0) if not pe.integer_positions else base_q for b in range(batch)])
     rows_k = torch.stack([base_k + (0 if pe.integer_positions else b) for b in range(batch)])
-    if isinstance(pe, RelativePositionBias2D | ContinuousPositionBias):   # token indices in the window
+    if isinstance(pe, (RelativePositionBias2D, ContinuousPositionBias)):   # token indices in the window
         rows_q = torch.stack([base_q.flip(0) if b % 2 else base_q for b in range(batch)])
     got = pe.attention_bias(n, n, rows_q, rows_k)
     assert got.shape == (batch, H, n, n)
