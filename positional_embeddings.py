@@ -89,6 +89,7 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 """
 
 import functools
+import inspect
 import math
 import numbers
 import operator
@@ -190,9 +191,6 @@ def _check_tensor(owner: str, name: str, value, min_dim: int) -> None:
         )
 
 
-def _check_base(owner: str, base) -> None:
-    """A frequency base: a finite real number > 1."""
-    _as_float(owner, "base", base, minimum=1.0, exclusive=True)
 
 
 def _describe(value) -> str:
@@ -239,9 +237,12 @@ def _as_int(owner: str, name: str, value, minimum: Optional[int] = 1) -> int:
     return number
 
 
-def _check_positive_int(owner: str, name: str, value) -> int:
-    """A positive integer size; returns it as an int."""
-    return _as_int(owner, name, value, 1)
+def _check_positive_int(owner: str, name: str, value, maximum: Optional[int] = None) -> int:
+    """A positive integer size (at most ``maximum``); returns it as an int."""
+    number = _as_int(owner, name, value, 1)
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{owner}: {name} must be at most {maximum}, got {name}={number}")
+    return number
 
 
 def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
@@ -275,6 +276,64 @@ def _check_choice(owner: str, name: str, value, choices: tuple):
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, choices))}, got {name}={_describe(value)}")
     return value
+
+
+def _positive_float(owner: str, name: str, value) -> float:
+    return _as_float(owner, name, value, minimum=0.0, exclusive=True)
+
+
+def _non_negative_float(owner: str, name: str, value) -> float:
+    return _as_float(owner, name, value, minimum=0.0)
+
+
+def _frequency_base(owner: str, name: str, value) -> float:
+    """A frequency base: a finite real number > 1."""
+    return _as_float(owner, name, value, minimum=1.0, exclusive=True)
+
+
+def _even_int(owner: str, name: str, value) -> int:
+    """A positive even int (a width split into pairs)."""
+    if _check_positive_int(owner, name, value) % 2:
+        raise ValueError(f"{owner}: {name} must be a positive even int, got {name}={value!r}")
+    return operator.index(value)
+
+
+# Constructor arguments checked by name before any __init__ of an encoding runs (PositionalEmbedding
+# wraps every subclass's __init__); a class declares its own in ``arguments``, which take precedence.
+# None passes where None is the default. Each check returns the normalised value (an int, a float).
+_ARGUMENTS = {
+    "num_heads": _check_positive_int, "head_dim": _check_positive_int, "dim": _check_positive_int,
+    "hidden_dim": _check_positive_int, "max_len": _check_positive_int, "num_axes": _check_positive_int,
+    "base": _frequency_base, "init_std": _non_negative_float,
+    "bidirectional": _check_flag, "interleaved": _check_flag,
+}
+
+
+def _declared_check(cls: type, name: str):
+    """The check of constructor argument ``name`` for ``cls``: its own ``arguments`` (the nearest class
+    declaring it), else the shared ``_ARGUMENTS``, else None."""
+    for klass in cls.__mro__:
+        declared = vars(klass).get("arguments", {})
+        if name in declared:
+            return declared[name]
+    return _ARGUMENTS.get(name)
+
+
+def _checking_arguments(init):
+    """``init`` with its declared arguments checked and normalised first (see ``_ARGUMENTS``)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        owner = type(self).__name__
+        for name, value in list(bound.arguments.items())[1:]:
+            check = _declared_check(type(self), name)
+            if check is not None and not (value is None and signature.parameters[name].default is None):
+                bound.arguments[name] = check(owner, name, value)
+        init(*bound.args, **bound.kwargs)
+    checked._checks_arguments = True
+    return checked
 
 
 def _current_default_device() -> torch.device:
@@ -472,6 +531,13 @@ class PositionalEmbedding(nn.Module):
     num_axes: int = 1       # position axes A: positions are [..., N] or, for A > 1, [..., N, A]
     integer_positions: bool = False  # positions index buckets, tables or tree nodes: floats are a TypeError
     takes_positions: bool = True     # False: order comes from the content (contextual, recurrent, gated)
+    arguments: dict = {}             # constructor checks by argument name, beyond the shared _ARGUMENTS
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = vars(cls).get("__init__")
+        if init is not None and not getattr(init, "_checks_arguments", False):
+            cls.__init__ = _checking_arguments(init)
 
     @property
     def is_causal(self) -> bool:
@@ -1079,7 +1145,6 @@ class SinusoidalPositionalEmbedding(PositionalEmbedding):
         if spectrum == "fairseq" and dim // (2 * num_axes) < 2:
             raise ValueError(f"{owner}: spectrum='fairseq' needs at least 2 frequencies per axis "
                              f"(its denominator is F - 1), got dim={dim} for {num_axes} axes")
-        _check_base(owner, base)
         _check_choice(owner, "layout", layout, ("interleaved", "concat"))
         padding_idx = None if padding_idx is None else _as_int(owner, "padding_idx", padding_idx, minimum=None)
         num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, minimum=0)
@@ -1693,7 +1758,6 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        _check_base(owner, base)
         self.dim, self.base = dim, float(base)
         self.interleaved = _check_flag(owner, "interleaved", interleaved)
         params = _check_scaling(owner, scaling, self.base)
@@ -1970,108 +2034,134 @@ def _pair_distances(owner: str, q_len: int, k_len: int, positions_q: Optional[Te
     return positions_k.unsqueeze(-2) - positions_q.unsqueeze(-1)
 
 
-def _check_bias_call(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                     positions_k: Optional[Tensor], device=None) -> tuple:
-    """Validate ``forward(q_len, k_len, positions_q=, positions_k=)`` of a bias; return the positions
-    as ``attention_bias`` takes them (``[B, N]`` becomes ``[B, 1, N]``: one row for all heads). Positions
-    must be on ``device`` (default: the module's)."""
-    owner = type(module).__name__
-    for name, length in (("q_len", q_len), ("k_len", k_len)):
-        if isinstance(length, Tensor):
-            raise TypeError(f"{owner}: {name} must be an int (this bias is called with lengths, "
-                            f"forward(q_len, k_len)), got {_describe(length)}")
-    q_len, k_len = _check_positive_int(owner, "q_len", q_len), _check_positive_int(owner, "k_len", k_len)
-    batch_dim = 2 if module.num_axes == 1 else 3
-    batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == batch_dim}
-    if len(batches - {1}) > 1:
-        raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size (or 1), "
-                         f"got {sorted(batches)}")
-    lead = (max(batches), 1) if batches else ()
-    integer = module.integer_positions
-    axes = module.num_axes
-    if axes > 1 and (positions_q is None or positions_k is None):
-        raise ValueError(f"{owner}: positions_q and positions_k are required for {axes} axes "
-                         f"(shape [N, {axes}] or [B, N, {axes}]), got None")
-    device = module._buffer_device() if device is None else device
-    return (_check_positions(owner, "positions_q", positions_q, lead, q_len, axes, integer, device),
-            _check_positions(owner, "positions_k", positions_k, lead, k_len, axes, integer, device))
+class _PairwiseBias(PositionalEmbedding):
+    """The ``"bias"`` kind: an additive bias as a function of (query position, key position, head).
 
+    A subclass writes that function element-wise: ``pair_bias(pos_q, pos_k, head)`` on broadcasting
+    tensors or, when it depends on the key - query distance alone (``distance_only``),
+    ``bias_at(distance, head)``. This base owns the rest of the contract:
 
-def _bias_positions(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                    positions_k: Optional[Tensor], device=None) -> tuple:
-    """``attention_bias``'s positions in the form the base hands them: int64 or float64, ``[N(, A)]`` or
-    ``[B, 1, .., 1, N(, A)]`` (a slot for the heads). Positions as a caller writes them (``[B, N(, A)]``, a
-    narrower dtype, another device) are validated and reshaped as ``forward`` does, so that a direct
-    ``attention_bias(q_len, k_len, positions_q, positions_k)`` returns ``[B, H, Nq, Nk]``."""
-    axes = 0 if module.num_axes == 1 else 1
-
-    target = module._buffer_device() if device is None else torch.device(device)
-
-    def ready(p: Optional[Tensor], n: int) -> bool:
-        return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64) and p.dim() != 2 + axes
-                             and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
-                             and (target is None or p.device == target))
-
-    if ready(positions_q, q_len) and ready(positions_k, k_len):
-        return positions_q, positions_k
-    return _check_bias_call(module, q_len, k_len, positions_q, positions_k, device)
-
-
-class _RelativeBias(PositionalEmbedding):
-    """An additive bias that is a function of (key - query distance, head) only.
-
-    Subclasses define ``bias_at(distance, head)`` elementwise (broadcasting); this class
-    builds the dense ``[H, Nq, Nk]`` bias from the ``Nq + Nk - 1`` distinct distances of
-    default positions (an O(N) evaluation and one pass over the output), evaluates it on the
-    distance grid of explicit positions, and hands it to FlexAttention as a ``score_mod``.
+    * ``forward(q_len, k_len, *, positions_q=None, positions_k=None)`` and ``attention_bias``:
+      positions validated (``[N(, A)]`` or ``[B, N(, A)]``) and defaulted (keys ``arange(Nk)``,
+      queries the last ``Nq`` of them), then the dense float32 bias ``[(B,) H, Nq, Nk]``: the
+      formula broadcast over the pair grid (``dense_bias``; a subclass may replace it by a faster
+      evaluation of the same formula) or, for default positions of a ``distance_only`` bias, its
+      ``Nq + Nk - 1`` distinct distances evaluated once and laid out Toeplitz-wise;
+    * ``score_mod``: the same bias for FlexAttention, per logit from the per-distance values, from
+      ``pair_bias`` itself (``pointwise``), or from the dense bias.
     """
 
     kind = "bias"
-    translation_invariant = True
-    integer_positions = True   # distances index buckets
+    distance_only = False   # pair_bias(pos_q, pos_k, h) == bias_at(pos_k - pos_q, h): Toeplitz for defaults
+    pointwise = True        # pair_bias is made of pointwise ops: score_mod evaluates it per logit
 
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
-        """Bias for key - query ``distance`` at head index ``head`` (broadcasting tensors)."""
+        """The bias at key - query ``distance`` for head ``head`` (broadcasting): ``distance_only`` biases."""
         raise NotImplementedError
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+        """The bias of query position ``pos_q``, key position ``pos_k`` and head ``head`` (broadcasting;
+        several position axes come last, ``[..., A]``)."""
+        return self.bias_at(pos_k - pos_q, head)
+
+    def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """``pair_bias`` over the grid of ``pos_q`` ``[(R, 1..,) Nq(, A)]`` and ``pos_k`` ``[(R, 1..,) Nk(, A)]``
+        (a batch row's positions keep a slot for the heads): ``[(R, 1..,) H, Nq, Nk]``."""
+        axes = int(self.num_axes > 1)
+        heads = torch.arange(self.num_heads, device=pos_q.device)[:, None, None]       # [H, 1, 1]
+        return self.pair_bias(pos_q.unsqueeze(-1 - axes), pos_k.unsqueeze(-2 - axes), heads)
 
     def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None) -> Tensor:
         """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
-        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+        return self.attention_bias(q_len, k_len, *self._validated(q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
+        positions_q, positions_k = self._prepared(q_len, k_len, positions_q, positions_k, device)
         device = self._buffer_device() if device is None else device
-        heads = torch.arange(self.num_heads, device=device)
         if q_len == 0 or k_len == 0:
             return torch.zeros(self.num_heads, q_len, k_len, device=device)
-        if positions_q is None and positions_k is None:
-            distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
-            return _toeplitz(self.bias_at(distances, heads[:, None]), q_len, k_len)       # [H, Nq, Nk]
-        distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
-        return self.bias_at(distances, heads[:, None, None])                            # [(B, 1..,) H, Nq, Nk]
+        if positions_q is None and positions_k is None and self.distance_only:
+            return _toeplitz(self._per_distance(q_len, k_len, device), q_len, k_len)     # [H, Nq, Nk]
+        return self.dense_bias(*self._positions(q_len, k_len, positions_q, positions_k, device))
 
     def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
                   positions_k: Optional[Tensor] = None):
         """A FlexAttention ``score_mod`` adding this bias: ``flex_attention(q, k, v, score_mod=...)``.
 
-        Default positions close over the ``Nq + Nk - 1`` per-distance values only; explicit
-        ``[N]``, ``[1, N]`` or ``[B, N]`` positions (validated and widened as everywhere) are
-        looked up per element.
+        Default positions of a ``distance_only`` bias close over its ``Nq + Nk - 1`` per-distance
+        values; other positions are looked up per element, and a ``pointwise`` bias is evaluated
+        there; any other bias is read from its dense ``[(B,) H, Nq, Nk]`` tensor.
         """
-        owner = type(self).__name__
-        positions_q, positions_k = _check_bias_call(self, q_len, k_len, positions_q, positions_k)
+        positions_q, positions_k = self._validated(q_len, k_len, positions_q, positions_k)
         device = self._buffer_device()
-        heads = torch.arange(self.num_heads, device=device)
-        if positions_q is None and positions_k is None:
-            values = self.bias_at(_default_distances(q_len, k_len, device), heads[:, None])   # [H, Nq + Nk - 1]
+        if positions_q is None and positions_k is None and self.distance_only:
+            values = self._per_distance(q_len, k_len, device)                            # [H, Nq + Nk - 1]
             return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + q_len - 1].to(score.dtype)
-        pick_q = _row_lookup(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        pick_k = _row_lookup(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
+        pos_q, pos_k = self._positions(q_len, k_len, positions_q, positions_k, device)
+        if not (self.pointwise and self.num_axes == 1):
+            return _dense_score_mod(self.dense_bias(pos_q, pos_k))
+        pick_q, pick_k = _row_lookup(pos_q), _row_lookup(pos_k)
 
         def add_bias(score, b, h, q_idx, kv_idx):
-            return score + self.bias_at(pick_k(b, kv_idx) - pick_q(b, q_idx), h).to(score.dtype)
+            return score + self.pair_bias(pick_q(b, q_idx), pick_k(b, kv_idx), h).to(score.dtype)
         return add_bias
+
+    def _per_distance(self, q_len: int, k_len: int, device) -> Tensor:
+        """``bias_at`` of the ``Nq + Nk - 1`` distances of default positions: [H, Nq + Nk - 1]."""
+        heads = torch.arange(self.num_heads, device=device)
+        return self.bias_at(_default_distances(q_len, k_len, device), heads[:, None])
+
+    def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                   device) -> tuple:
+        """Validated positions on ``device``, or the defaults: keys ``arange(Nk)``, queries the last ``Nq``."""
+        pos_q = _default_positions(q_len, _query_offset(q_len, k_len), device) if positions_q is None \
+            else positions_q.to(device)
+        pos_k = _default_positions(k_len, 0, device) if positions_k is None else positions_k.to(device)
+        return pos_q, pos_k
+
+    def _validated(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                   device=None) -> tuple:
+        """Validate ``forward(q_len, k_len, positions_q=, positions_k=)``; return the positions in the base's
+        form (``[B, N(, A)]`` becomes ``[B, 1, N(, A)]``: one row for every head). Positions must be on
+        ``device`` (default: the module's)."""
+        owner = type(self).__name__
+        for name, length in (("q_len", q_len), ("k_len", k_len)):
+            if isinstance(length, Tensor):
+                raise TypeError(f"{owner}: {name} must be an int (this bias is called with lengths, "
+                                f"forward(q_len, k_len)), got {_describe(length)}")
+        q_len, k_len = _check_positive_int(owner, "q_len", q_len), _check_positive_int(owner, "k_len", k_len)
+        axes = self.num_axes
+        batch_dim = 2 if axes == 1 else 3
+        batches = {p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor) and p.dim() == batch_dim}
+        if len(batches - {1}) > 1:
+            raise ValueError(f"{owner}: positions_q and positions_k must have the same batch size (or 1), "
+                             f"got {sorted(batches)}")
+        if axes > 1 and (positions_q is None or positions_k is None):
+            raise ValueError(f"{owner}: positions_q and positions_k are required for {axes} axes "
+                             f"(shape [N, {axes}] or [B, N, {axes}]), got None")
+        lead = (max(batches), 1) if batches else ()
+        device = self._buffer_device() if device is None else device
+        integer = self.integer_positions
+        return (_check_positions(owner, "positions_q", positions_q, lead, q_len, axes, integer, device),
+                _check_positions(owner, "positions_k", positions_k, lead, k_len, axes, integer, device))
+
+    def _prepared(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                  device=None) -> tuple:
+        """``attention_bias``'s positions: those already in the base's form (int64 or float64, ``[N(, A)]``
+        or ``[B, 1, .., 1, N(, A)]``, on ``device``) pass as they are; others (a direct call with
+        ``[B, N]``, a narrower dtype, another device) are validated as ``forward`` does."""
+        axes = int(self.num_axes > 1)
+        target = self._buffer_device() if device is None else torch.device(device)
+
+        def ready(p: Optional[Tensor], n: int) -> bool:
+            return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64) and p.dim() != 2 + axes
+                                 and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
+                                 and (target is None or p.device == target))
+
+        if ready(positions_q, q_len) and ready(positions_k, k_len):
+            return positions_q, positions_k
+        return self._validated(q_len, k_len, positions_q, positions_k, device)
 
 
 def _row_lookup(positions: Tensor):
@@ -2081,6 +2171,15 @@ def _row_lookup(positions: Tensor):
         shared = rows[0]                                                                # [N]
         return lambda b, index: shared[index]
     return lambda b, index: rows[b, index]
+
+
+def _dense_score_mod(bias: Tensor):
+    """A ``score_mod`` reading a dense bias ``[(R, 1..,) H, Nq, Nk]`` (R = 1 shared, or B)."""
+    rows = bias.reshape(-1, *bias.shape[-3:])                                           # [R, H, Nq, Nk]
+    if rows.shape[0] == 1:  # row 0 taken outside the score_mod, as in _row_lookup
+        shared = rows[0]                                                                # [H, Nq, Nk]
+        return lambda score, b, h, q_idx, kv_idx: score + shared[h, q_idx, kv_idx].to(score.dtype)
+    return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
 
 
 def _check_buckets(owner: str, num_buckets, max_distance, bidirectional) -> tuple:
@@ -2134,7 +2233,7 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
     return buckets + torch.where(n < max_exact, n, large)
 
 
-class T5PositionalEmbedding(_RelativeBias):
+class T5PositionalEmbedding(_PairwiseBias):
     """T5's bucketed relative position bias (Raffel et al., arXiv:1910.10683).
 
     ``bias[h, i, j] = relative_attention_bias.weight[bucket(pos_k[j] - pos_q[i]), h]``, with
@@ -2161,14 +2260,15 @@ class T5PositionalEmbedding(_RelativeBias):
         torch.Size([8, 16, 16])
     """
 
+    distance_only = translation_invariant = True
+    integer_positions = True   # distances index buckets
+
     def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool = True, init_std: float = 0.02) -> None:
         super().__init__()
-        owner = type(self).__name__
-        num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        num_buckets, max_distance, bidirectional = _check_buckets(owner, num_buckets, max_distance, bidirectional)
+        num_buckets, max_distance, _ = _check_buckets(type(self).__name__, num_buckets, max_distance, bidirectional)
         self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
-        self.bidirectional, self.init_std = bidirectional, _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.bidirectional, self.init_std = bidirectional, init_std
         self.relative_attention_bias = _uninitialised(nn.Embedding, num_buckets, num_heads)   # [buckets, H]
         self.reset_parameters()
 
@@ -2212,9 +2312,7 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list:
     the paper; MPT exposes it as ``alibi_bias_max``.
     """
     owner = "alibi_slopes"
-    num_heads = _check_positive_int(owner, "num_heads", num_heads)
-    if num_heads > _MAX_HEADS:
-        raise ValueError(f"{owner}: num_heads must be at most {_MAX_HEADS}, got num_heads={num_heads}")
+    num_heads = _check_positive_int(owner, "num_heads", num_heads, maximum=_MAX_HEADS)
     max_bias = _as_float(owner, "max_bias", max_bias, minimum=0.0, exclusive=True)
 
     def geometric(n: int) -> list:
@@ -2226,7 +2324,7 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list:
     return geometric(lower) + alibi_slopes(2 * lower, max_bias)[0::2][: num_heads - lower]
 
 
-class ALiBiPositionalEmbedding(_RelativeBias):
+class ALiBiPositionalEmbedding(_PairwiseBias):
     """Attention with Linear Biases (Press et al., arXiv:2108.12409).
 
     ``bias[h, i, j] = -slopes[h] * |pos_q[i] - pos_k[j]|``; in the paper's causal mode
@@ -2258,21 +2356,18 @@ class ALiBiPositionalEmbedding(_RelativeBias):
         tensor([0.5000, 0.2500])
     """
 
-    integer_positions = False
+    distance_only = translation_invariant = True
+    arguments = {"num_heads": functools.partial(_check_positive_int, maximum=_MAX_HEADS),
+                 "max_bias": _positive_float, "num_alibi_heads": _check_positive_int}
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False, slopes: Optional[list] = None,
                  max_bias: float = 8.0, num_alibi_heads: Optional[int] = None, num_axes: int = 1) -> None:
         super().__init__()
         owner = type(self).__name__
-        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        if self.num_heads > _MAX_HEADS:
-            raise ValueError(f"{owner}: num_heads must be at most {_MAX_HEADS}, got num_heads={num_heads}")
-        self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
-        self.max_bias = _as_float(owner, "max_bias", max_bias, minimum=0.0, exclusive=True)
-        self.num_alibi_heads = self.num_heads if num_alibi_heads is None else \
-            _check_positive_int(owner, "num_alibi_heads", num_alibi_heads)
-        if self.num_alibi_heads > self.num_heads:
-            raise ValueError(f"{owner}: num_alibi_heads must be <= num_heads={self.num_heads}, "
+        self.num_heads, self.bidirectional, self.max_bias, self.num_axes = num_heads, bidirectional, max_bias, num_axes
+        self.num_alibi_heads = num_heads if num_alibi_heads is None else num_alibi_heads
+        if self.num_alibi_heads > num_heads:
+            raise ValueError(f"{owner}: num_alibi_heads must be <= num_heads={num_heads}, "
                              f"got num_alibi_heads={self.num_alibi_heads}")
         if slopes is not None:
             slopes = [_as_float(owner, "slopes", slope, minimum=0.0) for slope in _as_list(owner, "slopes", slopes)]
@@ -2280,11 +2375,9 @@ class ALiBiPositionalEmbedding(_RelativeBias):
                 raise ValueError(f"{owner}: slopes must have num_alibi_heads={self.num_alibi_heads} entries, "
                                  f"got {len(slopes)}")
         self.explicit_slopes = slopes
-        self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
-        if self.num_axes > 1 and not self.bidirectional:
-            raise ValueError(f"{owner}: num_axes={self.num_axes} (Euclidean distance) has no causal order; "
+        if num_axes > 1 and not bidirectional:
+            raise ValueError(f"{owner}: num_axes={num_axes} (Euclidean distance) has no causal order; "
                              f"pass bidirectional=True")
-        self.translation_invariant = True
         self._init_buffers(None)
 
     @classmethod
@@ -2315,28 +2408,17 @@ class ALiBiPositionalEmbedding(_RelativeBias):
             return bias
         return bias.masked_fill(distance > 0, float("-inf"))
 
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
         if self.num_axes == 1:
-            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
-        device = self.slopes.device if device is None else device
-        offsets = positions_k.to(device).unsqueeze(-3) - positions_q.to(device).unsqueeze(-2)   # [.., Nq, Nk, A]
-        squared = offsets.to(torch.float64).square().sum(-1)                            # [(B, 1..,) Nq, Nk]
+            return self.bias_at(pos_k - pos_q, head)
+        squared = (pos_k - pos_q).to(torch.float64).square().sum(-1)
         # sqrt's slope is infinite at 0: a double where keeps float positions' gradient finite there
         # (0, the symmetric subgradient of the cone |offset|)
         positive = squared > 0
-        distance = torch.where(positive, torch.where(positive, squared, 1.0).sqrt(), 0.0)
-        heads = torch.arange(self.num_heads, device=device)[:, None, None]
-        return self.bias_at(distance, heads)                                            # [(B, 1..,) H, Nq, Nk]
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        if self.num_axes == 1:
-            return super().score_mod(q_len, k_len, positions_q, positions_k)
-        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
+        return self.bias_at(torch.where(positive, torch.where(positive, squared, 1.0).sqrt(), 0.0), head)
 
 
-class UnifiedPositionalEmbedding(PositionalEmbedding):
+class UnifiedPositionalEmbedding(_PairwiseBias):
     """TUPE: untied positional attention (Ke, He and Liu, arXiv:2006.15595).
 
     Positions never touch the token states. Instead a learned absolute table ``p`` (shared
@@ -2371,21 +2453,17 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
         torch.Size([12, 128, 128])
     """
 
-    kind = "bias"
     integer_positions = True
+    pointwise = False   # a learned [H, Nq, Nk] correlation: score_mod reads the dense bias
+    arguments = {"relative_bias": _check_flag, "cls_token": _check_flag}
 
     def __init__(self, max_len: int, num_heads: int, head_dim: int, *, relative_bias: bool = True,
                  num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True,
                  cls_token: bool = False, init_std: float = 0.02) -> None:
         super().__init__()
-        owner = type(self).__name__
-        max_len, num_heads, head_dim = (_check_positive_int(owner, name, value) for name, value in (
-            ("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)))
-        relative_bias = _check_flag(owner, "relative_bias", relative_bias)
-        num_buckets, max_distance, bidirectional = _check_buckets(owner, num_buckets, max_distance, bidirectional)
+        num_buckets, max_distance, _ = _check_buckets(type(self).__name__, num_buckets, max_distance, bidirectional)
         self.max_len, self.num_heads, self.head_dim = max_len, num_heads, head_dim
-        self.cls_token = _check_flag(owner, "cls_token", cls_token)
-        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.cls_token, self.init_std = cls_token, init_std
         width = num_heads * head_dim
         self.position_embeddings = _uninitialised(nn.Embedding, max_len, width)         # p: [max_len, H * Dh]
         self.pos_ln = nn.LayerNorm(width)
@@ -2423,32 +2501,15 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
     def logit_scale(self, head_dim: int) -> float:
         return (2 * head_dim) ** -0.5
 
-    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None) -> Tensor:
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
-        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
-
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
-        owner = type(self).__name__
-        device = self.position_embeddings.weight.device if device is None else device
-        unhead = lambda p: p.squeeze(-2) if p.dim() > 1 else p                          # [B, 1.., 1, N] -> [B, 1.., N]
-        pos_q = unhead(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        pos_k = unhead(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
-        bias = self._correlation(pos_q, pos_k)                                          # [(B, 1..,) H, Nq, Nk]
+    def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        bias = self._correlation(_unhead(pos_q), _unhead(pos_k))                        # [(B, 1..,) H, Nq, Nk]
         if self.relative is not None:
-            bias = bias + self.relative.attention_bias(q_len, k_len, positions_q, positions_k, device=device)
+            bias = bias + self.relative.dense_bias(pos_q, pos_k)
         if self.cls_token:  # column first, then row: the [CLS] query keeps cls_to_others on itself
             heads = (-1, 1, 1)
-            bias = torch.where((pos_k == 0).unsqueeze(-2).unsqueeze(-3), self.others_to_cls.view(heads).to(bias.dtype), bias)
-            bias = torch.where((pos_q == 0).unsqueeze(-1).unsqueeze(-3), self.cls_to_others.view(heads).to(bias.dtype), bias)
+            bias = torch.where((pos_k == 0).unsqueeze(-2), self.others_to_cls.view(heads).to(bias.dtype), bias)
+            bias = torch.where((pos_q == 0).unsqueeze(-1), self.cls_to_others.view(heads).to(bias.dtype), bias)
         return bias
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod`` adding this bias (it indexes the dense bias: the
-        absolute part is a learned ``[H, Nq, Nk]`` correlation, not a function of distance)."""
-        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
 
     def _correlation(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``(U_q LN(p_i)) . (U_k LN(p_j)) / sqrt(2 Dh)`` per head: [(B,) H, Nq, Nk], float32."""
@@ -2462,19 +2523,6 @@ class UnifiedPositionalEmbedding(PositionalEmbedding):
         pos_query = project(self.pos_q_linear, pos_q) * self.logit_scale(self.head_dim)
         correlation = torch.matmul(pos_query, project(self.pos_k_linear, pos_k).transpose(-1, -2))
         return correlation.to(_compute_dtype(correlation.dtype))
-
-
-def _dense_score_mod(module: PositionalEmbedding, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                     positions_k: Optional[Tensor]):
-    """A ``score_mod`` that indexes the module's dense bias (for biases that are not a function of one
-    distance: TUPE's absolute correlation, Euclidean ALiBi)."""
-    positions_q, positions_k = _check_bias_call(module, q_len, k_len, positions_q, positions_k)
-    bias = module.attention_bias(q_len, k_len, positions_q, positions_k)               # [(R,) H, Nq, Nk]
-    rows = bias.reshape(-1, *bias.shape[-3:])                                           # [R, H, Nq, Nk], R = 1 or B
-    if rows.shape[0] == 1:  # row 0 taken outside the score_mod, as in _row_lookup
-        shared = rows[0]                                                                # [H, Nq, Nk]
-        return lambda score, b, h, q_idx, kv_idx: score + shared[h, q_idx, kv_idx].to(score.dtype)
-    return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
 
 
 def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
@@ -2638,7 +2686,6 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
         if d_model % 2:
             raise ValueError(f"{owner}: d_model must be a positive even int, got d_model={d_model!r}")
         clamp_len = None if clamp_len is None else _check_positive_int(owner, "clamp_len", clamp_len)
-        _check_base(owner, base)
         self.d_model, self.base, self.clamp_len = d_model, float(base), clamp_len
         self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
         self.r_net = _uninitialised(nn.Linear, d_model, self.num_heads * self.head_dim, bias=False)   # W_r
@@ -2948,7 +2995,6 @@ class XPosPositionalEmbedding(PositionalEmbedding):
         dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
         if dim % 2:
             raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        _check_base(owner, base)
         self.dim, self.base = dim, float(base)
         self.scale_base = _as_float(owner, "scale_base", scale_base, minimum=0.0, exclusive=True)
         self.gamma = _as_float(owner, "gamma", gamma, minimum=0.0, exclusive=True)
@@ -3038,7 +3084,7 @@ def _clamp_straight_through(x: Tensor, low: float, high: Optional[float] = None)
     return _StraightThroughClamp.apply(x, low, high)
 
 
-class KerplePositionalEmbedding(_RelativeBias):
+class KerplePositionalEmbedding(_PairwiseBias):
     """KERPLE: a learned conditionally positive definite kernel of the distance (Chi et al. 2022).
 
     Chi, Fan, Ramadge and Rudnicky, "KERPLE: Kernelized Relative Positional Embedding for
@@ -3079,18 +3125,16 @@ class KerplePositionalEmbedding(_RelativeBias):
         torch.Size([8, 16, 16])
     """
 
-    integer_positions = False
+    distance_only = translation_invariant = True
+    arguments = {"kernel": functools.partial(_check_choice, choices=("log", "power")),
+                 "eps": functools.partial(_as_float, minimum=0.0, maximum=2.0, exclusive=True)}
 
     def __init__(self, num_heads: int, *, kernel: Literal["log", "power"] = "log", bidirectional: bool = False,
                  eps: float = 1e-2) -> None:
         super().__init__()
-        owner = type(self).__name__
-        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        _check_choice(owner, "kernel", kernel, ("log", "power"))
-        self.kernel, self.bidirectional = kernel, _check_flag(owner, "bidirectional", bidirectional)
-        self.eps = _as_float(owner, "eps", eps, minimum=0.0, maximum=2.0, exclusive=True)
-        self.bias_p = nn.Parameter(torch.empty(self.num_heads, 1, 1))   # log: r1; power: r2 (exponent)
-        self.bias_a = nn.Parameter(torch.empty(self.num_heads, 1, 1))   # log: r2; power: r1
+        self.num_heads, self.kernel, self.bidirectional, self.eps = num_heads, kernel, bidirectional, eps
+        self.bias_p = nn.Parameter(torch.empty(num_heads, 1, 1))   # log: r1; power: r2 (exponent)
+        self.bias_a = nn.Parameter(torch.empty(num_heads, 1, 1))   # log: r2; power: r1
         self.reset_parameters()
 
     def extra_repr(self) -> str:
@@ -3137,7 +3181,7 @@ class KerplePositionalEmbedding(_RelativeBias):
         return -a * torch.where(positive, torch.where(positive, d, torch.ones_like(d)).pow(p), 0.0)
 
 
-class SandwichPositionalEmbedding(_RelativeBias):
+class SandwichPositionalEmbedding(_PairwiseBias):
     """Sandwich: the inner product of sinusoidal embeddings as a bias (Chi et al. 2023).
 
     Chi, Fan, Rudnicky and Ramadge, "Dissecting Transformer Length Extrapolation via the
@@ -3174,17 +3218,12 @@ class SandwichPositionalEmbedding(_RelativeBias):
         torch.Size([8, 16, 16])
     """
 
-    integer_positions = False
+    distance_only = translation_invariant = True
+    arguments = {"dim": _even_int}
 
     def __init__(self, num_heads: int, dim: int, *, base: float = 10000.0, bidirectional: bool = False) -> None:
         super().__init__()
-        owner = type(self).__name__
-        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        self.dim = _check_positive_int(owner, "dim", dim)
-        if self.dim % 2:
-            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        _check_base(owner, base)
-        self.base, self.bidirectional = float(base), _check_flag(owner, "bidirectional", bidirectional)
+        self.num_heads, self.dim, self.base, self.bidirectional = num_heads, dim, base, bidirectional
         self._init_buffers(None)
 
     def extra_repr(self) -> str:
@@ -3201,26 +3240,20 @@ class SandwichPositionalEmbedding(_RelativeBias):
         inner = _angles(d, self.inv_freq).cos().sum(-1) - self.dim / 2                  # [...] float64
         return (inner / self.head_scales[head]).float()
 
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
-        if (positions_q is None and positions_k is None) or q_len == 0 or k_len == 0:
-            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
-        owner, device = type(self).__name__, self.inv_freq.device if device is None else device
-        pos_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
-        pos_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
-
+    def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """``bias_at`` on the pair grid without a cosine per pair and frequency:
+        ``cos(w (m - n)) = cos(w m) cos(w n) + sin(w m) sin(w n)``, the paper's ``p_m . p_n``, a matmul."""
         def sinusoids(positions: Tensor) -> Tensor:                                     # [..., N, dim]
             angles = _angles(positions, self.inv_freq)
             return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
-        # cos(w (m - n)) = cos(w m) cos(w n) + sin(w m) sin(w n): the paper's p_m . p_n
         inner = torch.matmul(sinusoids(pos_q), sinusoids(pos_k).transpose(-1, -2)) - self.dim / 2   # [(B, 1..,) Nq, Nk]
         if not self.bidirectional:  # keys after the query sit at distance 0
             inner = inner.masked_fill(pos_k.unsqueeze(-2) > pos_q.unsqueeze(-1), 0.0)
         return (inner / self.head_scales[:, None, None]).float()      # [Nq, Nk] -> [H, Nq, Nk]; [B, 1.., 1, ..] -> [B, 1.., H, ..]
 
 
-class FIREPositionalEmbedding(PositionalEmbedding):
+class FIREPositionalEmbedding(_PairwiseBias):
     """FIRE: a learned function of the distance, normalised by the query position (Li et al. 2023).
 
     Li et al., "Functional Interpolation for Relative Positions Improves Long Context
@@ -3272,20 +3305,15 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         torch.Size([8, 16, 16])
     """
 
-    kind = "bias"
-    integer_positions = False
+    arguments = {"init_c": _positive_float, "init_L": _positive_float}
 
     def __init__(self, num_heads: int, *, hidden_dim: int = 32, bidirectional: bool = False,
                  init_c: float = 0.1, init_L: float = 512.0) -> None:
         super().__init__()
-        owner = type(self).__name__
-        self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
-        self.hidden_dim = _check_positive_int(owner, "hidden_dim", hidden_dim)
-        self.bidirectional = _check_flag(owner, "bidirectional", bidirectional)
-        self.initial_c = _as_float(owner, "init_c", init_c, minimum=0.0, exclusive=True)
-        self.initial_L = _as_float(owner, "init_L", init_L, minimum=0.0, exclusive=True)
-        self.mlp = nn.Sequential(_uninitialised(nn.Linear, 1, self.hidden_dim), nn.ReLU(),
-                                 _uninitialised(nn.Linear, self.hidden_dim, self.num_heads))
+        self.num_heads, self.hidden_dim, self.bidirectional = num_heads, hidden_dim, bidirectional
+        self.initial_c, self.initial_L = init_c, init_L
+        self.mlp = nn.Sequential(_uninitialised(nn.Linear, 1, hidden_dim), nn.ReLU(),
+                                 _uninitialised(nn.Linear, hidden_dim, num_heads))
         self.c = nn.Parameter(torch.empty(1))
         self.L_multiplier = nn.Parameter(torch.empty(1))
         self.init_L = nn.Parameter(torch.empty(1), requires_grad=False)   # frozen, as in the appendix code
@@ -3314,11 +3342,6 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         with torch.no_grad():
             self.init_L.fill_(self.initial_L)
 
-    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None) -> Tensor:
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
-        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
-
     def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
         dtype = _compute_dtype(self.c.dtype)
@@ -3333,40 +3356,24 @@ class FIREPositionalEmbedding(PositionalEmbedding):
         return (first.weight[:, 0].to(dtype), first.bias.to(dtype),                     # [hidden], [hidden]
                 second.weight.to(dtype), second.bias.to(dtype))                         # [H, hidden], [H]
 
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
-        owner = type(self).__name__
-        device = self.c.device if device is None else device
-        pos_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device)
-        pos_k = _or_default(owner, "positions_k", positions_k, k_len, 0, device)
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+        """``f_h(u)``, the MLP written out over its hidden units: pointwise operations only, which
+        inductor lowers inside a FlexAttention ``score_mod`` (a reduction there does not compile)."""
+        u = self._inputs(pos_q, pos_k)
+        w1, b1, w2, b2 = self._weights()
+        out = b2[head]
+        for unit in range(self.hidden_dim):
+            out = out + w2[head, unit] * torch.relu(u * w1[unit] + b1[unit])
+        return out
+
+    def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """``pair_bias`` on the pair grid, the MLP as two matmuls: [(B, 1..,) H, Nq, Nk]."""
         u = self._inputs(pos_q.unsqueeze(-1), pos_k.unsqueeze(-2))                      # [(B, 1.., 1,) Nq, Nk]
         if u.dim() > 2:
             u = u.squeeze(-3)                                                           # drop the head slot
         w1, b1, w2, b2 = self._weights()
         hidden = torch.relu(u.unsqueeze(-1) * w1 + b1)                                  # [..., Nq, Nk, hidden]
         return torch.movedim(torch.matmul(hidden, w2.T) + b2, -1, -3)                   # [..., H, Nq, Nk]
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod`` evaluating ``f`` per logit (no ``[H, Nq, Nk]`` tensor).
-
-        The MLP is unrolled over its hidden units into scalar operations: inductor lowers a
-        ``score_mod`` made of pointwise operations only (a reduction there does not compile). Its
-        input cannot be tabulated per distance: the normaliser depends on the query position."""
-        owner, device = type(self).__name__, self.c.device
-        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1, .., N] -> [B, N]
-        pos_q = flat(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        pos_k = flat(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
-        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
-        w1, b1, w2, b2 = self._weights()
-
-        def add_bias(score, b, h, q_idx, kv_idx):
-            u = self._inputs(pick(pos_q, b, q_idx), pick(pos_k, b, kv_idx))
-            out = b2[h]
-            for unit in range(w1.shape[0]):
-                out = out + w2[h, unit] * torch.relu(u * w1[unit] + b1[unit])
-            return score + out.to(score.dtype)
-        return add_bias
 
 
 # ---------------------------------------------------------------------------
@@ -4234,7 +4241,6 @@ class _OrthogonalRotation(PositionalEmbedding):
         if head_dim % (2 * num_axes):
             raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * num_axes} (each axis "
                              f"rotates pairs), got head_dim={head_dim}")
-        _check_base(owner, base)
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, float(base)
         width = head_dim // num_axes
         self.basis_generator = nn.Parameter(torch.empty(num_axes, num_heads, width, width))   # S: [A, H, d, d]
@@ -4441,7 +4447,6 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
             ("max_depth", max_depth)))
         if head_dim % 2:
             raise ValueError(f"{owner}: head_dim must be even, got head_dim={head_dim}")
-        _check_base(owner, base)
         self.head_dim, self.num_heads, self.branching_factor, self.max_depth = head_dim, num_heads, branching_factor, max_depth
         self.base, self.init_std = float(base), _as_float(owner, "init_std", init_std, minimum=0.0)
         self.generators = nn.Parameter(torch.empty(branching_factor, num_heads, head_dim, head_dim))  # G: [b, H, Dh, Dh]
@@ -4645,7 +4650,7 @@ def _unhead(positions: Tensor, num_axes: int = 1) -> Tensor:
     return positions.squeeze(-2 if num_axes == 1 else -3) if batched else positions
 
 
-class _WindowBias(PositionalEmbedding):
+class _WindowBias(_PairwiseBias):
     """A bias over the tokens of one attention window, read from a per-head table ``[R, H]``
     through ``relative_position_index`` ``[T, T]`` (Swin's layout; BEiT's with a prefix token).
 
@@ -4656,7 +4661,6 @@ class _WindowBias(PositionalEmbedding):
     more than ``T`` tokens is an error. Subclasses give ``table() -> [R, H]``.
     """
 
-    kind = "bias"
     integer_positions = True   # token indices into the window
 
     def _init_window(self, num_heads: int, window_size, num_prefix_tokens: int) -> None:
@@ -4687,22 +4691,18 @@ class _WindowBias(PositionalEmbedding):
         index = _window_relative_index(self.window_size, self.num_prefix_tokens, device)
         self.register_buffer("relative_position_index", index, persistent=False)        # [T, T]
 
-    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None) -> Tensor:
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
-        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+        return self.table()[self.relative_position_index[pos_q, pos_k], head]
 
-    def _window_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                          positions_k: Optional[Tensor], device) -> tuple:
-        """Token indices of queries and keys ([N] or [B, 1.., N]), checked against the window."""
+    def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                   device) -> tuple:
+        """Token indices of queries and keys, checked against the window."""
         owner, tokens = type(self).__name__, self.num_tokens
         window = f"the window's {tokens} tokens ({self.window_size[0]}x{self.window_size[1]}" + (
             f" + {self.num_prefix_tokens} prefix)" if self.num_prefix_tokens else ")")
         if (positions_q is None and max(q_len, k_len) > tokens) or (positions_k is None and k_len > tokens):
             raise ValueError(f"{owner}: q_len and k_len must be at most {window}, got q_len={q_len}, "
                              f"k_len={k_len} (pass positions_q/positions_k as token indices for other layouts)")
-        pos_q = _unhead(_or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), device))
-        pos_k = _unhead(_or_default(owner, "positions_k", positions_k, k_len, 0, device))
         for name, positions in (("positions_q", positions_q), ("positions_k", positions_k)):
             if positions is None or _skip_value_checks(positions) or positions.numel() == 0:
                 continue
@@ -4710,30 +4710,7 @@ class _WindowBias(PositionalEmbedding):
             if low < 0 or high >= tokens:
                 raise ValueError(f"{owner}: {name} must be token indices in [0, {tokens}) ({window}), "
                                  f"got {low if low < 0 else high}")
-        return pos_q, pos_k
-
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
-        device = self.relative_position_index.device if device is None else device
-        pos_q, pos_k = self._window_positions(q_len, k_len, positions_q, positions_k, device)
-        index = self.relative_position_index.to(device)[pos_q.unsqueeze(-1), pos_k.unsqueeze(-2)]   # [(B, 1..,) Nq, Nk]
-        bias = self.table().to(device).T[:, index]                                     # [H, (B, 1..,) Nq, Nk]
-        return bias.movedim(0, -3)                                                      # [(B, 1..,) H, Nq, Nk]
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod`` adding this bias: it reads the ``[R, H]`` table through the
-        ``[T, T]`` index per element (no ``[H, Nq, Nk]`` tensor is built)."""
-        device = self.relative_position_index.device
-        pos_q, pos_k = self._window_positions(q_len, k_len, positions_q, positions_k, device)
-        flat = lambda p: p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p               # [B, 1.., N] -> [B, N]
-        pos_q, pos_k = flat(pos_q), flat(pos_k)
-        table, index = self.table(), self.relative_position_index
-        pick = lambda p, b, idx: p[b, idx] if p.dim() > 1 else p[idx]
-
-        def add_bias(score, b, h, q_idx, kv_idx):
-            return score + table[index[pick(pos_q, b, q_idx), pick(pos_k, b, kv_idx)], h].to(score.dtype)
-        return add_bias
+        return super()._positions(q_len, k_len, positions_q, positions_k, device)
 
 
 def _beit_offsets(src: int, dst: int) -> list:
@@ -4911,15 +4888,14 @@ class ContinuousPositionBias(_WindowBias):
         torch.Size([4, 256, 256])
     """
 
+    pointwise = False   # its table is an MLP's output: score_mod reads the dense bias
+    arguments = {"pretrained_window_size": _check_window}
+
     def __init__(self, num_heads: int, window_size: Union[int, tuple], *, hidden_dim: int = 512,
                  pretrained_window_size: Optional[Union[int, tuple]] = None) -> None:
         super().__init__()
-        owner = type(self).__name__
         self._init_window(num_heads, window_size, 0)
-        hidden_dim = _check_positive_int(owner, "hidden_dim", hidden_dim)
-        self.pretrained_window_size = (None if pretrained_window_size is None else
-                                       _check_window(owner, "pretrained_window_size", pretrained_window_size))
-        self.hidden_dim = hidden_dim
+        self.pretrained_window_size, self.hidden_dim = pretrained_window_size, hidden_dim
         self.cpb_mlp = nn.Sequential(_uninitialised(nn.Linear, 2, hidden_dim), nn.ReLU(),  # official/timm name
                                      _uninitialised(nn.Linear, hidden_dim, self.num_heads, bias=False))
         self.reset_parameters()
@@ -5003,7 +4979,7 @@ class _GammaLayerNorm(nn.Module):
         return F.layer_norm(x, self.gamma.shape, eps=1e-5) * self.gamma.to(x.dtype)
 
 
-class DynamicPositionBias(_RelativeBias):
+class DynamicPositionBias(_PairwiseBias):
     """Dynamic position bias: an MLP from relative positions to per-head biases.
 
     Wang et al., "CrossFormer: A Versatile Vision Transformer Hinging on Cross-scale Attention",
@@ -5047,15 +5023,13 @@ class DynamicPositionBias(_RelativeBias):
         torch.Size([8, 16, 16])
     """
 
-    integer_positions = False
+    distance_only = translation_invariant = True
+    pointwise = False   # an MLP per distinct offset: score_mod reads the dense bias
+    arguments = {"depth": _check_positive_int, "log_distance": _check_flag, "norm": _check_flag}
 
     def __init__(self, num_heads: int, *, num_axes: int = 1, hidden_dim: int = 64, depth: int = 2,
                  log_distance: bool = False, norm: bool = False) -> None:
         super().__init__()
-        owner = type(self).__name__
-        num_heads, num_axes, hidden_dim, depth = (_check_positive_int(owner, name, value) for name, value in (
-            ("num_heads", num_heads), ("num_axes", num_axes), ("hidden_dim", hidden_dim), ("depth", depth)))
-        log_distance, norm = _check_flag(owner, "log_distance", log_distance), _check_flag(owner, "norm", norm)
         self.num_heads, self.num_axes, self.hidden_dim, self.depth = num_heads, num_axes, hidden_dim, depth
         self.log_distance, self.norm = log_distance, norm
 
@@ -5097,38 +5071,25 @@ class DynamicPositionBias(_RelativeBias):
             values = values[inverse]                                                     # [M, H]
         return values.reshape(*offsets.shape[:-1], self.num_heads)
 
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+        offsets = pos_q - pos_k                                                         # query - key
+        return self._per_head(self._values(offsets if self.num_axes > 1 else offsets.unsqueeze(-1)), head)
+
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
-        """Elementwise over broadcast ``distance`` (key - query, 1-D) and ``head``."""
-        values = self._values(-distance.unsqueeze(-1))                                  # [*S, H]
-        index = head + torch.zeros_like(distance, dtype=head.dtype)                     # [*shape]: broadcast
+        return self._per_head(self._values(-distance.unsqueeze(-1)), head)
+
+    def _per_head(self, values: Tensor, head: Tensor) -> Tensor:
+        """values ``[*S, H]``, head broadcasting with ``S`` -> the value of each element's head."""
+        index = head + torch.zeros(values.shape[:-1], dtype=head.dtype, device=head.device)   # broadcast
         return values.expand(*index.shape, self.num_heads).gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
     def forward(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None) -> Tensor:
         """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for batched positions), float32; positions
-        ``[N, A]`` are required for ``A > 1``."""
-        return self.attention_bias(q_len, k_len, *_check_bias_call(self, q_len, k_len, positions_q, positions_k))
-
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = _bias_positions(self, q_len, k_len, positions_q, positions_k, device)
-        if self.num_axes == 1:
-            return super().attention_bias(q_len, k_len, positions_q, positions_k, device=device)
-        device = self.mlp[-1].weight.device if device is None else device
-        pos_q, pos_k = _unhead(positions_q.to(device), 2), _unhead(positions_k.to(device), 2)
-        offsets = pos_q.unsqueeze(-2) - pos_k.unsqueeze(-3)                              # [(B, 1..,) Nq, Nk, A]
-        return self._values(offsets).movedim(-1, -3)                                     # [(B, 1..,) H, Nq, Nk]
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod``: default 1-D positions close over the ``Nq + Nk - 1`` per-distance
-        values; explicit positions over the dense bias (one MLP call per distinct offset, not per element)."""
-        if positions_q is None and positions_k is None and self.num_axes == 1:
-            return super().score_mod(q_len, k_len)
-        return _dense_score_mod(self, q_len, k_len, positions_q, positions_k)
+        ``[N, A]`` are required for ``A > 1``. (Positions may be passed positionally here.)"""
+        return super().forward(q_len, k_len, positions_q=positions_q, positions_k=positions_k)
 
 
-# ---------------------------------------------------------------------------
-# Images, video and coordinates: helpers
 # ---------------------------------------------------------------------------
 
 
@@ -5313,7 +5274,6 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
         if self.head_dim % (2 * self.num_axes):
             raise ValueError(f"{owner}: head_dim must be divisible by 2 * num_axes = {2 * self.num_axes}, "
                              f"got head_dim={head_dim}")
-        _check_base(owner, base)
         self.base = float(base)
         self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
         self.reset_parameters()
