@@ -2919,12 +2919,63 @@ class NoPositionalEmbedding(PositionalEmbedding):
         return x
 
 
+class _QKTransform(PositionalEmbedding):
+    """The ``"qk"`` kind: q and k each transformed by a map of its own position (a rotation, a
+    scaled rotation), so that their dot product carries the relative position.
+
+    A subclass writes ``transform(x, positions)``: one tensor ``[..., (H,) N, Dh]`` at validated,
+    defaulted positions ``[N(, A)]`` or ``[B, 1.., N(, A)]``; it may override ``transform_qk(q, k,
+    pos_q, pos_k)`` where q and k take different maps, or to share work (default positions of
+    equal lengths arrive as one tensor, ``pos_q is pos_k``). This base owns ``forward(x, positions,
+    *, offset)``, ``encode_qk``, their validation and the default positions (keys
+    ``arange(Nk) + offset``, queries the last ``Nq`` of them). RoPE, with its allocation-free
+    path and length-dependent scalings, keeps an ``encode_qk`` of its own.
+    """
+
+    kind = "qk"
+
+    def transform(self, x: Tensor, positions: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        return self.transform(q, pos_q), self.transform(k, pos_k)
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """Transform ``x`` ``[..., H, N, Dh]`` at its positions (call it for q and for k)."""
+        owner, n = type(self).__name__, x.shape[-2] if isinstance(x, Tensor) else None
+        _check_tensor(owner, "x", x, 3)
+        self._check_heads(x, "x")
+        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, self.num_axes,
+                                     self.integer_positions, x.device)
+        if positions is not None and positions.dim() > (1 if self.num_axes == 1 else 2) and x.dim() < 4:
+            raise ValueError(f"{owner}: [B, N] positions need x of shape [B, ..., H, N, Dh], got x {tuple(x.shape)}")
+        return self.transform(x, _or_default(owner, "positions", positions, n, offset, x.device, self.num_axes))
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        return self.transform_qk(q, k, *self._qk_positions(q, k, positions_q, positions_k, 0))
+
+    def _qk_positions(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                      offset: int) -> tuple:
+        """Validated positions on q's and k's devices, or the defaults (one tensor for both when equal)."""
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        pos_k = _default_positions(k_len, offset, k.device) if positions_k is None else positions_k.to(k.device)
+        if positions_q is None and positions_k is None and q_len == k_len:
+            return pos_k, pos_k
+        pos_q = _default_positions(q_len, offset + _query_offset(q_len, k_len), q.device) if positions_q is None \
+            else positions_q.to(q.device)
+        return pos_q, pos_k
+
+    def _axes(self, positions: Tensor) -> Tensor:
+        """Positions with their axis last, ``[..., N, A]`` (one axis gets a trailing 1)."""
+        return positions.unsqueeze(-1) if self.num_axes == 1 else positions
+
+
 def _xpos_limit(scale_base: float, log_zeta_min: float, dtype: torch.dtype) -> float:
     """Largest ``|p|`` whose xPos scales ``zeta ** (+-p / scale_base)`` are normal numbers in ``dtype``."""
     return scale_base * -math.log(torch.finfo(dtype).tiny) / -log_zeta_min
 
 
-class XPosPositionalEmbedding(PositionalEmbedding):
+class XPosPositionalEmbedding(_QKTransform):
     """xPos: RoPE with an exponential decay of the logits in the distance (Sun et al. 2022).
 
     Sun et al., "A Length-Extrapolatable Transformer", arXiv:2212.10554. Pair ``i`` of q at
@@ -2985,20 +3036,14 @@ class XPosPositionalEmbedding(PositionalEmbedding):
         >>> q_next, k_next = xpos(q[..., -1:, :], k[..., -1:, :], offset=100)
     """
 
-    kind = "qk"
     translation_invariant = True
+    arguments = {"scale_base": _positive_float, "gamma": _positive_float}
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, scale_base: float = 512.0,
                  gamma: float = 0.4, interleaved: bool = False, head_dim: Optional[int] = None) -> None:
         super().__init__()
-        owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
-        if dim % 2:
-            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        self.dim, self.base = dim, float(base)
-        self.scale_base = _as_float(owner, "scale_base", scale_base, minimum=0.0, exclusive=True)
-        self.gamma = _as_float(owner, "gamma", gamma, minimum=0.0, exclusive=True)
-        self.interleaved = _check_flag(owner, "interleaved", interleaved)
+        self.dim = _even_int(type(self).__name__, "dim", _one_of(type(self).__name__, "dim", dim, "head_dim", head_dim))
+        self.base, self.scale_base, self.gamma, self.interleaved = base, scale_base, gamma, interleaved
         self._init_buffers(None)
 
     def extra_repr(self) -> str:
@@ -3025,23 +3070,13 @@ class XPosPositionalEmbedding(PositionalEmbedding):
         """``(q', k')``; default positions: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
         offset = _as_int(type(self).__name__, "offset", offset, minimum=None)
-        return self._encode(q, k, positions_q, positions_k, offset)
+        return self.transform_qk(q, k, *self._qk_positions(q, k, positions_q, positions_k, offset))
 
-    def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        return self._encode(q, k, positions_q, positions_k, 0)
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        self._check_range(q.dtype, pos_q, pos_k)
+        return self._scaled_rotation(q, pos_q, 1.0), self._scaled_rotation(k, pos_k, -1.0)
 
-    def _encode(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
-                offset: int) -> tuple:
-        owner = type(self).__name__
-        if q.shape[-1] != self.dim:
-            raise ValueError(f"{owner}: q and k must have head dim {self.dim}, got q {tuple(q.shape)}")
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        pos_q = _or_default(owner, "positions_q", positions_q, q_len, offset + _query_offset(q_len, k_len), q.device)
-        pos_k = _or_default(owner, "positions_k", positions_k, k_len, offset, k.device)
-        self._check_range(q.dtype, positions_q, positions_k, offset + max(q_len, k_len) - 1, offset)
-        return self._transform(q, pos_q, 1.0), self._transform(k, pos_k, -1.0)
-
-    def _transform(self, x: Tensor, positions: Tensor, sign: float) -> Tensor:
+    def _scaled_rotation(self, x: Tensor, positions: Tensor, sign: float) -> Tensor:
         """Rotate by ``p theta`` and scale by ``zeta ** (sign p / scale_base)``: x [..., N, Dh]."""
         angles = _angles(positions, self.inv_freq)                                        # [..., N, F] float64
         scale = torch.exp(positions.to(torch.float64).unsqueeze(-1) * (sign / self.scale_base) * self.log_zeta)
@@ -3049,15 +3084,12 @@ class XPosPositionalEmbedding(PositionalEmbedding):
         cos, sin = (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)   # [..., N, F]
         return _rotate(x, cos, sin, self.interleaved, self.dim)
 
-    def _check_range(self, dtype: torch.dtype, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
-                     default_high: int, default_low: int) -> None:
+    def _check_range(self, dtype: torch.dtype, pos_q: Tensor, pos_k: Tensor) -> None:
         """ValueError when a scale would leave the normal range of ``dtype`` (eager only)."""
-        given = [p for p in (positions_q, positions_k) if p is not None and p.numel() > 0]
-        if any(_skip_value_checks(p) for p in given) or _is_compiling():
+        given = [p for p in (pos_q, pos_k) if p.numel() > 0]
+        if any(_skip_value_checks(p) for p in given) or _is_compiling() or not given:
             return
-        extremes = [abs(default_high), abs(default_low)] if len(given) < 2 else []
-        extremes += [p.abs().max().item() for p in given]
-        largest, limit = max(extremes), self.limit(dtype)
+        largest, limit = max(p.abs().max().item() for p in given), self.limit(dtype)
         if largest > limit:
             raise ValueError(
                 f"{type(self).__name__}: positions must satisfy |p| <= {limit:.0f} for {dtype} inputs "
@@ -4218,7 +4250,7 @@ def _check_special_orthogonal(owner: str, w: Tensor, shape: tuple) -> Tensor:
     return w
 
 
-class _OrthogonalRotation(PositionalEmbedding):
+class _OrthogonalRotation(_QKTransform):
     """Shared machinery of the sequence and grid encodings (Kogkalidis et al.).
 
     Per axis ``a`` and head ``h`` the primitive is ``W = Q R(theta) Q^T``: a rotation with
@@ -4230,7 +4262,6 @@ class _OrthogonalRotation(PositionalEmbedding):
     RoPE's frequencies, so the scores equal ``RotaryPositionalEmbedding``'s.
     """
 
-    kind = "qk"
     translation_invariant = True
 
     def __init__(self, head_dim: int, num_heads: int, num_axes: int, base: float) -> None:
@@ -4296,24 +4327,15 @@ class _OrthogonalRotation(PositionalEmbedding):
             rotated = torch.matmul(rotated, basis.mT)                                   # Q R(p theta) Q^T x
         return rotated.transpose(-2, -3).flatten(-2).to(x.dtype)                        # [..., H, N, Dh]
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+    def transform(self, x: Tensor, positions: Tensor) -> Tensor:
         """``W^p x`` for every token (per axis on grids): x [..., H, N, Dh]."""
-        owner = type(self).__name__
-        _check_tensor(owner, "x", x, 3)
-        self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes,
-                                     device=x.device)
-        positions = _axis_positions(self, positions, x.shape[-2], offset, x.device)
-        return self._transform(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), full=True)
+        return self._transform(x, *self._cos_sin(self._axes(positions), _compute_dtype(x.dtype)), full=True)
 
-    def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
-        cos_k, sin_k = self._cos_sin(_axis_positions(self, positions_k, k_len, 0, k.device), dtype)
-        if positions_q is None and positions_k is None and q_len == k_len:
-            cos_q, sin_q = cos_k, sin_k
-        else:
-            positions_q = _axis_positions(self, positions_q, q_len, _query_offset(q_len, k_len), q.device)
-            cos_q, sin_q = self._cos_sin(positions_q, dtype)
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        """``R(p theta) Q^T`` applied to q and k: the same dot products as ``W^p``, one GEMM fewer."""
+        dtype = _compute_dtype(q.dtype)
+        cos_k, sin_k = self._cos_sin(self._axes(pos_k), dtype)
+        cos_q, sin_q = (cos_k, sin_k) if pos_q is pos_k else self._cos_sin(self._axes(pos_q), dtype)
         return self._transform(q, cos_q, sin_q, full=False), self._transform(k, cos_k, sin_k, full=False)
 
 
@@ -4397,7 +4419,7 @@ class AlgebraicGridPositionalEmbedding(_OrthogonalRotation):
         self._set_primitives(_check_special_orthogonal(type(self).__name__, primitives, shape))
 
 
-class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
+class AlgebraicTreePositionalEmbedding(_QKTransform):
     """Algebraic positional encoding of trees (Kogkalidis, Bernardy and Garg, NeurIPS 2024).
 
     Nodes of a complete ``branching_factor``-ary tree are numbered breadth-first (root 0,
@@ -4435,7 +4457,6 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
         >>> q = tree(torch.randn(1, 4, 5, 32), nodes)
     """
 
-    kind = "qk"
     integer_positions = True
 
     def __init__(self, head_dim: int, num_heads: int, branching_factor: int, max_depth: int, *,
@@ -4543,23 +4564,7 @@ class AlgebraicTreePositionalEmbedding(PositionalEmbedding):
             raise ValueError(f"AlgebraicTreePositionalEmbedding: parents must form one tree, got {parents}")
         return order
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """``M(n) x`` for every token at node ``n``: x [..., H, N, Dh]; default nodes ``arange(N) + offset``."""
-        owner = type(self).__name__
-        _check_tensor(owner, "x", x, 3)
-        self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], integer=True,
-                                     device=x.device)
-        return self._transform(x, _or_default(owner, "positions", positions, x.shape[-2], offset, x.device))
-
-    def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        owner = type(self).__name__
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        positions_q = _or_default(owner, "positions_q", positions_q, q_len, _query_offset(q_len, k_len), q.device)
-        positions_k = _or_default(owner, "positions_k", positions_k, k_len, 0, k.device)
-        return self._transform(q, positions_q), self._transform(k, positions_k)
-
-    def _transform(self, x: Tensor, nodes: Tensor) -> Tensor:
+    def transform(self, x: Tensor, nodes: Tensor) -> Tensor:
         """x [..., H, N, Dh], nodes [..., N] -> M(node) x, applying the deepest branch first."""
         steps = self._check_nodes(nodes)
         dtype = _compute_dtype(x.dtype)
@@ -5173,7 +5178,7 @@ def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"]
 # ---------------------------------------------------------------------------
 
 
-class _TokenRotation(PositionalEmbedding):
+class _TokenRotation(_QKTransform):
     """q and k each rotated by a per-head orthogonal map of their own (multi-axis) position.
 
     Subclasses define ``_rotate_tokens(x, positions)`` with x ``[..., H, N, Dh]`` and positions
@@ -5181,33 +5186,18 @@ class _TokenRotation(PositionalEmbedding):
     may be overridden to share work between q and k (``_rotate_both``).
     """
 
-    kind = "qk"
-
     def _check_init(self, head_dim, num_heads, num_axes) -> None:
         owner = type(self).__name__
         self.head_dim = _check_positive_int(owner, "head_dim", head_dim)
         self.num_heads = _check_positive_int(owner, "num_heads", num_heads)
         self.num_axes = _check_positive_int(owner, "num_axes", num_axes)
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """Rotate ``x`` ``[..., H, N, Dh]`` (call it for q and for k)."""
-        owner = type(self).__name__
-        _check_tensor(owner, "x", x, 3)
-        self._check_heads(x, "x")
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), x.shape[-2], self.num_axes,
-                                     device=x.device)
-        if positions is not None and positions.dim() > (1 if self.num_axes == 1 else 2) and x.dim() < 4:
-            raise ValueError(f"{owner}: [B, N] positions need x of shape [B, ..., H, N, Dh], got x {tuple(x.shape)}")
-        return self._rotate_tokens(x, _axis_positions(self, positions, x.shape[-2], offset, x.device))
+    def transform(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self._rotate_tokens(x, self._axes(positions))
 
-    def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        positions_k_full = _axis_positions(self, positions_k, k_len, 0, k.device)
-        if positions_q is None and positions_k is None and q_len == k_len:
-            positions_q_full = positions_k_full
-        else:
-            positions_q_full = _axis_positions(self, positions_q, q_len, _query_offset(q_len, k_len), q.device)
-        return self._rotate_both(q, positions_q_full, k, positions_k_full)
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        axes_k = self._axes(pos_k)
+        return self._rotate_both(q, axes_k if pos_q is pos_k else self._axes(pos_q), k, axes_k)
 
     def _rotate_both(self, q: Tensor, positions_q: Tensor, k: Tensor, positions_k: Tensor) -> tuple:
         return self._rotate_tokens(q, positions_q), self._rotate_tokens(k, positions_k)
