@@ -2562,10 +2562,39 @@ def _diagonals(scores: Tensor, q_len: int, k_len: int) -> Tensor:
 
 
 class _ExplicitLogits(PositionalEmbedding):
-    """A ``"logits"`` kind: ``full_precision_logits`` computes the logits (float32); ``forward`` and
-    ``forward_attn`` return them in the input dtype, and ``attention()`` softmaxes them itself."""
+    """The ``"logits"`` kind: the logits themselves depend on content and positions jointly.
+
+    A subclass writes ``logits(q, k, positions_q, positions_k, scale)``: float32 (float64) logits
+    ``[B, H, Nq, Nk]`` from q and k in that dtype, validated positions (None: the defaults) and
+    the logit scale; and, if it has one, the value term ``attention_values``. This base owns the
+    validation, the scale, the dtypes, ``forward`` / ``forward_attn`` (the logits in the input
+    dtype) and the relative-table layout ``_relative_rows`` (a row per key - query distance, laid
+    out Toeplitz-wise for default positions); ``attention()`` softmaxes the float32 logits itself.
+    """
 
     kind = "logits"
+
+    def logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+               scale: float) -> Tensor:
+        raise NotImplementedError
+
+    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
+        """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        dtype = _compute_dtype(q.dtype)
+        return self.logits(q.to(dtype), k.to(dtype), positions_q, positions_k, scale)
+
+    def _relative_rows(self, row_of, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                       positions_k: Optional[Tensor], device) -> Tensor:
+        """``row_of(key - query distance)`` of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched
+        positions; default positions evaluate the ``Nq + Nk - 1`` distinct distances once."""
+        if q_len == 0 or k_len == 0:
+            return torch.zeros(q_len, k_len, dtype=torch.long, device=device)
+        if positions_q is None and positions_k is None:
+            return _toeplitz(row_of(_default_distances(q_len, k_len, device)), q_len, k_len)
+        return row_of(_pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device))
 
     def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
@@ -2608,25 +2637,19 @@ class _RelativeLogits(_ExplicitLogits):
                        positions_k: Optional[Tensor]) -> None:
         """Subclass hook: reject query/key lengths the encoding does not define."""
 
-    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
-        owner = type(self).__name__
-        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+    def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]
         self._check_lengths(q_len, k_len, positions_q, positions_k)
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
-        q = q.to(_compute_dtype(q.dtype))
         q_content, q_position = self.biased_queries(q, scale)                           # [B, H, Nq, Dh] each
-        logits = torch.matmul(q_content, k.to(q.dtype).transpose(-1, -2))                # [B, H, Nq, Nk]
+        logits = torch.matmul(q_content, k.transpose(-1, -2))                           # [B, H, Nq, Nk]
         if q_len == 0 or k_len == 0:
             return logits
         if positions_q is None and positions_k is None:
             keys = self.relative_keys(_default_distances(q_len, k_len, q.device)).to(q.dtype)   # [H, Nq + Nk - 1, Dh]
             by_distance = torch.matmul(q_position, keys.transpose(-1, -2))             # [B, H, Nq, Nq + Nk - 1]
             return logits + _diagonals(by_distance, q_len, k_len)
-        distances = _pair_distances(owner, q_len, k_len, positions_q, positions_k, q.device)   # [(B,) Nq, Nk]
-        return logits + self._pair_logits(q_position, distances)
+        distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, q.device)
+        return logits + self._pair_logits(q_position, distances)                       # distances: [(B,) Nq, Nk]
 
     def _pair_logits(self, q_position: Tensor, distances: Tensor) -> Tensor:
         """q_position [B, .., H, Nq, Dh], distances [Nq, Nk] or [B, 1.., 1, Nq, Nk] -> [B, .., H, Nq, Nk].
@@ -3469,19 +3492,15 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
         torch.Size([2, 8, 128, 64])
     """
 
-    kind = "logits"
     takes_positions = False
     is_causal = True  # causal by construction: keys after the query get -inf
+    arguments = {"max_position": _check_positive_int, "per_head": _check_flag}
 
     def __init__(self, num_heads: int, head_dim: int, *, max_position: int = 64, per_head: bool = False,
                  init_std: float = 0.0) -> None:
         super().__init__()
-        owner = type(self).__name__
-        num_heads, head_dim, max_position = (_check_positive_int(owner, name, value) for name, value in (
-            ("num_heads", num_heads), ("head_dim", head_dim), ("max_position", max_position)))
-        per_head = _check_flag(owner, "per_head", per_head)
         self.num_heads, self.head_dim, self.max_position = num_heads, head_dim, max_position
-        self.per_head, self.init_std = per_head, _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.per_head, self.init_std = per_head, init_std
         shape = (num_heads, max_position, head_dim) if per_head else (max_position, head_dim)
         self.pos_emb = nn.Parameter(torch.empty(shape))                                # e: [(H,) P, Dh]
         self.reset_parameters()
@@ -3505,21 +3524,15 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
                              f"got Nq={q.shape[-2]} and Nk={k.shape[-2]}")
         return None, None
 
-    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
-        self._check_qk(q, k, positions_q, positions_k)
+    def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
-        dtype = _compute_dtype(q.dtype)
-        q, k = q.to(dtype), k.to(dtype)
         # keys in reverse order (column r is key Nk - 1 - r), so p_ij is a forward cumsum; one flip at the end
         logits = torch.matmul(q, k.flip(-2).transpose(-1, -2)) * scale                  # [B, H, Nq, Nk] reversed
         allowed = _causal_mask(q_len, k_len, q.device).flip(-1)                         # [Nq, Nk] reversed
         gates = torch.where(allowed, torch.sigmoid(logits), 0.0)                        # g_it, causal
         positions = gates.cumsum(-1).clamp(max=self.max_position - 1)                   # p_ij = sum_{t=j..i} g_it
         index = positions.long()                                                        # floor(p): p >= 0
-        by_position = torch.matmul(q, self.pos_emb.to(dtype).transpose(-1, -2))        # q . e[p]: [B, H, Nq, P]
+        by_position = torch.matmul(q, self.pos_emb.to(q.dtype).transpose(-1, -2))      # q . e[p]: [B, H, Nq, P]
         step = F.pad(by_position.diff(dim=-1), (0, 1))                                 # q . (e[p + 1] - e[p])
         term = torch.addcmul(by_position.gather(-1, index), positions.frac(), step.gather(-1, index))  # [B, H, Nq, Nk]
         return torch.where(allowed, logits + term, float("-inf")).flip(-1)             # q . e(p_ij) added
@@ -3768,10 +3781,24 @@ def _gather_rows(scores: Tensor, rows: Tensor) -> Tensor:
     return scores.gather(-1, rows.expand(*scores.shape[:-1], rows.shape[-1]))
 
 
+def _gather_columns(scores: Tensor, rows: Tensor) -> Tensor:
+    """``_gather_rows`` from the key side: scores [..., Nk, R] (one row per key), rows [.., Nq, Nk] -> [..., Nq, Nk]."""
+    return _gather_rows(scores, rows.transpose(-1, -2)).transpose(-1, -2)
+
+
 def _row_sums(weights: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     """The transpose of ``_gather_rows``: weights [..., N, M] summed into their rows -> [..., N, R]."""
     buckets = weights.new_zeros(*weights.shape[:-1], num_rows)
     return buckets.scatter_add(-1, rows.expand(weights.shape), weights)
+
+
+def _left_right(owner: str, name: str, value) -> Union[int, tuple]:
+    """A clipping distance: a non-negative int, or a pair ``(left, right)`` of them (returned as a tuple)."""
+    if not isinstance(value, (tuple, list)):
+        return _as_int(owner, name, value, 0)
+    if len(value) != 2:
+        raise ValueError(f"{owner}: {name} must be an int or a pair (left, right), got {name}={value!r}")
+    return tuple(_as_int(owner, name, m, 0) for m in value)
 
 
 class ShawPositionalEmbedding(_ExplicitLogits):
@@ -3814,27 +3841,16 @@ class ShawPositionalEmbedding(_ExplicitLogits):
         torch.Size([2, 8, 100, 64])
     """
 
-    kind = "logits"
     translation_invariant = True
     integer_positions = True   # distances index a table
+    arguments = {"max_distance": _left_right, "key_query": _check_flag, "values": _check_flag}
 
     def __init__(self, num_heads: int, head_dim: int, *, max_distance: Union[int, Sequence[int]] = 16,
                  key_query: bool = False, values: bool = True, init_std: float = 0.02) -> None:
         super().__init__()
-        owner = type(self).__name__
-        num_heads = _as_int(owner, "num_heads", num_heads, 1)
-        head_dim = _as_int(owner, "head_dim", head_dim, 1)
-        if isinstance(max_distance, (tuple, list)):
-            if len(max_distance) != 2:
-                raise ValueError(f"{owner}: max_distance must be an int or a pair (left, right), "
-                                 f"got max_distance={max_distance!r}")
-            left, right = (_as_int(owner, "max_distance", m, 0) for m in max_distance)
-        else:
-            left = right = _as_int(owner, "max_distance", max_distance, 0)
-        key_query, values = _check_flag(owner, "key_query", key_query), _check_flag(owner, "values", values)
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.left, self.right, self.key_query = left, right, key_query
-        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
+        (left, right) = max_distance if isinstance(max_distance, tuple) else (max_distance, max_distance)
+        self.num_heads, self.head_dim, self.left, self.right = num_heads, head_dim, left, right
+        self.key_query, self.init_std = key_query, init_std
         self.relative_keys = _uninitialised(nn.Embedding, left + right + 1, head_dim)  # a_K: [R, Dh]
         self.relative_values = _uninitialised(nn.Embedding, left + right + 1, head_dim) if values else None  # a_V
         self.reset_parameters()
@@ -3880,31 +3896,18 @@ class ShawPositionalEmbedding(_ExplicitLogits):
                              f"(the value term adds a_V to every output; pass values=False for Dv != Dh), "
                              f"got v {tuple(v.shape)}")
 
-    def _rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
-              device) -> Tensor:
-        """Table row of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched positions."""
-        if positions_q is None and positions_k is None:
-            distances = _default_distances(q_len, k_len, device)                         # [Nq + Nk - 1]
-            return _toeplitz(distances.clamp(-self.left, self.right) + self.left, q_len, k_len)
-        distances = _pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
-        return distances.clamp(-self.left, self.right) + self.left
+    def _row(self, distance: Tensor) -> Tensor:
+        """``r = left + clip(distance, -left, right)``: the table row of key - query ``distance``."""
+        return distance.clamp(-self.left, self.right) + self.left
 
-    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
-        dtype = _compute_dtype(q.dtype)
-        q, k = q.to(dtype) * scale, k.to(dtype)
+    def logits(self, q, k, positions_q, positions_k, scale):
+        rows = self._relative_rows(self._row, q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
+        table = self.relative_keys.weight.to(q.dtype)                                    # [R, Dh]
+        q = q * scale
         logits = torch.matmul(q, k.transpose(-1, -2))                                   # [B, H, Nq, Nk]
-        if q_len == 0 or k_len == 0:
-            return logits
-        rows = self._rows(q_len, k_len, positions_q, positions_k, q.device)             # [(B, 1..,) Nq, Nk]
-        table = self.relative_keys.weight.to(dtype)                                      # [R, Dh]
         logits = logits + _gather_rows(torch.matmul(q, table.T), rows)                  # q . a_K
         if self.key_query:                                                               # k . a_K, per key
-            by_key = torch.matmul(k * scale, table.T)                                   # [B, H, Nk, R]
-            logits = logits + _gather_rows(by_key, rows.transpose(-1, -2)).transpose(-1, -2)
+            logits = logits + _gather_columns(torch.matmul(k * scale, table.T), rows)
         return logits
 
     def attention_values(self, weights: Tensor, positions_q: Optional[Tensor] = None,
@@ -3912,16 +3915,12 @@ class ShawPositionalEmbedding(_ExplicitLogits):
         """``sum_j w_ij a_V[r(i, j)]``: [B, H, Nq, Dh] (None without ``relative_values``)."""
         if self.relative_values is None:
             return None
-        owner, (q_len, k_len) = type(self).__name__, weights.shape[-2:]
-        lead = tuple(weights.shape[:-2])
-        positions_q = _check_positions(owner, "positions_q", positions_q, lead, q_len, integer=True,
-                                       device=weights.device)
-        positions_k = _check_positions(owner, "positions_k", positions_k, lead, k_len, integer=True,
-                                       device=weights.device)
+        owner, (q_len, k_len), lead = type(self).__name__, weights.shape[-2:], tuple(weights.shape[:-2])
+        positions_q, positions_k = (_check_positions(owner, name, p, lead, n, integer=True, device=weights.device)
+                                    for name, p, n in (("positions_q", positions_q, q_len),
+                                                       ("positions_k", positions_k, k_len)))
+        rows = self._relative_rows(self._row, q_len, k_len, positions_q, positions_k, weights.device)
         table = self.relative_values.weight.to(weights.dtype)                            # [R, Dh]
-        if q_len == 0 or k_len == 0:
-            return weights.new_zeros(*weights.shape[:-1], self.head_dim)
-        rows = self._rows(q_len, k_len, positions_q, positions_k, weights.device)       # [(B, 1..,) Nq, Nk]
         return torch.matmul(_row_sums(weights, rows, table.shape[0]), table)             # [B, H, Nq, Dh]
 
 
@@ -3963,6 +3962,41 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
                                          device=relative_position.device))
     log_pos = torch.ceil(torch.log(abs_pos.to(torch.float32) / mid) / denominator * (mid - 1)) + mid
     return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
+
+
+def _attention_terms(owner: str, name: str, value) -> tuple:
+    """DeBERTa's ``pos_att_type``: distinct ``"c2p"`` / ``"p2c"``, as a sequence or a ``"p2c|c2p"`` string."""
+    terms = [t.strip() for t in value.lower().split("|") if t.strip()] if isinstance(value, str) else value
+    if not isinstance(terms, (tuple, list)) or any(t not in ("c2p", "p2c") for t in terms) \
+            or len(set(terms)) != len(terms):
+        raise ValueError(f"{owner}: {name} must hold distinct 'c2p' / 'p2c', got {name}={terms!r}")
+    return tuple(terms)
+
+
+def _deberta_head_dim(owner: str, dim: int, num_heads: int, head_dim: Optional[int], query_proj, key_proj) -> int:
+    """DeBERTa's ``Dh``: given, or from the shared projections (both or neither, ``nn.Linear(dim, H * Dh)``),
+    or ``dim // num_heads``."""
+    if (query_proj is None) != (key_proj is None):
+        raise ValueError(f"{owner}: query_proj and key_proj must be given together (shared projections) "
+                         f"or both None, got query_proj={type(query_proj).__name__}, "
+                         f"key_proj={type(key_proj).__name__}")
+    shared = query_proj is not None
+    for name, linear in ((("query_proj", query_proj), ("key_proj", key_proj)) if shared else ()):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{owner}: {name} must be an nn.Linear, got {type(linear).__name__}")
+        if linear.in_features != dim or linear.out_features % num_heads \
+                or linear.out_features != query_proj.out_features:
+            raise ValueError(f"{owner}: {name} must map dim={dim} to H * Dh features (H={num_heads}), "
+                             f"got {name}=Linear({linear.in_features}, {linear.out_features})")
+    if head_dim is None:
+        if not shared and dim % num_heads:
+            raise ValueError(f"{owner}: dim must be divisible by num_heads without head_dim, "
+                             f"got dim={dim}, num_heads={num_heads}")
+        head_dim = query_proj.out_features // num_heads if shared else dim // num_heads
+    if shared and query_proj.out_features != num_heads * head_dim:
+        raise ValueError(f"{owner}: head_dim must be query_proj.out_features / num_heads = "
+                         f"{query_proj.out_features // num_heads}, got head_dim={head_dim}")
+    return head_dim
 
 
 class DebertaPositionalEmbedding(_ExplicitLogits):
@@ -4015,9 +4049,10 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         torch.Size([2, 12, 128, 64])
     """
 
-    kind = "logits"
     translation_invariant = True
     integer_positions = True   # distances index buckets
+    arguments = {"max_relative_positions": _check_positive_int, "pos_att_type": _attention_terms,
+                 "layer_norm": _check_flag, "layer_norm_eps": _positive_float}
 
     def __init__(self, dim: int, num_heads: int, *, max_relative_positions: int = 512,
                  position_buckets: Optional[int] = 256,
@@ -4027,47 +4062,13 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
                  init_std: float = 0.02) -> None:
         super().__init__()
         owner = type(self).__name__
-        dim = _as_int(owner, "dim", dim, 1)
-        num_heads = _as_int(owner, "num_heads", num_heads, 1)
-        max_relative_positions = _as_int(owner, "max_relative_positions", max_relative_positions, 1)
         if position_buckets is not None:
             position_buckets, _ = _check_log_buckets(owner, position_buckets, max_relative_positions)
-        if isinstance(pos_att_type, str):
-            pos_att_type = [t.strip() for t in pos_att_type.lower().split("|") if t.strip()]
-        if not isinstance(pos_att_type, (tuple, list)) or any(t not in ("c2p", "p2c") for t in pos_att_type) \
-                or len(set(pos_att_type)) != len(pos_att_type):
-            raise ValueError(f"{owner}: pos_att_type must hold distinct 'c2p' / 'p2c', got pos_att_type={pos_att_type!r}")
-        if (query_proj is None) != (key_proj is None):
-            raise ValueError(f"{owner}: query_proj and key_proj must be given together (shared projections) "
-                             f"or both None, got query_proj={type(query_proj).__name__}, "
-                             f"key_proj={type(key_proj).__name__}")
+        head_dim = _deberta_head_dim(owner, dim, num_heads, head_dim, query_proj, key_proj)
         shared = query_proj is not None
-        if shared:
-            for name, linear in (("query_proj", query_proj), ("key_proj", key_proj)):
-                if not isinstance(linear, nn.Linear):
-                    raise TypeError(f"{owner}: {name} must be an nn.Linear, got {type(linear).__name__}")
-                if linear.in_features != dim or linear.out_features % num_heads \
-                        or linear.out_features != query_proj.out_features:
-                    raise ValueError(f"{owner}: {name} must map dim={dim} to H * Dh features (H={num_heads}), "
-                                     f"got {name}=Linear({linear.in_features}, {linear.out_features})")
-        if head_dim is None:
-            if shared:
-                head_dim = query_proj.out_features // num_heads
-            elif dim % num_heads:
-                raise ValueError(f"{owner}: dim must be divisible by num_heads without head_dim, "
-                                 f"got dim={dim}, num_heads={num_heads}")
-            else:
-                head_dim = dim // num_heads
-        head_dim = _as_int(owner, "head_dim", head_dim, 1)
-        if shared and query_proj.out_features != num_heads * head_dim:
-            raise ValueError(f"{owner}: head_dim must be query_proj.out_features / num_heads = "
-                             f"{query_proj.out_features // num_heads}, got head_dim={head_dim}")
-        layer_norm = _check_flag(owner, "layer_norm", layer_norm)
-        layer_norm_eps = _as_float(owner, "layer_norm_eps", layer_norm_eps, minimum=0.0, exclusive=True)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
-        self.pos_att_type = tuple(pos_att_type)
-        self.init_std = _as_float(owner, "init_std", init_std, minimum=0.0)
+        self.pos_att_type, self.init_std = pos_att_type, init_std
         self.span = max_relative_positions if position_buckets is None else position_buckets   # S
         self.rel_embeddings = _uninitialised(nn.Embedding, 2 * self.span, dim)         # [2 S, D]
         self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if layer_norm else None
@@ -4125,36 +4126,25 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         return (project(queries) if "p2c" in self.pos_att_type else None,
                 project(keys) if "c2p" in self.pos_att_type else None)
 
-    def _rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
-              device) -> Tensor:
-        """``idx(i, j)`` of every pair: [Nq, Nk], or [B, 1.., 1, Nq, Nk] for batched positions."""
-        if positions_q is None and positions_k is None:
-            relative = -_default_distances(q_len, k_len, device)                         # query - key: [Nq + Nk - 1]
-        else:
-            relative = -_pair_distances(type(self).__name__, q_len, k_len, positions_q, positions_k, device)
+    def _row(self, distance: Tensor) -> Tensor:
+        """``idx = clamp(S + bucket(query - key), 0, 2 S - 1)`` of key - query ``distance``."""
+        relative = -distance
         if self.position_buckets is not None:
             relative = deberta_log_bucket(relative, position_buckets=self.position_buckets,
                                           max_relative_positions=self.max_relative_positions)
-        rows = (relative + self.span).clamp(0, 2 * self.span - 1)
-        return _toeplitz(rows, q_len, k_len) if positions_q is None and positions_k is None else rows
+        return (relative + self.span).clamp(0, 2 * self.span - 1)
 
-    def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                              positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
-        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
-        dtype = _compute_dtype(q.dtype)
-        q, k = q.to(dtype) * scale, k.to(dtype)
+    def logits(self, q, k, positions_q, positions_k, scale):
+        q = q * scale
         logits = torch.matmul(q, k.transpose(-1, -2))                                   # [B, H, Nq, Nk]
-        if q_len == 0 or k_len == 0 or not self.pos_att_type:
+        if not self.pos_att_type:
             return logits
-        rows = self._rows(q_len, k_len, positions_q, positions_k, q.device)             # [(B, 1..,) Nq, Nk]
-        pos_query, pos_key = self.relative_projections(dtype)                           # [H, 2 S, Dh] or None
+        rows = self._relative_rows(self._row, q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
+        pos_query, pos_key = self.relative_projections(q.dtype)                         # [H, 2 S, Dh] or None
         if pos_key is not None:                                                          # c2p: q_i . K_r[idx(i, j)]
             logits = logits + _gather_rows(torch.matmul(q, pos_key.transpose(-1, -2)), rows)
         if pos_query is not None:                                                        # p2c: k_j . Q_r[idx(i, j)]
-            by_key = torch.matmul(k * scale, pos_query.transpose(-1, -2))               # [B, H, Nk, 2 S]
-            logits = logits + _gather_rows(by_key, rows.transpose(-1, -2)).transpose(-1, -2)
+            logits = logits + _gather_columns(torch.matmul(k * scale, pos_query.transpose(-1, -2)), rows)
         return logits
 
 
