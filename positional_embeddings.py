@@ -1374,8 +1374,8 @@ class LearnedPositionalEmbedding(_AddedInput):
         """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``."""
         _check_table_range(type(self).__name__, "positions", positions, self.max_len)
         if positions.device != self.weight.device:
-            raise ValueError(f"{type(self).__name__}: positions must be on the device of the table ({self.weight.device}), "
-                             f"got positions on {positions.device}")
+            raise ValueError(f"{type(self).__name__}: positions must be on the device of the table "
+                             f"({self.weight.device}), got positions on {positions.device}")
         return F.embedding(positions.long(), self.weight)                                # uint8, int16 widen
 
     @torch.no_grad()
@@ -2611,8 +2611,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     def _set_scaling(self, params: dict) -> None:
         for key in ("short_factor", "long_factor"):
             if key in params and len(params[key]) != self.rotary_dim // 2:
-                raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = {self.rotary_dim // 2} "
-                                 f"entries, got {len(params[key])}")
+                raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = "
+                                 f"{self.rotary_dim // 2} entries, got {len(params[key])}")
         self._scaling = params
         if self.axis_spectrum == "per_axis" and self._scaling["rope_type"] != "default":
             raise ValueError(f"{type(self).__name__}: axis_spectrum='per_axis' takes no scaling, got "
@@ -3300,7 +3300,8 @@ class AlgebraicTreePositionalEmbedding(_QKTransform):
                 ids[node] = 0
                 continue
             if rank[parent] >= self.branching_factor:
-                raise ValueError(f"{type(self).__name__}: node {parent} has more than branching_factor={self.branching_factor} children")
+                raise ValueError(f"{type(self).__name__}: node {parent} has more than "
+                                 f"branching_factor={self.branching_factor} children")
             ids[node] = self.branching_factor * ids[parent] + 1 + rank[parent]
             rank[parent] += 1
         return torch.tensor(ids)
@@ -3346,8 +3347,8 @@ class AlgebraicTreePositionalEmbedding(_QKTransform):
         low, high = int(nodes.min()), int(nodes.max())
         if low < 0 or high > last:
             bad = low if low < 0 else high
-            raise ValueError(f"{type(self).__name__}: node ids must lie in [0, {last}] (depth <= max_depth={self.max_depth} "
-                             f"of a {b}-ary tree), got {bad}")
+            raise ValueError(f"{type(self).__name__}: node ids must lie in [0, {last}] "
+                             f"(depth <= max_depth={self.max_depth} of a {b}-ary tree), got {bad}")
         depth, first = 0, 1  # first id of level depth + 1
         while high >= first:
             depth, first = depth + 1, first * b + 1
@@ -3798,8 +3799,8 @@ class _PairwiseBias(PositionalEmbedding):
         target = self._buffer_device() if device is None else torch.device(device)
 
         def ready(p: Optional[Tensor], n: int) -> bool:
-            return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64) and p.dim() != 2 + axes
-                                 and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
+            return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64)
+                                 and p.dim() != 2 + axes and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
                                  and (target is None or p.device == target))
 
         if ready(positions_q, q_len) and ready(positions_k, k_len):
@@ -4813,7 +4814,8 @@ class RelativePositionBias2D(_WindowBias):
         """
         new = _check_window(type(self).__name__, "new_window_size", new_window_size)
         if interpolation not in ("geometric", "bicubic"):
-            raise ValueError(f"{type(self).__name__}: interpolation must be 'geometric' or 'bicubic', got {interpolation!r}")
+            raise ValueError(f"{type(self).__name__}: interpolation must be 'geometric' or 'bicubic', got "
+                             f"{interpolation!r}")
         weight = self.relative_position_bias_table
         old_rows = tuple(2 * s - 1 for s in self.window_size)
         new_rows = tuple(2 * s - 1 for s in new)
@@ -5026,7 +5028,8 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
         name, value, shape = ("states", x, f"[B, N, D={self.dim}]") if x is not None else \
             ("log_forget_values", log_forget, f"[B, H={self.num_heads}, N]")
         _check_tensor(owner, "x" if x is not None else "log_forget", value, 3)
-        if value.dim() != 3 or value.shape[-1 if x is not None else 1] != (self.dim if x is not None else self.num_heads):
+        width = self.dim if x is not None else self.num_heads
+        if value.dim() != 3 or value.shape[-1 if x is not None else 1] != width:
             raise ValueError(f"{owner}: {'x' if x is not None else 'log_forget'} must be {shape}, "
                              f"got {tuple(value.shape)}")
         bound = type(self)(self.dim, self.num_heads, fgate_proj=self.fgate_proj, init_std=self.init_std)
@@ -5070,8 +5073,8 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
             raise ValueError(f"{type(self).__name__}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
         batch = (self._bound_input() or self._unbound())[1].shape[0]
         if batch not in (1, q.shape[0]):
-            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {batch} (or the encoding batch 1), "
-                             f"got q {tuple(q.shape)}")
+            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {batch} "
+                             f"(or the encoding batch 1), got q {tuple(q.shape)}")
         self._check_lengths(q.shape[-2], k.shape[-2])
         return None, None
 
@@ -5407,7 +5410,8 @@ class EnformerPositionalEmbedding(_RelativeLogits):
 
     arguments = {"length_scale": _check_positive_int, "num_features": _check_positive_int,
                  "min_half_life": _positive_float, "symmetric": _check_flag,
-                 "gamma_normalization": functools.partial(_check_choice, choices=("per_feature", "global", "per_distance"))}
+                 "gamma_normalization": functools.partial(_check_choice,
+                                                          choices=("per_feature", "global", "per_distance"))}
 
     def __init__(self, num_heads: int, head_dim: int, *, num_features: int = 192, length_scale: int = 1536,
                  min_half_life: float = 3.0, symmetric: bool = False,
@@ -5859,8 +5863,8 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
     def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
         super()._check_qk(q, k, positions_q, positions_k, grouped)
         if q.shape[-2] > k.shape[-2]:
-            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last Nq keys), "
-                             f"got Nq={q.shape[-2]} and Nk={k.shape[-2]}")
+            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
+                             f"Nq keys), got Nq={q.shape[-2]} and Nk={k.shape[-2]}")
         return None, None
 
     def logits(self, q, k, positions_q, positions_k, scale):
