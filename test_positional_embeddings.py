@@ -515,39 +515,6 @@ class TestEveryClass:
             got = attention(q, k, v, pe64, causal=causal, **dict(zip(("positions_q", "positions_k"), positions)))
             torch.testing.assert_close(got, want)
 
-    def test_compile_fullgraph(self, case):
-        pe = case.make()
-        q, k, v = qkv()
-        x = tokens(case)
-        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
-        entry_points = {
-            "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
-            "forward_input": (pe.forward_input, lambda: (x,)),
-            "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
-            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
-        }
-        for name, (fn, args) in entry_points.items():
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, backend="eager", fullgraph=True)
-            torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
-
-    def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
-        pe = case.make()
-        graphs = []
-
-        def counting_backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
-                                 fullgraph=True)
-        for n in (16, 12, 10, 14):
-            q, k, _ = qkv(n, n)
-            want = case.attn(pe, q, k)
-            torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
-        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
-
     def test_low_precision_module_stays_finite_and_close(self, case):
         pe = case.make()
         q, k, _ = qkv()
@@ -1331,6 +1298,7 @@ class TestPackedDocuments:
         "dynamic": lambda: DynamicPositionBias(H),
     }
 
+    QUICK = {"t5", "alibi"}                                                # FlexAttention by default; all: PE_SLOW=1
     LENGTHS = (5, 7, 4)                                                    # [N] ids: three documents, N = 16
 
     ROWS = ([3, 9, 4], [10, 6])                                            # [B, N] ids: other boundaries per row
@@ -1345,7 +1313,7 @@ class TestPackedDocuments:
         return [slice(s, s + n) for s, n in zip(starts, lengths)]
 
     @pytest.mark.parametrize("causal", [False, True])
-    @pytest.mark.parametrize("name", list(BIAS_MAKERS))
+    @pytest.mark.parametrize("name", quick_or_slow(list(BIAS_MAKERS), QUICK))
     def test_flex_documents_equal_dense_and_each_document_alone(self, name, causal):
         pe = self.BIAS_MAKERS[name]()
         q, k, v = qkv()
@@ -1364,7 +1332,7 @@ class TestPackedDocuments:
                                   causal=causal or None, use_flex=False)
                 torch.testing.assert_close(got[row:row + 1, :, piece], alone)
 
-    @pytest.mark.parametrize("name", ["t5", "fire", "alibi"])
+    @pytest.mark.parametrize("name", quick_or_slow(["t5", "fire", "alibi"], QUICK))
     def test_flex_documents_with_extra_dims_shared_rows_and_grouped_heads(self, name):
         pe = self.BIAS_MAKERS[name]()
         ids = torch.stack([self.ids_of(r) for r in self.ROWS])
@@ -1434,8 +1402,10 @@ class TestFlexAttention:
     BIAS_MAKERS = [lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), lambda: ALiBiPositionalEmbedding(H),
                    lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
                    lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12)]
+    # T5 on FlexAttention in the default run, every maker with PE_SLOW=1 (each flex call traces its score_mod)
+    BIAS_PARAMS = quick_or_slow(BIAS_MAKERS, {"t5"}, ids=["t5", "alibi", "alibi_bidirectional", "tupe"])
 
-    @pytest.mark.parametrize("make", BIAS_MAKERS)
+    @pytest.mark.parametrize("make", BIAS_PARAMS)
     @pytest.mark.parametrize("rows", ["batched", "shared", "narrow"])
     def test_flex_equals_dense_with_positions_and_batch_unlike_heads(self, make, rows):
         """Issue 12.3: [B, N] with B != H, [1, N] with B > 1 and uint8 positions, flex vs dense."""
@@ -1452,7 +1422,7 @@ class TestFlexAttention:
             wide = attention(q, k, v, pe, positions_q=base[:1], positions_k=base[:1], use_flex=False)
             torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions), wide)
 
-    @pytest.mark.parametrize("make", BIAS_MAKERS)
+    @pytest.mark.parametrize("make", BIAS_PARAMS)
     def test_flex_takes_3d_and_5d_inputs_like_the_dense_path(self, make):
         pe = make()
         q, k, v = qkv()
@@ -2991,6 +2961,13 @@ def census_layer_types(config) -> list:
     return nested or [None]
 
 
+# census model types of the default run (one per layout: half-split, interleaved, partial, complex freqs_cis,
+# one tensor at a time, multi-axis sections of both layouts, per-layer rope types, proportional, longrope,
+# a config fix, a query temperature); PE_SLOW=1 runs every model type of _ROPE_MODEL_TYPES
+CENSUS_QUICK = {"llama", "gptj", "gpt_neox", "cohere", "deepseek_v2", "deepseek_v4", "llama4_text", "qwen2_vl",
+                "qwen3_vl", "gemma3_text", "gemma4_text", "phi3", "glm4v", "ministral3"}
+
+
 @pytest.fixture
 def one_thread():
     """The census runs hundreds of tiny ops: one intra-op thread spares the pool's start-up (restored after)."""
@@ -3783,7 +3760,7 @@ class TestRotary:
 
     # -- from_config census: every accepted model type against its own module
     @pytest.mark.usefixtures("one_thread")
-    @pytest.mark.parametrize("model_type", sorted(pe_lib._ROPE_MODEL_TYPES))
+    @pytest.mark.parametrize("model_type", quick_or_slow(sorted(pe_lib._ROPE_MODEL_TYPES), CENSUS_QUICK))
     def test_model_type_matches_its_module(self, model_type):
         config = census_config(model_type)
         for layer_type in census_layer_types(config):
@@ -5356,7 +5333,7 @@ class TestFIRE:
         want = fire(N, N)[1, 7, 3] + 0.5
         torch.testing.assert_close(score_mod(*args), want)
 
-    @pytest.mark.skipif(not os.environ.get("PE_SLOW"), reason="inductor compiles FIRE's kernel for minutes on a CPU")
+    @slow   # inductor compiles FIRE's kernel for minutes on a CPU
     def test_fire_score_mod_compiles_with_inductor(self):
         fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=16.0)
         q, k, v = (torch.randn(1, H, 128, DH) for _ in range(3))
@@ -6876,9 +6853,14 @@ def _attend(pe, q, k, v, *positions):
     return attention(q, k, v, pe, causal=True, **dict(zip(("positions_q", "positions_k"), positions)))
 
 
+# exported in the default run (one per kind); PE_SLOW=1 exports every case of EXPORT_CASES
+QUICK_EXPORT_CASES = {"learned", "rotary", "alibi", "enformer"}
+
+
 @pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="torch.export needs torch >= 2.6 here")
 class TestExport:
-    @pytest.mark.parametrize("case", [c for c in CASES if c.name in EXPORT_CASES], ids=repr)
+    @pytest.mark.parametrize("case", quick_or_slow([c for c in CASES if c.name in EXPORT_CASES], QUICK_EXPORT_CASES,
+                                                   ids=[c.name for c in CASES if c.name in EXPORT_CASES]))
     def test_dynamic_length_matches_eager(self, case):
         """attention() (forward_input for the input kinds) at two lengths the program was not traced at."""
         pe = case.make().eval()
@@ -6942,7 +6924,7 @@ class TestExport:
 
 
 # ---------------------------------------------------------------------------
-# torch.compile with dynamic shapes: the README's quick-start block
+# torch.compile (fullgraph): every case's entry points and recompiles, the README's quick-start block
 # ---------------------------------------------------------------------------
 
 
@@ -6963,7 +6945,7 @@ class QuickStartBlock(torch.nn.Module):
         return self.out(y.transpose(1, 2).flatten(2))
 
 
-# Every case compiles in the slow run (PE_SLOW=1, as .ci/run does; about 8 s a case); the default run
+# Every case compiles in the slow run (PE_SLOW=1, as .ci/run does; 2 to 8 s a case and test); the default run
 # compiles one case per attention path.
 QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"}
 
@@ -6971,53 +6953,90 @@ QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"
 # Cases that trace fullgraph at every length but recompile once between 16 and 40 tokens (found by the
 # PE_SLOW run; the guard that fails is not identified yet: an open item, see the README limitations).
 RECOMPILE_ONCE_CASES = {"heinsen", "fourier_octave"}
+COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES])
 
 
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_quick_start_block_compiles_fullgraph_dynamic(case):
-    """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
-    if case.name not in QUICK_COMPILE_CASES and not os.environ.get("PE_SLOW"):
-        pytest.skip("compiled in the slow run only (PE_SLOW=1)")
-    pe = case.make()
-    if isinstance(pe, ForgettingPositionalEmbedding):
-        pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
-    dim = case.token_dim if pe.kind == "input" else D
-    block = QuickStartBlock(dim, H, pe)
-    lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
-    graphs = []
+class TestCompile:
+    """torch.compile (dynamo, fullgraph) over every case: the entry points, recompiles, the quick-start block."""
 
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_compile_fullgraph(self, case):
+        pe = case.make()
+        q, k, v = qkv()
+        x = tokens(case)
+        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+        entry_points = {
+            "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
+            "forward_input": (pe.forward_input, lambda: (x,)),
+            "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
+            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
+        }
+        for name, (fn, args) in entry_points.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(block, dynamic=True, fullgraph=True, backend=counting_backend)
-    for n in lengths:
-        x = torch.randn(2, n, dim)
-        positions = None if case.required_positions is None else case.required_positions(n)
-        torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
-    assert len(graphs) == (2 if case.name in RECOMPILE_ONCE_CASES else 1), f"{len(graphs)} graphs for lengths {lengths}"
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
+        pe = case.make()
+        graphs = []
 
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
 
-def test_finite_number_check_traces_under_dynamic_shapes():
-    """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
-    q, k, v = qkv()
-    fn = lambda q, k, v: attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
-    with pytest.raises(ValueError, match="attention: scale must be a finite number, got scale=inf"):
-        attention(q, k, v, scale=float("inf"))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
+                                 fullgraph=True)
+        for n in (16, 12, 10, 14):
+            q, k, _ = qkv(n, n)
+            want = case.attn(pe, q, k)
+            torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
+        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
+
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_quick_start_block_compiles_fullgraph_dynamic(self, case):
+        """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
+        pe = case.make()
+        if isinstance(pe, ForgettingPositionalEmbedding):
+            pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
+        dim = case.token_dim if pe.kind == "input" else D
+        block = QuickStartBlock(dim, H, pe)
+        lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
+        graphs = []
+
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(block, dynamic=True, fullgraph=True, backend=counting_backend)
+        for n in lengths:
+            x = torch.randn(2, n, dim)
+            positions = None if case.required_positions is None else case.required_positions(n)
+            torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
+        assert len(graphs) == (2 if case.name in RECOMPILE_ONCE_CASES else 1), f"{len(graphs)} graphs for lengths {lengths}"
+
+    def test_finite_number_check_traces_under_dynamic_shapes(self):
+        """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
+        q, k, v = qkv()
+        fn = lambda q, k, v: attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+        with pytest.raises(ValueError, match="attention: scale must be a finite number, got scale=inf"):
+            attention(q, k, v, scale=float("inf"))
 
 
 # ---------------------------------------------------------------------------
 # Distributed: sequence shards over 2 processes (gloo on CPU) equal the single-process run
-# 
-# One spawn of 2 ranks runs every sequence-shard check (every class of CASES on a sequence shard,
-# Heinsen's sharded scan at a million tokens, PyTorch's context parallel) and each rank saves its
-# measured errors; the tests below read them. A second spawn checks data parallelism: DDP and FSDP2
-# (fully_shard, deferred meta init) against one process, one case per class. The tests that read a
-# spawn carry the marker ``distributed`` (-m "not distributed" leaves them out).
+#
+# With PE_SLOW=1, one spawn of 2 ranks runs every sequence-shard check (every class of CASES on a
+# sequence shard, Heinsen's sharded scan at a million tokens, PyTorch's context parallel) and each rank
+# saves its measured errors; the tests below read them. A second spawn checks data parallelism: DDP and
+# FSDP2 (fully_shard, deferred meta init) against one process, one case per class. The default run spawns
+# once, for a representative set of both (_quick_check). The tests that read a spawn carry the marker
+# ``distributed`` (-m "not distributed" leaves them out).
 # ---------------------------------------------------------------------------
 
 
@@ -7397,10 +7416,33 @@ def run_distributed(names: list, backend: str = "gloo") -> dict:
     return merged
 
 
+# The default run spawns once for both fixtures, for these checks only: one case per kind in both layouts,
+# Heinsen's small sharded checks and two data-parallel cases. PE_SLOW=1 spawns twice, for every check.
+QUICK_SHARDED_CASES = {"sinusoidal", "rotary", "t5", "transformer_xl", "heinsen"}
+QUICK_SCAN_CHECKS = {"scan_oracle", "empty_shard", "heinsen_module"}
+QUICK_PARALLEL_CASES = {"learned", "t5"}
+
+
+def _quick_check(name: str) -> bool:
+    kind, _, rest = name.partition("/")
+    if kind == "case":
+        return rest.split("/")[0] in QUICK_SHARDED_CASES
+    if kind == "data_parallel":
+        return rest in QUICK_PARALLEL_CASES
+    return name in QUICK_SCAN_CHECKS
+
+
+@functools.lru_cache(maxsize=None)
+def _quick_distributed_results() -> dict:
+    return run_distributed([name for name, _ in _checks() + _data_parallel_checks() if _quick_check(name)])
+
+
 @pytest.fixture(scope="module")
 def results():
     if not HAS_GLOO:
         pytest.skip("torch.distributed or its gloo backend is not available")
+    if not SLOW:
+        return _quick_distributed_results()
     return run_distributed([name for name, _ in _checks()])
 
 
@@ -7419,7 +7461,7 @@ CASE_TOL, GRAD_TOL = 2e-5, 1e-4
 @pytest.mark.distributed
 @needs_gloo
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
-@pytest.mark.parametrize("case", SHARDED_CASES, ids=repr)
+@pytest.mark.parametrize("case", quick_or_slow(SHARDED_CASES, QUICK_SHARDED_CASES, ids=[c.name for c in SHARDED_CASES]))
 def test_shards_equal_single_process(results, case, layout):
     if not case.takes_positions and layout != "contiguous":
         pytest.skip("a recurrence needs its shards in sequence order")
@@ -7429,6 +7471,7 @@ def test_shards_equal_single_process(results, case, layout):
 
 @pytest.mark.distributed
 @needs_gloo
+@slow
 def test_heinsen_scan_million_tokens_forward_and_backward(results):
     found = _measured(results, "heinsen_scan_1e6")
     for metric in ("s", "final", "grad_log_p", "grad_h", "grad_initial"):
@@ -7458,6 +7501,7 @@ def test_heinsen_module_sharded_forward_backward_and_streaming(results):
 
 @pytest.mark.distributed
 @needs_gloo
+@slow
 def test_context_parallel_rope_cpu(results):
     found = results["context_parallel_cpu"]
     if "error" in found:
@@ -7607,6 +7651,8 @@ def _has_fully_shard() -> bool:
 def data_parallel_results():
     if not _has_fully_shard():
         pytest.skip("torch.distributed, gloo or FSDP2's fully_shard is not available")
+    if not SLOW:
+        return _quick_distributed_results()
     return run_distributed([name for name, _ in _data_parallel_checks()])
 
 
@@ -7617,7 +7663,7 @@ PARALLEL_TOL = 1e-5
 
 @pytest.mark.distributed
 @needs_gloo
-@pytest.mark.parametrize("case", PARALLEL_CASES, ids=repr)
+@pytest.mark.parametrize("case", quick_or_slow(PARALLEL_CASES, QUICK_PARALLEL_CASES, ids=[c.name for c in PARALLEL_CASES]))
 def test_ddp_and_fsdp2_equal_single_process(data_parallel_results, case):
     found = _measured(data_parallel_results, f"data_parallel/{case.name}")
     for metric, error in found.items():
@@ -7636,6 +7682,11 @@ VENDOR_CLASSES = [name for name in pe_lib.__all__
 
 
 VENDOR_LEAN = {"config": False, "flex": False, "distributed": False}
+# vendored and run in the default run (an input, a qk, a bias and a logits class); PE_SLOW=1 adds the rest
+VENDOR_QUICK = ["HeinsenPositionalEmbedding", "RotaryPositionalEmbedding", "ALiBiPositionalEmbedding",
+                "ShawPositionalEmbedding"]
+VENDOR_SETS = quick_or_slow([VENDOR_QUICK, [name for name in VENDOR_CLASSES if name not in VENDOR_QUICK]], {"quick"},
+                            ids=["quick", "rest"])
 
 
 # Run in a fresh process: imports every vendored file given (as JSON: [[path, names, lean], ...]) and
@@ -7723,10 +7774,11 @@ def _vendor_run_check(files) -> list:
 
 
 class TestVendor:
-    def test_vendored_classes_equal_the_library_in_a_fresh_process(self, tmp_path):
+    @pytest.mark.parametrize("classes", VENDOR_SETS)
+    def test_vendored_classes_equal_the_library_in_a_fresh_process(self, tmp_path, classes):
         # lean: every class alone; everything kept: five classes a file (each still compared with the library)
-        files = [[str(tmp_path / f"{name}_lean.py"), [name], True] for name in VENDOR_CLASSES]
-        files += [[str(tmp_path / f"group{i}.py"), VENDOR_CLASSES[i:i + 5], False] for i in range(0, len(VENDOR_CLASSES), 5)]
+        files = [[str(tmp_path / f"{name}_lean.py"), [name], True] for name in classes]
+        files += [[str(tmp_path / f"group{i}.py"), classes[i:i + 5], False] for i in range(0, len(classes), 5)]
         for path, names, lean in files:
             pe_lib.vendor(names, path, **(VENDOR_LEAN if lean else {}))
         results = _vendor_run_check(files)
@@ -7983,6 +8035,7 @@ def test_compare_quick_runs_end_to_end():
         assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
 
 
+@slow
 def test_compare_every_encoding_two_seeds(tmp_path):
     """Every (task, encoding) pair of compare.py builds, trains one step and evaluates, over two
     seeds: the table gives the mean and the range, the CSV one line per seed."""
@@ -8023,6 +8076,7 @@ def _load_benchmark(name: str):
     return module
 
 
+@slow   # the default run has test_extrapolation_trial_runs_leave_committed_results_alone's tiny run
 def test_extrapolation_quick_runs(tmp_path):
     extrapolation = _load_benchmark("extrapolation")
     extrapolation.main(["--quick", "--out-dir", str(tmp_path)])
@@ -8117,6 +8171,7 @@ def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch
         bench.parse_args(["rope", "--reg", "both"])
 
 
+@slow
 def test_gallery_runs(tmp_path):
     pytest.importorskip("matplotlib")
     gallery = _load_benchmark("gallery")
@@ -8125,6 +8180,19 @@ def test_gallery_runs(tmp_path):
     failed = {name: result for name, result in outcome.items() if not result.endswith(".png")}
     assert not failed, failed
     for name in gallery.GALLERY:
+        assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
+    assert gallery.uncovered_classes() == []
+
+
+def test_gallery_draws_a_few_panels(tmp_path):
+    """The default run's gallery: three panels drawn end to end (test_gallery_runs draws them all)."""
+    pytest.importorskip("matplotlib")
+    gallery = _load_benchmark("gallery")
+    only = list(gallery.GALLERY)[:3]
+    outcome = gallery.make_gallery(str(tmp_path), only=only)
+    assert (tmp_path / "gallery.png").is_file()
+    assert set(outcome) == {*only, "gallery"} and all(result.endswith(".png") for result in outcome.values()), outcome
+    for name in only:
         assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
     assert gallery.uncovered_classes() == []
 
