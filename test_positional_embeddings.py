@@ -1,8 +1,19 @@
 """Tests for positional_embeddings.py.
 
-Layout: one shared list of factories (one per class) and the property tests that run
-over all of them; then one ``TestXxx`` class per encoding, in file order, checking the
-maths against slow float64 oracles written plainly here and against published constants.
+Layout, in the library's order:
+
+- shared setup: imports, sizes, fixtures, helpers and ``CASES`` (one or more ``Case`` per class, grouped by kind);
+- the base's contract: property tests over every case (``TestEveryClass``), argument checks, positions as a
+  caller writes them, ``attention()`` (masks, causal rule, grouped-query heads), packed documents and the
+  FlexAttention path;
+- one section per class, grouped by kind (input; q/k rotation; pairwise bias; logits), each a banner and one
+  ``TestXxx`` class holding the class's float64 oracle, reference comparisons, edge cases and regressions;
+- cross-cutting tests at the end: export and compile, distributed (sequence shards, DDP, FSDP2 on spawned
+  gloo processes: marker ``distributed``), vendoring, docs, README and benchmark scripts.
+
+Heavy tests run in full only with ``PE_SLOW=1`` (``.ci/run`` does); the default run keeps a representative
+subset of each and skips the rest, which carries the ``slow`` marker: ``PE_SLOW=1 python3 -m pytest -m slow``
+runs exactly what the default run leaves out.
 """
 
 import copy
@@ -16,8 +27,13 @@ import os
 import pathlib
 import pickle
 import re
+import socket
 import sys
+import tempfile
+import time
+import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable, Optional
 
 import pytest
@@ -26,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import positional_embeddings as pe_lib
+
 from positional_embeddings import (
     ALiBiPositionalEmbedding,
     AlgebraicGridPositionalEmbedding,
@@ -68,10 +85,36 @@ from positional_embeddings import (
     sharded_log_linear_scan,
     t5_relative_position_bucket,
 )
-from positional_embeddings import _alibi_kwargs_from_config, _rotary_kwargs_from_config, _t5_kwargs_from_config
+from positional_embeddings import (
+    _alibi_kwargs_from_config,
+    _LogLinearScanFunction,
+    _rotary_kwargs_from_config,
+    _t5_kwargs_from_config,
+)
+
 
 B, H, N, DH = 2, 4, 16, 32
 D = H * DH
+
+# PE_SLOW=1: the heavy tests run in full. Without it each keeps a representative subset; the rest carries the
+# ``slow`` marker and skips (PE_SLOW=1 python3 -m pytest -m slow runs exactly that rest, as .ci/run does).
+SLOW = bool(os.environ.get("PE_SLOW"))
+SLOW_MARKS = (pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="slow: runs with PE_SLOW=1"))
+
+
+def slow(test):
+    """Decorator: the whole test is slow (marker ``slow``, skipped unless PE_SLOW=1)."""
+    for mark in SLOW_MARKS:
+        test = mark(test)
+    return test
+
+
+def quick_or_slow(values, quick, ids=None):
+    """``values`` as parameters: those whose id is in ``quick`` run by default, the others are slow."""
+    ids = [str(v) for v in values] if ids is None else list(ids)
+    unknown = set(quick) - set(ids)
+    assert not unknown, f"quick ids not among the parameters: {sorted(unknown)}"
+    return [pytest.param(v, id=i, marks=() if i in quick else SLOW_MARKS) for v, i in zip(values, ids)]
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +123,7 @@ def _seed():
 
 
 # ---------------------------------------------------------------------------
-# Factories: one per class; every property test below runs over all of them
+# Cases: how to build every class and feed it in the shared tests (one or more per class)
 # ---------------------------------------------------------------------------
 
 
@@ -121,98 +164,12 @@ class Case:
         return (q,) if positions_q is None else (q, positions_q)
 
 
-CASES = [
-    Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
-    Case("sinusoidal_concat", lambda: SinusoidalPositionalEmbedding(D, layout="concat")),
-    Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
-    Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
-    Case("rotary_interleaved_partial", lambda: RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)),
-    Case("rotary_yarn", lambda: RotaryPositionalEmbedding(
-        DH, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
-    Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
-         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
-                                                   torch.arange(n) % 3], -1),
-         has_offset=False),
-    Case("t5", lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), has_offset=False),
-    Case("t5_causal", lambda: T5PositionalEmbedding(H, bidirectional=False), has_offset=False),
-    Case("alibi", lambda: ALiBiPositionalEmbedding(H), has_offset=False),
-    Case("alibi_bidirectional", lambda: ALiBiPositionalEmbedding(H, bidirectional=True), has_offset=False),
-    Case("tupe", lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12),
-         has_offset=False),
-    Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
-    Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
-         has_offset=False),
-    Case("algebraic_sequence", lambda: AlgebraicSequencePositionalEmbedding(DH, H)),
-    Case("algebraic_grid", lambda: AlgebraicGridPositionalEmbedding(DH, H),
-         required_positions=lambda n: torch.stack([torch.arange(n) // 4, torch.arange(n) % 4], -1), has_offset=False),
-    Case("algebraic_tree", lambda: AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)),
-    Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
-]
-
-
-# ---------------------------------------------------------------------------
-# (to paste into the test file) cases for the length-generalisation classes
-# ---------------------------------------------------------------------------
-
-
 @dataclass(repr=False)
 class PairCase(Case):
     """A "qk" class whose own call takes q and k together: ``forward(q, k, positions_q, positions_k)``."""
 
     def own_call_args(self, pe, q, k, x):
         return (q, k, *self.positions(q.shape[-2], k.shape[-2]))
-
-
-CASES += [  # lengthgen bias
-    Case("nope", lambda: NoPositionalEmbedding(dim=D)),
-    PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
-             has_offset=False),
-    Case("kerple_log", lambda: KerplePositionalEmbedding(H), has_offset=False),
-    Case("kerple_power_bidirectional", lambda: KerplePositionalEmbedding(H, kernel="power", bidirectional=True),
-         has_offset=False),
-    Case("sandwich", lambda: SandwichPositionalEmbedding(H, DH), has_offset=False),
-    Case("fire_bidirectional", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0, bidirectional=True),
-         has_offset=False),
-]
-
-# --- draft-only imports (not pasted: the test file has these names already) ---------------
-
-
-
-
-# ------------------------------------------------------------------------------------------
-
-
-# Fixed token states for the shared property tests of the forget gate: the unbound module
-# has no q/k work (its bias needs the tokens), so its Case binds these. Batch 1: shared by
-# every batch row, so the batch-1 gradcheck runs too.
-FOX_STATES = torch.randn(1, N, D, generator=torch.Generator().manual_seed(1))
-
-CASES += [  # lengthgen logits
-    Case("cope", lambda: CoPEPositionalEmbedding(H, DH, max_position=8, init_std=0.5), has_offset=False,
-         takes_positions=False),
-    Case("cope_per_head", lambda: CoPEPositionalEmbedding(H, DH, per_head=True, init_std=0.5), has_offset=False,
-         takes_positions=False),
-    Case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)(FOX_STATES), has_offset=False,
-         takes_positions=False),
-]
-
-CASES += [  # classic relative
-    Case("shaw", lambda: ShawPositionalEmbedding(H, DH, max_distance=5), has_offset=False),
-    Case("shaw_key_query_asymmetric", lambda: ShawPositionalEmbedding(H, DH, max_distance=(6, 3), key_query=True),
-         has_offset=False),
-    Case("shaw_no_values", lambda: ShawPositionalEmbedding(H, DH, max_distance=4, values=False), has_offset=False),
-    Case("deberta", lambda: DebertaPositionalEmbedding(D, H, max_relative_positions=12, position_buckets=4),
-         has_offset=False),
-    Case("deberta_c2p_unbucketed", lambda: DebertaPositionalEmbedding(
-        D, H, max_relative_positions=6, position_buckets=None, pos_att_type=("c2p",), layer_norm=False),
-         has_offset=False),
-]
-
-# ---------------------------------------------------------------------------
-# Cases. Windows of 4 x 5 patches (T = 20, 21 with a [CLS]): the property tests use N = 16 tokens
-# (the window's last 16) and shift batched positions by 3, so the window must hold >= 19 tokens.
-# ---------------------------------------------------------------------------
 
 
 class GridBiasCase(Case):
@@ -226,45 +183,18 @@ def grid_positions(n, width=4):
     return torch.stack([torch.arange(n) // width, torch.arange(n) % width], -1)
 
 
-CASES += [  # vision bias
-    Case("relpos2d", lambda: RelativePositionBias2D(H, (4, 5)), has_offset=False),
-    Case("relpos2d_cls", lambda: RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1), has_offset=False),
-    Case("swinv2_cpb", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32), has_offset=False),
-    Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
-         has_offset=False),
-    Case("dynamic_bias", lambda: DynamicPositionBias(H, hidden_dim=16), has_offset=False),
-    Case("dynamic_bias_log_norm", lambda: DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=True, norm=True),
-         has_offset=False),
-    GridBiasCase("dynamic_bias_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16),
-                 required_positions=grid_positions, has_offset=False),
-]
-
 def grid_rc(n, cols=4):
     """(row, col) integer positions of n tokens on a grid with `cols` columns: [n, 2]."""
     return torch.stack([torch.arange(n) // cols, torch.arange(n) % cols], -1)
 
 
-CASES += [  # vision qk
-    Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
-    Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
-    Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
-         has_offset=False),
-    Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
-    Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
-         takes_positions=False),
-    Case("conv_wav2vec2", lambda: ConvolutionalPositionalEmbedding(D, kernel_size=4, num_axes=1, groups=4,
-                                                                   weight_norm=True, activation="gelu"),
-         has_offset=False, takes_positions=False),
-    Case("fourier_octave", lambda: FourierFeaturePositionalEmbedding(1, 16, scale=0.01), token_dim=16),
-    Case("fourier_gaussian", lambda: FourierFeaturePositionalEmbedding(1, D, sampling="gaussian", scale=0.1)),
-    Case("sinusoidal_fairseq", lambda: SinusoidalPositionalEmbedding(D, spectrum="fairseq", layout="concat")),
-]
+# Fixed token states for the shared property tests of the forget gate: the unbound module
+# has no q/k work (its bias needs the tokens), so its Case binds these. Batch 1: shared by
+# every batch row, so the batch-1 gradcheck runs too.
+FOX_STATES = torch.randn(1, N, D, generator=torch.Generator().manual_seed(1))
 
-# ---------------------------------------------------------------------------
-# Cases built from plain config dicts (no transformers needed): the shared property tests
-# run on what from_config builds
-# ---------------------------------------------------------------------------
 
+# Plain config dicts (no transformers needed): the shared tests run on what from_config builds
 LLAMA3_DICT = {"model_type": "llama", "hidden_size": H * DH, "num_attention_heads": H, "max_position_embeddings": 64,
                "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
@@ -277,11 +207,88 @@ QWEN2_VL_DICT = {"model_type": "qwen2_vl", "text_config": {
 T5_DECODER_DICT = {"model_type": "t5", "num_heads": H, "relative_attention_num_buckets": 8,
                    "relative_attention_max_distance": 12, "is_decoder": True}
 
-CASES += [  # from config
+
+CASES = [
+    # input kind: added to the tokens
+    Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
+    Case("sinusoidal_concat", lambda: SinusoidalPositionalEmbedding(D, layout="concat")),
+    Case("sinusoidal_fairseq", lambda: SinusoidalPositionalEmbedding(D, spectrum="fairseq", layout="concat")),
+    Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
+    Case("nope", lambda: NoPositionalEmbedding(dim=D)),
+    Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
+         takes_positions=False),
+    Case("conv_wav2vec2", lambda: ConvolutionalPositionalEmbedding(D, kernel_size=4, num_axes=1, groups=4,
+                                                                   weight_norm=True, activation="gelu"),
+         has_offset=False, takes_positions=False),
+    Case("fourier_octave", lambda: FourierFeaturePositionalEmbedding(1, 16, scale=0.01), token_dim=16),
+    Case("fourier_gaussian", lambda: FourierFeaturePositionalEmbedding(1, D, sampling="gaussian", scale=0.1)),
+    Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
+    # q/k rotation kind
+    Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
+    Case("rotary_interleaved_partial", lambda: RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)),
+    Case("rotary_yarn", lambda: RotaryPositionalEmbedding(
+        DH, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+    Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1),
+         has_offset=False),
     Case("rotary_from_llama3_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(LLAMA3_DICT))),
     Case("rotary_from_gptj_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(GPTJ_DICT))),
+    PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
+             has_offset=False),
+    Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
+    Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
+    Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
+         has_offset=False),
+    Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
+    Case("algebraic_sequence", lambda: AlgebraicSequencePositionalEmbedding(DH, H)),
+    Case("algebraic_grid", lambda: AlgebraicGridPositionalEmbedding(DH, H),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 4, torch.arange(n) % 4], -1), has_offset=False),
+    Case("algebraic_tree", lambda: AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)),
+    # pairwise bias kind
+    Case("t5", lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), has_offset=False),
+    Case("t5_causal", lambda: T5PositionalEmbedding(H, bidirectional=False), has_offset=False),
     Case("t5_from_decoder_config", lambda: T5PositionalEmbedding(**_t5_kwargs_from_config(T5_DECODER_DICT)),
          has_offset=False),
+    Case("alibi", lambda: ALiBiPositionalEmbedding(H), has_offset=False),
+    Case("alibi_bidirectional", lambda: ALiBiPositionalEmbedding(H, bidirectional=True), has_offset=False),
+    Case("tupe", lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12),
+         has_offset=False),
+    Case("kerple_log", lambda: KerplePositionalEmbedding(H), has_offset=False),
+    Case("kerple_power_bidirectional", lambda: KerplePositionalEmbedding(H, kernel="power", bidirectional=True),
+         has_offset=False),
+    Case("sandwich", lambda: SandwichPositionalEmbedding(H, DH), has_offset=False),
+    Case("fire_bidirectional", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0, bidirectional=True),
+         has_offset=False),
+    Case("dynamic_bias", lambda: DynamicPositionBias(H, hidden_dim=16), has_offset=False),
+    Case("dynamic_bias_log_norm", lambda: DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=True, norm=True),
+         has_offset=False),
+    GridBiasCase("dynamic_bias_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16),
+                 required_positions=grid_positions, has_offset=False),
+    Case("relpos2d", lambda: RelativePositionBias2D(H, (4, 5)), has_offset=False),
+    Case("relpos2d_cls", lambda: RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1), has_offset=False),
+    Case("swinv2_cpb", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32), has_offset=False),
+    Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
+         has_offset=False),
+    Case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)(FOX_STATES), has_offset=False,
+         takes_positions=False),
+    # logits kind
+    Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
+    Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
+         has_offset=False),
+    Case("shaw", lambda: ShawPositionalEmbedding(H, DH, max_distance=5), has_offset=False),
+    Case("shaw_key_query_asymmetric", lambda: ShawPositionalEmbedding(H, DH, max_distance=(6, 3), key_query=True),
+         has_offset=False),
+    Case("shaw_no_values", lambda: ShawPositionalEmbedding(H, DH, max_distance=4, values=False), has_offset=False),
+    Case("deberta", lambda: DebertaPositionalEmbedding(D, H, max_relative_positions=12, position_buckets=4),
+         has_offset=False),
+    Case("deberta_c2p_unbucketed", lambda: DebertaPositionalEmbedding(
+        D, H, max_relative_positions=6, position_buckets=None, pos_att_type=("c2p",), layer_norm=False),
+         has_offset=False),
+    Case("cope", lambda: CoPEPositionalEmbedding(H, DH, max_position=8, init_std=0.5), has_offset=False,
+         takes_positions=False),
+    Case("cope_per_head", lambda: CoPEPositionalEmbedding(H, DH, per_head=True, init_std=0.5), has_offset=False,
+         takes_positions=False),
 ]
 
 
@@ -296,8 +303,18 @@ def tokens(case, n=N, dtype=torch.float32):
     return torch.randn(B, n, case.token_dim, dtype=dtype)
 
 
+def paired_positions(nq, nk):
+    """Default positions written out: keys 0..nk-1, queries the last nq of them."""
+    return [i + max(nk - nq, 0) for i in range(nq)], list(range(nk))
+
+
+# ===========================================================================
+# The base's contract: every class
+# ===========================================================================
+
+
 # ---------------------------------------------------------------------------
-# Property tests over every class
+# Property tests over every case
 # ---------------------------------------------------------------------------
 
 
@@ -498,39 +515,6 @@ class TestEveryClass:
             got = attention(q, k, v, pe64, causal=causal, **dict(zip(("positions_q", "positions_k"), positions)))
             torch.testing.assert_close(got, want)
 
-    def test_compile_fullgraph(self, case):
-        pe = case.make()
-        q, k, v = qkv()
-        x = tokens(case)
-        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
-        entry_points = {
-            "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
-            "forward_input": (pe.forward_input, lambda: (x,)),
-            "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
-            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
-        }
-        for name, (fn, args) in entry_points.items():
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, backend="eager", fullgraph=True)
-            torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
-
-    def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
-        pe = case.make()
-        graphs = []
-
-        def counting_backend(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
-                                 fullgraph=True)
-        for n in (16, 12, 10, 14):
-            q, k, _ = qkv(n, n)
-            want = case.attn(pe, q, k)
-            torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
-        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
-
     def test_low_precision_module_stays_finite_and_close(self, case):
         pe = case.make()
         q, k, _ = qkv()
@@ -629,10 +613,507 @@ class TestEveryClass:
         with pytest.raises(TypeError, match=type(pe).__name__ + ".*x"):
             pe.forward_input(torch.zeros(B, N, case.token_dim, dtype=torch.long))
 
+    def test_attention_rejects_a_wrong_head_count_or_head_dim(self, case):
+        """A wrong (or swapped) constructor argument must not run: every attention-side class built for a head
+        count or a head width checks q against it at attention()'s entry, naming itself."""
+        pe = case.make()
+        heads, head_dim = getattr(pe, "num_heads", None), getattr(pe, "head_dim", None)
+        if pe.kind == "input":
+            pytest.skip("added to the tokens: attention() never sees its widths")
+        if heads is None and head_dim is None:
+            pytest.fail(f"{case.name}: an attention-side class with neither num_heads nor head_dim")
+        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+        name = type(pe).__name__
+        for h, dh in ((H + 1, DH), (1, DH), (H, 2 * DH), (H, DH // 2)):
+            q, k, v = (torch.randn(B, h, N, dh) for _ in range(3))
+            wrong = (heads is not None and h != heads) or (head_dim is not None and dh != head_dim)
+            if not wrong:   # a bias built for H heads takes any head dim; RoPE any head count
+                assert attention(q, k, v, pe, **positions).shape == (B, h, N, dh)
+                continue
+            with pytest.raises(ValueError, match=f"{name}: q must be \\[\\.\\.\\., H(={heads})?, N, Dh(={head_dim})?\\], "
+                                                 f"got \\({B}, {h}, {N}, {dh}\\)"):
+                attention(q, k, v, pe, **positions)
+
 
 # ---------------------------------------------------------------------------
-# attention(): masks and alignment
+# Argument checks: every flag a real bool, every numeric argument typed and ranged with a message
+# naming the class and the argument, the constructor keywords, meta init == normal init bitwise
 # ---------------------------------------------------------------------------
+
+
+_HEINSEN_X = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(2))
+
+
+# (owner in the message, call taking the flag as a keyword, flag name)
+FLAG_ARGS = [
+    ("RotaryPositionalEmbedding", lambda **kw: RotaryPositionalEmbedding(8, **kw), "interleaved"),
+    ("t5_relative_position_bucket", lambda **kw: t5_relative_position_bucket(torch.arange(3), **kw), "bidirectional"),
+    ("T5PositionalEmbedding", lambda **kw: T5PositionalEmbedding(2, **kw), "bidirectional"),
+    ("ALiBiPositionalEmbedding", lambda **kw: ALiBiPositionalEmbedding(2, **kw), "bidirectional"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "relative_bias"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "cls_token"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "bidirectional"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
+     "bidirectional"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
+                                                                             **kw), "symmetric"),
+    ("XPosPositionalEmbedding", lambda **kw: XPosPositionalEmbedding(8, **kw), "interleaved"),
+    ("KerplePositionalEmbedding", lambda **kw: KerplePositionalEmbedding(2, **kw), "bidirectional"),
+    ("SandwichPositionalEmbedding", lambda **kw: SandwichPositionalEmbedding(2, 8, **kw), "bidirectional"),
+    ("FIREPositionalEmbedding", lambda **kw: FIREPositionalEmbedding(2, hidden_dim=4, **kw), "bidirectional"),
+    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw), "per_head"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "key_query"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "values"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding.from_bert(torch.zeros(5, 4), 2, **kw),
+     "key_query"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, max_relative_positions=8,
+                                                                           position_buckets=4, **kw), "layer_norm"),
+    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "log_distance"),
+    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "norm"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, num_axes=1, **kw),
+     "weight_norm"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw),
+     "using_prev_context"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw), "return_state"),
+    ("attention", lambda **kw: attention(*qkv(4, 4), **kw), "causal"),
+]
+
+
+# flags checked before the process group is looked for (a valid call needs torch.distributed)
+SHARDED_FLAG_ARGS = [
+    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
+                                                                        **kw), "using_prev_context"),
+    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
+                                                                        **kw), "return_state"),
+    ("sharded_log_linear_scan", lambda **kw: sharded_log_linear_scan(-torch.ones(3, 2), torch.ones(3, 2), **kw),
+     "return_state"),
+]
+
+
+def _tiny_numeric(owner, make, name, value, error, want):
+    return pytest.param(owner, make, name, value, error, want, id=f"{owner}-{name}-{value!r}")
+
+
+# (owner, call taking the argument as a keyword, argument, bad value, error, what the message says)
+# The message must read "<owner>: <argument> must <want>" (an entry "<argument>[i]" for a sequence), with
+# the value in it; <want> starts with "be" unless given as a whole "must ..." phrase.
+NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
+                                                                             **kw),
+     "min_half_life", "3", TypeError, "a real number, got str '3'"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, length_scale=16, **kw),
+     "num_features", 12.0, TypeError, "an int, got float 12.0"),
+    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, **kw),
+     "length_scale", "16", TypeError, "an int, got str '16'"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "d_model", "8", TypeError, "an int, got str '8'"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "clamp_len", 2.5, TypeError, "an int, got float 2.5"),
+    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
+     "init_std", -1.0, ValueError, "a finite number >= 0.0, got init_std=-1.0"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
+     "num_buckets", 0, ValueError, "a positive int, got num_buckets=0"),
+    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw),
+     "init_std", "0.1", TypeError, "a real number, got str '0.1'"),
+    ("ForgettingPositionalEmbedding", lambda **kw: ForgettingPositionalEmbedding(8, 2, **kw),
+     "init_std", None, TypeError, "a real number, got NoneType None"),
+    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw),
+     "init_std", -0.5, ValueError, "a finite number >= 0.0, got init_std=-0.5"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
+     "layer_norm_eps", "1e-7", TypeError, "a real number, got str '1e-7'"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), **kw),
+     "position_buckets", 1, ValueError, "an int >= 2, got position_buckets=1"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), position_buckets=8, **kw),
+     "max_relative_positions", 5, ValueError, "must exceed position_buckets // 2 \\+ 1 = 5 .*got max_relative_positions=5"),
+    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(**kw),
+     "relative_position", torch.zeros(3), TypeError, "an integer tensor, got a tensor of shape \\[3\\]"),
+    ("AlgebraicTreePositionalEmbedding", lambda **kw: AlgebraicTreePositionalEmbedding(4, 2, 2, 3, **kw),
+     "init_std", float("inf"), ValueError, "a finite number >= 0.0, got init_std=inf"),
+    ("AlgebraicGridPositionalEmbedding", lambda **kw: AlgebraicGridPositionalEmbedding(8, 2, **kw),
+     "base", "100", TypeError, "a real number, got str '100'"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
+     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
+     "num_prefix_tokens", -1, ValueError, "a non-negative int, got num_prefix_tokens=-1"),
+    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, **kw),
+     "window_size", (3, 0), ValueError, "a positive int, got window_size\\[1\\]=0"),
+    ("MixedRotaryPositionalEmbedding", lambda **kw: MixedRotaryPositionalEmbedding(8, **kw),
+     "num_heads", 0, ValueError, "a positive int, got num_heads=0"),
+    ("LieREPositionalEmbedding", lambda **kw: LieREPositionalEmbedding(8, 2, **kw),
+     "block_size", "4", TypeError, "an int, got str '4'"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "kernel_size", 0, ValueError, "a positive int, got kernel_size=0"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "num_prefix_tokens", 1.5, TypeError, "an int, got float 1.5"),
+    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
+     "grid_shape", (2, 3, 4), ValueError, "a sequence of 2 positive ints, got grid_shape=\\(2, 3, 4\\)"),
+    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
+     "seed", 1.5, TypeError, "an int, got float 1.5"),
+    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
+     "scale", "1", TypeError, "a real number, got str '1'"),
+    ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
+     "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
+    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
+     "d_hid", 2.5, TypeError, "an int, got float 2.5"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), to="half_split", **kw),
+     "head_dim", "4", TypeError, "an int, got str '4'"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, to="half_split", **kw),
+     "rotary_dim", 0, ValueError, "a positive int, got rotary_dim=0"),
+    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, **kw),
+     "to", "halfsplit", ValueError, "one of 'half_split', 'interleaved', got to='halfsplit'"),
+    ("shard_positions", lambda **kw: shard_positions(8, 0, 2, **kw),
+     "offset", 1.5, TypeError, "an int, got float 1.5"),
+]]
+
+
+# Builds taking sizes and reals, once with Python numbers and once with numpy's (given as
+# `num`): both must give the same module (numpy ints and floats are accepted as such).
+NUMPY_BUILDS = [
+    lambda num: UnifiedPositionalEmbedding(num.int64(8), num.int32(2), num.int64(4), num_buckets=num.int64(8),
+                                           max_distance=num.int64(12), init_std=num.float32(0.5)),
+    lambda num: TransformerXLPositionalEmbedding(num.int64(2), num.int64(4), d_model=num.int64(6),
+                                                 clamp_len=num.int64(5), init_std=num.float64(0.5)),
+    lambda num: EnformerPositionalEmbedding(num.int64(2), num.int64(4), num_features=num.int64(6),
+                                            length_scale=num.int64(16), min_half_life=num.float32(2.0)),
+    lambda num: CoPEPositionalEmbedding(num.int64(2), num.int64(4), max_position=num.int64(4),
+                                        init_std=num.float32(0.5)),
+    lambda num: ForgettingPositionalEmbedding(num.int64(8), num.int64(2), init_std=num.float32(0.5)),
+    lambda num: DebertaPositionalEmbedding(num.int64(8), num.int64(2), max_relative_positions=num.int64(8),
+                                           position_buckets=num.int64(4), layer_norm_eps=num.float64(1e-5),
+                                           init_std=num.float64(0.5)),
+    lambda num: AlgebraicTreePositionalEmbedding(num.int64(4), num.int64(2), num.int64(2), num.int64(3),
+                                                 init_std=num.float32(0.5)),
+    lambda num: RelativePositionBias2D(num.int64(2), (num.int64(3), num.int32(2)), num_prefix_tokens=num.int64(1),
+                                       init_std=num.float32(0.5)),
+    lambda num: ConvolutionalPositionalEmbedding(num.int64(4), kernel_size=num.int64(3), num_axes=num.int64(1),
+                                                 num_prefix_tokens=num.int64(1), groups=num.int64(2)),
+    lambda num: FourierFeaturePositionalEmbedding(num.int64(1), num.int64(4), sampling="gaussian",
+                                                  scale=num.float32(0.5), seed=num.int64(3)),
+    lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
+    lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
+]
+
+
+# Every property-test case, plus options whose parameters the cases do not cover.
+META_CASES = [pytest.param(case.make, id=case.name) for case in CASES] + [
+    pytest.param(lambda: UnifiedPositionalEmbedding(16, 2, 4, relative_bias=False), id="tupe_absolute_only"),
+    pytest.param(lambda: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16, symmetric=True),
+                 id="enformer_symmetric"),
+    pytest.param(lambda: MixedRotaryPositionalEmbedding(12, 2, 3), id="mixed_rope_three_axes"),
+    pytest.param(lambda: ForgettingPositionalEmbedding(8, 2), id="forgetting_unbound"),
+    pytest.param(lambda: ConvolutionalPositionalEmbedding(8, num_axes=3), id="conv_peg_3d"),
+    pytest.param(lambda: DebertaPositionalEmbedding(8, 2, max_relative_positions=8, position_buckets=4,
+                                                    pos_att_type="p2c"), id="deberta_p2c"),
+]
+
+
+# (class, keyword arguments): every class built for a head width takes it as head_dim=, every per-head
+# class its head count as num_heads=; dim= is a token width (or Sandwich's sinusoid width).
+KEYWORD_BUILDS = [
+    (RotaryPositionalEmbedding, dict(head_dim=DH)),
+    (XPosPositionalEmbedding, dict(head_dim=DH)),
+    (AlgebraicSequencePositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (LieREPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (TransformerXLPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (EnformerPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (CoPEPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (ShawPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
+    (DebertaPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (UnifiedPositionalEmbedding, dict(max_len=64, num_heads=H, head_dim=DH)),
+    (T5PositionalEmbedding, dict(num_heads=H)),
+    (ALiBiPositionalEmbedding, dict(num_heads=H)),
+    (KerplePositionalEmbedding, dict(num_heads=H)),
+    (SandwichPositionalEmbedding, dict(num_heads=H, dim=DH)),
+    (FIREPositionalEmbedding, dict(num_heads=H)),
+    (DynamicPositionBias, dict(num_heads=H)),
+    (ForgettingPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (SinusoidalPositionalEmbedding, dict(dim=D)),
+    (LearnedPositionalEmbedding, dict(max_len=64, dim=D)),
+    (ConvolutionalPositionalEmbedding, dict(dim=D, num_axes=1)),
+    (NoPositionalEmbedding, dict(dim=D)),
+]
+
+
+class TestArgumentChecks:
+    @pytest.mark.parametrize("bad", ["false", 1, None], ids=["str", "int", "None"])
+    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}")
+                                                   for row in FLAG_ARGS + SHARDED_FLAG_ARGS])
+    def test_flags_must_be_real_bools(self, owner, make, name, bad):
+        if (owner, name, bad) == ("attention", "causal", None):     # None: follow the encoding's own mode
+            make(causal=None)
+            return
+        with pytest.raises(TypeError, match=f"^{owner}: {name} must be a bool, got {type(bad).__name__} {bad!r}$"):
+            make(**{name: bad})
+
+    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}") for row in FLAG_ARGS])
+    def test_numpy_bools_are_accepted_as_flags(self, owner, make, name):
+        numpy = pytest.importorskip("numpy")
+        make(**{name: numpy.bool_(False)})   # the same call with a bad flag is the TypeError above
+
+    @pytest.mark.parametrize("owner, make, name, value, error, want", NUMERIC_ARGS)
+    def test_numeric_arguments_are_typed_and_ranged(self, owner, make, name, value, error, want):
+        want = want[len("must "):] if want.startswith("must ") else "be " + want
+        with pytest.raises(error, match=f"^{owner}: {name}(\\[\\d+\\])? must {want}"):
+            make(**{name: value})
+
+    @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
+                                                         "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
+                                                         "liere", "heinsen"])
+    def test_numpy_numbers_build_the_same_module(self, build):
+        numpy = pytest.importorskip("numpy")
+        python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
+        torch.manual_seed(0)
+        plain = build(python)
+        torch.manual_seed(0)
+        from_numpy = build(numpy)
+        assert repr(from_numpy) == repr(plain)
+        want, got = plain.state_dict(), from_numpy.state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[key], got[key]) for key in want)
+        stored = [(name, value) for name, value in vars(from_numpy).items()
+                  for item in (value if isinstance(value, tuple) else (value,)) if isinstance(item, numpy.generic)]
+        assert not stored, stored   # sizes are kept as Python ints
+
+    @pytest.mark.parametrize("make", META_CASES)
+    def test_meta_init_then_reset_equals_normal_init_bitwise(self, make):
+        torch.manual_seed(0)
+        normal = make()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            meta = make()
+        meta.to_empty(device="cpu")
+        meta.reset_parameters()
+        want = dict(normal.named_parameters()) | dict(normal.named_buffers())
+        got = dict(meta.named_parameters()) | dict(meta.named_buffers())
+        assert want.keys() == got.keys()
+        differ = [name for name in want if want[name].dtype != got[name].dtype or not torch.equal(want[name], got[name])]
+        assert not differ, differ
+
+    @pytest.mark.parametrize("cls, kwargs", KEYWORD_BUILDS, ids=[cls.__name__ for cls, _ in KEYWORD_BUILDS])
+    def test_constructor_keywords_read_the_same(self, cls, kwargs):
+        pe = cls(**kwargs)
+        for name, value in kwargs.items():
+            if name in ("num_heads", "head_dim", "dim"):
+                assert getattr(pe, name) == value, name
+
+    @pytest.mark.parametrize("cls", [RotaryPositionalEmbedding, XPosPositionalEmbedding])
+    def test_head_dim_alias_of_dim(self, cls):
+        torch.manual_seed(0)
+        q, k, _ = qkv()
+        torch.testing.assert_close(cls(head_dim=DH).forward_attn(q, k), cls(DH).forward_attn(q, k))
+        assert cls(head_dim=DH).dim == DH
+        name = cls.__name__
+        with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both .* got dim=32 and head_dim=16"):
+            cls(DH, head_dim=16)
+        with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both"):
+            cls(dim=DH, head_dim=DH)
+        with pytest.raises(TypeError, match=f"{name}: missing the required argument dim \\(or its keyword alias head_dim\\)"):
+            cls()
+
+
+# ---------------------------------------------------------------------------
+# Positions as a caller writes them: on another device, raw batched rows for a bias, float positions
+# with gradients where a query and a key share a position (distance 0)
+# ---------------------------------------------------------------------------
+
+
+def _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k):
+    """The class's own forward, given explicit positions."""
+    if pe.kind == "input":
+        return pe(x, positions_q)
+    if pe.kind == "bias":
+        return pe(q.shape[-2], k.shape[-2], positions_q=positions_q, positions_k=positions_k)
+    if pe.kind == "logits" or isinstance(case, PairCase):
+        return pe(q, k, positions_q, positions_k)
+    return pe(q, positions_q)
+
+
+BIAS_CASES = [case for case in CASES if case.takes_positions and case.make().kind == "bias"]
+
+
+# Every class that takes float positions (the shared cases), plus options the cases leave out whose
+# formula has its own behaviour at distance 0.
+FLOAT_POSITION_CASES = [case for case in CASES if case.takes_positions] + [
+    Case("alibi_2d", lambda: ALiBiPositionalEmbedding(H, bidirectional=True, num_axes=2),
+         required_positions=grid_rc, has_offset=False),
+    Case("kerple_power_causal", lambda: KerplePositionalEmbedding(H, kernel="power"), has_offset=False),
+    Case("enformer_per_distance_symmetric", lambda: EnformerPositionalEmbedding(
+        H, DH, num_features=6, length_scale=64, symmetric=True, gamma_normalization="per_distance"),
+         has_offset=False),
+    Case("fire_causal", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0), has_offset=False),
+    Case("sandwich_bidirectional", lambda: SandwichPositionalEmbedding(H, DH, bidirectional=True), has_offset=False),
+    Case("dynamic_bias_log_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16, log_distance=True),
+         required_positions=grid_rc, has_offset=False),
+    Case("liere_full_2d", lambda: LieREPositionalEmbedding(8, H), required_positions=grid_rc, has_offset=False),
+]
+
+
+# Cases whose logits jump at distance 0 (a kink is fine, a jump has no derivative to compare with):
+# causal ALiBi's -inf on keys after the query, Enformer's sign(d) features.
+JUMP_AT_DISTANCE_0 = {"alibi", "enformer"}
+
+
+def _float_positions(case, n):
+    """Distinct float64 positions (no distance a multiple of 1 but 0, so no step of a basis is
+    crossed by a small perturbation): the case's own ones or ``arange(n)``, scaled by 1/sqrt(2)."""
+    base = case.positions(n, n)[1]
+    base = torch.arange(n) if base is None else base
+    return base.double() / math.sqrt(2.0) + 0.3
+
+
+def _position_loss(pe, case, inputs, weights):
+    """A scalar function of the positions: logits (and attention output) of self-attention, or the
+    encoded tokens of an input encoding."""
+    finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)                                   # noqa: E731
+    if pe.kind == "input":
+        x = inputs[0]
+        return lambda pq, pk: (pe.forward_input(x, pq) * weights[0]).sum()
+    q, k, v = inputs
+
+    def loss(pq, pk):
+        total = (finite(pe.forward_attn(q, k, pq, pk)) * weights[0]).sum()
+        return total + (attention(q, k, v, pe, positions_q=pq, positions_k=pk) * weights[1]).sum()
+    return loss
+
+
+class TestPositions:
+    @pytest.mark.parametrize("case", [case for case in CASES if case.takes_positions], ids=repr)
+    def test_positions_on_another_device_raise_value_error(self, case):
+        pe = case.make()
+        q, k, v = qkv()
+        x = tokens(case)
+        positions_q, positions_k = case.positions(N, N)
+        if positions_q is None:
+            positions_q = positions_k = torch.arange(N)
+        on_meta_q, on_meta_k = positions_q.to("meta"), positions_k.to("meta")
+        name = type(pe).__name__
+        calls = {
+            "attention": (lambda: attention(q, k, v, pe, positions_q=positions_q, positions_k=on_meta_k), "positions_k"),
+            "forward_attn": (lambda: pe.forward_attn(q, k, on_meta_q, positions_k), "positions_q"),
+            "forward_input": (lambda: pe.forward_input(x, on_meta_k), "positions"),
+            "forward": (lambda: _own_call_with_positions(pe, case, q, k, x, on_meta_q, positions_k),
+                        "positions" if pe.kind == "input" else "positions_q"),
+        }
+        if pe.kind != "input":
+            del calls["forward_input"]     # attention-side encodings leave the tokens alone
+            if pe.kind == "qk" and not isinstance(case, PairCase):
+                calls["forward"] = (calls["forward"][0], "positions")
+        for entry, (call, argument) in calls.items():
+            with pytest.raises(ValueError, match=f"{name}: {argument} must be on the device of the inputs \\(cpu\\), "
+                                                 f"got {argument} on meta"):
+                call()
+
+    @pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
+    @pytest.mark.parametrize("batch", [H, 3, 1])
+    def test_attention_bias_with_raw_batched_positions_is_per_batch(self, case, batch):
+        """[B, N] positions give [B, H, Nq, Nk] (B == H used to broadcast batch against heads), each row the
+        bias of that row's [N] positions; int32 positions equal int64 ones."""
+        pe = case.make()
+        n = 6
+        base_q, base_k = case.positions(n, n)
+        if base_q is None:
+            base_q = base_k = torch.arange(n)
+        rows_q = torch.stack([base_q.roll(b, 0) if not pe.integer_positions else base_q for b in range(batch)])
+        rows_k = torch.stack([base_k + (0 if pe.integer_positions else b) for b in range(batch)])
+        if isinstance(pe, (RelativePositionBias2D, ContinuousPositionBias)):   # token indices in the window
+            rows_q = torch.stack([base_q.flip(0) if b % 2 else base_q for b in range(batch)])
+        got = pe.attention_bias(n, n, rows_q, rows_k)
+        assert got.shape == (batch, H, n, n)
+        for b in range(batch):
+            torch.testing.assert_close(got[b], pe.attention_bias(n, n, rows_q[b], rows_k[b]))
+            torch.testing.assert_close(got[b], pe(n, n, positions_q=rows_q[b], positions_k=rows_k[b]))
+        torch.testing.assert_close(pe.attention_bias(n, n, rows_q.int(), rows_k.int()), got)
+
+    @pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
+    def test_attention_bias_with_wrong_positions_raises(self, case):
+        pe = case.make()
+        n = 6
+        base_q, base_k = case.positions(n, n)
+        if base_q is None:
+            base_q = base_k = torch.arange(n)
+        name = type(pe).__name__
+        with pytest.raises(ValueError, match=f"{name}: positions_k must have shape"):
+            pe.attention_bias(n, n, base_q, base_k[:-1])
+        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k must have the same batch size"):
+            pe.attention_bias(n, n, torch.stack([base_q] * 2), torch.stack([base_k] * 3))
+
+    # float positions: n tokens, checked against central differences
+    n = 6
+
+    def float_position_setup(self, case):
+        pe = case.make().double()
+        if pe.integer_positions:
+            pytest.skip("integer positions only")
+        n, dh = self.n, getattr(pe, "head_dim", None) or DH
+        if pe.kind == "input":
+            inputs = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
+            weights = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
+        else:
+            inputs = tuple(torch.randn(1, H, n, dh, dtype=torch.float64) for _ in range(3))
+            weights = (torch.randn(1, H, n, n, dtype=torch.float64), torch.randn(1, H, n, dh, dtype=torch.float64))
+        # ALiBi's and Sandwich's biases are float32 whatever the module's dtype: difference them coarsely
+        coarse = pe.kind == "bias" and pe.attention_bias(2, 2, *case.positions(2, 2)).dtype == torch.float32
+        self.step, self.rel = (1e-3, 1e-3) if coarse else (1e-6, 1e-5)
+        return pe, _position_loss(pe, case, inputs, weights), _float_positions(case, n)
+
+    @staticmethod
+    def grads(value, tensors):
+        """Gradients of ``value`` to ``tensors``; zeros for a tensor it does not depend on (NoPE)."""
+        if not value.requires_grad:
+            return [torch.zeros_like(t) for t in tensors]
+        grads = torch.autograd.grad(value, tensors, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors)]
+
+    @pytest.mark.parametrize("case", FLOAT_POSITION_CASES, ids=repr)
+    def test_shared_positions_gradient_is_finite_and_matches_central_differences(self, case):
+        """Self-attention (one tensor for queries and keys): every diagonal pair sits at distance 0."""
+        pe, loss, p = self.float_position_setup(case)
+        p = p.requires_grad_()
+        (grad,) = self.grads(loss(p, p), [p])
+        assert torch.isfinite(grad).all(), grad
+        direction = torch.randn_like(p)
+        step = self.step
+        with torch.no_grad():
+            numeric = (loss(p + step * direction, p + step * direction)
+                       - loss(p - step * direction, p - step * direction)) / (2 * step)
+        assert (grad * direction).sum().item() == pytest.approx(numeric.item(), rel=self.rel, abs=self.rel / 10)
+
+    @pytest.mark.parametrize("case", FLOAT_POSITION_CASES, ids=repr)
+    def test_separate_positions_gradient_is_finite_and_a_one_sided_bound(self, case):
+        """Queries and keys as two tensors with equal values: distance 0 is a kink for |d| kernels.
+        The gradient of one query position must be finite and lie between the two one-sided
+        difference quotients (equal to both where the function is differentiable there)."""
+        pe, loss, p = self.float_position_setup(case)
+        pq, pk = p.clone().requires_grad_(), p.clone().requires_grad_()
+        grad_q, grad_k = self.grads(loss(pq, pk), [pq, pk])   # input kinds take one tensor: grad_k is 0
+        assert torch.isfinite(grad_q).all() and torch.isfinite(grad_k).all(), (grad_q, grad_k)
+        if case.name in JUMP_AT_DISTANCE_0:
+            return
+        i, step = self.n // 2, self.step
+        direction = torch.zeros_like(p)
+        direction[i] = 1.0
+        with torch.no_grad():
+            middle = loss(pq, pk).item()
+            right = (loss(pq + step * direction, pk).item() - middle) / step
+            left = (middle - loss(pq - step * direction, pk).item()) / step
+        slope = (grad_q * direction).sum().item()
+        tolerance = self.rel * 10 * (1 + abs(slope))
+        assert min(left, right) - tolerance <= slope <= max(left, right) + tolerance, (left, slope, right)
+
+
+# ---------------------------------------------------------------------------
+# attention(): masks, alignment, grouped-query heads, the causal rule
+# ---------------------------------------------------------------------------
+
+
+def _attention_kwargs(case, n):
+    positions_q, positions_k = case.positions(n, n)
+    return {"positions_q": positions_q, "positions_k": positions_k}
 
 
 class TestAttention:
@@ -700,9 +1181,311 @@ class TestAttention:
         with pytest.raises(TypeError, match="attention: q"):
             attention(q.long(), k, v)
 
+    @pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input"], ids=repr)
+    def test_grouped_query_attention_equals_repeated_kv(self, case):
+        """k, v with H / 2 heads give what the same k, v repeated per query head give."""
+        pe = case.make()
+        q = torch.randn(B, H, N, DH)
+        k, v = torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
+        kwargs = _attention_kwargs(case, N)
+        want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, **kwargs)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True, **kwargs), want)
+
+    def test_grouped_query_attention_checks_head_counts(self):
+        q, k = torch.randn(B, 4, N, DH), torch.randn(B, 3, N, DH)
+        with pytest.raises(ValueError, match="attention: k and v must have as many heads as q or divide them"):
+            attention(q, k, k)
+
+
+CAUSAL_MODE_EXTRA = {
+    "fire_causal": lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0),
+    "kerple_power_causal": lambda: KerplePositionalEmbedding(H, kernel="power"),
+    "tupe_causal": lambda: UnifiedPositionalEmbedding(64, H, DH, bidirectional=False, num_buckets=8, max_distance=12),
+}
+
+
+# the causal-mode cases, read from their constructors: bidirectional=False (or a decoder config), or causal by
+# construction (CoPE, the forget gate)
+CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting",
+                     "t5_from_decoder_config"}
+
+
+class TestCausalRule:
+    @pytest.mark.parametrize("case", CASES, ids=repr)
+    def test_is_causal_attribute(self, case):
+        assert case.make().is_causal is (case.name in CAUSAL_MODE_CASES)
+
+    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
+    def test_last_token_does_not_move_token_zero_by_default(self, name):
+        """Issue 22.11: a causal-mode encoding masks the future under attention()'s default call."""
+        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
+        assert pe.is_causal
+        q, k, v = qkv(dtype=torch.float64)
+        pe = pe.double()
+        out = attention(q, k, v, pe)
+        q2, k2, v2 = (t.clone() for t in (q, k, v))
+        for t in (q2, k2, v2):
+            t[..., -1, :] += 5.0                                         # change the last token only
+        moved = attention(q2, k2, v2, pe)
+        torch.testing.assert_close(moved[..., 0, :], out[..., 0, :], rtol=0, atol=1e-12)
+        assert not torch.allclose(moved[..., -1, :], out[..., -1, :])   # the change does reach the last token
+        torch.testing.assert_close(out, attention(q, k, v, pe, causal=True))
+
+    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
+    def test_explicit_non_causal_call_is_rejected(self, name):
+        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match=f"attention: causal=False with {type(pe).__name__}, a causal-mode "
+                                             f"encoding .*pass causal=True or leave causal unset"):
+            attention(q, k, v, pe, causal=False)
+
+    def test_bidirectional_encodings_stay_bidirectional_by_default(self):
+        q, k, v = qkv()
+        for pe in (None, RotaryPositionalEmbedding(DH), T5PositionalEmbedding(H),
+                   ALiBiPositionalEmbedding(H, bidirectional=True), FIREPositionalEmbedding(H, bidirectional=True)):
+            torch.testing.assert_close(attention(q, k, v, pe), attention(q, k, v, pe, causal=False))
+
+    def test_causal_must_be_a_bool_or_none(self):
+        q, k, v = qkv()
+        with pytest.raises(TypeError, match="attention: causal must be a bool, got str"):
+            attention(q, k, v, causal="yes")
+
 
 # ---------------------------------------------------------------------------
-# Sinusoidal
+# Packed documents: document_ids on the dense and the FlexAttention path
+# ---------------------------------------------------------------------------
+
+
+class TestPackedDocuments:
+    """``document_ids``: each document attends alone, on the dense path and on FlexAttention's."""
+    @pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input" and c.required_positions is None
+                                      and c.make().takes_positions], ids=repr)
+    def test_packed_documents_equal_each_document_alone(self, case):
+        """Oracle: each document run alone with its own default positions."""
+        pe = case.make()
+        q, k, v = qkv()
+        ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+        got = attention(q, k, v, pe, causal=True, document_ids=ids)
+        start = 0
+        for length in (5, 7, 4):
+            piece = slice(start, start + length)
+            want = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=True)
+            torch.testing.assert_close(got[..., piece, :], want)
+            start += length
+
+    def test_packed_documents_batched_ids_and_positions(self):
+        ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
+        assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]]
+        pe = ALiBiPositionalEmbedding(H)
+        q, k, v = qkv(6, 6)
+        got = attention(q, k, v, pe, causal=True, document_ids=ids)
+        for row in range(2):
+            for doc in ids[row].unique():
+                keep = ids[row] == doc
+                want = attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], pe, causal=True)
+                torch.testing.assert_close(got[row:row + 1, :, keep], want)
+        with pytest.raises(TypeError, match="attention: document_ids must be an integer tensor"):
+            attention(q, k, v, pe, document_ids=torch.zeros(6))
+
+    BIAS_MAKERS = {
+        "t5": lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12),
+        "alibi": lambda: ALiBiPositionalEmbedding(H),
+        "alibi_bidirectional": lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+        "tupe": lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True, num_buckets=8, max_distance=12),
+        "kerple": lambda: KerplePositionalEmbedding(H),
+        "fire": lambda: FIREPositionalEmbedding(H),
+        "sandwich": lambda: SandwichPositionalEmbedding(H, 16),
+        "dynamic": lambda: DynamicPositionBias(H),
+    }
+
+    QUICK = {"t5", "alibi"}                                                # FlexAttention by default; all: PE_SLOW=1
+    LENGTHS = (5, 7, 4)                                                    # [N] ids: three documents, N = 16
+
+    ROWS = ([3, 9, 4], [10, 6])                                            # [B, N] ids: other boundaries per row
+
+    @staticmethod
+    def ids_of(lengths):
+        return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+    @staticmethod
+    def pieces(lengths):
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return [slice(s, s + n) for s, n in zip(starts, lengths)]
+
+    @pytest.mark.parametrize("causal", [False, True])
+    @pytest.mark.parametrize("name", quick_or_slow(list(BIAS_MAKERS), QUICK))
+    def test_flex_documents_equal_dense_and_each_document_alone(self, name, causal):
+        pe = self.BIAS_MAKERS[name]()
+        q, k, v = qkv()
+        ids = self.ids_of(self.LENGTHS)
+        got = attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=False))
+        for piece in self.pieces(self.LENGTHS):  # oracle: the document alone, default positions from 0
+            alone = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=causal or None, use_flex=False)
+            torch.testing.assert_close(got[..., piece, :], alone)
+        batched = torch.stack([self.ids_of(r) for r in self.ROWS])                          # [B, N]
+        got = attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=True)
+        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=False))
+        for row, lengths in enumerate(self.ROWS):
+            for piece in self.pieces(lengths):
+                alone = attention(q[row:row + 1, :, piece], k[row:row + 1, :, piece], v[row:row + 1, :, piece], pe,
+                                  causal=causal or None, use_flex=False)
+                torch.testing.assert_close(got[row:row + 1, :, piece], alone)
+
+    @pytest.mark.parametrize("name", quick_or_slow(["t5", "fire", "alibi"], QUICK))
+    def test_flex_documents_with_extra_dims_shared_rows_and_grouped_heads(self, name):
+        pe = self.BIAS_MAKERS[name]()
+        ids = torch.stack([self.ids_of(r) for r in self.ROWS])
+        q5, k5, v5 = (torch.randn(B, 3, H, N, DH) for _ in range(3))                       # [B, G, H, N, Dh]
+        for doc in (ids, ids[:1], ids[0]):
+            want = attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=False)
+            torch.testing.assert_close(attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=True), want)
+        shared = document_positions(ids[:1]) * 2                                            # [1, N] explicit positions
+        want = attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=False)
+        torch.testing.assert_close(attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=True), want)
+        q, k, v = torch.randn(B, H, N, DH), torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
+        want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, document_ids=ids,
+                         use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True), want)
+
+    def test_flex_documents_build_no_dense_mask(self, monkeypatch):
+        def dense_mask(*args):
+            raise AssertionError("a dense [N, N] document mask was built")
+
+        monkeypatch.setattr(pe_lib, "_document_mask", dense_mask)
+        pe, (q, k, v) = ALiBiPositionalEmbedding(H), qkv()
+        ids = self.ids_of(self.LENGTHS)
+        assert attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True).shape == (B, H, N, DH)
+        with pytest.raises(AssertionError, match="dense"):  # the dense path does build it: the patch is live
+            attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=False)
+
+    def test_block_mask_skips_blocks_across_documents(self):
+        ids = torch.arange(256) // 128                                                      # two documents of one block each
+        blocks = pe_lib._block_mask(ids, False, 256, 256, ids.device).to_dense()                  # [1, 1, 2, 2] visited blocks
+        assert blocks.reshape(2, 2).tolist() == [[1, 0], [0, 1]]
+        one = pe_lib._block_mask(torch.zeros(256, dtype=torch.long), True, 256, 256, ids.device).to_dense()
+        assert one.reshape(2, 2).tolist() == [[1, 0], [1, 1]]
+        rows = torch.stack([ids, torch.zeros(256, dtype=torch.long)])                       # per-row documents
+        assert pe_lib._block_mask(rows, False, 256, 256, ids.device).to_dense().reshape(2, 2, 2).tolist() == \
+            [[[1, 0], [0, 1]], [[1, 1], [1, 1]]]
+
+
+# ---------------------------------------------------------------------------
+# FlexAttention path: score_mod against the dense bias, the CPU default, block masks
+# ---------------------------------------------------------------------------
+
+
+class TestFlexAttention:
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
+                                      lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+                                      lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True)])
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, make, causal):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        pe = make()
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
+        if not causal:
+            got = flex_attention(q, k, v, score_mod=pe.score_mod(N - 3, N), scale=pe.logit_scale(DH))
+            torch.testing.assert_close(got, want)
+
+    def test_score_mod_with_batched_positions(self):
+        pe = T5PositionalEmbedding(H)
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 3, torch.arange(N) + 50])
+        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
+        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    BIAS_MAKERS = [lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), lambda: ALiBiPositionalEmbedding(H),
+                   lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
+                   lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12)]
+    # T5 on FlexAttention in the default run, every maker with PE_SLOW=1 (each flex call traces its score_mod)
+    BIAS_PARAMS = quick_or_slow(BIAS_MAKERS, {"t5"}, ids=["t5", "alibi", "alibi_bidirectional", "tupe"])
+
+    @pytest.mark.parametrize("make", BIAS_PARAMS)
+    @pytest.mark.parametrize("rows", ["batched", "shared", "narrow"])
+    def test_flex_equals_dense_with_positions_and_batch_unlike_heads(self, make, rows):
+        """Issue 12.3: [B, N] with B != H, [1, N] with B > 1 and uint8 positions, flex vs dense."""
+        pe = make()
+        batch = 3                                                        # != H, so batch and head cannot be mixed up
+        q, k, v = (torch.randn(batch, H, N, DH) for _ in range(3))
+        base = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5, torch.arange(N).flip(0)])
+        positions = {"batched": base, "shared": base[:1], "narrow": base[:1].to(torch.uint8)}[rows]
+        for causal in (False, True):
+            want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=False)
+            got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=True)
+            torch.testing.assert_close(got, want)
+        if rows == "narrow":  # uint8 0 - 2 must be -2, not 254: compare with the int64 positions
+            wide = attention(q, k, v, pe, positions_q=base[:1], positions_k=base[:1], use_flex=False)
+            torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions), wide)
+
+    @pytest.mark.parametrize("make", BIAS_PARAMS)
+    def test_flex_takes_3d_and_5d_inputs_like_the_dense_path(self, make):
+        pe = make()
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5])
+        for shape in ((H, N, DH), (B, 3, H, N, DH)):
+            q5, k5, v5 = (torch.randn(shape) for _ in range(3))
+            for pos in (None, positions if len(shape) == 5 else None):
+                want = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=False)
+                got = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=True)
+                torch.testing.assert_close(got, want)
+
+    def test_score_mod_validates_positions_itself(self):
+        pe = ALiBiPositionalEmbedding(H)
+        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: positions_q must have shape \\[4\\]"):
+            pe.score_mod(4, 4, torch.arange(5), None)
+        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
+            T5PositionalEmbedding(H).score_mod(4, 4, torch.arange(4.0), None)
+
+    def test_cpu_default_is_the_dense_bias_eager_and_compiled(self, monkeypatch):
+        """Issue 22.2: on the CPU the default never runs (unfused) FlexAttention, traced or not."""
+        def no_flex(*args, **kwargs):
+            raise AssertionError("FlexAttention was called")
+
+        monkeypatch.setattr(pe_lib, "_flex_attention", no_flex)
+        pe, (q, k, v) = T5PositionalEmbedding(H, bidirectional=False), qkv()
+        want = attention(q, k, v, pe, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe), want)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
+            torch.testing.assert_close(compiled(q, k, v), want)
+
+    def test_causal_flex_skips_blocks_above_the_diagonal(self):
+        mask = pe_lib._block_mask(None, True, 384, 384, torch.device("cpu")).to_dense().reshape(3, 3)
+        assert mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+        assert pe_lib._block_mask(None, False, 384, 384, torch.device("cpu")) is None
+        tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
+        assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
+                                      lambda: KerplePositionalEmbedding(H), lambda: FIREPositionalEmbedding(H)])
+    def test_cuda_default_is_compiled_flex(self, make):
+        pe = make().cuda()
+        q, k, v = (t.cuda() for t in qkv(N - 3, N))
+        want = attention(q, k, v, pe, causal=True, use_flex=False)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                               # eager flex warns that it is unfused
+            got = attention(q, k, v, pe, causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        q.requires_grad_(True)
+        attention(q, k, v, pe, causal=True).sum().backward()
+        assert torch.isfinite(q.grad).all()
+
+
+# ===========================================================================
+# Input kind: added to the tokens
+# ===========================================================================
+
+
+# ---------------------------------------------------------------------------
+# Sinusoidal (+ options: MAE 2D tables, fairseq spectrum)
 # ---------------------------------------------------------------------------
 
 
@@ -716,6 +1499,37 @@ def sinusoid_oracle(positions, dim, base=10000.0, layout="interleaved"):
                 out[row, 2 * i], out[row, 2 * i + 1] = math.sin(angle), math.cos(angle)
             else:
                 out[row, i], out[row, dim // 2 + i] = math.sin(angle), math.cos(angle)
+    return out
+
+
+def mae_2d_sincos(embed_dim, grid_size, cls_token):
+    """facebookresearch/mae util/pos_embed.py get_2d_sincos_pos_embed, ported to torch float64 loops."""
+    grid_w, grid_h = torch.meshgrid(torch.arange(grid_size, dtype=torch.float64),
+                                    torch.arange(grid_size, dtype=torch.float64), indexing="xy")   # np.meshgrid(w, h)
+    grid = [grid_w.reshape(-1), grid_h.reshape(-1)]
+
+    def one_d(dim, pos):
+        out = torch.zeros(len(pos), dim, dtype=torch.float64)
+        for m, p in enumerate(pos):
+            for d in range(dim // 2):
+                omega = 1.0 / 10000 ** (d / (dim / 2.0))
+                out[m, d], out[m, dim // 2 + d] = math.sin(float(p) * omega), math.cos(float(p) * omega)
+        return out
+
+    emb = torch.cat([one_d(embed_dim // 2, grid[0]), one_d(embed_dim // 2, grid[1])], 1)
+    return torch.cat([torch.zeros(1, embed_dim, dtype=torch.float64), emb]) if cls_token else emb
+
+
+def fairseq_oracle(positions, dim, padding_idx):
+    """fairseq SinusoidalPositionalEmbedding.get_embedding, one entry at a time (float64)."""
+    half = dim // 2
+    out = torch.zeros(len(positions), dim, dtype=torch.float64)
+    for row, p in enumerate(positions):
+        if int(p) == padding_idx:
+            continue
+        for i in range(half):
+            angle = float(p) * math.exp(-i * math.log(10000) / (half - 1))
+            out[row, i], out[row, half + i] = math.sin(angle), math.cos(angle)
     return out
 
 
@@ -808,6 +1622,71 @@ class TestSinusoidal:
             pe(torch.randn(1, 3, 8), torch.zeros(3, 3, dtype=torch.long))
         with pytest.raises(ValueError, match="positions is required"):
             pe(torch.randn(1, 3, 8))
+
+    def test_mae_table_with_cls_token(self):
+        size, dim = 5, 16
+        pe = SinusoidalPositionalEmbedding(dim, layout="concat", num_axes=2, num_prefix_tokens=1).double()
+        cols_rows = torch.stack(torch.meshgrid(torch.arange(size), torch.arange(size), indexing="xy"), -1)
+        x = torch.zeros(1, 1 + size * size, dim, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, cols_rows.reshape(-1, 2).double())[0], mae_2d_sincos(dim, size, True),
+                                   rtol=0, atol=1e-12)
+        # the rows and columns order: rows are (row, col) -> MAE needs (col, row)
+        rows_cols = cols_rows.reshape(-1, 2).flip(-1)
+        assert not torch.allclose(pe(x, rows_cols)[0], mae_2d_sincos(dim, size, True))
+
+    @pytest.mark.parametrize("dim", [16, 17])
+    def test_fairseq_matches_loop_oracle(self, dim):
+        padding_idx = 1
+        pe = SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=padding_idx)
+        tokens_ids = torch.tensor([[5, 6, 7, 8, 1, 1], [9, 9, 1, 1, 1, 1]])   # right padding with id 1
+        mask = tokens_ids.ne(padding_idx).long()
+        positions = torch.cumsum(mask, dim=1) * mask + padding_idx                # fairseq make_positions
+        x = torch.zeros(2, 6, dim, dtype=torch.float64)
+        got = pe(x, positions)
+        for b in range(2):
+            torch.testing.assert_close(got[b], fairseq_oracle(positions[b], dim, padding_idx), rtol=0, atol=1e-7)  # float32 table
+        # default positions start at padding_idx + 1, offset continues them (incremental decoding)
+        torch.testing.assert_close(pe(x[:1, :4]), fairseq_oracle(torch.arange(2, 6), dim, padding_idx)[None])
+        torch.testing.assert_close(pe(x[:1, :1], offset=3), fairseq_oracle(torch.tensor([5]), dim, padding_idx)[None])
+
+    def test_fairseq_float32_reference(self):
+        # fairseq's get_embedding computes in float32; large positions differ by its rounding only
+        half, num = 64, 1024
+        emb = math.log(10000) / (half - 1)
+        emb = torch.exp(torch.arange(half, dtype=torch.float) * -emb)
+        emb = torch.arange(num, dtype=torch.float).unsqueeze(1) * emb.unsqueeze(0)
+        table = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
+        table[1, :] = 0
+        got = SinusoidalPositionalEmbedding(128, spectrum="fairseq", layout="concat", padding_idx=1).embed(torch.arange(num))
+        assert (got - table).abs().max() < 2e-4
+        assert (got[:64] - table[:64]).abs().max() < 1e-5
+
+    @pytest.mark.parametrize("kwargs", [{}, {"layout": "concat"}, {"num_axes": 2, "base": 100.0}])
+    def test_defaults_unchanged(self, kwargs):
+        old, new = pe_lib.SinusoidalPositionalEmbedding(16, **kwargs), SinusoidalPositionalEmbedding(16, **kwargs)
+        p = torch.randint(-50, 5000, (3, 7) + ((2,) if "num_axes" in kwargs else ()))
+        torch.testing.assert_close(new.embed(p), old.embed(p), rtol=0, atol=0)
+        assert repr(new) == repr(old)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum must be one of 'vaswani', 'fairseq'"):
+            SinusoidalPositionalEmbedding(16, spectrum="t2t")
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: dim must be a positive multiple of 2 \\* num_axes = 2"):
+            SinusoidalPositionalEmbedding(17)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum='fairseq' needs at least 2 frequencies"):
+            SinusoidalPositionalEmbedding(2, spectrum="fairseq")
+        with pytest.raises(TypeError, match="SinusoidalPositionalEmbedding: padding_idx must be an int, got float 1.0"):
+            SinusoidalPositionalEmbedding(16, padding_idx=1.0)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: num_prefix_tokens must be a non-negative int"):
+            SinusoidalPositionalEmbedding(16, num_prefix_tokens=-1)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must have shape \\[4\\]"):
+            SinusoidalPositionalEmbedding(16, num_prefix_tokens=1)(torch.randn(2, 5, 16), torch.arange(5))
+
+    def test_sinusoidal_embed_rejects_non_finite_positions(self):
+        pe = SinusoidalPositionalEmbedding(8)
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must be finite, got \\["):
+                pe.embed(torch.tensor([bad, 1.0]))
 
 
 # ---------------------------------------------------------------------------
@@ -1004,1173 +1883,237 @@ class TestLearned:
             call(pe)
         assert torch.equal(pe.weight.detach(), before) and pe.max_len == 8   # untouched
 
-
-# ---------------------------------------------------------------------------
-# Rotary
-# ---------------------------------------------------------------------------
-
-
-def rope_oracle(x, positions, inv_freq, *, interleaved=False, rotary_dim=None, factor=1.0):
-    """Rotate x [..., N, D] by explicit D x D rotation matrices built per position, in float64.
-
-    positions: a list (one per token) of positions; a position is a number, or a tuple of
-    per-axis numbers with ``axis_of_pair`` giving the axis of each pair.
-    """
-    x = x.double()
-    d = x.shape[-1]
-    r = d if rotary_dim is None else rotary_dim
-    out = torch.empty_like(x)
-    for n, p in enumerate(positions):
-        rot = torch.eye(d, dtype=torch.float64)
-        for i in range(r // 2):
-            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
-            theta = float(p[i] if isinstance(p, (tuple, list)) else p) * inv_freq[i]
-            c, s = math.cos(theta) * factor, math.sin(theta) * factor
-            rot[a, a], rot[a, b], rot[b, a], rot[b, b] = c, -s, s, c
-        out[..., n, :] = x[..., n, :] @ rot.T
-    return out
-
-
-def rope_oracle_from_angles(x, angles):
-    """Half-split rotation of x [..., N, D] by angles [N, D/2], one pair at a time (float64 loop)."""
-    out = x.clone().double()
-    half = x.shape[-1] // 2
-    for n in range(x.shape[-2]):
-        for i in range(half):
-            c, s_ = math.cos(angles[n, i]), math.sin(angles[n, i])
-            a, b = x[..., n, i].double(), x[..., n, i + half].double()
-            out[..., n, i], out[..., n, i + half] = a * c - b * s_, b * c + a * s_
-    return out.to(x.dtype)
-
-
-def plain_inv_freq(dim, base=10000.0):
-    return [base ** (-2 * i / dim) for i in range(dim // 2)]
-
-
-def yarn_oracle(dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True, mscale=None,
-                mscale_all_dim=None):
-    """YaRN, written from the paper and Hugging Face's definition, one pair at a time."""
-    def m(scale, ms=1.0):
-        return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
-    attention = m(factor, mscale) / m(factor, mscale_all_dim) if mscale and mscale_all_dim else m(factor)
-    def index(rotations):
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-    low, high = index(beta_fast), index(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    freqs = []
-    for i, f in enumerate(plain_inv_freq(dim, base)):
-        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-        freqs.append(f / factor * ramp + f * (1 - ramp))
-    return freqs, attention
-
-
-def llama3_oracle(dim, base, factor, low_ff, high_ff, original):
-    freqs = []
-    for f in plain_inv_freq(dim, base):
-        wavelength = 2 * math.pi / f
-        if wavelength < original / high_ff:
-            freqs.append(f)
-        elif wavelength > original / low_ff:
-            freqs.append(f / factor)
-        else:
-            s = (original / wavelength - low_ff) / (high_ff - low_ff)
-            freqs.append((1 - s) * f / factor + s * f)
-    return freqs
-
-
-class TestRotary:
-    @pytest.mark.parametrize("interleaved", [False, True])
-    @pytest.mark.parametrize("rotary_dim", [None, 8])
-    def test_matches_rotation_matrix_oracle(self, interleaved, rotary_dim):
-        rope = RotaryPositionalEmbedding(16, interleaved=interleaved, rotary_dim=rotary_dim)
-        x = torch.randn(2, 3, 7, 16)
-        positions = [0, 1, 2, 5, 11, 100, 4097]
-        got = rope(x, torch.tensor(positions))
-        want = rope_oracle(x, positions, plain_inv_freq(rotary_dim or 16), interleaved=interleaved,
-                           rotary_dim=rotary_dim)
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
-
-    def test_preserves_norms(self):
-        rope = RotaryPositionalEmbedding(64)
-        x = torch.randn(2, 4, 50, 64)
-        torch.testing.assert_close(rope(x, torch.arange(50) * 37).norm(dim=-1), x.norm(dim=-1))
-
-    @pytest.mark.parametrize("dtype", [torch.long, torch.float64])
-    def test_scores_depend_only_on_distance(self, dtype):
-        rope = RotaryPositionalEmbedding(32)
-        q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
-        scores = []
-        for m in (0, 7, 1000, 123456):
-            shift = torch.tensor([m], dtype=dtype) + (torch.tensor([0.25], dtype=dtype) if dtype != torch.long else 0)
-            scores.append((rope(q, shift) * rope(k, shift + 5)).sum().item())
-        assert max(scores) - min(scores) < 2e-5 * abs(scores[0]) + 1e-5
-
-    def test_attention_logits_relative_with_float_positions(self):
-        rope = RotaryPositionalEmbedding(DH)
-        q, k, _ = qkv(dtype=torch.float64)
-        positions = torch.rand(N, dtype=torch.float64) * 50
-        base = rope.forward_attn(q, k, positions, positions)
-        shifted = rope.forward_attn(q, k, positions + 1234.5, positions + 1234.5)
-        torch.testing.assert_close(shifted, base)
-
-    def test_fp32_accurate_at_a_million(self):
-        rope = RotaryPositionalEmbedding(128, base=500000.0)
-        x = torch.randn(1, 2, 4, 128)
-        positions = [999_997, 999_998, 999_999, 1_000_000]
-        got = rope(x, torch.tensor(positions))
-        want = rope_oracle(x, positions, plain_inv_freq(128, 500000.0))
-        assert (got.double() - want).abs().max() < 1e-4
-        got_default = rope(x, offset=999_997)
-        assert (got_default.double() - want).abs().max() < 1e-4
-
-    def test_bf16_as_accurate_as_rounding_allows(self):
-        rope = RotaryPositionalEmbedding(64)
-        x = torch.randn(2, 2, 8, 64).bfloat16()
-        positions = list(range(999_992, 1_000_000))
-        got = rope(x, offset=999_992)
-        assert got.dtype == torch.bfloat16
-        want = rope_oracle(x, positions, plain_inv_freq(64))
-        spacing = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)   # bf16 ulp
-        assert ((got.double() - want).abs() <= 0.5 * spacing * 1.001 + 1e-6).all()
-
-    def test_module_cast_to_bf16_keeps_fp32_tables(self):
-        rope = RotaryPositionalEmbedding(64).bfloat16()
-        assert rope.inv_freq.dtype == torch.float64
-        x = torch.randn(1, 1, 4, 64)
-        want = RotaryPositionalEmbedding(64)(x, offset=1_000_000)
-        torch.testing.assert_close(rope(x, offset=1_000_000), want)
-
-    def test_cache_grows_and_serves_explicit_positions(self):
-        rope = RotaryPositionalEmbedding(32, cache_len=16)
-        x = torch.randn(1, 1, 3000, 32)
-        rope(x[..., :10, :])
-        assert rope.cos_sin_cached.shape[1] == 16
-        out = rope(x)
-        assert rope.cos_sin_cached.shape[1] >= 3000
-        torch.testing.assert_close(out, RotaryPositionalEmbedding(32, cache_len=0)(x))
-        torch.testing.assert_close(rope(x[..., 5:9, :], torch.tensor([5, 6, 7, 8])), out[..., 5:9, :])
-        # a lone position far past the table is computed directly, without growing it
-        rope(x[..., :1, :], torch.tensor([10**7]))
-        assert rope.cos_sin_cached.shape[1] < 10**7
-        assert "cos_sin_cached" not in rope.state_dict()
-
-    def test_cache_grown_under_inference_mode_serves_training(self):
-        rope = RotaryPositionalEmbedding(16, cache_len=8)
-        with torch.inference_mode():
-            rope(torch.randn(1, 1, 32, 16))
-        x = torch.randn(1, 1, 24, 16, requires_grad=True)
-        rope(x).square().sum().backward()
-        assert x.grad is not None
-
-    @pytest.mark.parametrize("scaling", [
-        {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
-        {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
-         "original_max_position_embeddings": 16, "factor": 4.0},
-    ])
-    def test_length_dependent_scaling_shares_frequencies_between_q_and_k(self, scaling):
-        rope = RotaryPositionalEmbedding(16, scaling=scaling)
-        q = torch.randn(1, 1, 1, 16)
-        k = q.expand(1, 1, 64, 16).contiguous()
-        logits = rope.forward_attn(q, k, torch.tensor([10]), torch.arange(64), scale=1.0)
-        factor = rope._scale_fn(16, 10000.0, rope.scaling, 64)[1]
-        torch.testing.assert_close(logits[0, 0, 0, 10], (q * q).sum() * factor ** 2)
-
-    def test_batched_positions_left_padding(self):
-        rope = RotaryPositionalEmbedding(DH)
-        x = torch.randn(B, H, N, DH)
-        positions = torch.stack([torch.arange(N), (torch.arange(N) - 3).clamp(min=0)])
-        out = rope(x, positions)
-        torch.testing.assert_close(out[0], rope(x[0:1], torch.arange(N))[0])
-        torch.testing.assert_close(out[1, :, 3:], rope(x[1:2, :, 3:], torch.arange(N - 3))[0])
-
-    def test_float64_input_runs_in_float64(self):
-        rope = RotaryPositionalEmbedding(16)
-        x = torch.randn(1, 1, 3, 16, dtype=torch.float64)
-        positions = [0.5, 1e6 + 0.25, 3.0]
-        want = rope_oracle(x, positions, plain_inv_freq(16))
-        torch.testing.assert_close(rope(x, torch.tensor(positions, dtype=torch.float64)), want, rtol=0, atol=1e-9)
-
-    def test_gradient_is_inverse_rotation(self):
-        rope = RotaryPositionalEmbedding(8, interleaved=True, rotary_dim=6)
-        x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda t: rope(t, torch.arange(5) * 3), (x,))
-        assert torch.autograd.gradgradcheck(lambda t: rope(t), (x,))
-
-    def test_gradient_reaches_float_positions(self):
-        rope = RotaryPositionalEmbedding(8)
-        positions = torch.tensor([0.5, 2.0, 3.25], dtype=torch.float64, requires_grad=True)
-        x = torch.randn(2, 3, 8, dtype=torch.float64)
-        assert torch.autograd.gradcheck(lambda p: rope(x, p), (positions,))
-
-    # -- layouts ----------------------------------------------------------------
-
-    def test_permuted_weights_give_same_attention(self):
-        heads, head_dim, model_dim, n = 2, 8, 12, 6
-        wq, wk = torch.randn(heads * head_dim, model_dim), torch.randn(heads * head_dim, model_dim)
-        x = torch.randn(1, n, model_dim)
-
-        def logits(wq, wk, interleaved):
-            rope = RotaryPositionalEmbedding(head_dim, interleaved=interleaved)
-            q = (x @ wq.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
-            k = (x @ wk.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
-            return rope.forward_attn(q, k)
-
-        want = logits(wq, wk, interleaved=True)
-        to_half = [pe_lib.permute_rotary_weight(w, head_dim, to="half_split") for w in (wq, wk)]
-        torch.testing.assert_close(logits(*to_half, interleaved=False), want)
-        back = [pe_lib.permute_rotary_weight(w, head_dim, to="interleaved") for w in to_half]
-        torch.testing.assert_close(back[0], wq, rtol=0, atol=0)
-        torch.testing.assert_close(back[1], wk, rtol=0, atol=0)
-
-    def test_permutation_index_map(self):
-        # Meta row 2j + c goes to Hugging Face row c * D/2 + j (D = 8)
-        w = torch.arange(8.0)[:, None]
-        got = pe_lib.permute_rotary_weight(w, 8, to="half_split")[:, 0].tolist()
-        assert got == [0, 2, 4, 6, 1, 3, 5, 7]
-        partial = pe_lib.permute_rotary_weight(w, 8, to="half_split", rotary_dim=4)[:, 0].tolist()
-        assert partial == [0, 2, 1, 3, 4, 5, 6, 7]
-
-    # -- scaling --------------------------------------------------------------
-
-    def test_linear(self):
-        rope = RotaryPositionalEmbedding(16, scaling={"rope_type": "linear", "factor": 4.0})
-        x = torch.randn(1, 1, 5, 16)
-        torch.testing.assert_close(rope(x, torch.arange(5) * 4), RotaryPositionalEmbedding(16)(x))
-
-    def test_dynamic_is_driven_by_the_largest_position(self):
-        scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
-        rope = RotaryPositionalEmbedding(16, scaling=scaling)
-        x = torch.randn(1, 1, 100, 16)
-        torch.testing.assert_close(rope(x[..., :64, :]), RotaryPositionalEmbedding(16)(x[..., :64, :]))
-        # length 100 > 64: base' = base * (2 * 100 / 64 - 1) ** (16 / 14)
-        new_base = 10000.0 * (2.0 * 100 / 64 - 1.0) ** (16 / 14)
-        want = rope_oracle(x, list(range(100)), plain_inv_freq(16, new_base))
-        torch.testing.assert_close(rope(x).double(), want, rtol=0, atol=2e-6)
-        # stateless: a short call afterwards is plain RoPE again
-        torch.testing.assert_close(rope(x[..., :10, :]), RotaryPositionalEmbedding(16)(x[..., :10, :]))
-
-    @pytest.mark.parametrize("config", [
-        dict(base=1e6, dim=128, factor=4.0, original=32768),                     # Qwen3-style
-        dict(base=150000.0, dim=64, factor=32.0, original=4096, truncate=False),  # gpt-oss-style
-        dict(base=10000.0, dim=64, factor=40.0, original=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-             mscale_all_dim=0.707),                                               # DeepSeek-style
-    ])
-    def test_yarn(self, config):
-        dim, base = config.pop("dim"), config.pop("base")
-        factor, original = config["factor"], config["original"]
-        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-        scaling.update({k: v for k, v in config.items() if k not in ("factor", "original")})
-        rope = RotaryPositionalEmbedding(dim, base=base, scaling=scaling)
-        freqs, attention = yarn_oracle(dim, base, **config)
-        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
-        assert rope.attention_factor == pytest.approx(attention, rel=1e-12)
-        x = torch.randn(1, 1, 3, dim)
-        want = rope_oracle(x, [0, 1000, 50000], freqs, factor=attention)
-        torch.testing.assert_close(rope(x, torch.tensor([0, 1000, 50000])).double(), want, rtol=0, atol=1e-5)
-
-    def test_yarn_published_values(self):
-        # Qwen3 with factor 4 over 32768 positions: ramp from pair 23 to 40, attention factor 1 + 0.1 ln 4
-        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-        rope = RotaryPositionalEmbedding(128, base=1e6, scaling=scaling)
-        plain = torch.tensor(plain_inv_freq(128, 1e6), dtype=torch.float64)
-        kept = (rope.inv_freq == plain).nonzero().flatten().tolist()
-        divided = torch.isclose(rope.inv_freq, plain / 4, rtol=1e-12).nonzero().flatten().tolist()
-        assert kept == list(range(0, 24)) and divided == list(range(40, 64))
-        assert rope.attention_factor == pytest.approx(1.1386294361, rel=1e-9)
-
-    def test_longrope_switches_past_original_length(self):
-        short, long = [1.0 + 0.1 * i for i in range(8)], [2.0 + 0.5 * i for i in range(8)]
-        scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
-                   "original_max_position_embeddings": 32, "max_position_embeddings": 1024}
-        rope = RotaryPositionalEmbedding(16, scaling=scaling)
-        attention = math.sqrt(1 + math.log(1024 / 32) / math.log(32))
-        x = torch.randn(1, 1, 33, 16)
-        for n, factors in ((32, short), (33, long)):
-            freqs = [f / s for f, s in zip(plain_inv_freq(16), factors)]
-            want = rope_oracle(x[..., :n, :], list(range(n)), freqs, factor=attention)
-            torch.testing.assert_close(rope(x[..., :n, :]).double(), want, rtol=0, atol=2e-6)
-
-    def test_longrope_published_attention_factor(self):
-        # Phi-3-mini-128k: 131072 / 4096 positions -> sqrt(1 + ln 32 / ln 4096) = 1.190238
-        scaling = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48,
-                   "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
-        assert RotaryPositionalEmbedding(96, scaling=scaling).attention_factor == pytest.approx(1.190238, abs=1e-6)
-
-    def test_llama3(self):
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
-        rope = RotaryPositionalEmbedding(128, base=500000.0, scaling=scaling)
-        freqs = llama3_oracle(128, 500000.0, 8.0, 1.0, 4.0, 8192)
-        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
-        # Llama-3.1-8B: pairs 0-28 unchanged, 29-34 smoothed, 35-63 divided by 8
-        plain = torch.tensor(plain_inv_freq(128, 500000.0), dtype=torch.float64)
-        assert (rope.inv_freq[:29] == plain[:29]).all()
-        torch.testing.assert_close(rope.inv_freq[35:], plain[35:] / 8, rtol=1e-12, atol=0)
-        assert ((rope.inv_freq[29:35] < plain[29:35]) & (rope.inv_freq[29:35] > plain[29:35] / 8)).all()
-
-    def test_scaling_setter_rebuilds_tables(self):
-        rope = RotaryPositionalEmbedding(16)
-        x = torch.randn(1, 1, 8, 16)
-        rope(x)
-        rope.scaling = {"rope_type": "linear", "factor": 2.0}
-        torch.testing.assert_close(rope(x, torch.arange(8) * 2), RotaryPositionalEmbedding(16)(x))
-
-    @pytest.mark.parametrize("scaling", [
-        {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 256},
-        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 16},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 128},
-        {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)],
-         "long_factor": [2.0 + i / 8 for i in range(32)], "original_max_position_embeddings": 128},
-    ])
-    def test_same_cos_sin_as_hugging_face_when_installed(self, scaling):
-        llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-        config = llama.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=256,
-                                   rope_parameters={**scaling, "rope_theta": 10000.0})
-        ours_scaling = dict(scaling, max_position_embeddings=256) if scaling["rope_type"] == "longrope" else scaling
-        rope = RotaryPositionalEmbedding(64, scaling=ours_scaling)
-        for n in (100, 500):  # below and above the original length (dynamic, longrope switch)
-            cos, sin = llama.LlamaRotaryEmbedding(config)(torch.zeros(1, 64), torch.arange(n)[None])
-            ours_cos, ours_sin = rope.cos_sin(None, n)
-            # Hugging Face builds angles in fp32: ~1e-7 relative error per unit of angle
-            torch.testing.assert_close(torch.cat([ours_cos] * 2, -1), cos[0], rtol=0, atol=2e-4)
-            torch.testing.assert_close(torch.cat([ours_sin] * 2, -1), sin[0], rtol=0, atol=2e-4)
-
-    # -- multi-axis -------------------------------------------------------------
-
-    def test_mrope_sections_match_oracle(self):
-        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
-        positions = torch.tensor([[0, 0, 0], [1, 2, 3], [4, 0, 7], [9, 9, 2]])
-        axis = [0] * 4 + [1] * 6 + [2] * 6
-        x = torch.randn(2, 4, 32)
-        per_pair = [tuple(int(p[axis[i]]) for i in range(16)) for p in positions]
-        want = rope_oracle(x, per_pair, plain_inv_freq(32))
-        torch.testing.assert_close(rope(x, positions).double(), want, rtol=0, atol=2e-6)
-
-    def test_mrope_text_tokens_equal_1d_rope(self):
-        # Qwen2-VL: a text token has t = h = w = its index
-        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
-        x = torch.randn(1, 2, 10, 32)
-        torch.testing.assert_close(rope(x, torch.arange(10)[:, None].expand(10, 3)), RotaryPositionalEmbedding(32)(x))
-
-    def test_axial_per_axis_spectrum(self):
-        rope = RotaryPositionalEmbedding(16, interleaved=True, sections=[4, 4], axis_spectrum="per_axis")
-        positions = torch.tensor([[2, 5], [7, 1]])
-        freqs = plain_inv_freq(8) + plain_inv_freq(8)
-        per_pair = [tuple([int(p[0])] * 4 + [int(p[1])] * 4) for p in positions]
-        x = torch.randn(3, 2, 16)
-        torch.testing.assert_close(rope(x, positions).double(),
-                                   rope_oracle(x, per_pair, freqs, interleaved=True), rtol=0, atol=2e-6)
-
-    def test_multi_axis_scores_relative_per_axis(self):
-        rope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
-        q, k, _ = qkv(dtype=torch.float64)
-        grid = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(4), indexing="ij"), -1)
-        positions = grid.reshape(N, 3)
-        base = rope.forward_attn(q, k, positions, positions)
-        shift = torch.tensor([5, -3, 11])
-        torch.testing.assert_close(rope.forward_attn(q, k, positions + shift, positions + shift), base)
-
-    # -- bad input --------------------------------------------------------------
-
-    def test_scaling_dict_conventions_of_transformers(self):
-        """Issue 12.6: partial_rotary_factor inside scaling is honoured, rope_type wins over type,
-        None values are absent, Qwen2-VL's legacy {'type': 'mrope', 'mrope_section'} gives sections."""
-        partial = RotaryPositionalEmbedding(16, scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
-        assert partial.rotary_dim == 8
-        x = torch.randn(1, 2, 5, 16)
-        torch.testing.assert_close(partial(x), RotaryPositionalEmbedding(16, rotary_dim=8)(x))
-        both = RotaryPositionalEmbedding(16, scaling={"type": "linear", "rope_type": "default", "factor": 4.0})
-        assert both.scaling["rope_type"] == "default"
-        nones = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": None,
-                                                       "beta_fast": None, "original_max_position_embeddings": 8})
-        yarn = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 8})
-        torch.testing.assert_close(nones(x), yarn(x))
-        qwen2_vl = RotaryPositionalEmbedding(16, scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-        assert qwen2_vl.sections == [2, 3, 3] and qwen2_vl.scaling["rope_type"] == "default"
-
-    def test_proportional_matches_gemma4_formula(self):
-        """Issue 13.4: the first int(p * Dh / 2) pairs keep base ** (-2i / Dh), the rest do not turn."""
-        dim, proportion, base = 16, 0.25, 10000.0
-        rope = RotaryPositionalEmbedding(dim, scaling={"rope_type": "proportional", "partial_rotary_factor": proportion})
-        rotated = int(proportion * dim // 2)
-        want = [base ** (-2 * i / dim) if i < rotated else 0.0 for i in range(dim // 2)]
-        torch.testing.assert_close(rope.inv_freq, torch.tensor(want, dtype=torch.float64))
-        same = RotaryPositionalEmbedding(dim, rotary_dim=4, scaling={"rope_type": "proportional"})
-        torch.testing.assert_close(same.inv_freq, rope.inv_freq)
-        x = torch.randn(1, 1, 6, dim, dtype=torch.float64)
-        torch.testing.assert_close(rope(x)[..., 2:8], x[..., 2:8])       # zero-frequency pairs (half-split)
-
-    def test_interleaved_sections_follow_qwen3_vl_order(self):
-        rope = RotaryPositionalEmbedding(16, sections=[4, 2, 2], section_layout="interleaved")
-        # Qwen3-VL: pair i takes axis 1 if i % 3 == 1 and i < 3 * sections[1], axis 2 likewise, else axis 0
-        want = [1 if i % 3 == 1 and i < 6 else 2 if i % 3 == 2 and i < 6 else 0 for i in range(8)]
-        assert rope.axis_of_pair.tolist() == want
-        positions = torch.randint(0, 50, (5, 3))
-        x = torch.randn(1, 2, 5, 16, dtype=torch.float64)
-        angles = torch.stack([positions[:, a] for a in want], -1).double() * rope.inv_freq    # [N, F]
-        torch.testing.assert_close(rope(x, positions), rope_oracle_from_angles(x, angles))
-
-    def test_seq_dim_minus_3_equals_transposed_layout(self):
-        rope = RotaryPositionalEmbedding(16)
-        x = torch.randn(2, 7, 3, 16)                                      # [B, N, H, Dh]
-        positions = torch.randint(0, 100, (2, 7))
-        want = rope(x.transpose(1, 2), positions).transpose(1, 2)
-        torch.testing.assert_close(rope(x, positions, seq_dim=-3), want)
-        with pytest.raises(ValueError, match="seq_dim must be -2 .* or -3"):
-            rope(x, seq_dim=1)
-
-    def test_cache_growth_is_atomic_across_threads(self):
-        """Issue 12.2: two threads growing the cache while others read: every output is right."""
-        import threading
-
-        rope = RotaryPositionalEmbedding(8, cache_len=1)
-        x = torch.randn(1, 1, 64, 8, dtype=torch.float32)
-        want = [RotaryPositionalEmbedding(8)(x[..., :n, :]) for n in range(1, 65)]
-        errors = []
-
-        def work(seed):
-            generator = torch.Generator().manual_seed(seed)
-            for _ in range(200):
-                n = int(torch.randint(1, 65, (1,), generator=generator))
-                if not torch.allclose(rope(x[..., :n, :]), want[n - 1], atol=1e-6):
-                    errors.append(n)
-            rope._grow_cache(1)  # shrink again so growth keeps happening
-
-        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors
-
-    @pytest.mark.parametrize("kwargs, error, message", [
-        (dict(dim=15), ValueError, "dim must be a positive even int, got dim=15"),
-        (dict(dim=16, rotary_dim=7), ValueError, "rotary_dim must be a positive even int <= dim=16, got rotary_dim=7"),
-        (dict(dim=16, rotary_dim=32), ValueError, "rotary_dim must be .*, got rotary_dim=32"),
-        (dict(dim=16, scaling={"rope_type": "ntk"}), ValueError, "scaling\\['rope_type'\\] must be one of .*got 'ntk'"),
-        (dict(dim=16, scaling={"rope_type": "linear"}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
-        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError, "scaling with rope_type='yarn' needs 'original_max_position_embeddings'"),
-        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]"),
-        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8,
-                               "original_max_position_embeddings": 8, "factor": 2.0}),
-         ValueError, "scaling\\['short_factor'\\] must have rotary_dim / 2 = 8 entries, got 1"),
-        (dict(dim=16, scaling="yarn"), TypeError, "scaling must be a dict"),
-        (dict(dim=16, sections=[2, 2]), ValueError, "sections must be positive and sum to rotary_dim / 2 = 8"),
-        # issue 12.5 / 12.6: flags are bools, scaling values are checked where they enter
-        (dict(dim=16, interleaved="false"), TypeError, "interleaved must be a bool, got str 'false'"),
-        (dict(dim=16, scaling={"rope_type": "linear", "factor": math.inf}), ValueError,
-         "scaling\\['factor'\\] must be a finite number > 0.0, got scaling\\['factor'\\]=inf"),
-        (dict(dim=16, scaling={"rope_type": "linear", "factor": "2"}), TypeError, "scaling\\['factor'\\] must be a real number"),
-        (dict(dim=16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": -8}),
-         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=-8"),
-        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}),
-         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=0"),
-        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [0.0] * 8, "long_factor": [1.0] * 8,
-                               "original_max_position_embeddings": 8, "factor": 2.0}),
-         ValueError, "scaling\\['short_factor'\\] must be a finite number > 0.0"),
-        (dict(dim=16, scaling={"rope_type": "linear", "factor": None}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
-        (dict(dim=16, sections=[2.5, 5.5]), TypeError, "sections must be an int, got float 2.5"),
-        (dict(dim=16, rotary_dim=8, scaling={"rope_type": "default", "partial_rotary_factor": 0.25}), ValueError,
-         "rotary_dim=8 disagrees with scaling\\['partial_rotary_factor'\\]=0.25"),
-        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]; allowed keys: \\['attention_factor'"),
-        (dict(dim=16, sections=[2, 6], section_layout="interleaved"), ValueError, "section_layout='interleaved' \\(Qwen3-VL\\) needs three sections"),
-        (dict(dim=16, section_layout="mixed"), ValueError, "section_layout must be one of 'contiguous', 'interleaved'"),
-    ])
-    def test_bad_arguments(self, kwargs, error, message):
-        with pytest.raises(error, match="RotaryPositionalEmbedding: " + message):
-            RotaryPositionalEmbedding(**kwargs)
-
-    def test_bad_inputs(self):
-        rope = RotaryPositionalEmbedding(16)
-        with pytest.raises(ValueError, match="x must have at least 2 dims"):
-            rope(torch.randn(16))
-        with pytest.raises(ValueError, match="x must have last dim 16"):
-            rope(torch.randn(2, 3, 8))
-        with pytest.raises(ValueError, match="positions must have shape \\[3\\] or \\[2, 3\\], got \\(4,\\)"):
-            rope(torch.randn(2, 3, 16), torch.arange(4))
-        with pytest.raises(ValueError, match="positions must be finite"):
-            rope(torch.randn(2, 3, 16), torch.tensor([0.0, float("nan"), 1.0]))
-        with pytest.raises(ValueError, match="positions is required for 3 axes"):
-            RotaryPositionalEmbedding(16, sections=[2, 3, 3])(torch.randn(2, 3, 16))
+    def test_learned_embed_takes_any_integer_dtype_and_checks_the_device(self):
+        pe = LearnedPositionalEmbedding(8, 4)
+        positions = torch.tensor([0, 3, 7])
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+            torch.testing.assert_close(pe.embed(positions.to(dtype)), pe.weight[positions])
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions must be on the device of the "
+                                             r"table \(cpu\), got positions on meta"):
+            pe.embed(positions.to("meta"))
 
 
 # ---------------------------------------------------------------------------
-# Relative biases: T5, ALiBi, TUPE
+# NoPE
 # ---------------------------------------------------------------------------
 
 
-def t5_bucket_oracle(rp, bidirectional=True, num_buckets=32, max_distance=128):
-    """Mesh TensorFlow's _relative_position_bucket for one int, in plain Python."""
-    bucket, n = 0, -rp
-    if bidirectional:
-        num_buckets //= 2
-        bucket += num_buckets if n < 0 else 0
-        n = abs(n)
-    else:
-        n = max(n, 0)
-    max_exact = num_buckets // 2
-    if n < max_exact:
-        return bucket + n
-    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
-    return bucket + min(large, num_buckets - 1)
-
-
-def from_ranges(ranges):
-    """{n: bucket} from (first n, last n, bucket) runs."""
-    return {n: b for lo, hi, b in ranges for n in range(lo, hi + 1)}
-
-
-# n = query - key. Bidirectional (16 buckets a side, 8 exact): n >= 8 -> 8 + floor(2 log2(n / 8)),
-# boundaries at 8 * 2**(k/2) = 8, 11.3, 16, 22.6, 32, 45.3, 64, 90.5, 128; keys after the query add 16.
-T5_BIDIRECTIONAL = from_ranges([(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3), (4, 4, 4), (5, 5, 5), (6, 6, 6),
-                                (7, 7, 7), (8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12),
-                                (46, 63, 13), (64, 90, 14), (91, 400, 15)])
-# Causal (32 buckets, 16 exact): n >= 16 -> 16 + floor(16/3 log2(n / 16)), boundaries at 16 * 2**(3k/16)
-T5_CAUSAL = from_ranges([(n, n, n) for n in range(16)] + [
-    (16, 18, 16), (19, 20, 17), (21, 23, 18), (24, 26, 19), (27, 30, 20), (31, 34, 21), (35, 39, 22), (40, 45, 23),
-    (46, 51, 24), (52, 58, 25), (59, 66, 26), (67, 76, 27), (77, 86, 28), (87, 98, 29), (99, 112, 30),
-    (113, 400, 31)])
-
-
-class TestT5:
-    def test_buckets_match_hand_table(self):
-        n = torch.arange(0, 401)
-        bidirectional = pe_lib.t5_relative_position_bucket(-n)        # keys at or before the query
-        after = pe_lib.t5_relative_position_bucket(n[1:])              # keys after the query
-        assert bidirectional.tolist() == [T5_BIDIRECTIONAL[int(d)] for d in n]
-        assert after.tolist() == [T5_BIDIRECTIONAL[int(d)] + 16 for d in n[1:]]
-        causal = pe_lib.t5_relative_position_bucket(-n, bidirectional=False)
-        assert causal.tolist() == [T5_CAUSAL[int(d)] for d in n]
-        assert pe_lib.t5_relative_position_bucket(n, bidirectional=False).eq(0).all()   # future keys: bucket 0
-
-    @pytest.mark.parametrize("bidirectional", [True, False])
-    @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (64, 1000), (6, 4)])
-    def test_buckets_match_mesh_tensorflow_oracle(self, bidirectional, num_buckets, max_distance):
-        rp = torch.arange(-3000, 3001)
-        got = pe_lib.t5_relative_position_bucket(rp, bidirectional=bidirectional, num_buckets=num_buckets,
-                                                 max_distance=max_distance)
-        want = [t5_bucket_oracle(int(r), bidirectional, num_buckets, max_distance) for r in rp]
-        assert got.tolist() == want
-
-    @pytest.mark.parametrize("bidirectional", [True, False])
-    def test_bias_matches_loop_oracle(self, bidirectional):
-        t5 = T5PositionalEmbedding(3, num_buckets=16, max_distance=20, bidirectional=bidirectional)
-        table = t5.relative_attention_bias.weight
-        for nq, nk in ((7, 7), (3, 40), (40, 3)):
-            bias = t5(nq, nk)
-            offset = max(nk - nq, 0)
-            for h in range(3):
-                for i in range(nq):
-                    for j in range(nk):
-                        bucket = t5_bucket_oracle(j - (i + offset), bidirectional, 16, 20)
-                        assert bias[h, i, j] == table[bucket, h]
-
-    def test_explicit_positions_far_beyond_max_distance(self):
-        t5 = T5PositionalEmbedding(2)
-        positions_q, positions_k = torch.tensor([0, 10**9, 500]), torch.tensor([10**9 + 5, 3, -7, 127, 128])
-        bias = t5(3, 5, positions_q=positions_q, positions_k=positions_k)
-        for i, p in enumerate(positions_q.tolist()):
-            for j, r in enumerate(positions_k.tolist()):
-                assert bias[1, i, j] == t5.relative_attention_bias.weight[t5_bucket_oracle(r - p), 1]
-
-    def test_checkpoint_table_loads_unchanged(self):
-        t5 = T5PositionalEmbedding(8)
-        checkpoint = {"relative_attention_bias.weight": torch.randn(32, 8)}
-        t5.load_state_dict(checkpoint)
-        assert t5(4, 4)[5, 0, 3] == checkpoint["relative_attention_bias.weight"][t5_bucket_oracle(3), 5]
-
-    def test_decoding_with_cache_is_bottom_right(self):
-        t5 = T5PositionalEmbedding(4, bidirectional=False)
-        full = t5(20, 20)
-        torch.testing.assert_close(t5(1, 20), full[:, -1:])
-        torch.testing.assert_close(t5(5, 20), full[:, -5:])
-
-    def test_no_logarithm_on_the_grid(self):
-        from torch.overrides import TorchFunctionMode
-
-        sizes = []
-
-        class RecordLog(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func in (torch.log, torch.Tensor.log):
-                    sizes.append(args[0].numel())
-                return func(*args, **(kwargs or {}))
-
-        t5 = T5PositionalEmbedding(4)
-        with RecordLog():
-            t5(300, 300)
-            t5(300, 300, positions_q=torch.arange(300) * 7, positions_k=torch.arange(300) * 3)
-        assert max(sizes, default=0) <= 2 * 128 + 3
-
-    def test_translation_invariant(self):
-        t5 = T5PositionalEmbedding(2)
-        positions = torch.tensor([3, 9, 200, 201])
-        torch.testing.assert_close(t5(4, 4, positions_q=positions, positions_k=positions),
-                                   t5(4, 4, positions_q=positions + 10**6, positions_k=positions + 10**6))
-
-    def test_float_positions_are_type_error(self):
-        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
-            T5PositionalEmbedding(2)(2, 2, positions_q=torch.tensor([0.0, 1.0]))
-
-    @pytest.mark.parametrize("kwargs, message", [
-        (dict(num_heads=0), "num_heads must be a positive int, got num_heads=0"),
-        (dict(num_heads=2, num_buckets=0), "num_buckets must be a positive int, got num_buckets=0"),
-        (dict(num_heads=2, num_buckets=3), "num_buckets must be >= 4 \\(bidirectional=True\\), got num_buckets=3"),
-        (dict(num_heads=2, max_distance=8), "max_distance must exceed the 8 exact buckets, got max_distance=8"),
-        (dict(num_heads=2, num_buckets=32, max_distance=16, bidirectional=False),
-         "max_distance must exceed the 16 exact buckets, got max_distance=16"),
-    ])
-    def test_bad_arguments(self, kwargs, message):
-        with pytest.raises(ValueError, match="T5PositionalEmbedding: " + message):
-            T5PositionalEmbedding(**kwargs)
-
-    def test_bad_call(self):
-        t5 = T5PositionalEmbedding(2)
-        with pytest.raises(ValueError, match="q_len must be a positive int, got q_len=0"):
-            t5(0, 4)
-        with pytest.raises(ValueError, match="positions_k must have shape \\[4\\]"):
-            t5(4, 4, positions_k=torch.arange(5))
-
-
-class TestALiBi:
-    def test_published_slopes_for_8_heads(self):
-        assert ALiBiPositionalEmbedding(8).slopes.tolist() == [2.0 ** -k for k in range(1, 9)]
-
-    def test_non_power_of_two_rule(self):
-        # 12 heads: the 8-head slopes, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...)
-        assert pe_lib.alibi_slopes(12) == pytest.approx([2.0 ** -k for k in range(1, 9)]
-                                                        + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5])
-        # 6 heads: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then 2^-1, 2^-3 from 8 heads
-        assert pe_lib.alibi_slopes(6) == pytest.approx([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
-
-    def test_slopes_stay_float32_after_cast(self):
-        alibi = ALiBiPositionalEmbedding(12).bfloat16()
-        assert alibi.slopes.dtype == torch.float32
-        assert alibi.slopes[8].item() == pytest.approx(2.0 ** -0.5, rel=1e-7)
-
-    @pytest.mark.parametrize("bidirectional", [False, True])
-    def test_bias_matches_loop_oracle(self, bidirectional):
-        alibi = ALiBiPositionalEmbedding(4, bidirectional=bidirectional)
-        slopes = pe_lib.alibi_slopes(4)
-        for nq, nk, positions_q, positions_k in ((6, 6, None, None), (2, 9, None, None),
-                                                 (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6, -2.0]))):
-            bias = alibi(nq, nk, positions_q=positions_q, positions_k=positions_k)
-            pq = positions_q.tolist() if positions_q is not None else [i + max(nk - nq, 0) for i in range(nq)]
-            pk = positions_k.tolist() if positions_k is not None else list(range(nk))
-            for h in range(4):
-                for i in range(nq):
-                    for j in range(nk):
-                        want = -slopes[h] * abs(pq[i] - pk[j])
-                        if not bidirectional and pk[j] > pq[i]:
-                            want = float("-inf")
-                        assert bias[h, i, j].item() == pytest.approx(want, rel=1e-6)
-
-    def test_softmax_equals_reference_ramp(self):
-        # the reference adds +slope * j (per key) under a causal mask; same softmax
-        alibi = ALiBiPositionalEmbedding(8)
-        ramp = alibi.slopes[:, None, None] * torch.arange(10.0)
-        ramp = ramp.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
-        torch.testing.assert_close(torch.softmax(alibi(10, 10), -1), torch.softmax(ramp, -1))
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: num_heads must be a positive int, got num_heads=-2"):
-            ALiBiPositionalEmbedding(-2)
-
-
-def layer_norm_oracle(x, weight, bias, eps=1e-5):
-    mean = sum(x) / len(x)
-    var = sum((v - mean) ** 2 for v in x) / len(x)
-    return [(v - mean) / math.sqrt(var + eps) * w + b for v, w, b in zip(x, weight, bias)]
-
-
-class TestTUPE:
-    def test_matches_loop_oracle(self):
-        heads, head_dim = 2, 3
-        tupe = UnifiedPositionalEmbedding(10, heads, head_dim, num_buckets=8, max_distance=6, cls_token=True).double()
-        for p in tupe.parameters():
-            torch.nn.init.normal_(p)
-        bias = tupe(4, 6)          # queries at positions 2..5 (bottom-right), keys 0..5
-        param = lambda t: t.detach().tolist()
-        table, ln_w, ln_b = param(tupe.position_embeddings.weight), param(tupe.pos_ln.weight), param(tupe.pos_ln.bias)
-        wq, bq = param(tupe.pos_q_linear.weight), param(tupe.pos_q_linear.bias)
-        wk, bk = param(tupe.pos_k_linear.weight), param(tupe.pos_k_linear.bias)
-        rel = param(tupe.relative.relative_attention_bias.weight)
-
-        def project(w, b, p):
-            row = layer_norm_oracle(table[p], ln_w, ln_b)
-            return [sum(w[o][c] * row[c] for c in range(len(row))) + b[o] for o in range(len(b))]
-
-        for h in range(heads):
-            for i in range(4):
-                for j in range(6):
-                    p, r = i + 2, j
-                    pq, pk = project(wq, bq, p), project(wk, bk, r)
-                    dims = range(h * head_dim, (h + 1) * head_dim)
-                    want = sum(pq[c] * pk[c] for c in dims) / math.sqrt(2 * head_dim)
-                    want += rel[t5_bucket_oracle(r - p, True, 8, 6)][h]
-                    if r == 0:
-                        want = tupe.others_to_cls[h].item()
-                    assert bias[h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-9)
-        cls_row = tupe(3, 3)[:, 0]
-        torch.testing.assert_close(cls_row, tupe.cls_to_others.detach()[:, None].expand(heads, 3))
-
-    def test_logit_scale_is_one_over_sqrt_two_d(self):
-        tupe = UnifiedPositionalEmbedding(16, 2, 8, relative_bias=False)
-        q, k, _ = qkv(5, 5, dh=8)
-        q, k = q[:, :2], k[:, :2]
-        want = q @ k.transpose(-1, -2) / 4.0 + tupe(5, 5)
-        torch.testing.assert_close(tupe.forward_attn(q, k), want)
-
-    def test_positions_past_the_table(self):
-        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: positions_k must lie in \\[0, max_len=8\\), got position 8"):
-            UnifiedPositionalEmbedding(8, 2, 4)(2, 9, positions_q=torch.tensor([0, 1]))
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: head_dim must be a positive int, got head_dim=0"):
-            UnifiedPositionalEmbedding(8, 2, 0)
-
-
-class TestFlexAttention:
-    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
-                                      lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
-                                      lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True)])
-    @pytest.mark.parametrize("causal", [False, True])
-    def test_score_mod_matches_dense_bias(self, make, causal):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        pe = make()
-        q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
-        if not causal:
-            got = flex_attention(q, k, v, score_mod=pe.score_mod(N - 3, N), scale=pe.logit_scale(DH))
-            torch.testing.assert_close(got, want)
-
-    def test_score_mod_with_batched_positions(self):
-        pe = T5PositionalEmbedding(H)
-        q, k, v = qkv()
-        positions = torch.stack([torch.arange(N) * 3, torch.arange(N) + 50])
-        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
-        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
-        torch.testing.assert_close(got, want)
-
-    BIAS_MAKERS = [lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12), lambda: ALiBiPositionalEmbedding(H),
-                   lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
-                   lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12)]
-
-    @pytest.mark.parametrize("make", BIAS_MAKERS)
-    @pytest.mark.parametrize("rows", ["batched", "shared", "narrow"])
-    def test_flex_equals_dense_with_positions_and_batch_unlike_heads(self, make, rows):
-        """Issue 12.3: [B, N] with B != H, [1, N] with B > 1 and uint8 positions, flex vs dense."""
-        pe = make()
-        batch = 3                                                        # != H, so batch and head cannot be mixed up
-        q, k, v = (torch.randn(batch, H, N, DH) for _ in range(3))
-        base = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5, torch.arange(N).flip(0)])
-        positions = {"batched": base, "shared": base[:1], "narrow": base[:1].to(torch.uint8)}[rows]
+class TestNoPE:
+    def test_identity_and_plain_sdpa(self):
+        nope = NoPositionalEmbedding()
+        x = torch.randn(B, N, 24)
+        assert nope(x) is x and nope.forward_input(x) is x and nope(x, torch.arange(N), offset=3) is x
+        q, k, v = qkv(dtype=torch.float64)
         for causal in (False, True):
-            want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=False)
-            got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=causal or None, use_flex=True)
-            torch.testing.assert_close(got, want)
-        if rows == "narrow":  # uint8 0 - 2 must be -2, not 254: compare with the int64 positions
-            wide = attention(q, k, v, pe, positions_q=base[:1], positions_k=base[:1], use_flex=False)
-            torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions), wide)
+            torch.testing.assert_close(attention(q, k, v, nope, causal=causal),
+                                       F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        torch.testing.assert_close(nope.forward_attn(q, k), q @ k.transpose(-1, -2) / math.sqrt(DH))
 
-    @pytest.mark.parametrize("make", BIAS_MAKERS)
-    def test_flex_takes_3d_and_5d_inputs_like_the_dense_path(self, make):
-        pe = make()
-        q, k, v = qkv()
-        positions = torch.stack([torch.arange(N) * 2, torch.arange(N) + 5])
-        for shape in ((H, N, DH), (B, 3, H, N, DH)):
-            q5, k5, v5 = (torch.randn(shape) for _ in range(3))
-            for pos in (None, positions if len(shape) == 5 else None):
-                want = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=False)
-                got = attention(q5, k5, v5, pe, positions_q=pos, positions_k=pos, causal=True, use_flex=True)
-                torch.testing.assert_close(got, want)
-
-    def test_score_mod_validates_positions_itself(self):
-        pe = ALiBiPositionalEmbedding(H)
-        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: positions_q must have shape \\[4\\]"):
-            pe.score_mod(4, 4, torch.arange(5), None)
-        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
-            T5PositionalEmbedding(H).score_mod(4, 4, torch.arange(4.0), None)
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: dim must be a positive int, got dim=0"):
+            NoPositionalEmbedding(dim=0)
+        nope = NoPositionalEmbedding(dim=8)
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: x must have last dim 8, got shape \\(2, 16, 9\\)"):
+            nope(torch.randn(B, N, 9))
+        with pytest.raises(TypeError, match="NoPositionalEmbedding: x must be a floating tensor"):
+            nope(torch.zeros(B, N, 8, dtype=torch.long))
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: positions must have shape \\[16\\]"):
+            nope(torch.randn(B, N, 8), torch.arange(N + 1))
+        with pytest.raises(TypeError, match="NoPositionalEmbedding: offset must be an int"):
+            nope(torch.randn(B, N, 8), offset=1.5)
 
 
 # ---------------------------------------------------------------------------
-# Content-dependent relative: Transformer-XL, Enformer
+# Convolutional (PEG, wav2vec 2.0)
 # ---------------------------------------------------------------------------
 
 
-def sinusoid_concat(d, d_model, base=10000.0):
-    return ([math.sin(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)]
-            + [math.cos(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)])
-
-
-def matvec(w, x):
-    return [sum(wr[c] * x[c] for c in range(len(x))) for wr in w]
-
-
-class TestTransformerXL:
-    def xl_oracle(self, xl, q, k, pos_q, pos_k, scale):
-        u, v, w_r = xl.r_w_bias.tolist(), xl.r_r_bias.tolist(), xl.r_net.weight.tolist()
-        out = torch.zeros(q.shape[0], q.shape[1], len(pos_q), len(pos_k), dtype=torch.float64)
-        for i, p in enumerate(pos_q):
-            for j, r in enumerate(pos_k):
-                distance = p - r
-                if xl.clamp_len is not None:
-                    distance = max(-xl.clamp_len, min(xl.clamp_len, distance))
-                rel = matvec(w_r, sinusoid_concat(distance, xl.d_model))
-                for b in range(q.shape[0]):
-                    for h in range(q.shape[1]):
-                        qi, kj = q[b, h, i].tolist(), k[b, h, j].tolist()
-                        rh = rel[h * xl.head_dim : (h + 1) * xl.head_dim]
-                        ac = sum((qi[c] + u[h][c]) * kj[c] for c in range(xl.head_dim))
-                        bd = sum((qi[c] + v[h][c]) * rh[c] for c in range(xl.head_dim))
-                        out[b, h, i, j] = scale * (ac + bd)
-        return out
-
-    @pytest.mark.parametrize("nq, nk", [(5, 5), (3, 8)])
-    def test_bidirectional_and_memory_match_oracle(self, nq, nk):
-        xl = TransformerXLPositionalEmbedding(2, 4, d_model=6).double()
-        q, k = torch.randn(1, 2, nq, 4, dtype=torch.float64), torch.randn(1, 2, nk, 4, dtype=torch.float64)
-        want = self.xl_oracle(xl, q, k, [i + nk - nq for i in range(nq)], list(range(nk)), 0.5)
-        torch.testing.assert_close(xl(q, k), want)
-
-    def test_explicit_float_positions_and_clamp_match_oracle(self):
-        xl = TransformerXLPositionalEmbedding(2, 4, clamp_len=3).double()
-        q, k = torch.randn(2, 2, 3, 4, dtype=torch.float64), torch.randn(2, 2, 4, 4, dtype=torch.float64)
-        pos_q, pos_k = [0.5, 10.0, 4.0], [1.0, -6.5, 2.0, 4.0]
-        got = xl(q, k, torch.tensor(pos_q, dtype=torch.float64), torch.tensor(pos_k, dtype=torch.float64))
-        torch.testing.assert_close(got, self.xl_oracle(xl, q, k, pos_q, pos_k, 0.5))
-
-    def test_equals_reference_rel_shift_below_the_diagonal(self):
-        # the reference: BD against R(klen-1 .. 0), zero-pad, reshape, drop a row (valid where j <= i + mlen)
-        xl = TransformerXLPositionalEmbedding(2, 4)
-        qlen, mlen = 4, 3
-        klen = qlen + mlen
-        q, k = torch.randn(1, 2, qlen, 4), torch.randn(1, 2, klen, 4)
-        r = xl.relative_keys(-torch.arange(klen - 1, -1, -1))                          # R(klen-1), ..., R(0)
-        bd = torch.einsum("bhid,hjd->bhij", q + xl.r_r_bias[:, None], r)                # [1, 2, qlen, klen]
-        padded = torch.cat([torch.zeros(1, 2, qlen, 1), bd], -1).view(1, 2, klen + 1, qlen)
-        shifted = padded[:, :, 1:].reshape(1, 2, qlen, klen)
-        ac = torch.einsum("bhid,bhjd->bhij", q + xl.r_w_bias[:, None], k)
-        reference = (ac + shifted) * 0.5
-        ours = xl(q, k)
-        valid = torch.arange(klen)[None, :] <= torch.arange(qlen)[:, None] + mlen
-        torch.testing.assert_close(ours[..., valid], reference[..., valid])
-        assert not torch.allclose(ours[..., ~valid], reference[..., ~valid])   # the reference's garbage
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: d_model must be a positive even int, got d_model=7"):
-            TransformerXLPositionalEmbedding(2, 4, d_model=7)
-        xl = TransformerXLPositionalEmbedding(2, 4)
-        with pytest.raises(ValueError, match="q and k must be \\[..., H=2, N, Dh=4\\]"):
-            xl(torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4))
-
-
-def enformer_features_oracle(d, num_basis, length, min_half_life=3.0, symmetric=False):
-    """Enformer's basis functions of one distance, in plain Python (DeepMind's normalisation)."""
-    def gamma_raw(x):
-        out = []
-        stddev = length / (2 * num_basis)
-        for k in range(num_basis):
-            mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
-            c, rate = (mean / stddev) ** 2, mean / stddev ** 2
-            log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
-            out.append(math.exp(log_pdf) + 1e-8)
-        return out
-
-    x = abs(d)
-    exponential = []
-    for k in range(num_basis):
-        half_life = 2 ** (min_half_life + k * (math.log2(length) - min_half_life) / (num_basis - 1))
-        exponential.append(math.exp(-math.log(2) / half_life * x))
-    central = [1.0 if 2 ** (k + 1) - 1 > x else 0.0 for k in range(num_basis)]
-    peaks = [max(col) for col in zip(*[gamma_raw(y) for y in range(length)])]
-    gamma = [g / p for g, p in zip(gamma_raw(x), peaks)]
-    features = exponential + central + gamma
-    if symmetric:
-        return features
-    sign = (d > 0) - (d < 0)
-    return features + [sign * f for f in features]
-
-
-class TestEnformer:
-    def test_features_match_oracle(self):
-        enformer = EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=50)
-        distances = [-49, -7, -1, 0, 1, 3, 20, 49, 120]
-        got = enformer.features(torch.tensor(distances))
-        want = torch.tensor([enformer_features_oracle(d, 4, 50) for d in distances], dtype=torch.float64)
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-
-    def test_logits_match_oracle(self):
-        enformer = EnformerPositionalEmbedding(2, 3, num_features=12, length_scale=16).double()
-        q, k = torch.randn(1, 2, 3, 3, dtype=torch.float64), torch.randn(1, 2, 5, 3, dtype=torch.float64)
-        u, v, w_r = enformer.r_w_bias.tolist(), enformer.r_r_bias.tolist(), enformer.r_k.weight.tolist()
-        scale = 3 ** -0.5
-        got = enformer(q, k)
-        for i in range(3):
-            for j in range(5):
-                rel = matvec(w_r, enformer_features_oracle(j - (i + 2), 2, 16))
-                for h in range(2):
-                    qi, kj, rh = q[0, h, i].tolist(), k[0, h, j].tolist(), rel[h * 3 : h * 3 + 3]
-                    want = sum((scale * qi[c] + u[h][c]) * kj[c] + (scale * qi[c] + v[h][c]) * rh[c] for c in range(3))
-                    assert got[0, h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-12)
-
-    def test_equals_deepmind_relative_shift(self):
-        # DeepMind: distances -T+1 .. T-1, logits against them, then pad/reshape/slice
-        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
-        t = 6
-        q, k = torch.randn(1, 2, t, 4), torch.randn(1, 2, t, 4)
-        keys = enformer.relative_keys(torch.arange(-t + 1, t))                          # [H, 2T-1, Dh]
-        rel = torch.einsum("bhid,hjd->bhij", q * 0.5 + enformer.r_r_bias[:, None], keys)
-        padded = torch.cat([torch.zeros_like(rel[..., :1]), rel], -1).reshape(1, 2, 2 * t, t)
-        shifted = padded[:, :, 1:].reshape(1, 2, t, 2 * t - 1)[..., : (2 * t + 1) // 2]
-        content = torch.einsum("bhid,bhjd->bhij", q * 0.5 + enformer.r_w_bias[:, None], k)
-        torch.testing.assert_close(enformer(q, k), content + shifted)
-
-    def test_pair_does_not_depend_on_sequence_length(self):
-        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
-        q, k = torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4)
-        torch.testing.assert_close(enformer(q[..., :10, :], k[..., :10, :]), enformer(q, k)[..., :10, :10])
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: num_features must be a positive multiple of 6 "
-                                             "\\(symmetric=False\\), got num_features=8"):
-            EnformerPositionalEmbedding(2, 4, num_features=8)
-
-
-# ---------------------------------------------------------------------------
-# Algebraic: sequences, grids, trees
-# ---------------------------------------------------------------------------
-
-
-def random_rotations(*shape, dtype=torch.float64):
-    """Special orthogonal matrices matrix_exp(P - P^T) with random P: [*shape[:-1], n, n]."""
-    p = torch.randn(*shape, shape[-1], dtype=dtype)
-    return torch.matrix_exp(p - p.mT)
-
-
-def orthogonality_error(w):
-    return (w @ w.mT - torch.eye(w.shape[-1], dtype=w.dtype)).abs().max().item()
-
-
-def train_a_few_steps(pe, case_positions):
-    optimiser = torch.optim.AdamW(pe.parameters(), lr=0.05)
-    for _ in range(5):
-        q, k = torch.randn(2, H, N, DH), torch.randn(2, H, N, DH)
-        loss = pe.forward_attn(q, k, *case_positions).logsumexp(-1).mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-
-
-def sequence_oracle(w, q, k, pos_q, pos_k):
-    """scores[h, i, j] = q_i^T W_h^(r_j - p_i) k_j, with explicit matrix powers in float64."""
-    out = torch.zeros(w.shape[0], len(pos_q), len(pos_k), dtype=torch.float64)
-    for h in range(w.shape[0]):
-        for i, p in enumerate(pos_q):
-            for j, r in enumerate(pos_k):
-                out[h, i, j] = q[h, i] @ torch.linalg.matrix_power(w[h], r - p) @ k[h, j]
+def depthwise_conv_oracle(grid, weight, bias):
+    """Zero-padded 'same' depthwise 2-D convolution, one output at a time (float64).
+    grid [Hg, Wg, D], weight [D, 1, k, k] -> [Hg, Wg, D]; even k: pad k//2 and keep the first outputs."""
+    rows, cols, dim = grid.shape
+    k = weight.shape[-1]
+    out = torch.zeros(rows, cols, dim, dtype=torch.float64)
+    for r in range(rows):
+        for c in range(cols):
+            for ch in range(dim):
+                total = float(bias[ch])
+                for i in range(k):
+                    for j in range(k):
+                        rr, cc = r + i - k // 2, c + j - k // 2
+                        if 0 <= rr < rows and 0 <= cc < cols:
+                            total += float(weight[ch, 0, i, j]) * float(grid[rr, cc, ch])
+                out[r, c, ch] = total
     return out
 
 
-class TestAlgebraicSequence:
-    def test_scores_equal_rope_at_init(self):
-        ape, rope = AlgebraicSequencePositionalEmbedding(DH, H), RotaryPositionalEmbedding(DH)
-        q, k, _ = qkv()
-        torch.testing.assert_close(ape.forward_attn(q, k), rope.forward_attn(q, k), rtol=1e-5, atol=1e-5)
-        assert (ape.basis_generator == 0).all()
+class TestConvolutional:
+    @pytest.mark.parametrize("kernel_size", [3, 4])
+    def test_matches_loop_oracle(self, kernel_size):
+        pe = ConvolutionalPositionalEmbedding(3, kernel_size=kernel_size, num_prefix_tokens=1).double()
+        x = torch.randn(2, 1 + 3 * 5, 3, dtype=torch.float64)
+        got = pe(x, (3, 5))
+        torch.testing.assert_close(got[:, 0], x[:, 0], rtol=0, atol=0)
+        for b in range(2):
+            grid = x[b, 1:].reshape(3, 5, 3)
+            want = grid + depthwise_conv_oracle(grid, pe.weight.detach(), pe.bias.detach())
+            torch.testing.assert_close(got[b, 1:], want.reshape(15, 3), rtol=0, atol=1e-12)
 
-    def test_primitives_orthogonal_before_and_after_training(self):
-        ape = AlgebraicSequencePositionalEmbedding(DH, H)
-        assert orthogonality_error(ape.primitives) < 1e-5
-        before = ape.primitives.detach().clone()
-        train_a_few_steps(ape, (None, None))
-        assert orthogonality_error(ape.primitives) < 1e-5
-        assert (ape.primitives - before).abs().max() > 1e-3        # training moved them
+    def test_matches_timm_posconv_with_same_weights(self):
+        # timm/models/twins.py PosConv (CPVT's PEG), ported: proj = Sequential(Conv2d(C, C, 3, 1, 1, groups=C)),
+        # x = proj(feat) + feat, on the patch tokens (CPVT keeps the class token aside).
+        dim, size = 8, (4, 6)
+        proj = torch.nn.Sequential(torch.nn.Conv2d(dim, dim, 3, 1, 1, bias=True, groups=dim)).double()
+        pe = ConvolutionalPositionalEmbedding(dim).double()
+        with torch.no_grad():
+            pe.weight.copy_(proj[0].weight)
+            pe.bias.copy_(proj[0].bias)
+        x = torch.randn(2, 24, dim, dtype=torch.float64)
+        feat = x.transpose(1, 2).view(2, dim, *size)
+        want = (proj(feat) + feat).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(pe(x, size), want, rtol=0, atol=1e-12)
 
-    def test_matches_matrix_power_oracle_after_set_primitives(self):
-        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
-        w = random_rotations(2, 8)
-        ape.set_primitives(w)
-        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
-        q, k = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
-        pos_q, pos_k = [3, 0, 7, 2, 11], [0, 1, 5, 9, 4, 2]
-        got = ape.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k), scale=1.0)
-        torch.testing.assert_close(got[0], sequence_oracle(w, q[0], k[0], pos_q, pos_k))
+    @pytest.mark.parametrize("kernel_size", [8, 7])
+    def test_matches_transformers_wav2vec2_with_same_weights(self, kernel_size):
+        transformers = pytest.importorskip("transformers")
+        from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2PositionalConvEmbedding
 
-    def test_forward_applies_w_to_the_power_p(self):
-        ape = AlgebraicSequencePositionalEmbedding(6, 1).double()
-        w = random_rotations(1, 6)
-        ape.set_primitives(w)
-        x = torch.randn(1, 4, 6, dtype=torch.float64)
-        got = ape(x, offset=3)
-        for i, p in enumerate(range(3, 7)):
-            torch.testing.assert_close(got[0, i], torch.linalg.matrix_power(w[0], p) @ x[0, i])
+        config = transformers.Wav2Vec2Config(hidden_size=32, num_conv_pos_embeddings=kernel_size,
+                                             num_conv_pos_embedding_groups=4, feat_extract_activation="gelu")
+        ref = Wav2Vec2PositionalConvEmbedding(config).double().eval()
+        pe = ConvolutionalPositionalEmbedding(32, kernel_size=kernel_size, num_axes=1, groups=4, weight_norm=True,
+                                              activation="gelu").double()
+        with torch.no_grad():
+            ref.conv.parametrizations.weight.original0.normal_()
+            pe.weight_g.copy_(ref.conv.parametrizations.weight.original0)
+            pe.weight_v.copy_(ref.conv.parametrizations.weight.original1)
+            pe.bias.copy_(ref.conv.bias.normal_())
+        x = torch.randn(2, 21, 32, dtype=torch.float64)
+        torch.testing.assert_close(pe(x), x + ref(x), rtol=0, atol=1e-12)
 
-    def test_scores_depend_only_on_distance(self):
-        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
-        ape.set_primitives(random_rotations(2, 8))
-        q, k = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64)
-        scores = [ape.forward_attn(q, k, torch.tensor([p]), torch.tensor([p + 4])) for p in (0, 9, 1000)]
-        torch.testing.assert_close(scores[1], scores[0])
-        torch.testing.assert_close(scores[2], scores[0])
+    def test_init_follows_wav2vec2(self):
+        pe = ConvolutionalPositionalEmbedding(64, kernel_size=16, num_axes=1, groups=4, weight_norm=True)
+        torch.testing.assert_close(pe.conv_weight(), pe.weight_v.detach())          # g = |v| at init
+        assert abs(pe.weight_v.std().item() - 2 / math.sqrt(16 * 64)) < 0.01
+        assert (pe.bias == 0).all()
 
-    def test_set_primitives_handles_repeated_and_trivial_angles(self):
-        ape = AlgebraicSequencePositionalEmbedding(6, 3).double()
-        rotation_pi = torch.block_diag(-torch.eye(2), torch.eye(4)).double()            # angles pi, 0, 0
-        w = torch.stack([torch.eye(6, dtype=torch.float64), rotation_pi, random_rotations(1, 6)[0]])
-        ape.set_primitives(w)
-        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+    def test_forward_input_uses_stored_grid(self):
+        pe = ConvolutionalPositionalEmbedding(8, grid_shape=(2, 3))
+        x = torch.randn(2, 6, 8)
+        torch.testing.assert_close(pe.forward_input(x), pe(x, (2, 3)))
+        assert not torch.allclose(pe(x, (2, 3)), pe(x, (3, 2)))
 
-    def test_rejects_non_orthogonal_and_reflections(self):
-        ape = AlgebraicSequencePositionalEmbedding(4, 1)
-        with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: every primitive must be orthogonal"):
-            ape.set_primitives(torch.randn(1, 4, 4))
-        with pytest.raises(ValueError, match="determinant \\+1"):
-            ape.set_primitives(torch.diag(torch.tensor([1.0, 1.0, 1.0, -1.0]))[None])
-        with pytest.raises(ValueError, match="primitives must have shape \\[1, 4, 4\\], got \\[2, 4, 4\\]"):
-            ape.set_primitives(random_rotations(2, 4))
+    def test_video_grid(self):
+        pe = ConvolutionalPositionalEmbedding(4, num_axes=3).double()
+        x = torch.randn(1, 2 * 3 * 4, 4, dtype=torch.float64)
+        maps = x[0].T.reshape(1, 4, 2, 3, 4)
+        want = maps + F.conv3d(maps, pe.weight, pe.bias, padding=1, groups=4)
+        torch.testing.assert_close(pe(x, (2, 3, 4)), want.reshape(4, 24).T[None])
 
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 2 .*got head_dim=7"):
-            AlgebraicSequencePositionalEmbedding(7, 2)
-        with pytest.raises(ValueError, match="x must be \\[..., H=2, N, Dh=8\\]"):
-            AlgebraicSequencePositionalEmbedding(8, 2)(torch.randn(1, 3, 5, 8))
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: groups must divide dim=12, got groups=5"):
+            ConvolutionalPositionalEmbedding(12, groups=5)
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: weight_norm is wav2vec 2.0's 1-D option"):
+            ConvolutionalPositionalEmbedding(12, weight_norm=True)
+        with pytest.raises(TypeError, match="ConvolutionalPositionalEmbedding: weight_norm must be a bool"):
+            ConvolutionalPositionalEmbedding(12, num_axes=1, weight_norm="false")
+        pe = ConvolutionalPositionalEmbedding(8, num_prefix_tokens=1)
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: grid_shape is required for 2 axes"):
+            pe(torch.randn(1, 7, 8))
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: x must have num_prefix_tokens \\+ prod\\(grid_shape\\) = 1 \\+ 6 tokens"):
+            pe(torch.randn(1, 6, 8), (2, 3))
+        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: positions must be None"):
+            pe.forward_input(torch.randn(1, 7, 8), torch.arange(7))
 
-
-class TestAlgebraicGrid:
-    def test_matches_blockwise_matrix_power_oracle(self):
-        grid = AlgebraicGridPositionalEmbedding(8, 2, num_axes=2).double()
-        w = random_rotations(2, 2, 4)                                                   # [A, H, 4, 4]
-        grid.set_primitives(w)
-        torch.testing.assert_close(grid.primitives, w, rtol=0, atol=1e-10)
-        pos_q = torch.tensor([[0, 0], [2, 5], [1, 3]])
-        pos_k = torch.tensor([[4, 1], [0, 0], [3, 3], [1, 7]])
-        q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
-        got = grid.forward_attn(q, k, pos_q, pos_k, scale=1.0)
-        for h in range(2):
-            for i in range(3):
-                for j in range(4):
-                    blocks = [torch.linalg.matrix_power(w[a, h], int(pos_k[j, a] - pos_q[i, a])) for a in range(2)]
-                    want = q[0, h, i] @ torch.block_diag(*blocks) @ k[0, h, j]
-                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
-
-    def test_queries_and_keys_use_their_own_positions(self):
-        grid = AlgebraicGridPositionalEmbedding(8, 1).double()
-        grid.set_primitives(random_rotations(2, 1, 4))
-        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
-        at = lambda pq, pk: grid.forward_attn(q, k, torch.tensor([pq]), torch.tensor([pk]))
-        torch.testing.assert_close(at([1, 2], [4, 9]), at([11, 7], [14, 14]))          # same per-axis differences
-        assert not torch.allclose(at([1, 2], [4, 9]), at([1, 2], [9, 4]))
-
-    def test_three_axes_volume(self):
-        volume = AlgebraicGridPositionalEmbedding(12, 2, num_axes=3)
-        assert volume.primitives.shape == (3, 2, 4, 4)
-        positions = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
-        assert volume(torch.randn(1, 2, 12, 12), positions.reshape(12, 3)).shape == (1, 2, 12, 12)
-
-    def test_orthogonal_after_training(self):
-        grid = AlgebraicGridPositionalEmbedding(DH, H)
-        positions = torch.stack([torch.arange(N) // 4, torch.arange(N) % 4], -1)
-        train_a_few_steps(grid, (positions, positions))
-        assert orthogonality_error(grid.primitives) < 1e-5
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 6"):
-            AlgebraicGridPositionalEmbedding(8, 2, num_axes=3)
-        grid = AlgebraicGridPositionalEmbedding(8, 2)
-        with pytest.raises(ValueError, match="positions must have shape \\[5, 2\\]"):
-            grid(torch.randn(1, 2, 5, 8), torch.zeros(5, 3, dtype=torch.long))
-        with pytest.raises(ValueError, match="positions is required for 2 axes"):
-            grid(torch.randn(1, 2, 5, 8))
-
-
-def tree_map_oracle(w, node, b):
-    """M(node) for breadth-first ids: M(root) = I, M(child c of n) = M(n) @ W_c (float64 loop)."""
-    path = []
-    while node > 0:
-        path.append((node - 1) % b)
-        node = (node - 1) // b
-    m = torch.eye(w.shape[-1], dtype=torch.float64)
-    for branch in reversed(path):
-        m = m @ w[branch]
-    return m
-
-
-class TestAlgebraicTree:
-    def test_matches_path_product_oracle(self):
-        tree = AlgebraicTreePositionalEmbedding(6, 2, branching_factor=3, max_depth=3).double()
-        w = random_rotations(3, 2, 6)                                                   # [b, H, 6, 6]
-        tree.set_primitives(w)
-        torch.testing.assert_close(tree.primitives, w, rtol=0, atol=1e-10)
-        nodes_q, nodes_k = [0, 5, 17, 39], [3, 0, 12, 17, 2]
-        q, k = torch.randn(1, 2, 4, 6, dtype=torch.float64), torch.randn(1, 2, 5, 6, dtype=torch.float64)
-        got = tree.forward_attn(q, k, torch.tensor(nodes_q), torch.tensor(nodes_k), scale=1.0)
-        for h in range(2):
-            for i, n in enumerate(nodes_q):
-                for j, m in enumerate(nodes_k):
-                    mq, mk = tree_map_oracle(w[:, h], n, 3), tree_map_oracle(w[:, h], m, 3)
-                    want = q[0, h, i] @ mq.T @ mk @ k[0, h, j]
-                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
-
-    def test_scores_depend_only_on_the_path(self):
-        tree = AlgebraicTreePositionalEmbedding(8, 1, branching_factor=2, max_depth=6).double()
-        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
-        at = lambda a, b: tree.forward_attn(q, k, tree.node_ids_from_paths([a]), tree.node_ids_from_paths([b]))
-        # the same two steps (up one, down branch 1) from different ancestors
-        torch.testing.assert_close(at([0], [1]), at([1, 1, 0], [1, 1, 1]))
-        torch.testing.assert_close(at([0, 1], [0, 0, 1]), at([1, 0, 1, 1], [1, 0, 1, 0, 1]))
-        assert not torch.allclose(at([0], [1]), at([1], [0]))
-
-    def test_node_id_helpers(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=4)
-        assert tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]]).tolist() == [0, 1, 2, 4, 13]
-        #        0            parents: node 1 and 2 are children of 0, node 3 child of 2, node 4 child of 3
-        #       / \
-        #      1   2
-        #          |
-        #          3 - 4
-        assert tree.node_ids_from_parents([-1, 0, 0, 2, 3]).tolist() == [0, 1, 2, 5, 11]
-        with pytest.raises(ValueError, match="more than branching_factor=2 children"):
-            tree.node_ids_from_parents([-1, 0, 0, 0])
-        with pytest.raises(ValueError, match="exactly one root"):
-            tree.node_ids_from_parents([-1, -1])
-
-    def test_orthogonal_after_training(self):
-        tree = AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)
-        assert orthogonality_error(tree.primitives) < 1e-5
-        train_a_few_steps(tree, (None, None))
-        assert orthogonality_error(tree.primitives) < 1e-5
-
-    def test_any_number_of_leading_dims(self):
-        tree = AlgebraicTreePositionalEmbedding(8, 2, branching_factor=2, max_depth=4).double()
-        x = torch.randn(3, 2, 2, 6, 8, dtype=torch.float64)
-        nodes = torch.tensor([0, 3, 4, 9, 2, 1])
-        want = torch.stack([tree(x[i], nodes) for i in range(3)])
-        torch.testing.assert_close(tree(x, nodes), want)
-        torch.testing.assert_close(tree(x[0, 0], nodes), want[0, 0])
-
-    def test_bad_nodes(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
-        x = torch.randn(1, 1, 2, 4)
-        with pytest.raises(ValueError, match="node ids must lie in \\[0, 6\\] \\(depth <= max_depth=2 of a 2-ary tree\\), got 7"):
-            tree(x, torch.tensor([0, 7]))
-        with pytest.raises(ValueError, match="got -1"):
-            tree(x, torch.tensor([-1, 0]))
-        with pytest.raises(TypeError, match="positions must be an integer tensor .*got dtype=torch.float32"):
-            tree(x, torch.tensor([0.0, 1.0]))
+    @pytest.mark.parametrize("shape, grid", [((0, 5, 16), None), ((2, 0, 5, 16), None), ((0, 3, 4, 16), (2, 2))])
+    def test_convolutional_peg_with_an_empty_batch_returns_empty(self, shape, grid):
+        pe = ConvolutionalPositionalEmbedding(16, num_axes=1 if grid is None else 2)
+        x = torch.randn(shape)
+        out = pe(x, grid)
+        assert out.shape == x.shape
+        full = pe(torch.randn(1, *shape[-2:]), grid)   # and a non-empty batch still works
+        assert full.shape == (1, *shape[-2:])
 
 
 # ---------------------------------------------------------------------------
-# Heinsen
+# Fourier features
+# ---------------------------------------------------------------------------
+
+
+class TestFourierFeatures:
+    def test_octave_matches_nerf_formula(self):
+        pe = FourierFeaturePositionalEmbedding(3, 24)                       # L = 4 octaves
+        p = torch.rand(5, 3, dtype=torch.float64) * 2 - 1
+        got = pe.embed(p)
+        for n in range(5):
+            row = []
+            for k in range(4):
+                row += [math.sin(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
+                row += [math.cos(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
+            torch.testing.assert_close(got[n], torch.tensor(row, dtype=torch.float64), rtol=0, atol=1e-12)
+
+    def test_octave_with_scale_one_over_pi_is_nerf_pytorch(self):
+        # nerf-pytorch Embedder (ported, include_input=False, log_sampling): bands 2 ** linspace(0, L - 1, L)
+        x = torch.rand(7, 3, dtype=torch.float64)
+        bands = 2.0 ** torch.linspace(0.0, 9.0, steps=10, dtype=torch.float64)
+        want = torch.cat([fn(x * freq) for freq in bands for fn in (torch.sin, torch.cos)], -1)
+        torch.testing.assert_close(FourierFeaturePositionalEmbedding(3, 60, scale=1 / math.pi).embed(x), want)
+
+    def test_gaussian_matches_tancik_formula(self):
+        pe = FourierFeaturePositionalEmbedding(2, 8, sampling="gaussian", scale=10.0)
+        p = torch.rand(4, 2, dtype=torch.float64)
+        got = pe.embed(p)
+        for n in range(4):
+            for j in range(4):
+                angle = 2 * math.pi * sum(float(pe.B[j, a]) * float(p[n, a]) for a in range(2))
+                assert got[n, j].item() == pytest.approx(math.cos(angle), abs=1e-12)
+                assert got[n, 4 + j].item() == pytest.approx(math.sin(angle), abs=1e-12)
+
+    def test_gaussian_B_is_reproducible_and_scaled(self):
+        a = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        assert abs(a.B.std().item() - 3.0) < 0.1 and abs(a.B.mean().item()) < 0.1
+        torch.manual_seed(123)                                   # the global RNG plays no part
+        b = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        assert torch.equal(a.B, b.B) and a.B.dtype == torch.float64
+        assert not torch.equal(a.B, FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0,
+                                                                      seed=1).B)
+        with torch.device("meta"):
+            meta = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
+        meta.to_empty(device="cpu")
+        meta.reset_parameters()
+        assert torch.equal(meta.B, a.B) and list(meta.state_dict()) == []
+        assert torch.equal(copy.deepcopy(a).bfloat16().B, a.B)
+
+    def test_forward_adds_features_of_grid_coordinates(self):
+        pe = FourierFeaturePositionalEmbedding(2, 16)
+        x, p = torch.randn(2, 6, 16), rope_coordinates((2, 3))
+        torch.testing.assert_close(pe(x, p), x + pe.embed(p).float())
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions is required for 2 axes"):
+            pe(x)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: dim must be a multiple of 6 for sampling='octave', got dim=16"):
+            FourierFeaturePositionalEmbedding(3, 16)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: sampling must be one of 'octave', 'gaussian'"):
+            FourierFeaturePositionalEmbedding(2, 16, sampling="uniform")
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: scale must be a finite number > 0"):
+            FourierFeaturePositionalEmbedding(2, 16, scale=0.0)
+        with pytest.raises(TypeError, match="FourierFeaturePositionalEmbedding: seed must be an int"):
+            FourierFeaturePositionalEmbedding(2, 16, seed=True)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must have shape \\[..., N, 2\\]"):
+            FourierFeaturePositionalEmbedding(2, 16).embed(torch.rand(5, 3))
+
+    def test_fourier_embed_rejects_non_finite_positions_like_forward(self):
+        pe = FourierFeaturePositionalEmbedding(2, 16)
+        bad = torch.tensor([[float("nan"), 0.0]])
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
+            pe.embed(bad)
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
+            pe(torch.randn(1, 16), bad)
+
+
+# ---------------------------------------------------------------------------
+# Heinsen: the log-space scan, streaming, packed documents, second derivatives, forward mode
 # ---------------------------------------------------------------------------
 
 
@@ -2199,6 +2142,21 @@ def heinsen_reference(pe, x, prev_context=None):
     a = F.pad(log_p.cumsum(dim=-2), (0, 0, 1, 0))
     s = (a + torch.logcumsumexp(prepended - a, dim=-2))[..., 1:, :]
     return x + pe.R(s), s[..., -1:, :]
+
+
+class HeinsenForwardMode:
+    """The scan's jvp rule with parameters that require grad: it used to run the ``out=`` scan on
+    tensors autograd tracks (a RuntimeError); now its tangent is recorded, checked here against
+    central differences in float64 (step 1e-6: truncation error ~1e-12, rounding ~1e-10)."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.pe = HeinsenPositionalEmbedding(8, 8).double()
+        self.x = torch.randn(1, 10, 8, dtype=torch.float64)
+        self.t = torch.randn_like(self.x)
+
+    def tangent(self, x):
+        return torch.func.jvp(self.pe.forward_input, (x,), (self.t[:, :x.shape[1]],))[1]
 
 
 class TestHeinsen:
@@ -2374,72 +2332,1456 @@ class TestHeinsen:
         with pytest.raises(ValueError, match="d_hid must be a positive int, got d_hid=0"):
             HeinsenPositionalEmbedding(4, 0)
 
+    # -- the scan: second derivatives, torch.func transforms, argument checks
+    @staticmethod
+    def scan_oracle(log_p, h, initial):
+        """The recurrence as a plain loop: s_t = logaddexp(log_p_t + s_{t-1}, h_t), s_0 = initial."""
+        s, states = initial[..., 0, :], []
+        for t in range(log_p.shape[-2]):
+            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
+            states.append(s)
+        return torch.stack(states, dim=-2)
+
+    @staticmethod
+    def scan_inputs(b=2, n=6, d=3):
+        log_p = F.logsigmoid(torch.randn(b, n, d, dtype=torch.float64))
+        h = torch.randn(b, n, d, dtype=torch.float64)
+        initial = torch.randn(b, 1, d, dtype=torch.float64)                 # a non-zero state
+        return log_p, h, initial
+
+    @pytest.mark.parametrize("block, n", [(128, 6), (4, 10)])   # one block; three chained, the last padded
+    def test_gradgradcheck(self, monkeypatch, block, n):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        inputs = [t.requires_grad_() for t in self.scan_inputs(n=n)]
+        assert torch.autograd.gradcheck(pe_lib._scan_apply, inputs, check_forward_ad=True)
+        assert torch.autograd.gradgradcheck(pe_lib._scan_apply, inputs)
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_hessian_vector_product_matches_oracle(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        inputs = self.scan_inputs(n=10)
+        weights = torch.randn(2, 10, 3, dtype=torch.float64)
+        vector = tuple(torch.randn_like(t) for t in inputs)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        _, got = torch.autograd.functional.hvp(loss(pe_lib._scan_apply), inputs, vector)
+        _, want = torch.autograd.functional.hvp(loss(self.scan_oracle), inputs, vector)
+        for g, w in zip(got, want):
+            assert w.abs().max() > 1e-3                                      # the second-order term is there
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_module_second_derivative_matches_oracle(self):
+        # the scan's second-order term used to be dropped silently (once_differentiable)
+        pe = HeinsenPositionalEmbedding(5, 4).double()
+        x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+        state = torch.randn(2, 1, 4, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(2, 9, 5, dtype=torch.float64)
+
+        def penalty(y):
+            grad_x, grad_state = torch.autograd.grad((y * weights).sum(), [x, state], create_graph=True)
+            return (grad_x ** 2).sum() + (grad_state ** 2).sum()
+
+        got = torch.autograd.grad(penalty(pe(x, state=state)), [x, state, pe.H.weight])
+        want = torch.autograd.grad(penalty(heinsen_reference(pe, x, state)[0]), [x, state, pe.H.weight])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+    def test_func_grad_matches_oracle(self):
+        inputs = self.scan_inputs()
+        weights = torch.randn(2, 6, 3, dtype=torch.float64)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        got = torch.func.grad(loss(pe_lib._scan_apply), argnums=(0, 1, 2))(*inputs)
+        want = torch.func.grad(loss(self.scan_oracle), argnums=(0, 1, 2))(*inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        hessian = torch.func.jacrev(torch.func.jacrev(loss(pe_lib._scan_apply), argnums=1), argnums=1)(*inputs)
+        hessian_want = torch.func.jacrev(torch.func.jacrev(loss(self.scan_oracle), argnums=1), argnums=1)(*inputs)
+        torch.testing.assert_close(hessian, hessian_want, rtol=0, atol=1e-12)
+
+    def test_func_vmap_equals_a_loop(self):
+        log_p, h, initial = self.scan_inputs(b=3)
+        log_p_t = log_p.transpose(0, 1).contiguous()                          # batch dim 1
+        got = torch.func.vmap(pe_lib._scan_apply, in_dims=(1, 0, None))(log_p_t, h, initial[0])
+        want = torch.stack([pe_lib._scan_apply(log_p[i], h[i], initial[0]) for i in range(3)])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, self.scan_oracle(log_p, h, initial[:1].expand(3, 1, 3)), rtol=0, atol=1e-12)
+        # per-sample gradients: vmap over grad
+        per_sample = torch.func.vmap(torch.func.grad(lambda *a: pe_lib._scan_apply(*a).sin().sum(), argnums=(0, 1, 2)))
+        want = torch.func.vmap(torch.func.grad(lambda *a: self.scan_oracle(*a).sin().sum(), argnums=(0, 1, 2)))
+        for g, w in zip(per_sample(log_p, h, initial), want(log_p, h, initial)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_func_jvp_matches_oracle_and_finite_differences(self):
+        inputs = self.scan_inputs(n=7)
+        tangents = tuple(torch.randn_like(t) for t in inputs)
+        value, got = torch.func.jvp(pe_lib._scan_apply, inputs, tangents)
+        _, want = torch.func.jvp(self.scan_oracle, inputs, tangents)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        eps = 1e-6
+        plus = pe_lib._scan_apply(*[t + eps * d for t, d in zip(inputs, tangents)])
+        minus = pe_lib._scan_apply(*[t - eps * d for t, d in zip(inputs, tangents)])
+        torch.testing.assert_close(got, (plus - minus) / (2 * eps), rtol=0, atol=1e-8)
+        # a tangent on one input only (the others get None)
+        _, only_h = torch.func.jvp(lambda h: pe_lib._scan_apply(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
+        _, only_h_want = torch.func.jvp(lambda h: self.scan_oracle(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
+        torch.testing.assert_close(only_h, only_h_want, rtol=0, atol=1e-12)
+
+    def test_compiled_module_still_traces_and_backpropagates(self):
+        pe = HeinsenPositionalEmbedding(6, 5)
+        x = torch.randn(2, 20, 6, requires_grad=True)
+        compiled = torch.compile(lambda t: pe(t), backend="eager", fullgraph=True)
+        grad, = torch.autograd.grad(compiled(x).sin().sum(), x)
+        want, = torch.autograd.grad(pe(x).sin().sum(), x)
+        torch.testing.assert_close(grad, want)
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+    def test_state_must_be_floating(self, dtype):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        state = torch.zeros(2, 1, 3, dtype=dtype)
+        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: state must be a floating tensor, "
+                                            f"got dtype={dtype}"):
+            pe(torch.randn(2, 5, 4), state=state)
+
+    @pytest.mark.parametrize("name", ["H", "R"])
+    def test_h_and_r_must_be_modules(self, name):
+        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: {name} must be an nn.Module or None, "
+                                            f"got str 'linear'"):
+            HeinsenPositionalEmbedding(4, 3, **{name: "linear"})
+
+    def test_output_widths_of_custom_h_and_r(self):
+        x = torch.randn(2, 5, 4)
+        pe = HeinsenPositionalEmbedding(4, 3, H=torch.nn.Linear(4, 3))
+        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: H must output last dim 2 \* d_hid = 6, "
+                                             r"got shape \[2, 5, 3\] \(last dim 3\)"):
+            pe(x)
+        pe = HeinsenPositionalEmbedding(4, 3, R=torch.nn.Linear(3, 1))
+        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: R must output last dim d_emb = 4, "
+                                             r"got shape \[2, 5, 1\] \(last dim 1\)"):
+            pe(x)
+
+    # -- packed documents: within-document positions restart the recurrence
+    @staticmethod
+    def heinsen_loop(pe, x, positions):
+        """float64 plain loop of ``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))``, ``s = 0`` where a position is 0."""
+        weight, bias = pe.H.weight.detach().double().tolist(), pe.H.bias.detach().double().tolist()
+        d, out = pe.d_hid, []
+        for row in range(x.shape[0]):
+            pos = (positions if positions.dim() == 1 else positions[row]).tolist()
+            s, states = [0.0] * d, []
+            for t in range(x.shape[1]):
+                token = x[row, t].detach().double().tolist()
+                z = [sum(w * e for w, e in zip(weight[i], token)) + bias[i] for i in range(2 * d)]
+                s = [0.0] * d if pos[t] == 0 else s
+                s = [math.log(math.exp(-math.log1p(math.exp(-z[i])) + s[i]) + math.exp(z[d + i])) for i in range(d)]
+                states.append(s)
+            out.append(states)
+        s = torch.tensor(out, dtype=torch.float64)
+        return x.detach().double() + F.linear(s, pe.R.weight.detach().double(), pe.R.bias.detach().double())
+
+    @staticmethod
+    def reset_scan_oracle(log_p, h, starts):
+        """The scan as a differentiable loop: the state is set to 0 (not decayed) where a document starts."""
+        s, states = torch.zeros_like(h[..., 0, :]), []
+        for t in range(h.shape[-2]):
+            s = torch.where(starts[..., t, :], torch.zeros_like(s), s)
+            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
+            states.append(s)
+        return torch.stack(states, dim=-2)
+
+    @staticmethod
+    def library_scan(log_p, h, starts):
+        """What the module hands the scan: a decay of exactly 0 and ``h = logaddexp(log_p, h)`` at starts."""
+        h = torch.where(starts, torch.logaddexp(log_p, h), h)
+        return pe_lib._scan_apply(log_p.masked_fill(starts, float("-inf")), h, torch.zeros_like(h[..., :1, :]), True)
+
+    @pytest.mark.parametrize("block", [128, 4])                   # one block; many, with starts inside and on edges
+    def test_heinsen_packed_equals_float64_loop_and_each_document_alone(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        pe = HeinsenPositionalEmbedding(6, 5)
+        x = torch.randn(B, N, 6)
+        ids = TestPackedDocuments.ids_of(TestPackedDocuments.LENGTHS)
+        got = pe.forward_input(x, document_positions(ids))
+        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, document_positions(ids)), rtol=0, atol=1e-5)
+        for piece in TestPackedDocuments.pieces(TestPackedDocuments.LENGTHS):
+            torch.testing.assert_close(got[:, piece], pe.forward_input(x[:, piece]))
+        batched = document_positions(torch.stack([TestPackedDocuments.ids_of(r) for r in TestPackedDocuments.ROWS]))    # [B, N], rows differ
+        got = pe.forward_input(x, batched)
+        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, batched), rtol=0, atol=1e-5)
+        for row, lengths in enumerate(TestPackedDocuments.ROWS):
+            for piece in TestPackedDocuments.pieces(lengths):
+                torch.testing.assert_close(got[row:row + 1, piece], pe.forward_input(x[row:row + 1, piece]))
+        torch.testing.assert_close(pe.forward_input(x, torch.arange(N)), pe.forward_input(x))   # one document
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_heinsen_packed_gradients_equal_each_document_alone(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        pe = HeinsenPositionalEmbedding(6, 5).double()
+        x = torch.randn(B, N, 6, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(B, N, 6, dtype=torch.float64)
+        leaves = [x, *pe.parameters()]
+        positions = document_positions(torch.stack([TestPackedDocuments.ids_of(r) for r in TestPackedDocuments.ROWS]))
+        got = torch.autograd.grad((pe.forward_input(x, positions) * weights).sum(), leaves)
+        total = sum((pe.forward_input(x[row:row + 1, piece]) * weights[row:row + 1, piece]).sum()
+                    for row, lengths in enumerate(TestPackedDocuments.ROWS) for piece in TestPackedDocuments.pieces(lengths))
+        want = torch.autograd.grad(total, leaves)
+        for g, w in zip(got, want):
+            assert w.abs().max() > 1e-3
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_heinsen_packed_gradcheck_and_gradgradcheck(self, monkeypatch):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", 4)
+        pe = HeinsenPositionalEmbedding(3, 2).double()
+        positions = document_positions(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 5, 5, 5, 5]]))
+        x = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
+        weight = pe.H.weight
+        run = lambda x, weight: torch.func.functional_call(pe, {"H.weight": weight}, (x,), {"positions": positions})
+        assert torch.autograd.gradcheck(run, (x, weight), fast_mode=True)
+        assert torch.autograd.gradgradcheck(run, (x, weight), fast_mode=True)
+        pe.requires_grad_(False)  # forward mode through the module (parameters need no gradient there)
+        assert torch.autograd.gradcheck(lambda x: pe.forward_input(x, positions), (x,), check_forward_ad=True,
+                                        check_backward_ad=False, fast_mode=True)
+
+    @pytest.mark.parametrize("block", [128, 4])
+    def test_heinsen_packed_scan_derivatives_match_reset_oracle(self, monkeypatch, block):
+        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
+        positions = document_positions(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3],
+                                                     [5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 8]]))
+        starts = (positions == 0).unsqueeze(-1)                                              # [B, N, 1]
+        log_p = F.logsigmoid(torch.randn(2, 12, 3, dtype=torch.float64))
+        h = torch.randn(2, 12, 3, dtype=torch.float64)
+        oracle = lambda log_p, h: self.reset_scan_oracle(log_p, h, starts)
+        mine = lambda log_p, h: self.library_scan(log_p, h, starts)
+        torch.testing.assert_close(mine(log_p, h), oracle(log_p, h), rtol=0, atol=1e-12)
+        weights = torch.randn(2, 12, 3, dtype=torch.float64)
+        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
+        for g, w in zip(torch.func.grad(loss(mine), argnums=(0, 1))(log_p, h),
+                        torch.func.grad(loss(oracle), argnums=(0, 1))(log_p, h)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        hessian = torch.func.jacrev(torch.func.jacrev(loss(mine), argnums=1), argnums=1)(log_p, h)
+        want = torch.func.jacrev(torch.func.jacrev(loss(oracle), argnums=1), argnums=1)(log_p, h)
+        assert want.abs().max() > 1e-3 and torch.isfinite(hessian).all()
+        torch.testing.assert_close(hessian, want, rtol=0, atol=1e-12)
+        tangents = (torch.randn_like(log_p), torch.randn_like(h))
+        torch.testing.assert_close(torch.func.jvp(mine, (log_p, h), tangents)[1],
+                                   torch.func.jvp(oracle, (log_p, h), tangents)[1], rtol=0, atol=1e-12)
+        stacked = torch.stack([h, h.flip(-1)])                                               # vmap over a new batch dim
+        got = torch.func.vmap(lambda h: mine(log_p, h))(stacked)
+        torch.testing.assert_close(got, torch.stack([oracle(log_p, t) for t in stacked]), rtol=0, atol=1e-12)
+
+    def test_heinsen_positions_must_be_document_positions(self):
+        pe = HeinsenPositionalEmbedding(4, 3)
+        x = torch.randn(2, 5, 4)
+        for bad in (torch.arange(5) + 1, torch.tensor([0, 2, 3, 4, 5]), torch.tensor([0, 1, 0, 2, 3]),
+                    torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 2, 3]])):
+            with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must be None or "
+                                                 "within-document positions"):
+                pe.forward_input(x, bad)
+        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must have shape \\[5\\]"):
+            pe.forward_input(x, torch.arange(6))
+        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions start a new document"):
+            pe(x, state=torch.zeros(2, 1, 3), positions=torch.arange(5))
+        positions = torch.tensor([0, 1, 2, 0, 1])
+        torch.testing.assert_close(pe.forward_input(x, positions.double()), pe.forward_input(x, positions))
+        # streaming: a packed chunk, then the last document goes on in the next chunk
+        more = torch.randn(2, 3, 4)
+        pe.forward_input(x, positions)
+        continued = pe(more, using_prev_context=True)
+        alone = pe(torch.cat([x[:, 3:], more], dim=1))
+        torch.testing.assert_close(continued, alone[:, 2:])
+
+    # -- forward mode with live parameters (jvp, jacfwd, a gradient of a jvp): HeinsenForwardMode
+    def test_forward_mode_jvp_matches_central_difference(self):
+        fm = HeinsenForwardMode()
+        assert all(p.requires_grad for p in fm.pe.parameters())
+        step = 1e-6
+        numeric = (fm.pe.forward_input(fm.x + step * fm.t) - fm.pe.forward_input(fm.x - step * fm.t)) / (2 * step)
+        torch.testing.assert_close(fm.tangent(fm.x), numeric, atol=1e-8, rtol=0)
+
+    def test_forward_mode_gradient_of_jvp_matches_central_difference(self):
+        fm = HeinsenForwardMode()
+        weights = torch.randn(1, 10, 8, dtype=torch.float64)
+        params = list(fm.pe.parameters())[:3]   # R's bias does not reach the tangent
+        grads = torch.autograd.grad((fm.tangent(fm.x) * weights).sum(), params)
+        for param, grad in zip(params, grads):
+            direction = torch.randn_like(param)
+
+            def loss(scale):
+                with torch.no_grad():
+                    param.add_(scale * direction)
+                value = (fm.tangent(fm.x) * weights).sum().item()
+                with torch.no_grad():
+                    param.sub_(scale * direction)
+                return value
+            numeric = (loss(1e-6) - loss(-1e-6)) / 2e-6
+            assert math.isfinite(numeric) and abs((grad * direction).sum().item() - numeric) < 1e-7
+
+    def test_forward_mode_jacfwd_equals_jacrev(self):
+        fm = HeinsenForwardMode()
+        x = fm.x[:, :4]
+        forward = torch.func.jacfwd(fm.pe.forward_input)(x)
+        reverse = torch.func.jacrev(fm.pe.forward_input)(x)
+        torch.testing.assert_close(forward, reverse, atol=1e-12, rtol=0)
+
+
+# ===========================================================================
+# Q/K rotation kind: rotates queries and keys
+# ===========================================================================
+
 
 # ---------------------------------------------------------------------------
-# Demo
+# Rotary (+ from_config against transformers, and the from_config census of every model type)
 # ---------------------------------------------------------------------------
 
 
-def test_demo_runs(capsys):
-    pe_lib._demo()
-    out = capsys.readouterr().out
-    for name in pe_lib._demo_modules(2, 8, 16):
-        assert name in out
+def rope_oracle(x, positions, inv_freq, *, interleaved=False, rotary_dim=None, factor=1.0):
+    """Rotate x [..., N, D] by explicit D x D rotation matrices built per position, in float64.
+
+    positions: a list (one per token) of positions; a position is a number, or a tuple of
+    per-axis numbers with ``axis_of_pair`` giving the axis of each pair.
+    """
+    x = x.double()
+    d = x.shape[-1]
+    r = d if rotary_dim is None else rotary_dim
+    out = torch.empty_like(x)
+    for n, p in enumerate(positions):
+        rot = torch.eye(d, dtype=torch.float64)
+        for i in range(r // 2):
+            a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+            theta = float(p[i] if isinstance(p, (tuple, list)) else p) * inv_freq[i]
+            c, s = math.cos(theta) * factor, math.sin(theta) * factor
+            rot[a, a], rot[a, b], rot[b, a], rot[b, b] = c, -s, s, c
+        out[..., n, :] = x[..., n, :] @ rot.T
+    return out
 
 
-def test_demo_translation_column_is_measured_for_every_class():
-    """Issue 22 item 13: the column said "n/a (absolute positions)" for FIRE and the Swin bias,
-    which take relative positions. It now shifts every position and reports what it measured."""
-    heads, head_dim, n = 2, 8, 16
-    q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
-    # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
-    moves = {"fire", "liere", "tupe"}
-    for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
-        column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
-        assert "absolute positions" not in column, (name, column)
-        if pe.kind == "input" or not pe.takes_positions or name == "algebraic_tree":
-            assert column.startswith("n/a ("), (name, column)
-            continue
-        gap = float(column.rsplit("= ", 1)[1])
-        if name in moves:
-            assert column.startswith("not invariant") and gap > 1e-3, (name, column)
+def rope_oracle_from_angles(x, angles):
+    """Half-split rotation of x [..., N, D] by angles [N, D/2], one pair at a time (float64 loop)."""
+    out = x.clone().double()
+    half = x.shape[-1] // 2
+    for n in range(x.shape[-2]):
+        for i in range(half):
+            c, s_ = math.cos(angles[n, i]), math.sin(angles[n, i])
+            a, b = x[..., n, i].double(), x[..., n, i + half].double()
+            out[..., n, i], out[..., n, i + half] = a * c - b * s_, b * c + a * s_
+    return out.to(x.dtype)
+
+
+def plain_inv_freq(dim, base=10000.0):
+    return [base ** (-2 * i / dim) for i in range(dim // 2)]
+
+
+def yarn_oracle(dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True, mscale=None,
+                mscale_all_dim=None):
+    """YaRN, written from the paper and Hugging Face's definition, one pair at a time."""
+    def m(scale, ms=1.0):
+        return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+    attention = m(factor, mscale) / m(factor, mscale_all_dim) if mscale and mscale_all_dim else m(factor)
+    def index(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = index(beta_fast), index(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    freqs = []
+    for i, f in enumerate(plain_inv_freq(dim, base)):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        freqs.append(f / factor * ramp + f * (1 - ramp))
+    return freqs, attention
+
+
+def llama3_oracle(dim, base, factor, low_ff, high_ff, original):
+    freqs = []
+    for f in plain_inv_freq(dim, base):
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high_ff:
+            freqs.append(f)
+        elif wavelength > original / low_ff:
+            freqs.append(f / factor)
         else:
-            assert column.startswith("invariant") and gap < 1e-4, (name, column)
+            s = (original / wavelength - low_ff) / (high_ff - low_ff)
+            freqs.append((1 - s) * f / factor + s * f)
+    return freqs
 
 
-def paired_positions(nq, nk):
-    """Default positions written out: keys 0..nk-1, queries the last nq of them."""
-    return [i + max(nk - nq, 0) for i in range(nq)], list(range(nk))
+# from_config against transformers: helpers
+
+# largest |difference| against transformers per family, printed by -s (for the README table)
+MAX_DIFF = {}
 
 
-# ---------------------------------------------------------------------------
-# NoPE
-# ---------------------------------------------------------------------------
+def hf_module(model: str, name: str):
+    pytest.importorskip("transformers")
+    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
 
 
-class TestNoPE:
-    def test_identity_and_plain_sdpa(self):
-        nope = NoPositionalEmbedding()
-        x = torch.randn(B, N, 24)
-        assert nope(x) is x and nope.forward_input(x) is x and nope(x, torch.arange(N), offset=3) is x
-        q, k, v = qkv(dtype=torch.float64)
-        for causal in (False, True):
-            torch.testing.assert_close(attention(q, k, v, nope, causal=causal),
-                                       F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        torch.testing.assert_close(nope.forward_attn(q, k), q @ k.transpose(-1, -2) / math.sqrt(DH))
+def hf_config(name: str, **kwargs):
+    transformers = pytest.importorskip("transformers")
+    return getattr(transformers, name)(**kwargs)
 
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="NoPositionalEmbedding: dim must be a positive int, got dim=0"):
-            NoPositionalEmbedding(dim=0)
-        nope = NoPositionalEmbedding(dim=8)
-        with pytest.raises(ValueError, match="NoPositionalEmbedding: x must have last dim 8, got shape \\(2, 16, 9\\)"):
-            nope(torch.randn(B, N, 9))
-        with pytest.raises(TypeError, match="NoPositionalEmbedding: x must be a floating tensor"):
-            nope(torch.zeros(B, N, 8, dtype=torch.long))
-        with pytest.raises(ValueError, match="NoPositionalEmbedding: positions must have shape \\[16\\]"):
-            nope(torch.randn(B, N, 8), torch.arange(N + 1))
-        with pytest.raises(TypeError, match="NoPositionalEmbedding: offset must be an int"):
-            nope(torch.randn(B, N, 8), offset=1.5)
+
+def lib_accepts(cls, argument: str) -> bool:
+    return argument in inspect.signature(cls.__init__).parameters
+
+
+def hf_cos_sin(rotary, positions, **kwargs):
+    """transformers' cos, sin [N, R] for int positions [N] ([A, N] for M-RoPE), fresh module state."""
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = rotary(x, positions[..., None, :], **kwargs)   # position_ids [1, N] or [A, 1, N]
+    return cos[0].double(), sin[0].double()
+
+
+def ours_cos_sin(kwargs, positions):
+    pe = RotaryPositionalEmbedding(**kwargs)
+    cos, sin = pe.cos_sin(positions, positions.shape[0])
+    return pe, cos.double(), sin.double()
+
+
+def compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions, atol=2e-5, interleaved_output=False):
+    """Our [N, R/2] cos/sin equal transformers' [N, R]; record the largest difference."""
+    pe, cos, sin = ours_cos_sin(kwargs, positions)
+    half = cos.shape[-1]
+    assert hf_cos.shape[-1] == 2 * half, (hf_cos.shape, cos.shape)
+    # transformers' layout: cat(f, f) (half-split pairs) or repeat_interleave(f, 2) (Cohere)
+    first = hf_cos[..., 0::2] if interleaved_output else hf_cos[..., :half]
+    second = hf_cos[..., 1::2] if interleaved_output else hf_cos[..., half:]
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    hf_sin = hf_sin[..., 0::2] if interleaved_output else hf_sin[..., :half]
+    diff = max((cos - first).abs().max().item(), (sin - hf_sin).abs().max().item())
+    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+    assert diff <= atol, f"{family}: max |cos/sin| difference {diff:.3g} > {atol}"
+    return pe
+
+
+def rotate_half_split(x, cos, sin):
+    """Plain float64 half-split rotation of the first 2 * cos.shape[-1] channels (test oracle)."""
+    r = 2 * cos.shape[-1]
+    a, b, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], -1)
+
+
+POSITIONS = torch.arange(0, 200)          # past every original_max_position_embeddings below (16-64)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, intermediate_size=32,
+            vocab_size=32)
+
+
+# from_config census: every model type from_config accepts, against the model's own module
+#
+CENSUS_N = 40
+
+
+# rope types tried on every model type besides its config's own (max_position_embeddings is set to 16)
+CENSUS_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+# (model type, rope type) pairs not tried: transformers' legacy Phi-3 configs spell longrope "yarn", and
+# from_config reads them so (test_phi3_longrope), where the 5.x module would compute YaRN for the dict
+# Gemma 4: its proportional full-attention layers only (other rope types with its partial factor: not checked)
+CENSUS_SKIP = {("phi3", "yarn")} | {("gemma4_text", name) for name in CENSUS_SCALINGS}
+
+
+# default configs whose head dims are odd or inconsistent: the smallest change that makes them valid
+# (released GLM-4V and Qwen4-exp configs set the partial_rotary_factor that their default sections assume)
+CENSUS_CONFIG_FIXES = {"glm4_moe": {"head_dim": 64}, "glm4v_moe": {"head_dim": 64}, "glm4v_moe_text": {"head_dim": 64},
+                       "qwen3_omni_moe_text": {"head_dim": 128}, "qwen3_omni_moe_thinker": {"head_dim": 128},
+                       "glm4v": {"partial_rotary_factor": 0.5}, "glm4v_text": {"partial_rotary_factor": 0.5},
+                       "qwen4_exp": {"partial_rotary_factor": 0.25}, "qwen4_exp_text": {"partial_rotary_factor": 0.25}}
+
+
+@functools.lru_cache(maxsize=None)
+def census_modeling(model_type: str):
+    """The transformers modeling module of a model type (each module imported once)."""
+    from transformers.models.auto import configuration_auto
+    name = configuration_auto.model_type_to_module_name(model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def census_config(model_type: str):
+    """A fresh default config of the model type, or a skip where the installed transformers lacks it."""
+    pytest.importorskip("transformers")
+    from transformers.models.auto import configuration_auto
+    if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {pytest.importorskip('transformers').__version__} has no {model_type!r}")
+    config = copy.deepcopy(census_default_config(model_type))
+    text = census_text(config)
+    for key, value in CENSUS_CONFIG_FIXES.get(model_type, {}).items():
+        if key == "partial_rotary_factor":
+            text.rope_parameters = {**text.rope_parameters, key: value}
+        else:
+            setattr(text, key, value)
+    return config
+
+
+# model types whose default config the census cannot read: a tiny config of theirs instead
+# (Gemma 4's default is heterogeneous per layer: its head_dim is read per layer through per_layer_config)
+CENSUS_CONFIG_KWARGS = {"gemma4_text": dict(
+    **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1e6}})}
+
+
+@functools.lru_cache(maxsize=None)
+def census_default_config(model_type: str):
+    """The default (or CENSUS_CONFIG_KWARGS) config, built once (census_config hands out copies to change)."""
+    from transformers.models.auto import configuration_auto
+    return configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_CONFIG_KWARGS.get(model_type, {}))
+
+
+def census_text(config):
+    get = getattr(config, "get_text_config", None)
+    return config if get is None else get(decoder=True)
+
+
+def census_rotary(model_type: str, text):
+    """The model's own text rotary module (the first ``*RotaryEmbedding`` class built from a config)."""
+    module = census_modeling(model_type)
+    errors = []
+    for name, cls in vars(module).items():
+        if not (inspect.isclass(cls) and name.endswith("RotaryEmbedding") and cls.__module__ == module.__name__):
+            continue
+        if list(inspect.signature(cls.__init__).parameters)[1:2] != ["config"]:
+            continue
+        try:
+            return module, cls(text)
+        except Exception as error:       # a vision rotary class that rejects the text config
+            errors.append(f"{name}: {error!r}")
+    raise RuntimeError(f"{model_type}: no rotary class takes its text config: {errors}")
+
+
+def census_apply(model_type: str, module, text, out, q, k):
+    """q, k rotated as the model's attention does with its rotary module's output."""
+    if model_type in ("gptj", "codegen"):
+        raise AssertionError("GPT-J / CodeGen build no rotary module")
+    if isinstance(out, torch.Tensor):                   # complex freqs_cis (Llama 4, DeepSeek-V2)
+        try:
+            a, b = module.apply_rotary_emb(q, k, out)
+            if a.shape == q.shape:
+                return a, b
+        except RuntimeError:
+            pass
+        a, b = module.apply_rotary_emb(q.transpose(1, 2), k.transpose(1, 2), out)    # [B, N, H, Dh]
+        return a.transpose(1, 2), b.transpose(1, 2)
+    cos, sin = out
+    interleave = getattr(module, "apply_rotary_pos_emb_interleave", None)
+    plain = getattr(module, "apply_rotary_pos_emb", None)
+    fn = interleave if interleave is not None and (plain is None or getattr(text, "rope_interleave", False)) else plain
+    try:
+        return fn(q, k, cos, sin)
+    except (TypeError, RuntimeError):
+        pass
+    if len(inspect.signature(fn).parameters) <= 4:       # one tensor at a time (DeepSeek-V4)
+        return fn(q, cos, sin), fn(k, cos, sin)
+    width = cos.shape[-1]                                # partial rotary: the attention slices the leading channels
+    a, b = fn(q[..., :width], k[..., :width], cos, sin)
+    return torch.cat([a, q[..., width:]], -1), torch.cat([b, k[..., width:]], -1)
+
+
+def census_positions(num_axes: int) -> torch.Tensor:
+    """Positions [N] (one axis) or [N, A] with a different sequence on every axis."""
+    base = torch.arange(CENSUS_N)
+    columns = [base, base % 7 * 3 + 1, base % 5 * 11 + 2, base % 3 * 5][:num_axes]
+    return base if num_axes == 1 else torch.stack(columns, -1)
+
+
+def census_gptj(model_type: str, config, q, k, positions):
+    module = census_modeling(model_type)
+    rotary_dim = config.rotary_dim or q.shape[-1]
+    table = module.create_sinusoidal_positions(int(positions.max()) + 1, rotary_dim)[positions]   # [N, sin | cos]
+    sin, cos = table[None].chunk(2, -1)
+    rotate = lambda x: torch.cat([module.apply_rotary_pos_emb(x.transpose(1, 2)[..., :rotary_dim], sin, cos),
+                                  x.transpose(1, 2)[..., rotary_dim:]], -1).transpose(1, 2)   # noqa: E731
+    return rotate(q), rotate(k)
+
+
+def census_compare(model_type: str, config, layer_type=None, scaling_name=None) -> Optional[float]:
+    """Largest |q . k logit difference| between the model's module and from_config; None where the
+    model's module does not accept the rope type."""
+    text = census_text(config)
+    # from_config(config) is RotaryPositionalEmbedding(**kwargs); a short table keeps the census cheap
+    ours = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, layer_type=layer_type), cache_len=CENSUS_N)
+    num_axes = 1 if ours.sections is None else len(ours.sections)
+    positions = census_positions(num_axes)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, CENSUS_N, ours.dim, generator=g) for _ in range(2))
+    if model_type in ("gptj", "codegen"):
+        hf_q, hf_k = census_gptj(model_type, text, q, k, positions)
+    else:
+        try:
+            module, rotary = census_rotary(model_type, text)
+        except Exception:          # noqa: BLE001
+            if scaling_name is None:
+                raise
+            return None       # the model's module rejects this rope type
+        ids = positions[None] if num_axes == 1 else positions.T[:, None]                  # [1, N] or [A, 1, N]
+        out = rotary(q, ids) if layer_type is None else rotary(q, ids, layer_type=layer_type)
+        hf_q, hf_k = census_apply(model_type, module, text, out, q, k)
+        if num_axes == 1:          # a model with several position axes must not pass for a one-axis one
+            try:
+                multi = rotary(q, census_positions(3).T[:, None]) if layer_type is None else None
+                wide, _ = census_apply(model_type, module, text, multi, q, k) if multi is not None else (None, None)
+            except Exception:      # noqa: BLE001 - a one-axis module rejects [3, B, N] ids
+                wide = None
+            assert wide is None or wide.shape != q.shape, f"{model_type}: its module takes 3 position axes"
+    logits = lambda a, b: a.double() @ b.double().transpose(-1, -2)   # noqa: E731
+    return (logits(ours(q, positions), ours(k, positions)) - logits(hf_q, hf_k)).abs().max().item()
+
+
+def census_set_scaling(config, layer_type, scaling: dict, half: int) -> None:
+    """Replace the config's rope type (of one layer type) by ``scaling``; lengths shrink to 16."""
+    text = census_text(config)
+    scaling = dict(scaling)
+    if scaling["rope_type"] == "longrope":
+        scaling.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)])
+    params = dict(text.rope_parameters)
+    if layer_type is None:
+        params = {key: value for key, value in params.items() if key in ("rope_theta", "partial_rotary_factor",
+                                                                        "mrope_section", "mrope_interleaved")}
+        params.update(scaling)
+    else:
+        keep = {key: value for key, value in params[layer_type].items() if key in ("rope_theta", "partial_rotary_factor")}
+        params[layer_type] = {**keep, **scaling}
+    text.rope_parameters = params
+    text.max_position_embeddings = 16
+    if getattr(text, "original_max_position_embeddings", None) is not None:
+        text.original_max_position_embeddings = 16
+
+
+def census_layer_types(config) -> list:
+    params = getattr(census_text(config), "rope_parameters", None) or {}
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    return nested or [None]
+
+
+# census model types of the default run (one per layout: half-split, interleaved, partial, complex freqs_cis,
+# one tensor at a time, multi-axis sections of both layouts, per-layer rope types, proportional, longrope,
+# a config fix, a query temperature); PE_SLOW=1 runs every model type of _ROPE_MODEL_TYPES
+CENSUS_QUICK = {"llama", "gptj", "gpt_neox", "cohere", "deepseek_v2", "deepseek_v4", "llama4_text", "qwen2_vl",
+                "qwen3_vl", "gemma3_text", "gemma4_text", "phi3", "glm4v", "ministral3"}
+
+
+@pytest.fixture
+def one_thread():
+    """The census runs hundreds of tiny ops: one intra-op thread spares the pool's start-up (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TestRotary:
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("rotary_dim", [None, 8])
+    def test_matches_rotation_matrix_oracle(self, interleaved, rotary_dim):
+        rope = RotaryPositionalEmbedding(16, interleaved=interleaved, rotary_dim=rotary_dim)
+        x = torch.randn(2, 3, 7, 16)
+        positions = [0, 1, 2, 5, 11, 100, 4097]
+        got = rope(x, torch.tensor(positions))
+        want = rope_oracle(x, positions, plain_inv_freq(rotary_dim or 16), interleaved=interleaved,
+                           rotary_dim=rotary_dim)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+
+    def test_preserves_norms(self):
+        rope = RotaryPositionalEmbedding(64)
+        x = torch.randn(2, 4, 50, 64)
+        torch.testing.assert_close(rope(x, torch.arange(50) * 37).norm(dim=-1), x.norm(dim=-1))
+
+    @pytest.mark.parametrize("dtype", [torch.long, torch.float64])
+    def test_scores_depend_only_on_distance(self, dtype):
+        rope = RotaryPositionalEmbedding(32)
+        q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+        scores = []
+        for m in (0, 7, 1000, 123456):
+            shift = torch.tensor([m], dtype=dtype) + (torch.tensor([0.25], dtype=dtype) if dtype != torch.long else 0)
+            scores.append((rope(q, shift) * rope(k, shift + 5)).sum().item())
+        assert max(scores) - min(scores) < 2e-5 * abs(scores[0]) + 1e-5
+
+    def test_attention_logits_relative_with_float_positions(self):
+        rope = RotaryPositionalEmbedding(DH)
+        q, k, _ = qkv(dtype=torch.float64)
+        positions = torch.rand(N, dtype=torch.float64) * 50
+        base = rope.forward_attn(q, k, positions, positions)
+        shifted = rope.forward_attn(q, k, positions + 1234.5, positions + 1234.5)
+        torch.testing.assert_close(shifted, base)
+
+    def test_fp32_accurate_at_a_million(self):
+        rope = RotaryPositionalEmbedding(128, base=500000.0)
+        x = torch.randn(1, 2, 4, 128)
+        positions = [999_997, 999_998, 999_999, 1_000_000]
+        got = rope(x, torch.tensor(positions))
+        want = rope_oracle(x, positions, plain_inv_freq(128, 500000.0))
+        assert (got.double() - want).abs().max() < 1e-4
+        got_default = rope(x, offset=999_997)
+        assert (got_default.double() - want).abs().max() < 1e-4
+
+    def test_bf16_as_accurate_as_rounding_allows(self):
+        rope = RotaryPositionalEmbedding(64)
+        x = torch.randn(2, 2, 8, 64).bfloat16()
+        positions = list(range(999_992, 1_000_000))
+        got = rope(x, offset=999_992)
+        assert got.dtype == torch.bfloat16
+        want = rope_oracle(x, positions, plain_inv_freq(64))
+        spacing = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)   # bf16 ulp
+        assert ((got.double() - want).abs() <= 0.5 * spacing * 1.001 + 1e-6).all()
+
+    def test_module_cast_to_bf16_keeps_fp32_tables(self):
+        rope = RotaryPositionalEmbedding(64).bfloat16()
+        assert rope.inv_freq.dtype == torch.float64
+        x = torch.randn(1, 1, 4, 64)
+        want = RotaryPositionalEmbedding(64)(x, offset=1_000_000)
+        torch.testing.assert_close(rope(x, offset=1_000_000), want)
+
+    def test_cache_grows_and_serves_explicit_positions(self):
+        rope = RotaryPositionalEmbedding(32, cache_len=16)
+        x = torch.randn(1, 1, 3000, 32)
+        rope(x[..., :10, :])
+        assert rope.cos_sin_cached.shape[1] == 16
+        out = rope(x)
+        assert rope.cos_sin_cached.shape[1] >= 3000
+        torch.testing.assert_close(out, RotaryPositionalEmbedding(32, cache_len=0)(x))
+        torch.testing.assert_close(rope(x[..., 5:9, :], torch.tensor([5, 6, 7, 8])), out[..., 5:9, :])
+        # a lone position far past the table is computed directly, without growing it
+        rope(x[..., :1, :], torch.tensor([10**7]))
+        assert rope.cos_sin_cached.shape[1] < 10**7
+        assert "cos_sin_cached" not in rope.state_dict()
+
+    def test_cache_grown_under_inference_mode_serves_training(self):
+        rope = RotaryPositionalEmbedding(16, cache_len=8)
+        with torch.inference_mode():
+            rope(torch.randn(1, 1, 32, 16))
+        x = torch.randn(1, 1, 24, 16, requires_grad=True)
+        rope(x).square().sum().backward()
+        assert x.grad is not None
+
+    @pytest.mark.parametrize("scaling", [
+        {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
+         "original_max_position_embeddings": 16, "factor": 4.0},
+    ])
+    def test_length_dependent_scaling_shares_frequencies_between_q_and_k(self, scaling):
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        q = torch.randn(1, 1, 1, 16)
+        k = q.expand(1, 1, 64, 16).contiguous()
+        logits = rope.forward_attn(q, k, torch.tensor([10]), torch.arange(64), scale=1.0)
+        factor = rope._scale_fn(16, 10000.0, rope.scaling, 64)[1]
+        torch.testing.assert_close(logits[0, 0, 0, 10], (q * q).sum() * factor ** 2)
+
+    def test_batched_positions_left_padding(self):
+        rope = RotaryPositionalEmbedding(DH)
+        x = torch.randn(B, H, N, DH)
+        positions = torch.stack([torch.arange(N), (torch.arange(N) - 3).clamp(min=0)])
+        out = rope(x, positions)
+        torch.testing.assert_close(out[0], rope(x[0:1], torch.arange(N))[0])
+        torch.testing.assert_close(out[1, :, 3:], rope(x[1:2, :, 3:], torch.arange(N - 3))[0])
+
+    def test_float64_input_runs_in_float64(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(1, 1, 3, 16, dtype=torch.float64)
+        positions = [0.5, 1e6 + 0.25, 3.0]
+        want = rope_oracle(x, positions, plain_inv_freq(16))
+        torch.testing.assert_close(rope(x, torch.tensor(positions, dtype=torch.float64)), want, rtol=0, atol=1e-9)
+
+    def test_gradient_is_inverse_rotation(self):
+        rope = RotaryPositionalEmbedding(8, interleaved=True, rotary_dim=6)
+        x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda t: rope(t, torch.arange(5) * 3), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: rope(t), (x,))
+
+    def test_gradient_reaches_float_positions(self):
+        rope = RotaryPositionalEmbedding(8)
+        positions = torch.tensor([0.5, 2.0, 3.25], dtype=torch.float64, requires_grad=True)
+        x = torch.randn(2, 3, 8, dtype=torch.float64)
+        assert torch.autograd.gradcheck(lambda p: rope(x, p), (positions,))
+
+    def test_permuted_weights_give_same_attention(self):
+        heads, head_dim, model_dim, n = 2, 8, 12, 6
+        wq, wk = torch.randn(heads * head_dim, model_dim), torch.randn(heads * head_dim, model_dim)
+        x = torch.randn(1, n, model_dim)
+
+        def logits(wq, wk, interleaved):
+            rope = RotaryPositionalEmbedding(head_dim, interleaved=interleaved)
+            q = (x @ wq.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            k = (x @ wk.T).unflatten(-1, (heads, head_dim)).transpose(1, 2)
+            return rope.forward_attn(q, k)
+
+        want = logits(wq, wk, interleaved=True)
+        to_half = [pe_lib.permute_rotary_weight(w, head_dim, to="half_split") for w in (wq, wk)]
+        torch.testing.assert_close(logits(*to_half, interleaved=False), want)
+        back = [pe_lib.permute_rotary_weight(w, head_dim, to="interleaved") for w in to_half]
+        torch.testing.assert_close(back[0], wq, rtol=0, atol=0)
+        torch.testing.assert_close(back[1], wk, rtol=0, atol=0)
+
+    def test_permutation_index_map(self):
+        # Meta row 2j + c goes to Hugging Face row c * D/2 + j (D = 8)
+        w = torch.arange(8.0)[:, None]
+        got = pe_lib.permute_rotary_weight(w, 8, to="half_split")[:, 0].tolist()
+        assert got == [0, 2, 4, 6, 1, 3, 5, 7]
+        partial = pe_lib.permute_rotary_weight(w, 8, to="half_split", rotary_dim=4)[:, 0].tolist()
+        assert partial == [0, 2, 1, 3, 4, 5, 6, 7]
+
+    def test_linear(self):
+        rope = RotaryPositionalEmbedding(16, scaling={"rope_type": "linear", "factor": 4.0})
+        x = torch.randn(1, 1, 5, 16)
+        torch.testing.assert_close(rope(x, torch.arange(5) * 4), RotaryPositionalEmbedding(16)(x))
+
+    def test_dynamic_is_driven_by_the_largest_position(self):
+        scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        x = torch.randn(1, 1, 100, 16)
+        torch.testing.assert_close(rope(x[..., :64, :]), RotaryPositionalEmbedding(16)(x[..., :64, :]))
+        # length 100 > 64: base' = base * (2 * 100 / 64 - 1) ** (16 / 14)
+        new_base = 10000.0 * (2.0 * 100 / 64 - 1.0) ** (16 / 14)
+        want = rope_oracle(x, list(range(100)), plain_inv_freq(16, new_base))
+        torch.testing.assert_close(rope(x).double(), want, rtol=0, atol=2e-6)
+        # stateless: a short call afterwards is plain RoPE again
+        torch.testing.assert_close(rope(x[..., :10, :]), RotaryPositionalEmbedding(16)(x[..., :10, :]))
+
+    @pytest.mark.parametrize("config", [
+        dict(base=1e6, dim=128, factor=4.0, original=32768),                     # Qwen3-style
+        dict(base=150000.0, dim=64, factor=32.0, original=4096, truncate=False),  # gpt-oss-style
+        dict(base=10000.0, dim=64, factor=40.0, original=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+             mscale_all_dim=0.707),                                               # DeepSeek-style
+    ])
+    def test_yarn(self, config):
+        dim, base = config.pop("dim"), config.pop("base")
+        factor, original = config["factor"], config["original"]
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        scaling.update({k: v for k, v in config.items() if k not in ("factor", "original")})
+        rope = RotaryPositionalEmbedding(dim, base=base, scaling=scaling)
+        freqs, attention = yarn_oracle(dim, base, **config)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
+        assert rope.attention_factor == pytest.approx(attention, rel=1e-12)
+        x = torch.randn(1, 1, 3, dim)
+        want = rope_oracle(x, [0, 1000, 50000], freqs, factor=attention)
+        torch.testing.assert_close(rope(x, torch.tensor([0, 1000, 50000])).double(), want, rtol=0, atol=1e-5)
+
+    def test_yarn_published_values(self):
+        # Qwen3 with factor 4 over 32768 positions: ramp from pair 23 to 40, attention factor 1 + 0.1 ln 4
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+        rope = RotaryPositionalEmbedding(128, base=1e6, scaling=scaling)
+        plain = torch.tensor(plain_inv_freq(128, 1e6), dtype=torch.float64)
+        kept = (rope.inv_freq == plain).nonzero().flatten().tolist()
+        divided = torch.isclose(rope.inv_freq, plain / 4, rtol=1e-12).nonzero().flatten().tolist()
+        assert kept == list(range(0, 24)) and divided == list(range(40, 64))
+        assert rope.attention_factor == pytest.approx(1.1386294361, rel=1e-9)
+
+    def test_longrope_switches_past_original_length(self):
+        short, long = [1.0 + 0.1 * i for i in range(8)], [2.0 + 0.5 * i for i in range(8)]
+        scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                   "original_max_position_embeddings": 32, "max_position_embeddings": 1024}
+        rope = RotaryPositionalEmbedding(16, scaling=scaling)
+        attention = math.sqrt(1 + math.log(1024 / 32) / math.log(32))
+        x = torch.randn(1, 1, 33, 16)
+        for n, factors in ((32, short), (33, long)):
+            freqs = [f / s for f, s in zip(plain_inv_freq(16), factors)]
+            want = rope_oracle(x[..., :n, :], list(range(n)), freqs, factor=attention)
+            torch.testing.assert_close(rope(x[..., :n, :]).double(), want, rtol=0, atol=2e-6)
+
+    def test_longrope_published_attention_factor(self):
+        # Phi-3-mini-128k: 131072 / 4096 positions -> sqrt(1 + ln 32 / ln 4096) = 1.190238
+        scaling = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48,
+                   "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+        assert RotaryPositionalEmbedding(96, scaling=scaling).attention_factor == pytest.approx(1.190238, abs=1e-6)
+
+    def test_llama3(self):
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+        rope = RotaryPositionalEmbedding(128, base=500000.0, scaling=scaling)
+        freqs = llama3_oracle(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(freqs, dtype=torch.float64), rtol=1e-12, atol=0)
+        # Llama-3.1-8B: pairs 0-28 unchanged, 29-34 smoothed, 35-63 divided by 8
+        plain = torch.tensor(plain_inv_freq(128, 500000.0), dtype=torch.float64)
+        assert (rope.inv_freq[:29] == plain[:29]).all()
+        torch.testing.assert_close(rope.inv_freq[35:], plain[35:] / 8, rtol=1e-12, atol=0)
+        assert ((rope.inv_freq[29:35] < plain[29:35]) & (rope.inv_freq[29:35] > plain[29:35] / 8)).all()
+
+    def test_scaling_setter_rebuilds_tables(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(1, 1, 8, 16)
+        rope(x)
+        rope.scaling = {"rope_type": "linear", "factor": 2.0}
+        torch.testing.assert_close(rope(x, torch.arange(8) * 2), RotaryPositionalEmbedding(16)(x))
+
+    @pytest.mark.parametrize("scaling", [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 256},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "beta_fast": 16},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 128},
+        {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)],
+         "long_factor": [2.0 + i / 8 for i in range(32)], "original_max_position_embeddings": 128},
+    ])
+    def test_same_cos_sin_as_hugging_face_when_installed(self, scaling):
+        llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+        config = llama.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=256,
+                                   rope_parameters={**scaling, "rope_theta": 10000.0})
+        ours_scaling = dict(scaling, max_position_embeddings=256) if scaling["rope_type"] == "longrope" else scaling
+        rope = RotaryPositionalEmbedding(64, scaling=ours_scaling)
+        for n in (100, 500):  # below and above the original length (dynamic, longrope switch)
+            cos, sin = llama.LlamaRotaryEmbedding(config)(torch.zeros(1, 64), torch.arange(n)[None])
+            ours_cos, ours_sin = rope.cos_sin(None, n)
+            # Hugging Face builds angles in fp32: ~1e-7 relative error per unit of angle
+            torch.testing.assert_close(torch.cat([ours_cos] * 2, -1), cos[0], rtol=0, atol=2e-4)
+            torch.testing.assert_close(torch.cat([ours_sin] * 2, -1), sin[0], rtol=0, atol=2e-4)
+
+    def test_mrope_sections_match_oracle(self):
+        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
+        positions = torch.tensor([[0, 0, 0], [1, 2, 3], [4, 0, 7], [9, 9, 2]])
+        axis = [0] * 4 + [1] * 6 + [2] * 6
+        x = torch.randn(2, 4, 32)
+        per_pair = [tuple(int(p[axis[i]]) for i in range(16)) for p in positions]
+        want = rope_oracle(x, per_pair, plain_inv_freq(32))
+        torch.testing.assert_close(rope(x, positions).double(), want, rtol=0, atol=2e-6)
+
+    def test_mrope_text_tokens_equal_1d_rope(self):
+        # Qwen2-VL: a text token has t = h = w = its index
+        rope = RotaryPositionalEmbedding(32, sections=[4, 6, 6])
+        x = torch.randn(1, 2, 10, 32)
+        torch.testing.assert_close(rope(x, torch.arange(10)[:, None].expand(10, 3)), RotaryPositionalEmbedding(32)(x))
+
+    def test_axial_per_axis_spectrum(self):
+        rope = RotaryPositionalEmbedding(16, interleaved=True, sections=[4, 4], axis_spectrum="per_axis")
+        positions = torch.tensor([[2, 5], [7, 1]])
+        freqs = plain_inv_freq(8) + plain_inv_freq(8)
+        per_pair = [tuple([int(p[0])] * 4 + [int(p[1])] * 4) for p in positions]
+        x = torch.randn(3, 2, 16)
+        torch.testing.assert_close(rope(x, positions).double(),
+                                   rope_oracle(x, per_pair, freqs, interleaved=True), rtol=0, atol=2e-6)
+
+    def test_multi_axis_scores_relative_per_axis(self):
+        rope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        q, k, _ = qkv(dtype=torch.float64)
+        grid = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(4), indexing="ij"), -1)
+        positions = grid.reshape(N, 3)
+        base = rope.forward_attn(q, k, positions, positions)
+        shift = torch.tensor([5, -3, 11])
+        torch.testing.assert_close(rope.forward_attn(q, k, positions + shift, positions + shift), base)
+
+    def test_scaling_dict_conventions_of_transformers(self):
+        """Issue 12.6: partial_rotary_factor inside scaling is honoured, rope_type wins over type,
+        None values are absent, Qwen2-VL's legacy {'type': 'mrope', 'mrope_section'} gives sections."""
+        partial = RotaryPositionalEmbedding(16, scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+        assert partial.rotary_dim == 8
+        x = torch.randn(1, 2, 5, 16)
+        torch.testing.assert_close(partial(x), RotaryPositionalEmbedding(16, rotary_dim=8)(x))
+        both = RotaryPositionalEmbedding(16, scaling={"type": "linear", "rope_type": "default", "factor": 4.0})
+        assert both.scaling["rope_type"] == "default"
+        nones = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": None,
+                                                       "beta_fast": None, "original_max_position_embeddings": 8})
+        yarn = RotaryPositionalEmbedding(16, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 8})
+        torch.testing.assert_close(nones(x), yarn(x))
+        qwen2_vl = RotaryPositionalEmbedding(16, scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+        assert qwen2_vl.sections == [2, 3, 3] and qwen2_vl.scaling["rope_type"] == "default"
+
+    def test_proportional_matches_gemma4_formula(self):
+        """Issue 13.4: the first int(p * Dh / 2) pairs keep base ** (-2i / Dh), the rest do not turn."""
+        dim, proportion, base = 16, 0.25, 10000.0
+        rope = RotaryPositionalEmbedding(dim, scaling={"rope_type": "proportional", "partial_rotary_factor": proportion})
+        rotated = int(proportion * dim // 2)
+        want = [base ** (-2 * i / dim) if i < rotated else 0.0 for i in range(dim // 2)]
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(want, dtype=torch.float64))
+        same = RotaryPositionalEmbedding(dim, rotary_dim=4, scaling={"rope_type": "proportional"})
+        torch.testing.assert_close(same.inv_freq, rope.inv_freq)
+        x = torch.randn(1, 1, 6, dim, dtype=torch.float64)
+        torch.testing.assert_close(rope(x)[..., 2:8], x[..., 2:8])       # zero-frequency pairs (half-split)
+
+    def test_interleaved_sections_follow_qwen3_vl_order(self):
+        rope = RotaryPositionalEmbedding(16, sections=[4, 2, 2], section_layout="interleaved")
+        # Qwen3-VL: pair i takes axis 1 if i % 3 == 1 and i < 3 * sections[1], axis 2 likewise, else axis 0
+        want = [1 if i % 3 == 1 and i < 6 else 2 if i % 3 == 2 and i < 6 else 0 for i in range(8)]
+        assert rope.axis_of_pair.tolist() == want
+        positions = torch.randint(0, 50, (5, 3))
+        x = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+        angles = torch.stack([positions[:, a] for a in want], -1).double() * rope.inv_freq    # [N, F]
+        torch.testing.assert_close(rope(x, positions), rope_oracle_from_angles(x, angles))
+
+    def test_seq_dim_minus_3_equals_transposed_layout(self):
+        rope = RotaryPositionalEmbedding(16)
+        x = torch.randn(2, 7, 3, 16)                                      # [B, N, H, Dh]
+        positions = torch.randint(0, 100, (2, 7))
+        want = rope(x.transpose(1, 2), positions).transpose(1, 2)
+        torch.testing.assert_close(rope(x, positions, seq_dim=-3), want)
+        with pytest.raises(ValueError, match="seq_dim must be -2 .* or -3"):
+            rope(x, seq_dim=1)
+
+    def test_cache_growth_is_atomic_across_threads(self):
+        """Issue 12.2: two threads growing the cache while others read: every output is right."""
+        import threading
+
+        rope = RotaryPositionalEmbedding(8, cache_len=1)
+        x = torch.randn(1, 1, 64, 8, dtype=torch.float32)
+        want = [RotaryPositionalEmbedding(8)(x[..., :n, :]) for n in range(1, 65)]
+        errors = []
+
+        def work(seed):
+            generator = torch.Generator().manual_seed(seed)
+            for _ in range(200):
+                n = int(torch.randint(1, 65, (1,), generator=generator))
+                if not torch.allclose(rope(x[..., :n, :]), want[n - 1], atol=1e-6):
+                    errors.append(n)
+            rope._grow_cache(1)  # shrink again so growth keeps happening
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(dim=15), ValueError, "dim must be a positive even int, got dim=15"),
+        (dict(dim=16, rotary_dim=7), ValueError, "rotary_dim must be a positive even int <= dim=16, got rotary_dim=7"),
+        (dict(dim=16, rotary_dim=32), ValueError, "rotary_dim must be .*, got rotary_dim=32"),
+        (dict(dim=16, scaling={"rope_type": "ntk"}), ValueError, "scaling\\['rope_type'\\] must be one of .*got 'ntk'"),
+        (dict(dim=16, scaling={"rope_type": "linear"}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
+        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError, "scaling with rope_type='yarn' needs 'original_max_position_embeddings'"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]"),
+        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 8,
+                               "original_max_position_embeddings": 8, "factor": 2.0}),
+         ValueError, "scaling\\['short_factor'\\] must have rotary_dim / 2 = 8 entries, got 1"),
+        (dict(dim=16, scaling="yarn"), TypeError, "scaling must be a dict"),
+        (dict(dim=16, sections=[2, 2]), ValueError, "sections must be positive and sum to rotary_dim / 2 = 8"),
+        # issue 12.5 / 12.6: flags are bools, scaling values are checked where they enter
+        (dict(dim=16, interleaved="false"), TypeError, "interleaved must be a bool, got str 'false'"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": math.inf}), ValueError,
+         "scaling\\['factor'\\] must be a finite number > 0.0, got scaling\\['factor'\\]=inf"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": "2"}), TypeError, "scaling\\['factor'\\] must be a real number"),
+        (dict(dim=16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": -8}),
+         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=-8"),
+        (dict(dim=16, scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}),
+         ValueError, "scaling\\['original_max_position_embeddings'\\] must be a positive int, got .*=0"),
+        (dict(dim=16, scaling={"rope_type": "longrope", "short_factor": [0.0] * 8, "long_factor": [1.0] * 8,
+                               "original_max_position_embeddings": 8, "factor": 2.0}),
+         ValueError, "scaling\\['short_factor'\\] must be a finite number > 0.0"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factor": None}), ValueError, "scaling with rope_type='linear' needs 'factor'"),
+        (dict(dim=16, sections=[2.5, 5.5]), TypeError, "sections must be an int, got float 2.5"),
+        (dict(dim=16, rotary_dim=8, scaling={"rope_type": "default", "partial_rotary_factor": 0.25}), ValueError,
+         "rotary_dim=8 disagrees with scaling\\['partial_rotary_factor'\\]=0.25"),
+        (dict(dim=16, scaling={"rope_type": "linear", "factr": 2.0}), ValueError, "scaling has unknown keys \\['factr'\\]; allowed keys: \\['attention_factor'"),
+        (dict(dim=16, sections=[2, 6], section_layout="interleaved"), ValueError, "section_layout='interleaved' \\(Qwen3-VL\\) needs three sections"),
+        (dict(dim=16, section_layout="mixed"), ValueError, "section_layout must be one of 'contiguous', 'interleaved'"),
+    ])
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="RotaryPositionalEmbedding: " + message):
+            RotaryPositionalEmbedding(**kwargs)
+
+    def test_bad_inputs(self):
+        rope = RotaryPositionalEmbedding(16)
+        with pytest.raises(ValueError, match="x must have at least 2 dims"):
+            rope(torch.randn(16))
+        with pytest.raises(ValueError, match="x must have last dim 16"):
+            rope(torch.randn(2, 3, 8))
+        with pytest.raises(ValueError, match="positions must have shape \\[3\\] or \\[2, 3\\], got \\(4,\\)"):
+            rope(torch.randn(2, 3, 16), torch.arange(4))
+        with pytest.raises(ValueError, match="positions must be finite"):
+            rope(torch.randn(2, 3, 16), torch.tensor([0.0, float("nan"), 1.0]))
+        with pytest.raises(ValueError, match="positions is required for 3 axes"):
+            RotaryPositionalEmbedding(16, sections=[2, 3, 3])(torch.randn(2, 3, 16))
+
+    def test_permute_rotary_weight_rejects_numpy_arrays(self):
+        numpy = pytest.importorskip("numpy")
+        with pytest.raises(TypeError, match="^permute_rotary_weight: weight must be a torch.Tensor .*got ndarray"):
+            permute_rotary_weight(numpy.zeros((8, 2)), 4, to="half_split")
+
+    def test_attention_rejects_rotary_built_for_another_head_dim(self):
+        """The one-argument swap of the issue: RotaryPositionalEmbedding(4) (a head count) on head dim 32."""
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q must be \[\.\.\., H, N, Dh=4\], got \(2, 4, 16, 32\)"):
+            attention(q, k, v, RotaryPositionalEmbedding(4))
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q and k must be \[\.\.\., H, N, Dh=4\]"):
+            RotaryPositionalEmbedding(4).forward_attn(q, k)
+
+    def test_interleaved_sections_too_large_raise_value_error(self):
+        # h (axis 1) takes pairs 1, 4, 7: pair 7 does not exist among 7 pairs (was an IndexError)
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: section_layout='interleaved' gives axis a .*"
+                                             "must be < rotary_dim / 2 = 7; got sections=\\[1, 3, 3\\]"):
+            RotaryPositionalEmbedding(14, sections=[1, 3, 3], section_layout="interleaved")
+        with pytest.raises(ValueError, match="must be < rotary_dim / 2 = 5; got sections=\\[1, 1, 3\\]"):   # w too large
+            RotaryPositionalEmbedding(10, sections=[1, 1, 3], section_layout="interleaved")
+        RotaryPositionalEmbedding(10, sections=[3, 1, 1], section_layout="interleaved")
+        RotaryPositionalEmbedding(64, sections=[11, 11, 10], section_layout="interleaved")   # Qwen3.5: fits
+
+    # -- from_config: every family against the model's own rotary module
+    @pytest.mark.parametrize("scaling", [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
+         "attention_factor": 0.9},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 16},
+    ], ids=lambda s: "default" if s is None else "-".join(str(v) for v in s.values())[:40])
+    @pytest.mark.parametrize("top", [40, 200])   # dynamic: below and above max_position_embeddings
+    def test_llama(self, scaling, top):
+        config = hf_config("LlamaConfig", **TINY, max_position_embeddings=64, rope_theta=5e5,
+                           rope_scaling=None if scaling is None else dict(scaling))
+        positions = POSITIONS[:top]
+        kwargs = _rotary_kwargs_from_config(config)
+        family = f"llama/{'default' if scaling is None else scaling['rope_type']}"
+        hf_cos, hf_sin = hf_cos_sin(hf_module("llama", "LlamaRotaryEmbedding")(config), positions)
+        pe = compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions)
+        # and the rotated queries, through transformers' own apply_rotary_pos_emb
+        apply = hf_module("llama", "apply_rotary_pos_emb")
+        q = torch.randn(2, 4, top, 16)
+        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, positions), want, atol=3e-5, rtol=1e-5)
+
+    def test_qwen3_explicit_head_dim(self):
+        config = hf_config("Qwen3Config", **TINY, head_dim=24, max_position_embeddings=64,
+                           rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["dim"] == 24
+        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen3", "Qwen3RotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("qwen3/yarn (head_dim=24)", kwargs, hf_cos, hf_sin, POSITIONS)
+
+    def test_qwen2_legacy_type_key(self):
+        config = hf_config("Qwen2Config", **TINY, max_position_embeddings=64,
+                           rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen2", "Qwen2RotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("qwen2/yarn", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("top", [30, 200])   # short factors below the original length, long above
+    @pytest.mark.parametrize("partial", [1.0, 0.75])
+    def test_phi3_longrope(self, top, partial):
+        half = int(16 * partial) // 2
+        config = hf_config("Phi3Config", **TINY, max_position_embeddings=128, original_max_position_embeddings=32,
+                           partial_rotary_factor=partial, pad_token_id=0,
+                           rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                         "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["scaling"]["original_max_position_embeddings"] == 32
+        hf_cos, hf_sin = hf_cos_sin(hf_module("phi3", "Phi3RotaryEmbedding")(config), POSITIONS[:top])
+        compare_cos_sin("phi3/longrope", kwargs, hf_cos, hf_sin, POSITIONS[:top])
+
+    def test_phi_partial_rotary_factor(self):
+        config = hf_config("PhiConfig", **TINY, max_position_embeddings=64)   # partial_rotary_factor 0.5
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["rotary_dim"] == 8
+        hf_cos, hf_sin = hf_cos_sin(hf_module("phi", "PhiRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("phi (partial 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
+
+    def test_gpt_neox_rotary_pct(self):
+        config = hf_config("GPTNeoXConfig", **TINY, max_position_embeddings=64, rotary_pct=0.5, rotary_emb_base=20000)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["rotary_dim"], kwargs["base"]) == (8, 20000.0)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("gpt_neox", "GPTNeoXRotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("gpt_neox (rotary_pct 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
+        apply = hf_module("gpt_neox", "apply_rotary_pos_emb")     # rotates the first 8 channels, passes 8
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_gptj_rotary_dim_interleaved(self):
+        config = hf_config("GPTJConfig", n_embd=64, n_head=4, n_layer=1, rotary_dim=8, n_positions=256, vocab_size=32)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs == {"dim": 16, "base": 10000.0, "rotary_dim": 8, "interleaved": True}
+        table = hf_module("gptj", "create_sinusoidal_positions")(256, 8)[POSITIONS].double()   # [N, sin | cos]
+        hf_sin, hf_cos = table[:, :4], table[:, 4:]
+        both = lambda t: torch.cat([t, t], -1)   # noqa: E731  (compare_cos_sin takes [N, R])
+        pe = compare_cos_sin("gptj (rotary_dim, interleaved)", kwargs, both(hf_cos), both(hf_sin), POSITIONS)
+        apply = hf_module("gptj", "apply_rotary_pos_emb")           # tensor [B, N, H, R]
+        q = torch.randn(2, 200, 4, 16)
+        want = torch.cat([apply(q[..., :8], hf_sin.float()[None], hf_cos.float()[None]), q[..., 8:]], -1)
+        torch.testing.assert_close(pe(q.transpose(1, 2), POSITIONS).transpose(1, 2), want, atol=3e-5, rtol=1e-5)
+
+    def test_cohere_interleaved(self):
+        config = hf_config("CohereConfig", **TINY, max_position_embeddings=64)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["interleaved"] is True
+        rotary = hf_module("cohere", "CohereRotaryEmbedding")(config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS)
+        pe = compare_cos_sin("cohere (interleaved)", kwargs, hf_cos, hf_sin, POSITIONS, interleaved_output=True)
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = hf_module("cohere", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_llama4_interleaved(self):
+        # Llama 4 rotates adjacent pairs through complex numbers (view_as_complex), whatever the config says
+        config = hf_config("Llama4TextConfig", **TINY, head_dim=16, max_position_embeddings=64)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["interleaved"] is True
+        freqs_cis = hf_module("llama4", "Llama4TextRotaryEmbedding")(config)(torch.zeros(1), POSITIONS[None])  # [1, N, 8]
+        pe = compare_cos_sin("llama4 (interleaved)", kwargs, freqs_cis.real[0].double().repeat_interleave(2, -1),
+                             freqs_cis.imag[0].double().repeat_interleave(2, -1), POSITIONS, interleaved_output=True)
+        q = torch.randn(2, 200, 4, 16)                                                       # Llama 4's [B, N, H, Dh]
+        want, _ = hf_module("llama4", "apply_rotary_emb")(q, q, freqs_cis)
+        torch.testing.assert_close(pe(q, POSITIONS, seq_dim=-3), want, atol=3e-5, rtol=1e-5)
+
+    def test_glm_partial_interleaved(self):
+        config = hf_config("GlmConfig", **TINY, max_position_embeddings=64, head_dim=16, partial_rotary_factor=0.5)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["rotary_dim"], kwargs["interleaved"]) == (8, True)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("glm", "GlmRotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("glm (partial, interleaved)", kwargs, hf_cos, hf_sin, POSITIONS)
+        q = torch.randn(2, 4, 200, 16)
+        want, _ = hf_module("glm", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
+
+    def test_gemma(self):
+        config = hf_config("GemmaConfig", **TINY, head_dim=32, max_position_embeddings=64)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("gemma", "GemmaRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("gemma (head_dim=32)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+    def test_gemma3_per_layer_type(self, layer_type):
+        config = hf_config("Gemma3TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, max_position_embeddings=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1e6}})
+        kwargs = _rotary_kwargs_from_config(config, layer_type=layer_type)
+        rotary = hf_module("gemma3", "Gemma3RotaryEmbedding")(config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS, layer_type=layer_type)
+        compare_cos_sin(f"gemma3/{layer_type}", kwargs, hf_cos, hf_sin, POSITIONS)
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding.from_config: .*pass layer_type"):
+            _rotary_kwargs_from_config(config)
+
+    def test_falcon_rope(self):
+        config = hf_config("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                           vocab_size=32, max_position_embeddings=64, rope_theta=1e4)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("falcon", "FalconRotaryEmbedding")(config), POSITIONS)
+        compare_cos_sin("falcon (alibi=False)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
+
+    def test_deepseek_v3_yarn_mscale_interleaved(self):
+        scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                   "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+        config = hf_config("DeepseekV3Config", **TINY, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                           kv_lora_rank=16, q_lora_rank=None, max_position_embeddings=64, rope_scaling=scaling,
+                           n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1)
+        kwargs = _rotary_kwargs_from_config(config)
+        assert (kwargs["dim"], kwargs["interleaved"]) == (8, True)
+        hf_cos, hf_sin = hf_cos_sin(hf_module("deepseek_v3", "DeepseekV3RotaryEmbedding")(config), POSITIONS)
+        pe = compare_cos_sin("deepseek_v3/yarn (mscale_all_dim)", kwargs, hf_cos, hf_sin, POSITIONS)
+        assert pe.attention_factor != 1.0   # mscale / mscale_all_dim reaches cos and sin
+        # DeepSeek de-interleaves while rotating (output half-split); ours keeps pairs in place: the
+        # outputs differ by one fixed permutation of channels, so every q . k logit is the same
+        apply = hf_module("deepseek_v3", "apply_rotary_pos_emb_interleave")
+        q, k = torch.randn(2, 4, 200, 8), torch.randn(2, 4, 200, 8)
+        hf_q, hf_k = apply(q, k, hf_cos.float()[None], hf_sin.float()[None])
+        torch.testing.assert_close(pe(q, POSITIONS) @ pe(k, POSITIONS).transpose(-1, -2),
+                                   hf_q @ hf_k.transpose(-1, -2), atol=2e-4, rtol=1e-5)
+
+    def test_qwen2_vl_mrope(self):
+        config = hf_config("Qwen2VLConfig", text_config=dict(**TINY, max_position_embeddings=64,
+                                                              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}))
+        kwargs = _rotary_kwargs_from_config(config)                # read through text_config
+        assert kwargs["sections"] == [2, 3, 3] and "section_layout" not in kwargs
+        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
+        rotary = hf_module("qwen2_vl", "Qwen2VLRotaryEmbedding")(config.text_config)
+        hf_cos, hf_sin = hf_cos_sin(rotary, axes)
+        compare_cos_sin("qwen2_vl (mrope)", kwargs, hf_cos, hf_sin, axes.T)
+
+    def qwen3_vl(self):
+        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16, max_position_embeddings=64,
+                                                              rope_parameters={"rope_type": "default",
+                                                                               "mrope_section": [4, 2, 2],
+                                                                               "mrope_interleaved": True}))
+        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
+        rotary = hf_module("qwen3_vl", "Qwen3VLTextRotaryEmbedding")(config.text_config)
+        return config, axes, hf_cos_sin(rotary, axes)
+
+    def test_qwen3_vl_kwargs_mean_interleaved_sections(self):
+        # the section_layout="interleaved" contract, checked against transformers with a plain oracle:
+        # pair i turns with axis a in (1, 2) when i % 3 == a and i < 3 * sections[a], else with axis 0
+        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [4, 2, 2] and kwargs["section_layout"] == "interleaved"
+        sections, half = kwargs["sections"], kwargs["dim"] // 2
+        axis_of_pair = [next((a for a in (1, 2) if i % 3 == a and i < 3 * sections[a]), 0) for i in range(half)]
+        assert axis_of_pair == [0, 1, 2, 0, 1, 2, 0, 0]
+        for n in range(0, 200, 37):
+            for i in range(half):
+                angle = axes[axis_of_pair[i], n].item() * kwargs["base"] ** (-2 * i / kwargs["dim"])
+                assert hf_cos[n, i].item() == pytest.approx(math.cos(angle), abs=2e-5)
+                assert hf_sin[n, i].item() == pytest.approx(math.sin(angle), abs=2e-5)
+        assert self.qwen3_vl()[0].to_dict()["text_config"]["rope_parameters"]["mrope_interleaved"] is True
+
+    def test_qwen3_vl_interleaved_mrope(self):
+        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
+        compare_cos_sin("qwen3_vl (interleaved mrope)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, axes.T)
+
+    def test_qwen3_vl_interleaved_without_the_flag(self):
+        # transformers interleaves for the qwen3_vl model type even when mrope_interleaved is absent
+        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16))
+        kwargs = _rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [24, 20, 20] and kwargs["section_layout"] == "interleaved"
+
+    def gemma4(self):
+        config = hf_config("Gemma4TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "proportional", "factor": 2.0,
+                                                               "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+        rotary = hf_module("gemma4", "Gemma4TextRotaryEmbedding")(config)
+        return config, hf_cos_sin(rotary, POSITIONS, layer_type="full_attention")
+
+    def test_gemma4_kwargs_mean_proportional(self):
+        # the rope_type="proportional" contract, checked against transformers with a plain oracle: the first
+        # int(p * dim / 2) pairs turn at base ** (-2i / dim) / factor (exponent over the FULL head dim),
+        # the other pairs have frequency 0
+        config, (hf_cos, hf_sin) = self.gemma4()
+        kwargs = _rotary_kwargs_from_config(config, layer_type="full_attention")
+        assert kwargs == {"dim": 32, "base": 1e6, "scaling": {"rope_type": "proportional", "factor": 2.0,
+                                                               "partial_rotary_factor": 0.25}}
+        assert _rotary_kwargs_from_config(config.to_dict(), layer_type="full_attention") == kwargs
+        assert _rotary_kwargs_from_config(config, layer_type="sliding_attention") == {"dim": 16, "base": 10000.0}
+        dim, rotated = kwargs["dim"], int(0.25 * kwargs["dim"] // 2)
+        for n in range(0, 200, 37):
+            for i in range(dim // 2):
+                freq = kwargs["base"] ** (-2 * i / dim) / 2.0 if i < rotated else 0.0
+                assert hf_cos[n, i].item() == pytest.approx(math.cos(n * freq), abs=2e-5)
+                assert hf_sin[n, i].item() == pytest.approx(math.sin(n * freq), abs=2e-5)
+
+    def test_gemma4_proportional(self):
+        config, (hf_cos, hf_sin) = self.gemma4()
+        compare_cos_sin("gemma4/proportional", _rotary_kwargs_from_config(config, layer_type="full_attention"),
+                        hf_cos, hf_sin, POSITIONS)
+
+    @pytest.mark.parametrize("name, kwargs", [
+        ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+        ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+        ("GPTNeoXConfig", {}), ("PhiConfig", {}), ("GPTJConfig", {}), ("CohereConfig", {}), ("FalconConfig", {}),
+        ("Qwen2VLConfig", {}), ("Qwen3VLConfig", {}), ("DeepseekV3Config", {}), ("Phi3Config", {}),
+    ])
+    def test_dict_config_gives_same_kwargs(self, name, kwargs):
+        config = hf_config(name, **kwargs)
+        assert _rotary_kwargs_from_config(config.to_dict()) == _rotary_kwargs_from_config(config)
+
+    def test_raw_legacy_config_json(self):
+        # a config.json as old checkpoints ship it: top-level rope_theta, rope_scaling with "type"
+        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
+               "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
+        config = hf_config("LlamaConfig", **{k: v for k, v in raw.items() if k != "model_type"})
+        assert _rotary_kwargs_from_config(raw) == _rotary_kwargs_from_config(config) == {
+            "dim": 16, "base": 5e5, "scaling": {"rope_type": "linear", "factor": 2.0}}
+        neox = {"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4}   # rotary_pct default 0.25
+        assert _rotary_kwargs_from_config(neox) == {"dim": 16, "base": 10000.0, "rotary_dim": 4}
+        assert _rotary_kwargs_from_config(NEOX_DICT)["rotary_dim"] == DH // 2
+        # legacy Qwen2-VL: "type": "mrope" is default RoPE with sections, read through text_config
+        assert _rotary_kwargs_from_config(QWEN2_VL_DICT) == {"dim": DH, "base": 1e6, "sections": [4, 6, 6]}
+
+    def test_dynamic_reads_max_position_embeddings(self):
+        # transformers' dynamic NTK is relative to max_position_embeddings even when the dict names another length
+        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
+               "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}}
+        assert _rotary_kwargs_from_config(raw)["scaling"] == {"rope_type": "dynamic", "factor": 2.0,
+                                                              "max_position_embeddings": 64}
+
+    def test_bad_configs(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object or its "
+                                            f"to_dict\\(\\), got str"):
+            _rotary_kwargs_from_config("meta-llama/Llama-3-8B")
+        with pytest.raises(ValueError, match=f"{owner}: config \\(model_type='gpt2'\\) has no rotary embedding"):
+            _rotary_kwargs_from_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4})
+        with pytest.raises(ValueError, match=f"{owner}: config has alibi=True .*ALiBiPositionalEmbedding.from_config"):
+            _rotary_kwargs_from_config({"model_type": "falcon", "alibi": True, "rope_theta": 1e4, "hidden_size": 64,
+                                        "num_attention_heads": 4})
+        gemma3 = {"model_type": "gemma3_text", "head_dim": 16, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+        with pytest.raises(ValueError, match=f"{owner}: layer_type must be one of .*got 'global'"):
+            _rotary_kwargs_from_config(gemma3, layer_type="global")
+        with pytest.raises(ValueError, match=f"{owner}: the rotated dim must be even .*rotary_dim=3"):
+            _rotary_kwargs_from_config({"model_type": "phi", "hidden_size": 64, "num_attention_heads": 4,
+                                        "rope_theta": 1e4, "partial_rotary_factor": 0.2})
+
+    def test_unchecked_model_type_needs_the_layout_stated(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        raw = {"model_type": "my_new_model", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=f"{owner}: model_type='my_new_model' \\(config field model_type\\) is not "
+                                             f"among .*from_config\\(config, interleaved=True or False\\)"):
+            RotaryPositionalEmbedding.from_config(raw)
+        assert RotaryPositionalEmbedding.from_config(raw, interleaved=True).interleaved is True
+        assert _rotary_kwargs_from_config(raw, interleaved=False) == {"dim": 16, "base": 1e4}
+        # a multi-axis config needs its section layout too
+        multi = {**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}}
+        with pytest.raises(ValueError, match="or how mrope_section maps pairs to axes.*section_layout='contiguous' "
+                                             "or 'interleaved'"):
+            RotaryPositionalEmbedding.from_config(multi, interleaved=False)
+        pe = RotaryPositionalEmbedding.from_config(multi, interleaved=False, section_layout="interleaved")
+        assert (pe.sections, pe.section_layout) == ([4, 2, 2], "interleaved")
+        # the keywords override an accepted model type's config (the caller takes responsibility)
+        llama = {**raw, "model_type": "llama"}
+        assert _rotary_kwargs_from_config(llama, interleaved=True, rotary_dim=8) == {
+            "dim": 16, "base": 1e4, "rotary_dim": 8, "interleaved": True}
+        with pytest.raises(TypeError, match=f"{owner}: interleaved must be a bool"):
+            _rotary_kwargs_from_config(llama, interleaved="yes")
+
+    @pytest.mark.parametrize("model_type, message", [
+        ("ernie4_5_vl_moe_text", "h and w over the first frequency pairs"), ("nanochat", "minus the angle"),
+        ("hunyuan_vl", "XD-RoPE"), ("mistral_large4", "NoPE layers")])
+    def test_refused_rope_model_types(self, model_type, message):
+        raw = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+        for stated in ({}, {"interleaved": False, "section_layout": "contiguous"}):   # keywords do not help
+            with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported .*{message}"):
+                RotaryPositionalEmbedding.from_config(raw, **stated)
+
+    def test_the_issue_models_are_now_read_exactly(self):
+        # layouts the census holds against the models' modules (the raw dicts need no transformers)
+        read = lambda model_type, **fields: _rotary_kwargs_from_config(      # noqa: E731
+            {"model_type": model_type, "rope_theta": 1e4, **fields})
+        for model_type in ("cohere2_moe", "ernie4_5", "moonshine", "openai_privacy_filter", "pe_audio_encoder",
+                           "glm4v_text", "deepseek_v2"):
+            assert read(model_type, head_dim=16)["interleaved"] is True, model_type
+        qwen3_5 = read("qwen3_5_text", head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                     "partial_rotary_factor": 0.25})
+        assert (qwen3_5["sections"], qwen3_5["section_layout"], qwen3_5["rotary_dim"]) == ([11, 11, 10],
+                                                                                          "interleaved", 64)
+        hy = read("hy_v4_vl_text", head_dim=128)
+        assert (hy["interleaved"], hy["section_layout"]) == (True, "interleaved")
+        v4 = _rotary_kwargs_from_config({"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64,
+                                         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 0.125}}},
+                                        layer_type="main")
+        assert v4 == {"dim": 64, "base": 1e4, "interleaved": True}     # not 8: the factor is applied once
+        ministral = read("ministral3", head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
+            "llama_4_scaling_beta": 0.1})
+        assert "llama_4_scaling_beta" not in ministral["scaling"]
+
+    def test_ministral3_query_temperature_stays_with_the_model(self):
+        # the rotation is exact (census); the model's q scale 1 + beta log(1 + floor(p / L)) is not a RoPE term
+        modeling = census_modeling("ministral3") if pytest.importorskip("transformers") else None
+        positions = torch.arange(0, 100)
+        scale = modeling.get_llama_4_attn_scale(positions[None], 0.1, 16)[0, :, :, 0]           # [1, N]
+        want = 1 + 0.1 * torch.log1p(torch.floor(positions / 16.0))
+        torch.testing.assert_close(scale[0], want)
+
+    # -- from_config census: every accepted model type against its own module
+    @pytest.mark.usefixtures("one_thread")
+    @pytest.mark.parametrize("model_type", quick_or_slow(sorted(pe_lib._ROPE_MODEL_TYPES), CENSUS_QUICK))
+    def test_model_type_matches_its_module(self, model_type):
+        config = census_config(model_type)
+        for layer_type in census_layer_types(config):
+            diff = census_compare(model_type, config, layer_type)
+            family = f"census {model_type}"
+            MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+            assert diff <= 1e-3, f"{model_type} ({layer_type}): q . k logits differ by {diff:.3g}"
+            for name, scaling in CENSUS_SCALINGS.items():
+                if model_type in ("gptj", "codegen"):
+                    break
+                if (model_type, name) in CENSUS_SKIP:
+                    continue
+                scaled = census_config(model_type)
+                kwargs = _rotary_kwargs_from_config(scaled, layer_type=layer_type)
+                half = kwargs.get("rotary_dim", kwargs["dim"]) // 2
+                census_set_scaling(scaled, layer_type, scaling, half)
+                diff = census_compare(model_type, scaled, layer_type, name)
+                if diff is None:
+                    continue
+                MAX_DIFF[family] = max(MAX_DIFF[family], diff)
+                assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
 
 
 # ---------------------------------------------------------------------------
@@ -2469,6 +3811,14 @@ def xpos_oracle(x, positions, sign, base, scale_base, gamma, interleaved):
             new_rows.append(new)
         out.append(new_rows)
     return torch.tensor(out, dtype=torch.float64).reshape(*lead, n, dim)
+
+
+def _has_numpy():
+    try:
+        import numpy  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 class TestXPos:
@@ -2592,13 +3942,1054 @@ class TestXPos:
             XPosPositionalEmbedding(8)(*qkv()[:2])
         assert XPosPositionalEmbedding(__import__("numpy").int64(8)).dim == 8 if _has_numpy() else True
 
+    def test_xpos_offset_must_be_an_int(self):
+        q = k = torch.randn(1, 2, 3, 8)
+        with pytest.raises(TypeError, match="XPosPositionalEmbedding: offset must be an int, got str '1'"):
+            XPosPositionalEmbedding(8)(q, k, offset="1")
 
-def _has_numpy():
-    try:
-        import numpy  # noqa: F401
-        return True
-    except ImportError:
-        return False
+
+# ---------------------------------------------------------------------------
+# RoPE-Mixed
+# ---------------------------------------------------------------------------
+
+
+def rotate_pairs_oracle(x, angle):
+    """Interleaved pair rotation, one entry at a time: x [Dh], angle [Dh/2] -> [Dh] (float64)."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for f in range(x.shape[0] // 2):
+        c, s = math.cos(float(angle[f])), math.sin(float(angle[f]))
+        a, b = float(x[2 * f]), float(x[2 * f + 1])
+        out[2 * f], out[2 * f + 1] = a * c - b * s, a * s + b * c
+    return out
+
+
+def rope_vit_init(dim, num_heads, theta):
+    """naver-ai/rope-vit `init_random_2d_freqs` (ported): [2, H, dim/2]."""
+    mag = 1 / (theta ** (torch.arange(0, dim, 4)[: (dim // 4)].float() / dim))
+    fx, fy = [], []
+    for _ in range(num_heads):
+        angles = torch.rand(1) * 2 * torch.pi
+        fx.append(torch.cat([mag * torch.cos(angles), mag * torch.cos(torch.pi / 2 + angles)], dim=-1))
+        fy.append(torch.cat([mag * torch.sin(angles), mag * torch.sin(torch.pi / 2 + angles)], dim=-1))
+    return torch.stack([torch.stack(fx), torch.stack(fy)])
+
+
+def rope_vit_apply(freqs, t_x, t_y, x):
+    """rope-vit `compute_mixed_cis` + `apply_rotary_emb` (ported, float64): x [B, H, N, Dh]."""
+    angles = t_x[:, None, None] * freqs[0][None] + t_y[:, None, None] * freqs[1][None]     # [N, H, F]
+    cis = torch.polar(torch.ones_like(angles), angles).permute(1, 0, 2)                    # [H, N, F]
+    x_ = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * cis).flatten(3)
+
+
+class TestMixedRotary:
+    def test_matches_loop_oracle(self):
+        pe = MixedRotaryPositionalEmbedding(8, 2).double()
+        with torch.no_grad():
+            pe.freqs.normal_()
+        x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0], [1.0, 2.0], [-3.5, 0.25], [7.0, 1.0], [100.0, -20.0]])
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(5):
+                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(2)) for f in range(4)]
+                torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
+
+    def test_init_is_rope_vits(self):
+        torch.manual_seed(7)
+        want = rope_vit_init(DH, H, 10.0)
+        torch.manual_seed(7)
+        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0)
+        torch.testing.assert_close(pe.freqs, want, rtol=0, atol=1e-6)
+
+    def test_matches_rope_vit_with_same_weights(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0).double()
+        end_x, end_y = 5, 3                                # rope-vit init_t_xy: x = column, y = row
+        t = torch.arange(end_x * end_y, dtype=torch.float64)
+        t_x, t_y = t % end_x, torch.div(t, end_x, rounding_mode="floor")
+        q = torch.randn(B, H, end_x * end_y, DH, dtype=torch.float64)
+        want = rope_vit_apply(pe.freqs.detach(), t_x, t_y, q)
+        got = pe(q, torch.stack([t_x, t_y], -1))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        # float32 module and input: float64 angles, float32 rotation
+        got32 = copy.deepcopy(pe).float()(q.float(), torch.stack([t_x, t_y], -1).long())
+        assert (got32.double() - want).abs().max() < 1e-5
+
+    def test_cls_token_at_origin_is_unrotated(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H)
+        x = torch.randn(B, H, 1, DH)
+        torch.testing.assert_close(pe(x, torch.zeros(1, 2)), x)
+
+    def test_logits_depend_on_differences_only(self):
+        pe = MixedRotaryPositionalEmbedding(DH, H).double()
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4)) * 7
+        shifted = p + torch.tensor([5.25, -300.0], dtype=torch.float64)
+        torch.testing.assert_close(pe.forward_attn(q, k, p, p), pe.forward_attn(q, k, shifted, shifted))
+
+    def test_three_axes_init_is_orthonormal_frames(self):
+        pe = MixedRotaryPositionalEmbedding(24, 3, 3, base=10.0)
+        directions = pe.freqs.detach().double().view(3, 3, 3, 4)            # [A, H, vector j, magnitude i]
+        unit = directions / directions.norm(dim=0, keepdim=True)
+        for h in range(3):
+            frame = unit[:, h, :, 0]                                            # [A, 3]
+            torch.testing.assert_close(frame.T @ frame, torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
+            magnitude = directions[:, h, 0].norm(dim=0)                         # [4]
+            torch.testing.assert_close(magnitude, 10.0 ** -(torch.arange(4.0, dtype=torch.float64) * 6 / 24))
+        video = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
+        assert pe(torch.randn(1, 3, 12, 24), video.reshape(12, 3)).shape == (1, 3, 12, 24)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be divisible by 2 \\* num_axes = 4, got head_dim=30"):
+            MixedRotaryPositionalEmbedding(30, 4)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
+            MixedRotaryPositionalEmbedding(32, 4, base=1.0)
+        with pytest.raises(TypeError, match="MixedRotaryPositionalEmbedding: num_heads must be an int, got bool True"):
+            MixedRotaryPositionalEmbedding(32, True)
+        pe = MixedRotaryPositionalEmbedding(DH, H)
+        q, k, _ = qkv()
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions_q and positions_k are required"):
+            pe.forward_attn(q, k)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions must have shape \\[16, 2\\]"):
+            pe(q, torch.zeros(N, 3))
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: x must be \\[..., H=4, N, Dh=32\\]"):
+            pe(q[:, :2], grid_rc(N))
+
+
+# ---------------------------------------------------------------------------
+# LieRE
+# ---------------------------------------------------------------------------
+
+
+def expm_oracle(g):
+    """exp of a float64 matrix by scaling and squaring with a 30-term Taylor series (loops)."""
+    squarings = max(0, math.ceil(math.log2(max(g.abs().sum(-1).max().item(), 1e-300) / 0.25)))
+    a = g / 2 ** squarings
+    term, total = torch.eye(g.shape[0], dtype=torch.float64), torch.eye(g.shape[0], dtype=torch.float64)
+    for order in range(1, 30):
+        term = term @ a / order
+        total = total + term
+    for _ in range(squarings):
+        total = total @ total
+    return total
+
+
+class TestLieRE:
+    def test_matches_loop_oracle(self):
+        pe = LieREPositionalEmbedding(8, 2, block_size=4).double()
+        raw = pe.generator_raw_params.detach()
+        x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0], [0.5, 1.0], [-0.3, 0.9]], dtype=torch.float64)
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(3):
+                for blk in range(2):
+                    g = torch.zeros(4, 4, dtype=torch.float64)
+                    for a in range(2):
+                        for i in range(4):
+                            for j in range(i + 1, 4):
+                                g[i, j] += float(positions[n, a]) * float(raw[a, h, blk, i, j])
+                                g[j, i] -= float(positions[n, a]) * float(raw[a, h, blk, i, j])
+                    want = expm_oracle(g) @ x[0, h, n, 4 * blk : 4 * blk + 4]
+                    torch.testing.assert_close(got[0, h, n, 4 * blk : 4 * blk + 4], want, rtol=0, atol=1e-10)
+
+    def test_matches_authors_formula_with_same_weights(self):
+        # StanfordMIMI/LieRE LierePositionEncoder (phase_type "learned") + FlexibleAttention.apply_transforms,
+        # ported: one layer, per-head generators, cls token at the identity.
+        heads, dh, g, axes = 2, 16, 8, 2
+        pe = LieREPositionalEmbedding(dh, heads, axes, block_size=g).double()
+        raw = pe.generator_raw_params.detach().reshape(axes, heads * (dh // g), g, g)   # their [A, H*Dh/g, g, g]
+        positions = torch.cartesian_prod(torch.linspace(0, 1, 3, dtype=torch.float64),
+                                         torch.linspace(0, 1, 4, dtype=torch.float64))     # [12, 2]
+        upper = torch.triu(raw, diagonal=1) - 0.5
+        bases = upper - upper.transpose(-1, -2)
+        generator_pos = (positions.reshape(12, axes, 1, 1, 1) * bases).sum(1)            # [12, H*Dh/g, g, g]
+        generator_pos = torch.cat([torch.zeros_like(generator_pos[:1]), generator_pos])   # cls token
+        transforms = torch.matrix_exp(generator_pos).view(13, heads, dh // g, g, g).transpose(0, 1)
+        x = torch.randn(1, heads, 13, dh, dtype=torch.float64)
+        want = (transforms @ x.reshape(1, heads, 13, dh // g, g, 1)).flatten(-3)
+        got = pe(x, torch.cat([torch.zeros(1, 2, dtype=torch.float64), positions]))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+    def test_blocks_of_two_are_rope_mixed(self):
+        liere = LieREPositionalEmbedding(DH, H, block_size=2).double()
+        mixed = MixedRotaryPositionalEmbedding(DH, H).double()
+        with torch.no_grad():
+            mixed.freqs.copy_(-liere.generator_raw_params[..., 0, 1])
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4))
+        torch.testing.assert_close(liere.forward_attn(q, k, p, p), mixed.forward_attn(q, k, p, p))
+
+    def test_full_generators_are_not_translation_invariant(self):
+        pe = LieREPositionalEmbedding(DH, H).double()
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4))
+        gap = (pe.forward_attn(q, k, p, p) - pe.forward_attn(q, k, p + 0.5, p + 0.5)).abs().max()
+        assert gap > 1e-3
+
+    def test_distinct_positions_path_equals_per_token(self, monkeypatch):
+        pe = LieREPositionalEmbedding(DH, H, block_size=8)
+        q, k, _ = qkv()
+        pq = torch.stack([grid_rc(N), grid_rc(N).flip(0)])                # [B, N, 2], repeated positions
+        pk = torch.cat([grid_rc(N)[:8], grid_rc(N)[:8]])
+        want = pe.forward_attn(q, k, pq, pk)
+        monkeypatch.setattr(sys.modules[type(pe).__module__], "_is_compiling", lambda: True)
+        torch.testing.assert_close(pe.forward_attn(q, k, pq, pk), want, rtol=1e-6, atol=1e-6)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be an int in \\[2, head_dim=32\\], got block_size=64"):
+            LieREPositionalEmbedding(32, 4, block_size=64)
+        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be a positive int, got block_size=0"):
+            LieREPositionalEmbedding(32, 4, block_size=0)
+        pe = LieREPositionalEmbedding(DH, H)
+        with pytest.raises(TypeError, match="LieREPositionalEmbedding: positions must be an integer or float tensor"):
+            pe(torch.randn(B, H, N, DH), torch.zeros(N, 2, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------
+# rope_coordinates (DINOv3)
+# ---------------------------------------------------------------------------
+
+
+def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
+    """facebookresearch/dinov3 RopePositionEmbedding.forward's coordinates (ported, float32, training)."""
+    dd = {"dtype": torch.float32}
+    if normalize == "max":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / max(h, w), torch.arange(0.5, w, **dd) / max(h, w)
+    elif normalize == "min":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / min(h, w), torch.arange(0.5, w, **dd) / min(h, w)
+    else:
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
+    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
+    coords = 2.0 * coords - 1.0
+    if shift is not None:
+        coords += torch.empty(2, **dd).uniform_(-shift, shift)[None, :]
+    if jitter is not None:
+        coords *= torch.empty(2, **dd).uniform_(-math.log(jitter), math.log(jitter)).exp()[None, :]
+    if rescale is not None:
+        coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
+    return coords
+
+
+class TestRopeCoordinates:
+    @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
+    @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
+    def test_matches_dinov3(self, normalize, augment):
+        torch.manual_seed(5)
+        want = dinov3_coords(3, 5, normalize, **augment)
+        torch.manual_seed(5)
+        got = rope_coordinates((3, 5), normalize=normalize, **augment)
+        assert got.dtype == torch.float64 and got.shape == (15, 2)
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)
+        generator = torch.Generator().manual_seed(5)
+        torch.testing.assert_close(rope_coordinates((3, 5), normalize=normalize, generator=generator, **augment), got)
+
+    def test_video_and_plain_values(self):
+        coords = rope_coordinates((2, 2, 4))
+        assert coords.shape == (16, 3)
+        torch.testing.assert_close(coords[1], torch.tensor([-0.5, -0.5, -0.25], dtype=torch.float64))
+        torch.testing.assert_close(rope_coordinates((4,))[:, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75],
+                                                                               dtype=torch.float64))
+
+    def test_feeds_every_multi_axis_rotary(self):
+        q, k, v = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4), jitter=1.2)
+        for pe in (RotaryPositionalEmbedding(DH, sections=[8, 8], base=100.0), MixedRotaryPositionalEmbedding(DH, H),
+                   LieREPositionalEmbedding(DH, H, block_size=4)):
+            out = attention(q, k, v, pe.double(), positions_q=p, positions_k=p)
+            assert out.shape == v.shape and torch.isfinite(out).all()
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="rope_coordinates: normalize must be one of 'separate', 'max', 'min'"):
+            rope_coordinates((2, 2), normalize="mean")
+        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0, got jitter=0.5"):
+            rope_coordinates((2, 2), jitter=0.5)
+        with pytest.raises(ValueError, match="rope_coordinates: grid_shape\\[1\\] must be a positive int, got grid_shape\\[1\\]=0"):
+            rope_coordinates((2, 0))
+        with pytest.raises(TypeError, match="rope_coordinates: grid_shape\\[1\\] must be an int, got float 2.5"):
+            rope_coordinates((2, 2.5))
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: sequences
+# ---------------------------------------------------------------------------
+
+
+def random_rotations(*shape, dtype=torch.float64):
+    """Special orthogonal matrices matrix_exp(P - P^T) with random P: [*shape[:-1], n, n]."""
+    p = torch.randn(*shape, shape[-1], dtype=dtype)
+    return torch.matrix_exp(p - p.mT)
+
+
+def orthogonality_error(w):
+    return (w @ w.mT - torch.eye(w.shape[-1], dtype=w.dtype)).abs().max().item()
+
+
+def train_a_few_steps(pe, case_positions):
+    optimiser = torch.optim.AdamW(pe.parameters(), lr=0.05)
+    for _ in range(5):
+        q, k = torch.randn(2, H, N, DH), torch.randn(2, H, N, DH)
+        loss = pe.forward_attn(q, k, *case_positions).logsumexp(-1).mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+
+
+def sequence_oracle(w, q, k, pos_q, pos_k):
+    """scores[h, i, j] = q_i^T W_h^(r_j - p_i) k_j, with explicit matrix powers in float64."""
+    out = torch.zeros(w.shape[0], len(pos_q), len(pos_k), dtype=torch.float64)
+    for h in range(w.shape[0]):
+        for i, p in enumerate(pos_q):
+            for j, r in enumerate(pos_k):
+                out[h, i, j] = q[h, i] @ torch.linalg.matrix_power(w[h], r - p) @ k[h, j]
+    return out
+
+
+class TestAlgebraicSequence:
+    def test_scores_equal_rope_at_init(self):
+        ape, rope = AlgebraicSequencePositionalEmbedding(DH, H), RotaryPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        torch.testing.assert_close(ape.forward_attn(q, k), rope.forward_attn(q, k), rtol=1e-5, atol=1e-5)
+        assert (ape.basis_generator == 0).all()
+
+    def test_primitives_orthogonal_before_and_after_training(self):
+        ape = AlgebraicSequencePositionalEmbedding(DH, H)
+        assert orthogonality_error(ape.primitives) < 1e-5
+        before = ape.primitives.detach().clone()
+        train_a_few_steps(ape, (None, None))
+        assert orthogonality_error(ape.primitives) < 1e-5
+        assert (ape.primitives - before).abs().max() > 1e-3        # training moved them
+
+    def test_matches_matrix_power_oracle_after_set_primitives(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        w = random_rotations(2, 8)
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+        q, k = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+        pos_q, pos_k = [3, 0, 7, 2, 11], [0, 1, 5, 9, 4, 2]
+        got = ape.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k), scale=1.0)
+        torch.testing.assert_close(got[0], sequence_oracle(w, q[0], k[0], pos_q, pos_k))
+
+    def test_forward_applies_w_to_the_power_p(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 1).double()
+        w = random_rotations(1, 6)
+        ape.set_primitives(w)
+        x = torch.randn(1, 4, 6, dtype=torch.float64)
+        got = ape(x, offset=3)
+        for i, p in enumerate(range(3, 7)):
+            torch.testing.assert_close(got[0, i], torch.linalg.matrix_power(w[0], p) @ x[0, i])
+
+    def test_scores_depend_only_on_distance(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        ape.set_primitives(random_rotations(2, 8))
+        q, k = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64)
+        scores = [ape.forward_attn(q, k, torch.tensor([p]), torch.tensor([p + 4])) for p in (0, 9, 1000)]
+        torch.testing.assert_close(scores[1], scores[0])
+        torch.testing.assert_close(scores[2], scores[0])
+
+    def test_set_primitives_handles_repeated_and_trivial_angles(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 3).double()
+        rotation_pi = torch.block_diag(-torch.eye(2), torch.eye(4)).double()            # angles pi, 0, 0
+        w = torch.stack([torch.eye(6, dtype=torch.float64), rotation_pi, random_rotations(1, 6)[0]])
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+
+    def test_rejects_non_orthogonal_and_reflections(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: every primitive must be orthogonal"):
+            ape.set_primitives(torch.randn(1, 4, 4))
+        with pytest.raises(ValueError, match="determinant \\+1"):
+            ape.set_primitives(torch.diag(torch.tensor([1.0, 1.0, 1.0, -1.0]))[None])
+        with pytest.raises(ValueError, match="primitives must have shape \\[1, 4, 4\\], got \\[2, 4, 4\\]"):
+            ape.set_primitives(random_rotations(2, 4))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 2 .*got head_dim=7"):
+            AlgebraicSequencePositionalEmbedding(7, 2)
+        with pytest.raises(ValueError, match="x must be \\[..., H=2, N, Dh=8\\]"):
+            AlgebraicSequencePositionalEmbedding(8, 2)(torch.randn(1, 3, 5, 8))
+
+    @pytest.mark.parametrize("cls", [AlgebraicSequencePositionalEmbedding, AlgebraicTreePositionalEmbedding])
+    def test_float32_checkpoint_loads_accurately_at_position_1000(self, cls):
+        # RoPE-like primitives (the reference's initialisation: many angles near 0, nearly repeated
+        # eigenvalues of W + W^T) in a random basis; rounding them to float32 used to cost 1.3e-4 here
+        dh = 32
+        theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
+        basis = random_rotations(2, dh)
+        w = basis @ torch.block_diag(*[torch.tensor([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]],
+                                                    dtype=torch.float64) for t in theta.tolist()]) @ basis.mT
+        q, k = torch.randn(1, 2, 1, dh, dtype=torch.float64), torch.randn(1, 2, 1, dh, dtype=torch.float64)
+        if cls is AlgebraicSequencePositionalEmbedding:
+            pe = cls(dh, 2).double()
+            pe.set_primitives(w.float())                                                # a float32 checkpoint
+            got = pe.forward_attn(q, k, torch.tensor([0]), torch.tensor([1000]), scale=1.0)[0, :, 0, 0]
+            want = sequence_oracle(w, q[0], k[0], [0], [1000])[:, 0, 0]
+        else:  # 10 levels of branch 0 then branch 1 alternately: the node's map is a product of 10 primitives
+            pe = cls(dh, 2, branching_factor=2, max_depth=10).double()
+            pe.set_primitives(w.float()[None].expand(2, -1, -1, -1))
+            node = pe.node_ids_from_paths([[0, 1] * 5])
+            got = pe.forward_attn(q, k, torch.tensor([0]), node, scale=1.0)[0, :, 0, 0]
+            want = torch.stack([q[0, h, 0] @ tree_map_oracle(w[None, h].expand(2, -1, -1), int(node), 2)
+                                @ k[0, h, 0] for h in range(2)])
+        scale = q.norm(dim=-1).flatten() * k.norm(dim=-1).flatten()
+        assert ((got - want).abs() / scale).max() < 1e-5
+        assert orthogonality_error(pe.primitives.double()) < 1e-12
+
+    def test_set_primitives_rejects_nan_inf_and_non_orthogonal(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        w = random_rotations(1, 4).float()
+        for bad in (float("nan"), float("inf")):
+            broken = w.clone()
+            broken[0, 1, 2] = bad
+            with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: primitives must be finite, "
+                                                 "got 1 NaN or infinite entries"):
+                ape.set_primitives(broken)
+        with pytest.raises(ValueError, match="every primitive must be orthogonal .*got max \\|W W\\^T - I\\| = "):
+            ape.set_primitives(w * 1.001)
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: primitives must be finite"):
+            tree.set_primitives(torch.full((2, 1, 4, 4), float("nan")))
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: grids
+# ---------------------------------------------------------------------------
+
+
+class TestAlgebraicGrid:
+    def test_matches_blockwise_matrix_power_oracle(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 2, num_axes=2).double()
+        w = random_rotations(2, 2, 4)                                                   # [A, H, 4, 4]
+        grid.set_primitives(w)
+        torch.testing.assert_close(grid.primitives, w, rtol=0, atol=1e-10)
+        pos_q = torch.tensor([[0, 0], [2, 5], [1, 3]])
+        pos_k = torch.tensor([[4, 1], [0, 0], [3, 3], [1, 7]])
+        q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        got = grid.forward_attn(q, k, pos_q, pos_k, scale=1.0)
+        for h in range(2):
+            for i in range(3):
+                for j in range(4):
+                    blocks = [torch.linalg.matrix_power(w[a, h], int(pos_k[j, a] - pos_q[i, a])) for a in range(2)]
+                    want = q[0, h, i] @ torch.block_diag(*blocks) @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_queries_and_keys_use_their_own_positions(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 1).double()
+        grid.set_primitives(random_rotations(2, 1, 4))
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda pq, pk: grid.forward_attn(q, k, torch.tensor([pq]), torch.tensor([pk]))
+        torch.testing.assert_close(at([1, 2], [4, 9]), at([11, 7], [14, 14]))          # same per-axis differences
+        assert not torch.allclose(at([1, 2], [4, 9]), at([1, 2], [9, 4]))
+
+    def test_three_axes_volume(self):
+        volume = AlgebraicGridPositionalEmbedding(12, 2, num_axes=3)
+        assert volume.primitives.shape == (3, 2, 4, 4)
+        positions = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
+        assert volume(torch.randn(1, 2, 12, 12), positions.reshape(12, 3)).shape == (1, 2, 12, 12)
+
+    def test_orthogonal_after_training(self):
+        grid = AlgebraicGridPositionalEmbedding(DH, H)
+        positions = torch.stack([torch.arange(N) // 4, torch.arange(N) % 4], -1)
+        train_a_few_steps(grid, (positions, positions))
+        assert orthogonality_error(grid.primitives) < 1e-5
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 6"):
+            AlgebraicGridPositionalEmbedding(8, 2, num_axes=3)
+        grid = AlgebraicGridPositionalEmbedding(8, 2)
+        with pytest.raises(ValueError, match="positions must have shape \\[5, 2\\]"):
+            grid(torch.randn(1, 2, 5, 8), torch.zeros(5, 3, dtype=torch.long))
+        with pytest.raises(ValueError, match="positions is required for 2 axes"):
+            grid(torch.randn(1, 2, 5, 8))
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: trees
+# ---------------------------------------------------------------------------
+
+
+def tree_map_oracle(w, node, b):
+    """M(node) for breadth-first ids: M(root) = I, M(child c of n) = M(n) @ W_c (float64 loop)."""
+    path = []
+    while node > 0:
+        path.append((node - 1) % b)
+        node = (node - 1) // b
+    m = torch.eye(w.shape[-1], dtype=torch.float64)
+    for branch in reversed(path):
+        m = m @ w[branch]
+    return m
+
+
+def ape_reference_node_map(w, path):
+    """konstantinosKokos/ape ``Branching.embed_positions`` for one node, as plain loops in float64:
+    ``maps = I`` then, step by step from the root, ``maps = linear(maps, W_branch) = maps @ W_branch^T``."""
+    n = w.shape[-1]
+    m = [[float(r == c) for c in range(n)] for r in range(n)]
+    for branch in path:
+        wt = w[branch].tolist()
+        m = [[sum(m[r][t] * wt[c][t] for t in range(n)) for c in range(n)] for r in range(n)]
+    return torch.tensor(m, dtype=torch.float64)
+
+
+def ape_reference_score(w, q, k, path_q, path_k):
+    """The reference's score: queries and keys mapped by ``einsum('bqBh,bqhAB->bqAh')`` (M x), then dotted."""
+    mq, mk = ape_reference_node_map(w, path_q), ape_reference_node_map(w, path_k)
+    q2 = [sum(mq[a, b].item() * q[b].item() for b in range(len(q))) for a in range(len(q))]
+    k2 = [sum(mk[a, b].item() * k[b].item() for b in range(len(k))) for a in range(len(k))]
+    return sum(x * y for x, y in zip(q2, k2))
+
+
+class TestAlgebraicTree:
+    def test_matches_path_product_oracle(self):
+        tree = AlgebraicTreePositionalEmbedding(6, 2, branching_factor=3, max_depth=3).double()
+        w = random_rotations(3, 2, 6)                                                   # [b, H, 6, 6]
+        tree.set_primitives(w)
+        torch.testing.assert_close(tree.primitives, w, rtol=0, atol=1e-10)
+        nodes_q, nodes_k = [0, 5, 17, 39], [3, 0, 12, 17, 2]
+        q, k = torch.randn(1, 2, 4, 6, dtype=torch.float64), torch.randn(1, 2, 5, 6, dtype=torch.float64)
+        got = tree.forward_attn(q, k, torch.tensor(nodes_q), torch.tensor(nodes_k), scale=1.0)
+        for h in range(2):
+            for i, n in enumerate(nodes_q):
+                for j, m in enumerate(nodes_k):
+                    mq, mk = tree_map_oracle(w[:, h], n, 3), tree_map_oracle(w[:, h], m, 3)
+                    want = q[0, h, i] @ mq.T @ mk @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_scores_depend_only_on_the_path(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 1, branching_factor=2, max_depth=6).double()
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda a, b: tree.forward_attn(q, k, tree.node_ids_from_paths([a]), tree.node_ids_from_paths([b]))
+        # the same two steps (up one, down branch 1) from different ancestors
+        torch.testing.assert_close(at([0], [1]), at([1, 1, 0], [1, 1, 1]))
+        torch.testing.assert_close(at([0, 1], [0, 0, 1]), at([1, 0, 1, 1], [1, 0, 1, 0, 1]))
+        assert not torch.allclose(at([0], [1]), at([1], [0]))
+
+    def test_node_id_helpers(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=4)
+        assert tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]]).tolist() == [0, 1, 2, 4, 13]
+        #        0            parents: node 1 and 2 are children of 0, node 3 child of 2, node 4 child of 3
+        #       / \
+        #      1   2
+        #          |
+        #          3 - 4
+        assert tree.node_ids_from_parents([-1, 0, 0, 2, 3]).tolist() == [0, 1, 2, 5, 11]
+        with pytest.raises(ValueError, match="more than branching_factor=2 children"):
+            tree.node_ids_from_parents([-1, 0, 0, 0])
+        with pytest.raises(ValueError, match="exactly one root"):
+            tree.node_ids_from_parents([-1, -1])
+
+    def test_orthogonal_after_training(self):
+        tree = AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)
+        assert orthogonality_error(tree.primitives) < 1e-5
+        train_a_few_steps(tree, (None, None))
+        assert orthogonality_error(tree.primitives) < 1e-5
+
+    def test_any_number_of_leading_dims(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 2, branching_factor=2, max_depth=4).double()
+        x = torch.randn(3, 2, 2, 6, 8, dtype=torch.float64)
+        nodes = torch.tensor([0, 3, 4, 9, 2, 1])
+        want = torch.stack([tree(x[i], nodes) for i in range(3)])
+        torch.testing.assert_close(tree(x, nodes), want)
+        torch.testing.assert_close(tree(x[0, 0], nodes), want[0, 0])
+
+    def test_bad_nodes(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        x = torch.randn(1, 1, 2, 4)
+        with pytest.raises(ValueError, match="node ids must lie in \\[0, 6\\] \\(depth <= max_depth=2 of a 2-ary tree\\), got 7"):
+            tree(x, torch.tensor([0, 7]))
+        with pytest.raises(ValueError, match="got -1"):
+            tree(x, torch.tensor([-1, 0]))
+        with pytest.raises(TypeError, match="positions must be an integer tensor .*got dtype=torch.float32"):
+            tree(x, torch.tensor([0.0, 1.0]))
+
+    def test_tree_reference_convention_equals_reference_path_products(self):
+        b, heads, dh = 2, 2, 4
+        tree = AlgebraicTreePositionalEmbedding(dh, heads, branching_factor=b, max_depth=3).double()
+        p = torch.randn(b, heads, dh, dh, dtype=torch.float64)
+        w_ref = torch.matrix_exp(p - p.mT)                                              # the reference's primitives
+        paths_q, paths_k = [[], [1], [0, 1], [1, 1, 0]], [[0], [], [1, 0, 1], [0, 0], [1]]
+        q, k = torch.randn(1, heads, 4, dh, dtype=torch.float64), torch.randn(1, heads, 5, dh, dtype=torch.float64)
+        nodes_q, nodes_k = tree.node_ids_from_paths(paths_q), tree.node_ids_from_paths(paths_k)
+        want = torch.tensor([[[ape_reference_score(w_ref[:, h], q[0, h, i], k[0, h, j], pq, pk)
+                               for j, pk in enumerate(paths_k)] for i, pq in enumerate(paths_q)]
+                             for h in range(heads)], dtype=torch.float64)
+        tree.set_primitives(w_ref, convention="reference")
+        got = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        tree.set_primitives(w_ref)                                                      # the paper's convention
+        wrong = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        assert (wrong - want).abs().max() > 0.1                                         # transposed: not the reference
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: convention must be one of 'paper', "
+                                             "'reference', got convention='ref'"):
+            tree.set_primitives(w_ref, convention="ref")
+
+    def test_node_ids_from_paths_rejects_non_integer_steps(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=3)
+        for bad in (1.5, 1.0, True, "1", torch.tensor(1.0)):
+            with pytest.raises(TypeError, match="AlgebraicTreePositionalEmbedding: paths must hold integer branch "
+                                                "indices, got .* in path"):
+                tree.node_ids_from_paths([[0], [bad]])
+        assert tree.node_ids_from_paths([[torch.tensor(1), 0]]).tolist() == [5]
+        empty = tree.node_ids_from_paths([])
+        assert empty.dtype == torch.long and empty.numel() == 0
+
+
+# ===========================================================================
+# Pairwise bias kind: a bias added to the logits
+# ===========================================================================
+
+
+# ---------------------------------------------------------------------------
+# T5 (+ from_config, and the census of T5 model types)
+# ---------------------------------------------------------------------------
+
+
+def t5_bucket_oracle(rp, bidirectional=True, num_buckets=32, max_distance=128):
+    """Mesh TensorFlow's _relative_position_bucket for one int, in plain Python."""
+    bucket, n = 0, -rp
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if n < 0 else 0
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def from_ranges(ranges):
+    """{n: bucket} from (first n, last n, bucket) runs."""
+    return {n: b for lo, hi, b in ranges for n in range(lo, hi + 1)}
+
+
+# n = query - key. Bidirectional (16 buckets a side, 8 exact): n >= 8 -> 8 + floor(2 log2(n / 8)),
+# boundaries at 8 * 2**(k/2) = 8, 11.3, 16, 22.6, 32, 45.3, 64, 90.5, 128; keys after the query add 16.
+T5_BIDIRECTIONAL = from_ranges([(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3), (4, 4, 4), (5, 5, 5), (6, 6, 6),
+                                (7, 7, 7), (8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12),
+                                (46, 63, 13), (64, 90, 14), (91, 400, 15)])
+
+
+# Causal (32 buckets, 16 exact): n >= 16 -> 16 + floor(16/3 log2(n / 16)), boundaries at 16 * 2**(3k/16)
+T5_CAUSAL = from_ranges([(n, n, n) for n in range(16)] + [
+    (16, 18, 16), (19, 20, 17), (21, 23, 18), (24, 26, 19), (27, 30, 20), (31, 34, 21), (35, 39, 22), (40, 45, 23),
+    (46, 51, 24), (52, 58, 25), (59, 66, 26), (67, 76, 27), (77, 86, 28), (87, 98, 29), (99, 112, 30),
+    (113, 400, 31)])
+
+
+def census_t5_attention(model_type: str, text):
+    """The model's own attention module with a relative attention bias (the class with ``compute_bias``)."""
+    module = census_modeling(model_type)
+    for name, cls in vars(module).items():
+        if (inspect.isclass(cls) and cls.__module__ == module.__name__ and hasattr(cls, "compute_bias")
+                and "has_relative_attention_bias" in inspect.signature(cls.__init__).parameters):
+            return cls(text, has_relative_attention_bias=True)
+    raise AssertionError(f"{model_type}: no attention class with compute_bias")
+
+
+class TestT5:
+    def test_buckets_match_hand_table(self):
+        n = torch.arange(0, 401)
+        bidirectional = pe_lib.t5_relative_position_bucket(-n)        # keys at or before the query
+        after = pe_lib.t5_relative_position_bucket(n[1:])              # keys after the query
+        assert bidirectional.tolist() == [T5_BIDIRECTIONAL[int(d)] for d in n]
+        assert after.tolist() == [T5_BIDIRECTIONAL[int(d)] + 16 for d in n[1:]]
+        causal = pe_lib.t5_relative_position_bucket(-n, bidirectional=False)
+        assert causal.tolist() == [T5_CAUSAL[int(d)] for d in n]
+        assert pe_lib.t5_relative_position_bucket(n, bidirectional=False).eq(0).all()   # future keys: bucket 0
+
+    @pytest.mark.parametrize("bidirectional", [True, False])
+    @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (64, 1000), (6, 4)])
+    def test_buckets_match_mesh_tensorflow_oracle(self, bidirectional, num_buckets, max_distance):
+        rp = torch.arange(-3000, 3001)
+        got = pe_lib.t5_relative_position_bucket(rp, bidirectional=bidirectional, num_buckets=num_buckets,
+                                                 max_distance=max_distance)
+        want = [t5_bucket_oracle(int(r), bidirectional, num_buckets, max_distance) for r in rp]
+        assert got.tolist() == want
+
+    @pytest.mark.parametrize("bidirectional", [True, False])
+    def test_bias_matches_loop_oracle(self, bidirectional):
+        t5 = T5PositionalEmbedding(3, num_buckets=16, max_distance=20, bidirectional=bidirectional)
+        table = t5.relative_attention_bias.weight
+        for nq, nk in ((7, 7), (3, 40), (40, 3)):
+            bias = t5(nq, nk)
+            offset = max(nk - nq, 0)
+            for h in range(3):
+                for i in range(nq):
+                    for j in range(nk):
+                        bucket = t5_bucket_oracle(j - (i + offset), bidirectional, 16, 20)
+                        assert bias[h, i, j] == table[bucket, h]
+
+    def test_explicit_positions_far_beyond_max_distance(self):
+        t5 = T5PositionalEmbedding(2)
+        positions_q, positions_k = torch.tensor([0, 10**9, 500]), torch.tensor([10**9 + 5, 3, -7, 127, 128])
+        bias = t5(3, 5, positions_q=positions_q, positions_k=positions_k)
+        for i, p in enumerate(positions_q.tolist()):
+            for j, r in enumerate(positions_k.tolist()):
+                assert bias[1, i, j] == t5.relative_attention_bias.weight[t5_bucket_oracle(r - p), 1]
+
+    def test_checkpoint_table_loads_unchanged(self):
+        t5 = T5PositionalEmbedding(8)
+        checkpoint = {"relative_attention_bias.weight": torch.randn(32, 8)}
+        t5.load_state_dict(checkpoint)
+        assert t5(4, 4)[5, 0, 3] == checkpoint["relative_attention_bias.weight"][t5_bucket_oracle(3), 5]
+
+    def test_decoding_with_cache_is_bottom_right(self):
+        t5 = T5PositionalEmbedding(4, bidirectional=False)
+        full = t5(20, 20)
+        torch.testing.assert_close(t5(1, 20), full[:, -1:])
+        torch.testing.assert_close(t5(5, 20), full[:, -5:])
+
+    def test_no_logarithm_on_the_grid(self):
+        from torch.overrides import TorchFunctionMode
+
+        sizes = []
+
+        class RecordLog(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in (torch.log, torch.Tensor.log):
+                    sizes.append(args[0].numel())
+                return func(*args, **(kwargs or {}))
+
+        t5 = T5PositionalEmbedding(4)
+        with RecordLog():
+            t5(300, 300)
+            t5(300, 300, positions_q=torch.arange(300) * 7, positions_k=torch.arange(300) * 3)
+        assert max(sizes, default=0) <= 2 * 128 + 3
+
+    def test_translation_invariant(self):
+        t5 = T5PositionalEmbedding(2)
+        positions = torch.tensor([3, 9, 200, 201])
+        torch.testing.assert_close(t5(4, 4, positions_q=positions, positions_k=positions),
+                                   t5(4, 4, positions_q=positions + 10**6, positions_k=positions + 10**6))
+
+    def test_float_positions_are_type_error(self):
+        with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
+            T5PositionalEmbedding(2)(2, 2, positions_q=torch.tensor([0.0, 1.0]))
+
+    @pytest.mark.parametrize("kwargs, message", [
+        (dict(num_heads=0), "num_heads must be a positive int, got num_heads=0"),
+        (dict(num_heads=2, num_buckets=0), "num_buckets must be a positive int, got num_buckets=0"),
+        (dict(num_heads=2, num_buckets=3), "num_buckets must be >= 4 \\(bidirectional=True\\), got num_buckets=3"),
+        (dict(num_heads=2, max_distance=8), "max_distance must exceed the 8 exact buckets, got max_distance=8"),
+        (dict(num_heads=2, num_buckets=32, max_distance=16, bidirectional=False),
+         "max_distance must exceed the 16 exact buckets, got max_distance=16"),
+    ])
+    def test_bad_arguments(self, kwargs, message):
+        with pytest.raises(ValueError, match="T5PositionalEmbedding: " + message):
+            T5PositionalEmbedding(**kwargs)
+
+    def test_bad_call(self):
+        t5 = T5PositionalEmbedding(2)
+        with pytest.raises(ValueError, match="q_len must be a positive int, got q_len=0"):
+            t5(0, 4)
+        with pytest.raises(ValueError, match="positions_k must have shape \\[4\\]"):
+            t5(4, 4, positions_k=torch.arange(5))
+
+    # -- from_config
+    @pytest.mark.parametrize("decoder", [False, True])
+    def test_bias_equals_compute_bias(self, decoder):
+        config = hf_config("T5Config", d_model=32, d_kv=8, num_heads=4, num_layers=1, vocab_size=32,
+                           relative_attention_num_buckets=16, relative_attention_max_distance=40, is_decoder=decoder)
+        attention = hf_module("t5", "T5Attention")(config, has_relative_attention_bias=True)
+        kwargs = _t5_kwargs_from_config(config)
+        assert kwargs == {"num_heads": 4, "num_buckets": 16, "max_distance": 40, "bidirectional": not decoder}
+        assert _t5_kwargs_from_config(config.to_dict()) == kwargs
+        ours = T5PositionalEmbedding(**kwargs)
+        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
+        for q_len, k_len in ((70, 70), (5, 90)):       # decoding: the last 5 queries of 90 keys
+            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
+            diff = (ours(q_len, k_len) - want).abs().max().item()
+            MAX_DIFF["t5 (decoder)" if decoder else "t5 (encoder)"] = diff
+            assert diff == 0.0
+
+    def test_decoder_override_and_old_configs(self):
+        encoder_config = {"model_type": "t5", "num_heads": 8, "relative_attention_num_buckets": 32}
+        assert _t5_kwargs_from_config(encoder_config) == {"num_heads": 8, "num_buckets": 32, "max_distance": 128,
+                                                          "bidirectional": True}
+        assert _t5_kwargs_from_config(encoder_config, decoder=True)["bidirectional"] is False
+
+    def test_bad_configs(self):
+        with pytest.raises(ValueError, match="T5PositionalEmbedding.from_config: model_type='llama' \\(config field model_type\\) "
+                                             "is not among the model types checked"):
+            _t5_kwargs_from_config({"model_type": "llama", "num_attention_heads": 4})
+        with pytest.raises(TypeError, match="T5PositionalEmbedding.from_config: decoder must be a bool or None, got "
+                                            "str 'yes'"):
+            _t5_kwargs_from_config(T5_DECODER_DICT, decoder="yes")
+
+    @pytest.mark.parametrize("decoder", [False, True])
+    @pytest.mark.parametrize("model_type", sorted(pe_lib._T5_MODEL_TYPES))
+    def test_t5_model_type_matches_compute_bias(self, model_type, decoder):
+        config = census_config(model_type)
+        text = pe_lib._text_config("census", config)
+        text.is_decoder = decoder
+        attention = census_t5_attention(model_type, text)
+        ours = T5PositionalEmbedding.from_config(config)
+        assert ours.bidirectional is (not decoder and model_type not in pe_lib._T5_DECODER_ONLY)
+        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
+        for q_len, k_len in ((150, 150), (5, 150)):
+            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
+            diff = (ours(q_len, k_len) - want).abs().max().item()
+            MAX_DIFF[f"census t5 {model_type}"] = max(MAX_DIFF.get(f"census t5 {model_type}", 0.0), diff)
+            assert diff == 0.0, f"{model_type} (decoder={decoder}): bias differs by {diff:.3g}"
+
+    @pytest.mark.parametrize("model_type, fields, message", [
+        ("dbrx", {"n_heads": 16, "attn_config": {"rope_theta": 5e5}}, "DBRX uses RoPE"),
+        ("udop", {"num_heads": 8, "relative_attention_num_buckets": 32}, "bounding-box"),
+        ("pix2struct_vision_model", {"num_attention_heads": 8, "relative_attention_num_buckets": 32}, "never adds"),
+        ("prophetnet", {"num_attention_heads": 8, "num_buckets": 32}, "n-gram"),
+        ("wavlm", {"num_attention_heads": 8, "num_buckets": 320}, "gates"),
+        ("layoutlmv2", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("layoutlmv3", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("layoutxlm", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
+        ("cpmant", {"num_attention_heads": 8, "position_bias_num_buckets": 512}, "segment"),
+        ("longt5", {"num_heads": 8, "relative_attention_num_buckets": 32}, "per block"),
+    ])
+    def test_refused_bias_model_types(self, model_type, fields, message):
+        for reader, cls in ((_t5_kwargs_from_config, "T5"), (_alibi_kwargs_from_config, "ALiBi")):
+            with pytest.raises(ValueError, match=f"{cls}PositionalEmbedding.from_config: model_type='{model_type}'"):
+                reader({"model_type": model_type, **fields})
+        reader = _alibi_kwargs_from_config if model_type == "dbrx" else _t5_kwargs_from_config
+        with pytest.raises(ValueError, match=message):
+            reader({"model_type": model_type, **fields})
+
+
+# ---------------------------------------------------------------------------
+# ALiBi (+ from_config: Bloom, MPT, Falcon, and their census)
+# ---------------------------------------------------------------------------
+
+
+def alibi_from_kwargs(kwargs):
+    """Our ALiBi with the kwargs; the current class has no slopes= yet, so set its buffer instead."""
+    if lib_accepts(ALiBiPositionalEmbedding, "slopes"):
+        return ALiBiPositionalEmbedding(**kwargs)
+    alibi = ALiBiPositionalEmbedding(kwargs["num_heads"], bidirectional=kwargs["bidirectional"])
+    alibi.slopes.copy_(torch.tensor(kwargs["slopes"]))
+    return alibi
+
+
+def check_ramp(family, alibi, ramp, n):
+    """The model adds ramp[h, j] (+slope * j up to a constant); ours must differ from it by one constant per row
+    on and below the diagonal, and mask the future."""
+    bias = alibi(n, n).double()                                            # [H, N, N]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    shifted = bias - ramp[:, None, :].double()                             # [H, N, N]: constant along j
+    row = shifted[:, :, :1].expand_as(shifted)
+    diff = (shifted - row)[:, causal].abs().max().item()
+    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
+    assert torch.isinf(bias[:, ~causal]).all()
+    return diff
+
+
+def census_alibi_ramp(model_type: str, config, heads: int, n: int):
+    """[H, N]: what the model adds to row N - 1 of its logits, up to a constant (built by its own code)."""
+    module = census_modeling(model_type)
+    if model_type == "bloom":
+        return module.build_alibi_tensor(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
+    if model_type == "mpt":
+        return module.build_mpt_alibi_tensor(heads, n, config.attn_config.alibi_bias_max)[:, 0, :]
+    if model_type == "falcon":   # FalconModel divides its ramp by sqrt(head_dim); its bf16 staircase: see above
+        ramp = module.build_alibi_tensor(torch.ones(1, n, dtype=torch.long), heads, torch.float32).reshape(heads, n)
+        return ramp / math.sqrt(config.hidden_size // heads)
+    raise AssertionError(f"{model_type}: no ramp builder in the census")
+
+
+CENSUS_ALIBI_CONFIGS = {   # tiny configs with ALiBi on
+    "bloom": dict(n_head=6, hidden_size=48, n_layer=1, vocab_size=32),
+    "mpt": dict(n_heads=6, d_model=48, n_layers=1, vocab_size=32, max_seq_len=64,
+                attn_config={"alibi": True, "alibi_bias_max": 8}),
+    "falcon": dict(alibi=True, num_attention_heads=4, hidden_size=16, num_hidden_layers=1, vocab_size=32,
+                   new_decoder_architecture=False, multi_query=False),
+}
+
+
+class TestALiBi:
+    def test_published_slopes_for_8_heads(self):
+        assert ALiBiPositionalEmbedding(8).slopes.tolist() == [2.0 ** -k for k in range(1, 9)]
+
+    def test_non_power_of_two_rule(self):
+        # 12 heads: the 8-head slopes, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...)
+        assert pe_lib.alibi_slopes(12) == pytest.approx([2.0 ** -k for k in range(1, 9)]
+                                                        + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5])
+        # 6 heads: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then 2^-1, 2^-3 from 8 heads
+        assert pe_lib.alibi_slopes(6) == pytest.approx([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+
+    def test_slopes_stay_float32_after_cast(self):
+        alibi = ALiBiPositionalEmbedding(12).bfloat16()
+        assert alibi.slopes.dtype == torch.float32
+        assert alibi.slopes[8].item() == pytest.approx(2.0 ** -0.5, rel=1e-7)
+
+    @pytest.mark.parametrize("bidirectional", [False, True])
+    def test_bias_matches_loop_oracle(self, bidirectional):
+        alibi = ALiBiPositionalEmbedding(4, bidirectional=bidirectional)
+        slopes = pe_lib.alibi_slopes(4)
+        for nq, nk, positions_q, positions_k in ((6, 6, None, None), (2, 9, None, None),
+                                                 (3, 4, torch.tensor([0.5, 7.0, 1e6]), torch.tensor([1.0, 6.0, 1e6, -2.0]))):
+            bias = alibi(nq, nk, positions_q=positions_q, positions_k=positions_k)
+            pq = positions_q.tolist() if positions_q is not None else [i + max(nk - nq, 0) for i in range(nq)]
+            pk = positions_k.tolist() if positions_k is not None else list(range(nk))
+            for h in range(4):
+                for i in range(nq):
+                    for j in range(nk):
+                        want = -slopes[h] * abs(pq[i] - pk[j])
+                        if not bidirectional and pk[j] > pq[i]:
+                            want = float("-inf")
+                        assert bias[h, i, j].item() == pytest.approx(want, rel=1e-6)
+
+    def test_softmax_equals_reference_ramp(self):
+        # the reference adds +slope * j (per key) under a causal mask; same softmax
+        alibi = ALiBiPositionalEmbedding(8)
+        ramp = alibi.slopes[:, None, None] * torch.arange(10.0)
+        ramp = ramp.masked_fill(torch.ones(10, 10).triu(1).bool(), float("-inf"))
+        torch.testing.assert_close(torch.softmax(alibi(10, 10), -1), torch.softmax(ramp, -1))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="ALiBiPositionalEmbedding: num_heads must be a positive int, got num_heads=-2"):
+            ALiBiPositionalEmbedding(-2)
+
+    # -- from_config
+    @pytest.mark.parametrize("heads", [4, 6, 12, 16])
+    def test_bloom(self, heads):
+        config = hf_config("BloomConfig", n_head=heads, hidden_size=8 * heads, n_layer=1, vocab_size=32)
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 40
+        ramp = hf_module("bloom", "build_alibi_tensor")(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
+        slopes = ramp[:, 1].tolist()                                       # Bloom's slopes: its ramp at j = 1
+        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
+        assert check_ramp("bloom", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
+
+    @pytest.mark.parametrize("heads, bias_max", [(4, 8), (12, 8), (16, 6), (6, 12)])
+    def test_mpt_alibi_bias_max(self, heads, bias_max):
+        config = hf_config("MptConfig", n_heads=heads, d_model=8 * heads, n_layers=1, vocab_size=32, max_seq_len=64,
+                           attn_config={"alibi": True, "alibi_bias_max": bias_max})
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 64
+        ramp = hf_module("mpt", "build_mpt_alibi_tensor")(heads, n, bias_max)[:, 0, :]   # [H, N]: slope * (j - N + 1)
+        slopes = (-ramp[:, -2]).tolist()
+        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
+        assert check_ramp("mpt (alibi_bias_max)", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
+
+    @pytest.mark.parametrize("heads", [4, 6, 71])
+    def test_falcon_ramp(self, heads):
+        # FalconModel adds bf16(bf16(slope) * j) / sqrt(head_dim) to q . k / sqrt(head_dim) (SDPA path)
+        config = hf_config("FalconConfig", alibi=True, num_attention_heads=heads, hidden_size=4 * heads,
+                           num_hidden_layers=1, vocab_size=32, new_decoder_architecture=False, multi_query=False)
+        kwargs = _alibi_kwargs_from_config(config)
+        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
+        n = 48
+        ramp = hf_module("falcon", "build_alibi_tensor")(torch.ones(1, n, dtype=torch.long), heads, torch.float32)
+        ramp = ramp.reshape(heads, n).double() / math.sqrt(4)             # FalconModel divides by sqrt(head_dim)
+        assert kwargs["slopes"] == pytest.approx(ramp[:, 1].tolist(), rel=1e-7)   # j = 1: the rounded slope, exact
+        # Falcon rounds every product slope * j to bfloat16 as well: a staircase within 2^-8 of our line
+        exact = torch.tensor(kwargs["slopes"], dtype=torch.float64)[:, None] * torch.arange(n)
+        assert ((ramp - exact).abs() <= 2.0 ** -8 * exact).all()   # bf16 unit roundoff 2^-8
+        diff = check_ramp("falcon (bf16 slopes / sqrt(head_dim))", alibi_from_kwargs(kwargs), ramp.float(), n)
+        assert diff <= 2.0 ** -8 * exact.max().item() * 2 + 1e-6   # two rounded products per difference
+
+    def test_falcon_attention_output(self):
+        # FalconAttention's own output (SDPA path, the default) equals attention() with our ALiBi on its q, k, v
+        config = hf_config("FalconConfig", alibi=True, num_attention_heads=4, hidden_size=32, num_hidden_layers=1,
+                           vocab_size=32, new_decoder_architecture=False, multi_query=False, bias=False,
+                           parallel_attn=False, attn_implementation="sdpa")
+        from positional_embeddings import attention
+        model = pytest.importorskip("transformers").FalconModel(config).eval()
+        layer, seen = model.h[0].self_attention, {}
+        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0] if args else
+                                                                            kwargs["hidden_states"]), with_kwargs=True)
+        layer.register_forward_hook(lambda m, args, output: seen.update(out=output[0]))
+        n = 20
+        with torch.no_grad():
+            model(torch.randint(0, 32, (1, n)))
+            q, k, v = (t.transpose(1, 2) for t in layer._split_heads(layer.query_key_value(seen["x"])))  # [B, H, N, Dh]
+            alibi = alibi_from_kwargs(_alibi_kwargs_from_config(config))
+            ours = layer.dense(attention(q, k, v, alibi, causal=True).transpose(1, 2).reshape(1, n, 32))
+        MAX_DIFF["falcon attention output"] = (ours - seen["out"]).abs().max().item()
+        torch.testing.assert_close(ours, seen["out"], atol=1e-5, rtol=1e-5)
+
+    def test_bad_configs(self):
+        owner = "ALiBiPositionalEmbedding.from_config"
+        with pytest.raises(ValueError, match=f"{owner}: model_type='llama' \\(config field model_type\\) is not among"):
+            _alibi_kwargs_from_config(LLAMA3_DICT)
+        with pytest.raises(ValueError, match=f"{owner}: Falcon config has alibi=False: it uses RoPE"):
+            _alibi_kwargs_from_config({"model_type": "falcon", "alibi": False, "num_attention_heads": 4})
+        with pytest.raises(ValueError, match=f"{owner}: MPT config has attn_config.alibi=False"):
+            _alibi_kwargs_from_config({"model_type": "mpt", "n_heads": 4, "attn_config": {"alibi": False}})
+        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object"):
+            _alibi_kwargs_from_config(None)
+
+    @pytest.mark.parametrize("model_type", sorted(pe_lib._ALIBI_MODEL_TYPES))
+    def test_alibi_model_type_matches_its_ramp(self, model_type):
+        pytest.importorskip("transformers")
+        from transformers.models.auto import configuration_auto
+        config = configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_ALIBI_CONFIGS[model_type])
+        kwargs = _alibi_kwargs_from_config(config)
+        n = 40
+        ramp = census_alibi_ramp(model_type, config, kwargs["num_heads"], n)
+        diff = check_ramp(f"census alibi {model_type}", alibi_from_kwargs(kwargs), ramp, n)
+        # Falcon's bf16 staircase: within 2^-8 of the line, twice (two rounded products per difference)
+        assert diff <= (2.0 ** -7 * ramp.abs().max().item() + 1e-6 if model_type == "falcon" else 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# TUPE (UnifiedPositionalEmbedding)
+# ---------------------------------------------------------------------------
+
+
+def layer_norm_oracle(x, weight, bias, eps=1e-5):
+    mean = sum(x) / len(x)
+    var = sum((v - mean) ** 2 for v in x) / len(x)
+    return [(v - mean) / math.sqrt(var + eps) * w + b for v, w, b in zip(x, weight, bias)]
+
+
+class TestTUPE:
+    def test_matches_loop_oracle(self):
+        heads, head_dim = 2, 3
+        tupe = UnifiedPositionalEmbedding(10, heads, head_dim, num_buckets=8, max_distance=6, cls_token=True).double()
+        for p in tupe.parameters():
+            torch.nn.init.normal_(p)
+        bias = tupe(4, 6)          # queries at positions 2..5 (bottom-right), keys 0..5
+        param = lambda t: t.detach().tolist()
+        table, ln_w, ln_b = param(tupe.position_embeddings.weight), param(tupe.pos_ln.weight), param(tupe.pos_ln.bias)
+        wq, bq = param(tupe.pos_q_linear.weight), param(tupe.pos_q_linear.bias)
+        wk, bk = param(tupe.pos_k_linear.weight), param(tupe.pos_k_linear.bias)
+        rel = param(tupe.relative.relative_attention_bias.weight)
+
+        def project(w, b, p):
+            row = layer_norm_oracle(table[p], ln_w, ln_b)
+            return [sum(w[o][c] * row[c] for c in range(len(row))) + b[o] for o in range(len(b))]
+
+        for h in range(heads):
+            for i in range(4):
+                for j in range(6):
+                    p, r = i + 2, j
+                    pq, pk = project(wq, bq, p), project(wk, bk, r)
+                    dims = range(h * head_dim, (h + 1) * head_dim)
+                    want = sum(pq[c] * pk[c] for c in dims) / math.sqrt(2 * head_dim)
+                    want += rel[t5_bucket_oracle(r - p, True, 8, 6)][h]
+                    if r == 0:
+                        want = tupe.others_to_cls[h].item()
+                    assert bias[h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-9)
+        cls_row = tupe(3, 3)[:, 0]
+        torch.testing.assert_close(cls_row, tupe.cls_to_others.detach()[:, None].expand(heads, 3))
+
+    def test_logit_scale_is_one_over_sqrt_two_d(self):
+        tupe = UnifiedPositionalEmbedding(16, 2, 8, relative_bias=False)
+        q, k, _ = qkv(5, 5, dh=8)
+        q, k = q[:, :2], k[:, :2]
+        want = q @ k.transpose(-1, -2) / 4.0 + tupe(5, 5)
+        torch.testing.assert_close(tupe.forward_attn(q, k), want)
+
+    def test_positions_past_the_table(self):
+        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: positions_k must lie in \\[0, max_len=8\\), got position 8"):
+            UnifiedPositionalEmbedding(8, 2, 4)(2, 9, positions_q=torch.tensor([0, 1]))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: head_dim must be a positive int, got head_dim=0"):
+            UnifiedPositionalEmbedding(8, 2, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -2923,163 +5314,476 @@ class TestFIRE:
         with pytest.raises(ValueError, match="FIREPositionalEmbedding: positions_k must have shape \\[5\\]"):
             FIREPositionalEmbedding(4)(3, 5, positions_k=torch.arange(4))
 
+    def test_fire_score_mod_is_pointwise(self):
+        """Issue 22.2: inductor lowers a score_mod without reductions; FIRE's MLP used to sum over its units."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.add(str(func))
+                return func(*args, **(kwargs or {}))
+
+        fire = FIREPositionalEmbedding(H, hidden_dim=8)
+        score_mod = fire.score_mod(N, N)
+        args = (torch.tensor(0.5), torch.tensor(0), torch.tensor(1), torch.tensor(7), torch.tensor(3))
+        ops = set()
+        with torch.no_grad(), Recorder():
+            score_mod(*args)
+        assert ops and not any("sum" in op or "mm" in op or "mean" in op for op in ops), ops
+        want = fire(N, N)[1, 7, 3] + 0.5
+        torch.testing.assert_close(score_mod(*args), want)
+
+    @slow   # inductor compiles FIRE's kernel for minutes on a CPU
+    def test_fire_score_mod_compiles_with_inductor(self):
+        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=16.0)
+        q, k, v = (torch.randn(1, H, 128, DH) for _ in range(3))
+        mask = pe_lib._block_mask(None, True, 128, 128, q.device)
+        with torch.no_grad():
+            got = pe_lib._compiled_flex_attention()(q, k, v, score_mod=fire.score_mod(128, 128), block_mask=mask)
+            torch.testing.assert_close(got, attention(q, k, v, fire, causal=True, use_flex=False))
+
 
 # ---------------------------------------------------------------------------
-# CoPE
+# Dynamic position bias (CrossFormer / x-transformers)
 # ---------------------------------------------------------------------------
 
 
-def cope_oracle(q, k, table, scale, max_position):
-    """Golovneva et al.'s maths one pair at a time in float64: gates, counted positions,
-    clamp, interpolation of the two integer neighbours; -inf after the query."""
-    batch, heads, q_len, _ = q.shape
-    k_len = k.shape[-2]
-    offset = k_len - q_len
-    out = torch.full((batch, heads, q_len, k_len), float("-inf"), dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            rows = table[h] if table.dim() == 3 else table
-            for i in range(q_len):
-                qi = q[b, h, i].tolist()
-                last = i + offset
-                dots = [sum(a * c for a, c in zip(qi, k[b, h, t].tolist())) for t in range(last + 1)]
-                gates = [1.0 / (1.0 + math.exp(-scale * d)) for d in dots]
-                for j in range(last + 1):
-                    p = min(sum(gates[j:]), max_position - 1)
-                    low, high = math.floor(p), math.ceil(p)
-                    w = p - low
-                    e = [(1 - w) * x + w * y for x, y in zip(rows[low].tolist(), rows[high].tolist())]
-                    out[b, h, i, j] = scale * dots[j] + sum(a * c for a, c in zip(qi, e))
+def dpb_oracle(pe, offset):
+    """The MLP of x-transformers' DynamicPositionBias on one query - key offset (a list), by loops."""
+    rows = lambda layer: (layer.weight.detach().tolist(), layer.bias.detach().tolist())
+    x = [math.copysign(math.log(1 + abs(v)), v) if pe.log_distance else float(v) for v in offset]
+    for block in pe.mlp[:-1]:
+        w, b = rows(block[0])
+        x = [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
+        if pe.norm:   # the first block's norm has no bias and calls its scale gamma
+            norm = block[1]
+            scale = (norm.gamma if hasattr(norm, "gamma") else norm.weight).tolist()
+            shift = [0.0] * len(x) if hasattr(norm, "gamma") else norm.bias.tolist()
+            x = layer_norm_oracle(x, scale, shift)
+        x = [v / (1 + math.exp(-v)) if v >= 0 else v * math.exp(v) / (1 + math.exp(v)) for v in x]   # SiLU
+    w, b = rows(pe.mlp[-1])
+    return [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
+
+
+class TestDynamicPositionBias:
+    @pytest.mark.parametrize("log_distance, norm, depth", [(False, False, 1), (True, True, 2)])
+    def test_matches_loop_oracle(self, log_distance, norm, depth):
+        pe = randomise(DynamicPositionBias(2, hidden_dim=6, depth=depth, log_distance=log_distance, norm=norm).double())
+        bias = pe(4, 7)                              # queries at 3..6 (bottom-right), keys 0..6
+        for i in range(4):
+            for j in range(7):
+                want = dpb_oracle(pe, [(i + 3) - j])
+                for h in range(2):
+                    assert bias[h, i, j].item() == pytest.approx(want[h], rel=1e-12, abs=1e-12)
+        pos_q, pos_k = torch.tensor([0.5, -3.25, 10.0]), torch.tensor([2.0, 0.5])
+        bias = pe(3, 2, pos_q, pos_k)
+        for i in range(3):
+            for j in range(2):
+                want = dpb_oracle(pe, [pos_q[i].item() - pos_k[j].item()])
+                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    def test_sparse_integer_positions_match_loop_oracle(self):
+        # offsets far apart: distinct ones are found by sorting keys, not by enumerating their range
+        pe = randomise(DynamicPositionBias(2, hidden_dim=6).double())
+        pos_q, pos_k = torch.tensor([0, 1000, 5]), torch.tensor([7, 2, 999, -4000])
+        bias = pe(3, 4, pos_q, pos_k)
+        pe2 = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6).double())
+        grid_q, grid_k = torch.tensor([[0, 0], [100, -50], [3, 7]]), torch.tensor([[1, 1], [-20, 900]])
+        bias2 = pe2(3, 2, grid_q, grid_k)
+        for i in range(3):
+            for j in range(4):
+                assert bias[:, i, j].tolist() == pytest.approx(dpb_oracle(pe, [int(pos_q[i] - pos_k[j])]), rel=1e-12, abs=1e-12)
+            for j in range(2):
+                want = dpb_oracle(pe2, (grid_q[i] - grid_k[j]).tolist())
+                assert bias2[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    def test_two_axes_match_loop_oracle(self):
+        pe = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6, log_distance=True).double())
+        pos = grid_positions(6, width=3)
+        bias = pe(6, 6, pos, pos)
+        for i in range(6):
+            for j in range(6):
+                want = dpb_oracle(pe, (pos[i] - pos[j]).tolist())
+                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    @pytest.mark.parametrize("log_distance, norm", [(False, False), (True, True)])
+    def test_matches_x_transformers(self, log_distance, norm):
+        x_transformers = pytest.importorskip("x_transformers.x_transformers")
+        theirs = x_transformers.DynamicPositionBias(16, heads=H, depth=3, log_distance=log_distance, norm=norm)
+        randomise(theirs, 0.3)
+        ours = DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=log_distance, norm=norm)
+        ours.load_state_dict(theirs.state_dict())     # same names: mlp.0.0, (mlp.0.1.gamma,) ..., mlp.3
+        torch.testing.assert_close(ours(N, N), theirs(N, N), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours(5, N), theirs(5, N), rtol=1e-5, atol=1e-6)
+
+    def test_explicit_positions_equal_default_and_shift_invariance(self):
+        pe = randomise(DynamicPositionBias(H, hidden_dim=8))
+        torch.testing.assert_close(pe(5, 9, torch.arange(4, 9) + 100, torch.arange(9) + 100), pe(5, 9))
+        pe2 = randomise(DynamicPositionBias(H, num_axes=2, hidden_dim=8))
+        pos = grid_positions(N)
+        torch.testing.assert_close(pe2(N, N, pos + torch.tensor([7, -3]), pos + torch.tensor([7, -3])), pe2(N, N, pos, pos))
+
+    @pytest.mark.parametrize("num_axes", [1, 2])
+    def test_score_mod_matches_dense_bias(self, num_axes):
+        pe = randomise(DynamicPositionBias(H, num_axes=num_axes, hidden_dim=8), 0.3)
+        q, k, v = qkv()
+        positions = grid_positions(N) if num_axes == 2 else None
+        kw = dict(positions_q=positions, positions_k=positions)
+        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
+        batched = torch.stack([grid_positions(N), grid_positions(N).flip(0)]) if num_axes == 2 else \
+            torch.stack([torch.arange(N) * 2, torch.arange(N)])
+        kw = dict(positions_q=batched, positions_k=batched)
+        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
+
+    def test_bad_arguments(self):
+        name = "DynamicPositionBias"
+        with pytest.raises(ValueError, match=f"{name}: depth must be a positive int, got depth=0"):
+            DynamicPositionBias(2, depth=0)
+        with pytest.raises(TypeError, match=f"{name}: log_distance must be a bool, got str 'false'"):
+            DynamicPositionBias(2, log_distance="false")
+        with pytest.raises(ValueError, match=f"{name}: num_axes must be a positive int, got num_axes=0"):
+            DynamicPositionBias(2, num_axes=0)
+        pe = DynamicPositionBias(H, num_axes=2)
+        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
+            pe(4, 4)
+        with pytest.raises(ValueError, match=f"{name}: positions_q must have shape \\[4, 2\\]"):
+            pe(4, 4, torch.arange(4), grid_positions(4))
+        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
+            pe.forward_attn(*qkv(4, 4)[:2])
+
+
+# ---------------------------------------------------------------------------
+# Relative position bias 2D (Swin / BEiT window table)
+# ---------------------------------------------------------------------------
+
+
+# vision helpers (also used by the continuous position bias)
+
+def window_token(t, width, prefix):
+    """(row, col) of window token t, or None for the prefix token."""
+    return None if t < prefix else divmod(t - prefix, width)
+
+
+def randomise(module, std=0.5):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std)
+    return module
+
+
+def copy_into(dst, src):
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
+
+
+def beit_offsets_oracle(src, dst):
+    """BEiT's geometric source offsets (unilm beit/run_class_finetuning.py; timm 1.0.31
+    timm/layers/pos_embed_rel.py, resize_rel_pos_bias_table): bisection for the ratio, plain loops."""
+    lo, hi = 1.01, 1.5
+    while hi - lo > 1e-6:
+        r = (lo + hi) / 2.0
+        total = sum(r ** k for k in range(src // 2))       # 1 + r + ... + r^(n-1)
+        if total > dst // 2:
+            hi = r
+        else:
+            lo = r
+    out, cur = [], 1.0
+    for k in range(src // 2):
+        out.append(cur)
+        cur += r ** (k + 1)
+    return [-v for v in reversed(out)] + [0.0] + out
+
+
+def clamped_linear_oracle(points, t):
+    """[(index, weight)] of piecewise-linear interpolation at t, constant beyond the ends."""
+    if t <= points[0]:
+        return [(0, 1.0)]
+    if t >= points[-1]:
+        return [(len(points) - 1, 1.0)]
+    for k in range(1, len(points)):
+        if points[k - 1] < t <= points[k]:
+            w = (t - points[k - 1]) / (points[k] - points[k - 1])
+            return [(k - 1, 1.0 - w), (k, w)]
+    raise AssertionError
+
+
+def resize_oracle(table, old, new, extra):
+    """timm's resize_rel_pos_bias_table (the geometric / BEiT method) entry by entry, in float64."""
+    src = (2 * old[0] - 1, 2 * old[1] - 1)
+    dst = (2 * new[0] - 1, 2 * new[1] - 1)
+    ys, xs = beit_offsets_oracle(src[0], dst[0]), beit_offsets_oracle(src[1], dst[1])
+    heads = len(table[0])
+    out = []
+    for ty in range(-(dst[0] // 2), dst[0] // 2 + 1):
+        for tx in range(-(dst[1] // 2), dst[1] // 2 + 1):
+            row = []
+            for h in range(heads):
+                value = 0.0
+                for iy, wy in clamped_linear_oracle(ys, ty):
+                    for ix, wx in clamped_linear_oracle(xs, tx):
+                        value += wy * wx * table[iy * src[1] + ix][h]
+                row.append(value)
+            out.append(row)
+    return out + [list(r) for r in table[len(table) - extra:]] if extra else out
+
+
+class TestRelativePositionBias2D:
+    @pytest.mark.parametrize("prefix", [0, 1])
+    def test_matches_loop_oracle(self, prefix):
+        wh, ww, heads = 3, 4, 2
+        pe = randomise(RelativePositionBias2D(heads, (wh, ww), num_prefix_tokens=prefix).double())
+        table = pe.relative_position_bias_table.detach().tolist()
+        assert len(table) == (2 * wh - 1) * (2 * ww - 1) + 3 * prefix
+        t = wh * ww + prefix
+        bias = pe(t, t)
+        num_relative = (2 * wh - 1) * (2 * ww - 1)
+        for i in range(t):
+            for j in range(t):
+                a, b = window_token(i, ww, prefix), window_token(j, ww, prefix)
+                if a is None and b is None:
+                    row = num_relative + 2            # cls -> cls
+                elif a is None:
+                    row = num_relative                # cls (query) -> token
+                elif b is None:
+                    row = num_relative + 1            # token -> cls (key)
+                else:
+                    row = (a[0] - b[0] + wh - 1) * (2 * ww - 1) + (a[1] - b[1] + ww - 1)
+                for h in range(heads):
+                    assert bias[h, i, j].item() == table[row][h]
+
+    def test_shorter_calls_and_explicit_positions_select_window_tokens(self):
+        pe = RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1)
+        full = pe(21, 21)
+        torch.testing.assert_close(pe(3, 21), full[:, -3:], rtol=0, atol=0)
+        torch.testing.assert_close(pe(4, 4), full[:, :4, :4], rtol=0, atol=0)
+        patches = torch.arange(1, 21)                            # the patches without the [CLS]
+        torch.testing.assert_close(pe(20, 20, positions_q=patches, positions_k=patches), full[:, 1:, 1:], rtol=0, atol=0)
+        batched = torch.stack([patches, patches.flip(0)])
+        got = pe(20, 20, positions_q=batched, positions_k=batched)
+        assert got.shape == (2, H, 20, 20)
+        torch.testing.assert_close(got[1], full[:, 1:, 1:].flip(-1, -2), rtol=0, atol=0)
+
+    def test_matches_transformers_swin_attention(self):
+        pytest.importorskip("transformers")
+        from transformers import SwinConfig
+        from transformers.models.swin.modeling_swin import SwinAttention, SwinRelativePositionBias
+
+        heads, window, hidden = 4, 4, 32
+        config = SwinConfig(embed_dim=hidden, num_heads=[heads], depths=[1], window_size=window)
+        config._attn_implementation = "eager"
+        theirs = randomise(SwinAttention(config, hidden, heads, window).double().eval(), 0.2)
+        ours = RelativePositionBias2D(heads, window).double()
+        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias.relative_position_bias_table)
+        torch.testing.assert_close(ours.relative_position_index.flatten(), theirs.relative_position_bias.relative_position_index)
+        x = torch.randn(3, window * window, hidden, dtype=torch.float64)
+        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
+        out = attention(split(theirs.q_proj(x)), split(theirs.k_proj(x)), split(theirs.v_proj(x)), ours)
+        want = theirs(x)[0]
+        got = theirs.o_proj(out.transpose(1, 2).reshape(3, -1, hidden))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)      # their eager softmax runs in float32
+        torch.testing.assert_close(ours(16, 16), theirs.relative_position_bias()[0], rtol=0, atol=0)
+        # a non-square window, bias against bias
+        rect = randomise(SwinRelativePositionBias(heads, (3, 5)).double())
+        ours = RelativePositionBias2D(heads, (3, 5)).double()
+        copy_into(ours.relative_position_bias_table, rect.relative_position_bias_table)
+        torch.testing.assert_close(ours(15, 15), rect()[0], rtol=0, atol=0)
+
+    def test_matches_transformers_beit_with_cls(self):
+        pytest.importorskip("transformers")
+        from transformers import BeitConfig
+        from transformers.models.beit.modeling_beit import BeitRelativePositionBias
+
+        config = BeitConfig(image_size=64, patch_size=16, num_attention_heads=3)    # window 4 x 4, + [CLS]
+        theirs = randomise(BeitRelativePositionBias(config).double())
+        ours = RelativePositionBias2D(3, 4, num_prefix_tokens=1).double()
+        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias_table)
+        want = theirs(window_size=(4, 4))[0]                                             # [H, 17, 17]
+        torch.testing.assert_close(ours(17, 17), want, rtol=0, atol=1e-15)
+        torch.testing.assert_close(ours.relative_position_index, theirs.generate_relative_position_index((4, 4)))
+
+    def test_timm_index_and_resize_when_installed(self):
+        pos_embed_rel = pytest.importorskip("timm.layers.pos_embed_rel", reason="timm (needs torchvision) not importable")
+        table = torch.randn(7 * 7 + 3, 2, dtype=torch.float64)
+        ours = RelativePositionBias2D(2, 4, num_prefix_tokens=1).double()
+        copy_into(ours.relative_position_bias_table, table)
+        torch.testing.assert_close(ours.relative_position_index,
+                                   pos_embed_rel.gen_relative_position_index((4, 4), class_token=True))
+        want = pos_embed_rel.resize_rel_pos_bias_table(table.float(), (6, 6), (11 * 11 + 3, 2))
+        torch.testing.assert_close(ours.resize(6).relative_position_bias_table.float(), want, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("old, new, prefix", [((4, 4), (6, 6), 1), ((6, 6), (4, 4), 0), ((3, 4), (5, 7), 0),
+                                                  ((4, 4), (4, 6), 1)])
+    def test_resize_matches_timm_geometric_oracle(self, old, new, prefix):
+        pe = randomise(RelativePositionBias2D(2, old, num_prefix_tokens=prefix).double())
+        table = pe.relative_position_bias_table.detach().tolist()
+        want = torch.tensor(resize_oracle(table, old, new, 3 * prefix), dtype=torch.float64)
+        got = pe.resize(new).relative_position_bias_table
+        assert pe.window_size == new and got.shape == want.shape
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+        t = new[0] * new[1] + prefix
+        assert pe(t, t).shape == (2, t, t) and pe.relative_position_index.shape == (t, t)
+
+    def test_resize_bicubic_is_interpolate_of_the_offset_grid(self):
+        pe = randomise(RelativePositionBias2D(2, (3, 4), num_prefix_tokens=1).double())
+        table = pe.relative_position_bias_table.detach().clone()
+        grid = torch.zeros(1, 2, 5, 7, dtype=torch.float64)
+        for dr in range(-2, 3):                 # grid[h, dr + Wh - 1, dc + Ww - 1] = table[row(dr, dc), h]
+            for dc in range(-3, 4):
+                grid[0, :, dr + 2, dc + 3] = table[(dr + 2) * 7 + dc + 3]
+        resized = F.interpolate(grid, size=(9, 5), mode="bicubic", align_corners=False)[0]
+        got = pe.resize((5, 3), interpolation="bicubic").relative_position_bias_table.detach()
+        for dr in range(-4, 5):
+            for dc in range(-2, 3):
+                torch.testing.assert_close(got[(dr + 4) * 5 + dc + 2], resized[:, dr + 4, dc + 2])
+        torch.testing.assert_close(got[-3:], table[-3:], rtol=0, atol=0)
+
+    def test_resize_to_same_window_keeps_table(self):
+        pe = RelativePositionBias2D(2, 5)
+        before = pe.relative_position_bias_table.detach().clone()
+        torch.testing.assert_close(pe.resize(5).relative_position_bias_table.detach(), before, rtol=0, atol=0)
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_score_mod_matches_dense_bias(self, causal):
+        pe = randomise(RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1))
+        q, k, v = qkv(N - 3, N)
+        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
+        positions = torch.stack([torch.arange(N) + 5, torch.randperm(21)[:N]])
+        q, k, v = qkv()
+        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
+        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
+        torch.testing.assert_close(got, want)
+
+    def test_bad_arguments(self):
+        name = "RelativePositionBias2D"
+        with pytest.raises(ValueError, match=f"{name}: num_prefix_tokens must be 0 or 1 .*got num_prefix_tokens=2"):
+            RelativePositionBias2D(4, 7, num_prefix_tokens=2)
+        with pytest.raises(ValueError, match=f"{name}: window_size must be a sequence of 2 positive ints, got window_size=\\(7,\\)"):
+            RelativePositionBias2D(4, (7,))
+        with pytest.raises(ValueError, match=f"{name}: window_size\\[0\\] must be a positive int, got window_size\\[0\\]=0"):
+            RelativePositionBias2D(4, (0, 3))
+        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got float 7.0"):
+            RelativePositionBias2D(4, 7.0)
+        with pytest.raises(ValueError, match=f"{name}: num_heads must be a positive int, got num_heads=0"):
+            RelativePositionBias2D(0, 7)
+        pe = RelativePositionBias2D(4, (4, 5))
+        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 20 tokens \\(4x5\\), got q_len=21"):
+            pe(21, 21)
+        with pytest.raises(ValueError, match=f"{name}: positions_k must be token indices in \\[0, 20\\) .*got 20"):
+            pe(2, 2, positions_k=torch.tensor([3, 20]))
+        with pytest.raises(ValueError, match=f"{name}: positions_q must be token indices in \\[0, 20\\) .*got -1"):
+            attention(*qkv(2, 2), pe, positions_q=torch.tensor([-1, 0]))
+        with pytest.raises(TypeError, match=f"{name}: positions_q must be an integer tensor"):
+            pe(2, 2, positions_q=torch.tensor([0.0, 1.0]))
+        with pytest.raises(ValueError, match=f"{name}: interpolation must be 'geometric' or 'bicubic', got 'nearest'"):
+            pe.resize(6, interpolation="nearest")
+        with pytest.raises(ValueError, match=f"{name}: new_window_size\\[0\\] must be a positive int"):
+            pe.resize((0, 2))
+
+    def test_numpy_ints_accepted(self):
+        np = pytest.importorskip("numpy")
+        pe = RelativePositionBias2D(np.int64(2), (np.int64(3), np.int32(4)))
+        assert pe.window_size == (3, 4) and pe(12, 12).shape == (2, 12, 12)
+
+
+# ---------------------------------------------------------------------------
+# Continuous position bias (Swin-v2)
+# ---------------------------------------------------------------------------
+
+
+def cpb_oracle(pe, wh, ww, pretrained=None):
+    """Liu et al. (Swin-v2) eq. 4 with the official code's normalisation, every pair by loops, float64."""
+    ph, pw = pretrained or (wh, ww)
+    w1 = pe.cpb_mlp[0].weight.detach().tolist()
+    b1 = pe.cpb_mlp[0].bias.detach().tolist()
+    w2 = pe.cpb_mlp[2].weight.detach().tolist()
+    log_space = lambda x: math.copysign(math.log2(1 + abs(x)) / math.log2(8), x) if x else 0.0
+    t = wh * ww
+    out = torch.zeros(len(w2), t, t, dtype=torch.float64)
+    for i in range(t):
+        for j in range(t):
+            (ri, ci), (rj, cj) = divmod(i, ww), divmod(j, ww)
+            x = [log_space((ri - rj) / (ph - 1) * 8), log_space((ci - cj) / (pw - 1) * 8)]
+            hidden = [max(0.0, w1[u][0] * x[0] + w1[u][1] * x[1] + b1[u]) for u in range(len(b1))]
+            for h in range(len(w2)):
+                out[h, i, j] = 16 / (1 + math.exp(-sum(w2[h][u] * hidden[u] for u in range(len(hidden)))))
     return out
 
 
-def cope_paper_appendix(query, key, pos_emb, npos_max):
-    """The paper's appendix code (CoPE + SelfAttn), ported: heads folded into the batch,
-    ``pos_emb`` ``[1, Dh, npos_max]``, a ``[Nq, Nk]`` 0/1 mask added as its log. Returns the
-    logits before the softmax."""
-    batch, heads, q_len, head_dim = query.shape
-    query = query.reshape(batch * heads, q_len, head_dim)
-    key = key.reshape(batch * heads, -1, head_dim)
-    mask = torch.ones(q_len, key.shape[1]).tril(key.shape[1] - q_len).to(query.dtype)
-    attn_logits = torch.bmm(query, key.transpose(-1, -2)) / math.sqrt(head_dim)
-    attn_logits = attn_logits + mask.log()
-    gates = torch.sigmoid(attn_logits)
-    pos = gates.flip(-1).cumsum(dim=-1).flip(-1).clamp(max=npos_max - 1)
-    pos_ceil, pos_floor = pos.ceil().long(), pos.floor().long()
-    logits_int = torch.matmul(query, pos_emb)
-    w = pos - pos_floor
-    cope = logits_int.gather(-1, pos_ceil) * w + logits_int.gather(-1, pos_floor) * (1 - w)
-    return (attn_logits + cope).reshape(batch, heads, q_len, -1)
+class TestContinuousPositionBias:
+    @pytest.mark.parametrize("window, pretrained", [((3, 4), None), ((4, 3), (2, 5))])
+    def test_matches_loop_oracle(self, window, pretrained):
+        pe = randomise(ContinuousPositionBias(2, window, hidden_dim=8, pretrained_window_size=pretrained).double())
+        t = window[0] * window[1]
+        torch.testing.assert_close(pe(t, t), cpb_oracle(pe, *window, pretrained), rtol=1e-12, atol=1e-12)
 
+    @pytest.mark.parametrize("window, pretrained", [(4, (0, 0)), ((3, 5), (4, 6))])
+    def test_matches_transformers_swinv2_attention(self, window, pretrained):
+        pytest.importorskip("transformers")
+        from transformers import Swinv2Config
+        from transformers.models.swinv2.modeling_swinv2 import Swinv2SelfAttention
 
-class TestCoPE:
-    @pytest.mark.parametrize("per_head", [False, True])
-    @pytest.mark.parametrize("max_position", [3, 64])   # 3: most positions clamp
-    def test_matches_loop_oracle(self, per_head, max_position):
-        cope = CoPEPositionalEmbedding(2, 4, max_position=max_position, per_head=per_head, init_std=1.0).double()
-        q, k = torch.randn(2, 1, 2, 7, 4, dtype=torch.float64).unbind(0)
-        q = q[..., 2:, :] * 2                                                           # 5 queries: the last 5 keys
-        want = cope_oracle(q, k, cope.pos_emb.detach(), 0.5, max_position)
-        torch.testing.assert_close(cope(q, k), want, rtol=1e-12, atol=1e-12)
+        heads, hidden = 4, 32
+        config = Swinv2Config(embed_dim=hidden, num_heads=[heads], depths=[1])
+        theirs = Swinv2SelfAttention(config, hidden, heads, window, pretrained_window_size=list(pretrained)).eval()
+        randomise(theirs, 0.3)
+        wh, ww = (window, window) if isinstance(window, int) else window
+        ours = ContinuousPositionBias(heads, window, pretrained_window_size=pretrained if pretrained[0] else None)
+        ours.load_state_dict({k: v for k, v in theirs.state_dict().items() if "position_bias_mlp" in k})
+        x = torch.randn(3, wh * ww, hidden)
+        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
+        logit_scale = theirs.logit_scale.clamp(max=math.log(100.0)).exp()              # [H, 1, 1]
+        q = F.normalize(split(theirs.query(x)), dim=-1) * logit_scale                   # cosine attention
+        k = F.normalize(split(theirs.key(x)), dim=-1)
+        out = attention(q, k, split(theirs.value(x)), ours, scale=1.0)
+        want = theirs(x)[0]
+        torch.testing.assert_close(out.transpose(1, 2).reshape(3, -1, hidden), want, rtol=1e-5, atol=1e-5)
 
-    def test_matches_paper_appendix_code(self):
-        cope = CoPEPositionalEmbedding(H, DH, max_position=10, init_std=1.0)
-        q, k, v = qkv(N - 4, N)
-        want = cope_paper_appendix(q, k, cope.pos_emb.detach().T[None], 10)           # paper: [1, Dh, P]
-        got = cope(q, k)
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
-        out = attention(q, k, v, cope, causal=True)
-        torch.testing.assert_close(out, torch.softmax(want, -1) @ v, rtol=0, atol=1e-5)
+    def test_state_dict_names_and_transformers_converter(self):
+        pe = ContinuousPositionBias(2, 4, hidden_dim=8)
+        assert set(pe.state_dict()) == {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"}
+        other = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        renamed = {k.replace("cpb_mlp", "continuous_position_bias_mlp"): v for k, v in other.state_dict().items()}
+        pe.load_state_dict(renamed)
+        torch.testing.assert_close(pe(16, 16), other(16, 16))
+        outer = torch.nn.Sequential(pe)
+        outer.load_state_dict({"0." + k: v for k, v in renamed.items()})             # nested prefix too
 
-    @pytest.mark.parametrize("q_len", [N, N - 5, 1])
-    def test_matches_x_transformers(self, q_len):
-        x_transformers = pytest.importorskip("x_transformers.x_transformers")
-        reference = x_transformers.CoPE(dim=DH, heads=H, max_pos=12)
-        cope = CoPEPositionalEmbedding(H, DH, max_position=12, init_std=1.0)
-        with torch.no_grad():
-            reference.pos_emb.copy_(cope.pos_emb)                                        # same name and shape
-        q, k, _ = qkv(q_len, N, dtype=torch.float64)
-        q = q * 3                                                                       # spread the gates
-        reference, cope = reference.double(), cope.double()
-        # x-transformers' Attend: scaled logits, bottom-right causal mask as -max, then sim + cope(q, sim)
-        sim = q @ k.transpose(-1, -2) * DH ** -0.5
-        future = torch.ones(q_len, N, dtype=torch.bool).triu(N - q_len + 1)
-        sim = sim.masked_fill(future, -torch.finfo(sim.dtype).max)
-        want = sim + reference(q, sim)
-        got = cope(q, k)
-        assert torch.equal(torch.isinf(got), future.expand_as(got))
-        torch.testing.assert_close(got[..., ~future], want[..., ~future], rtol=0, atol=1e-12)
+    def test_resize_keeps_mlp_and_uses_old_window_as_pretrained(self):
+        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        fresh = ContinuousPositionBias(2, (6, 8), hidden_dim=8, pretrained_window_size=4)
+        fresh.load_state_dict(pe.state_dict())
+        pe.resize((6, 8))
+        assert pe.pretrained_window_size == (4, 4) and pe.window_size == (6, 8)
+        torch.testing.assert_close(pe(48, 48), fresh(48, 48), rtol=0, atol=0)
 
-    def test_causal_by_construction(self):
-        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
-        q, k, v = qkv(N - 3, N)
-        logits = cope(q, k)
-        future = torch.ones(N - 3, N, dtype=torch.bool).triu(4)
-        assert torch.isinf(logits[..., future]).all() and torch.isfinite(logits[..., ~future]).all()
-        torch.testing.assert_close(attention(q, k, v, cope), attention(q, k, v, cope, causal=True))
+    def test_window_of_one_row_is_finite(self):
+        pe = ContinuousPositionBias(2, (1, 4), hidden_dim=8).double()
+        torch.testing.assert_close(pe(4, 4), cpb_oracle(pe, 1, 4, (2, 4)), rtol=1e-12, atol=1e-12)  # axis 0: offset 0
 
-    def test_positions_count_open_gates(self):
-        # every gate fully open (q = k, large): p_ij = i - j + 1, so each pair reads row i - j + 1
-        cope = CoPEPositionalEmbedding(1, 2, max_position=8)
-        with torch.no_grad():
-            cope.pos_emb.copy_(torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.0]))   # q . e[p] = p * q_0
-        q = torch.tensor([1.0, 0.0]).expand(1, 1, 5, 2) * 100
-        logits = cope(q, q.clone(), scale=1.0) - 100 * 100                              # drop the content term
-        i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
-        want = torch.where(j <= i, 100.0 * (i - j + 1).float(), float("-inf"))
-        torch.testing.assert_close(logits[0, 0], want)
+    def test_bfloat16_module_computes_in_float32(self):
+        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
+        bf16 = copy.deepcopy(pe).bfloat16()
+        rounded = copy.deepcopy(bf16).float()              # the same rounded weights, float32 module
+        got = bf16(16, 16)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, rounded(16, 16), rtol=0, atol=0)
+        assert bf16.relative_coords_table.dtype == torch.float64
 
-    def test_decoding_token_by_token_is_exact(self):
-        cope = CoPEPositionalEmbedding(H, DH, max_position=6, per_head=True, init_std=1.0)
-        q, k, v = qkv()
-        full = attention(q, k, v, cope, causal=True)
-        for t in (0, 6, N - 1):
-            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], cope, causal=True)
-            torch.testing.assert_close(step, full[..., t : t + 1, :])
-
-    def test_gates_use_the_logit_scale(self):
-        cope = CoPEPositionalEmbedding(1, 4, max_position=64, init_std=1.0).double()
-        q, k = torch.randn(2, 1, 1, 6, 4, dtype=torch.float64).unbind(0)
-        torch.testing.assert_close(cope(q, k, scale=0.3), cope_oracle(q, k, cope.pos_emb.detach(), 0.3, 64))
-
-    def test_gradient_reaches_keys_through_the_gates(self):
-        # beyond the content term, the keys move the gates, hence the positions (the paper's gradient path)
-        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
-        q, k, _ = qkv(dtype=torch.float64)
-        k.requires_grad_(True)
-        weights = torch.randn(B, H, N, N, dtype=torch.float64).tril()
-        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)
-        (grad,) = torch.autograd.grad((finite(cope.double()(q, k)) * weights).sum(), k)
-        content = torch.autograd.grad(((q @ k.transpose(-1, -2)) * DH ** -0.5 * weights).sum(), k)[0]
-        assert (grad - content).abs().max() > 1e-3   # the position term moves the keys through the gates
-
-    @pytest.mark.parametrize("kwargs, error, message", [
-        (dict(num_heads=0, head_dim=8), ValueError, "num_heads must be a positive int, got num_heads=0"),
-        (dict(num_heads=2, head_dim=8, max_position=1.5), TypeError, "max_position must be an int, got float 1.5"),
-        (dict(num_heads=2, head_dim=8, per_head="yes"), TypeError, "per_head must be a bool, got str"),
-        (dict(num_heads=2, head_dim=8, init_std=-1.0), ValueError, "init_std must be a finite number >= 0"),
-    ])
-    def test_bad_arguments(self, kwargs, error, message):
-        with pytest.raises(error, match="CoPEPositionalEmbedding: " + message):
-            CoPEPositionalEmbedding(**kwargs)
-
-    def test_bad_inputs(self):
-        cope = CoPEPositionalEmbedding(H, DH)
-        q, k, v = qkv()
-        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_q must be None: contextual .*"
-                                             "got shape \\(16,\\)"):
-            cope(q, k, torch.arange(N))
-        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_k must be None"):
-            attention(q, k, v, cope, positions_k=torch.arange(N))
-        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q must not have more tokens than k.*Nq=16 "
-                                             "and Nk=5"):
-            cope(q, k[..., :5, :])
-        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q and k must be \\[..., H=4, N, Dh=32\\]"):
-            cope(q[..., :16], k[..., :16])
+    def test_bad_arguments(self):
+        name = "ContinuousPositionBias"
+        with pytest.raises(ValueError, match=f"{name}: hidden_dim must be a positive int, got hidden_dim=0"):
+            ContinuousPositionBias(2, 4, hidden_dim=0)
+        with pytest.raises(ValueError, match=f"{name}: pretrained_window_size\\[0\\] must be a positive int, got pretrained_window_size\\[0\\]=0"):
+            ContinuousPositionBias(2, 4, pretrained_window_size=(0, 3))
+        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got str '7'"):
+            ContinuousPositionBias(2, "7")
+        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 16 tokens"):
+            ContinuousPositionBias(2, 4)(17, 17)
 
 
 # ---------------------------------------------------------------------------
-# Forgetting Transformer
+# Forgetting Transformer (forget gate)
 # ---------------------------------------------------------------------------
 
 
@@ -3286,6 +5990,229 @@ class TestForgetting:
             ForgettingPositionalEmbedding(D, H, init_std=float("nan"))
         with pytest.raises(ValueError, match=owner + "pe\\(x\\) takes the token states alone"):
             fox(torch.randn(B, N, D), 3)
+
+
+# ===========================================================================
+# Logits kind: computes the logits from q and k
+# ===========================================================================
+
+
+# ---------------------------------------------------------------------------
+# Transformer-XL
+# ---------------------------------------------------------------------------
+
+
+def sinusoid_concat(d, d_model, base=10000.0):
+    return ([math.sin(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)]
+            + [math.cos(d * base ** (-2 * k / d_model)) for k in range(d_model // 2)])
+
+
+def matvec(w, x):
+    return [sum(wr[c] * x[c] for c in range(len(x))) for wr in w]
+
+
+class TestTransformerXL:
+    def xl_oracle(self, xl, q, k, pos_q, pos_k, scale):
+        u, v, w_r = xl.r_w_bias.tolist(), xl.r_r_bias.tolist(), xl.r_net.weight.tolist()
+        out = torch.zeros(q.shape[0], q.shape[1], len(pos_q), len(pos_k), dtype=torch.float64)
+        for i, p in enumerate(pos_q):
+            for j, r in enumerate(pos_k):
+                distance = p - r
+                if xl.clamp_len is not None:
+                    distance = max(-xl.clamp_len, min(xl.clamp_len, distance))
+                rel = matvec(w_r, sinusoid_concat(distance, xl.d_model))
+                for b in range(q.shape[0]):
+                    for h in range(q.shape[1]):
+                        qi, kj = q[b, h, i].tolist(), k[b, h, j].tolist()
+                        rh = rel[h * xl.head_dim : (h + 1) * xl.head_dim]
+                        ac = sum((qi[c] + u[h][c]) * kj[c] for c in range(xl.head_dim))
+                        bd = sum((qi[c] + v[h][c]) * rh[c] for c in range(xl.head_dim))
+                        out[b, h, i, j] = scale * (ac + bd)
+        return out
+
+    @pytest.mark.parametrize("nq, nk", [(5, 5), (3, 8)])
+    def test_bidirectional_and_memory_match_oracle(self, nq, nk):
+        xl = TransformerXLPositionalEmbedding(2, 4, d_model=6).double()
+        q, k = torch.randn(1, 2, nq, 4, dtype=torch.float64), torch.randn(1, 2, nk, 4, dtype=torch.float64)
+        want = self.xl_oracle(xl, q, k, [i + nk - nq for i in range(nq)], list(range(nk)), 0.5)
+        torch.testing.assert_close(xl(q, k), want)
+
+    def test_explicit_float_positions_and_clamp_match_oracle(self):
+        xl = TransformerXLPositionalEmbedding(2, 4, clamp_len=3).double()
+        q, k = torch.randn(2, 2, 3, 4, dtype=torch.float64), torch.randn(2, 2, 4, 4, dtype=torch.float64)
+        pos_q, pos_k = [0.5, 10.0, 4.0], [1.0, -6.5, 2.0, 4.0]
+        got = xl(q, k, torch.tensor(pos_q, dtype=torch.float64), torch.tensor(pos_k, dtype=torch.float64))
+        torch.testing.assert_close(got, self.xl_oracle(xl, q, k, pos_q, pos_k, 0.5))
+
+    def test_equals_reference_rel_shift_below_the_diagonal(self):
+        # the reference: BD against R(klen-1 .. 0), zero-pad, reshape, drop a row (valid where j <= i + mlen)
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        qlen, mlen = 4, 3
+        klen = qlen + mlen
+        q, k = torch.randn(1, 2, qlen, 4), torch.randn(1, 2, klen, 4)
+        r = xl.relative_keys(-torch.arange(klen - 1, -1, -1))                          # R(klen-1), ..., R(0)
+        bd = torch.einsum("bhid,hjd->bhij", q + xl.r_r_bias[:, None], r)                # [1, 2, qlen, klen]
+        padded = torch.cat([torch.zeros(1, 2, qlen, 1), bd], -1).view(1, 2, klen + 1, qlen)
+        shifted = padded[:, :, 1:].reshape(1, 2, qlen, klen)
+        ac = torch.einsum("bhid,bhjd->bhij", q + xl.r_w_bias[:, None], k)
+        reference = (ac + shifted) * 0.5
+        ours = xl(q, k)
+        valid = torch.arange(klen)[None, :] <= torch.arange(qlen)[:, None] + mlen
+        torch.testing.assert_close(ours[..., valid], reference[..., valid])
+        assert not torch.allclose(ours[..., ~valid], reference[..., ~valid])   # the reference's garbage
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: d_model must be a positive even int, got d_model=7"):
+            TransformerXLPositionalEmbedding(2, 4, d_model=7)
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        with pytest.raises(ValueError, match="q and k must be \\[..., H=2, N, Dh=4\\]"):
+            xl(torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4))
+
+    @pytest.mark.parametrize("cls", [TransformerXLPositionalEmbedding, EnformerPositionalEmbedding])
+    def test_gradcheck_float_positions(self, cls):
+        pe = (cls(2, 4, d_model=6) if cls is TransformerXLPositionalEmbedding
+              else cls(2, 4, num_features=12, length_scale=16)).double()
+        q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64)
+        # distinct distances away from 0 and from the central masks' steps (2**k - 1)
+        pos_q = torch.tensor([0.25, 4.6, 9.1], dtype=torch.float64, requires_grad=True)
+        pos_k = torch.tensor([2.1, 5.45, 0.7, 12.35], dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda a, b: pe(q, k, a, b), (pos_q, pos_k))
+        batched = torch.stack([pos_q.detach(), pos_q.detach() + 0.05]).requires_grad_()
+        assert torch.autograd.gradcheck(lambda a: pe(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), a, pos_k),
+                                        (batched,))
+        # the values equal the no-grad (distinct-distance) path
+        torch.testing.assert_close(pe(q, k, pos_q, pos_k), pe(q, k, pos_q.detach(), pos_k.detach()))
+
+    def test_transformer_xl_rejects_more_queries_than_keys_with_default_positions(self):
+        xl = TransformerXLPositionalEmbedding(2, 4)
+        q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
+        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: default positions need at least as "
+                                             "many keys as queries .*got Nq=5 > Nk=3; pass positions_q and "
+                                             "positions_k explicitly"):
+            xl(q, k)
+        out = xl(q, k, torch.arange(5), torch.arange(3))                                # explicit: defined
+        assert out.shape == (1, 2, 5, 3)
+        assert xl(q[..., :3, :], k).shape == (1, 2, 3, 3)
+
+
+# ---------------------------------------------------------------------------
+# Enformer
+# ---------------------------------------------------------------------------
+
+
+def enformer_features_oracle(d, num_basis, length, min_half_life=3.0, symmetric=False):
+    """Enformer's basis functions of one distance, in plain Python (DeepMind's normalisation)."""
+    def gamma_raw(x):
+        out = []
+        stddev = length / (2 * num_basis)
+        for k in range(num_basis):
+            mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
+            c, rate = (mean / stddev) ** 2, mean / stddev ** 2
+            log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
+            out.append(math.exp(log_pdf) + 1e-8)
+        return out
+
+    x = abs(d)
+    exponential = []
+    for k in range(num_basis):
+        half_life = 2 ** (min_half_life + k * (math.log2(length) - min_half_life) / (num_basis - 1))
+        exponential.append(math.exp(-math.log(2) / half_life * x))
+    central = [1.0 if 2 ** (k + 1) - 1 > x else 0.0 for k in range(num_basis)]
+    peaks = [max(col) for col in zip(*[gamma_raw(y) for y in range(length)])]
+    gamma = [g / p for g, p in zip(gamma_raw(x), peaks)]
+    features = exponential + central + gamma
+    if symmetric:
+        return features
+    sign = (d > 0) - (d < 0)
+    return features + [sign * f for f in features]
+
+
+def enformer_gamma_raw(x, num_basis, length):
+    """Unnormalised gamma densities (plus 1e-8) at |x|, DeepMind's and enformer-pytorch's formula."""
+    out, stddev = [], length / (2 * num_basis)
+    for k in range(num_basis):
+        mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
+        c, rate = (mean / stddev) ** 2, mean / stddev ** 2
+        x = abs(x)
+        log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
+        out.append(math.exp(log_pdf) + 1e-8)
+    return out
+
+
+class TestEnformer:
+    def test_features_match_oracle(self):
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=50)
+        distances = [-49, -7, -1, 0, 1, 3, 20, 49, 120]
+        got = enformer.features(torch.tensor(distances))
+        want = torch.tensor([enformer_features_oracle(d, 4, 50) for d in distances], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+    def test_logits_match_oracle(self):
+        enformer = EnformerPositionalEmbedding(2, 3, num_features=12, length_scale=16).double()
+        q, k = torch.randn(1, 2, 3, 3, dtype=torch.float64), torch.randn(1, 2, 5, 3, dtype=torch.float64)
+        u, v, w_r = enformer.r_w_bias.tolist(), enformer.r_r_bias.tolist(), enformer.r_k.weight.tolist()
+        scale = 3 ** -0.5
+        got = enformer(q, k)
+        for i in range(3):
+            for j in range(5):
+                rel = matvec(w_r, enformer_features_oracle(j - (i + 2), 2, 16))
+                for h in range(2):
+                    qi, kj, rh = q[0, h, i].tolist(), k[0, h, j].tolist(), rel[h * 3 : h * 3 + 3]
+                    want = sum((scale * qi[c] + u[h][c]) * kj[c] + (scale * qi[c] + v[h][c]) * rh[c] for c in range(3))
+                    assert got[0, h, i, j].item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+    def test_equals_deepmind_relative_shift(self):
+        # DeepMind: distances -T+1 .. T-1, logits against them, then pad/reshape/slice
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
+        t = 6
+        q, k = torch.randn(1, 2, t, 4), torch.randn(1, 2, t, 4)
+        keys = enformer.relative_keys(torch.arange(-t + 1, t))                          # [H, 2T-1, Dh]
+        rel = torch.einsum("bhid,hjd->bhij", q * 0.5 + enformer.r_r_bias[:, None], keys)
+        padded = torch.cat([torch.zeros_like(rel[..., :1]), rel], -1).reshape(1, 2, 2 * t, t)
+        shifted = padded[:, :, 1:].reshape(1, 2, t, 2 * t - 1)[..., : (2 * t + 1) // 2]
+        content = torch.einsum("bhid,bhjd->bhij", q * 0.5 + enformer.r_w_bias[:, None], k)
+        torch.testing.assert_close(enformer(q, k), content + shifted)
+
+    def test_pair_does_not_depend_on_sequence_length(self):
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=12, length_scale=64)
+        q, k = torch.randn(1, 2, 40, 4), torch.randn(1, 2, 40, 4)
+        torch.testing.assert_close(enformer(q[..., :10, :], k[..., :10, :]), enformer(q, k)[..., :10, :10])
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: num_features must be a positive multiple of 6 "
+                                             "\\(symmetric=False\\), got num_features=8"):
+            EnformerPositionalEmbedding(2, 4, num_features=8)
+
+    @pytest.mark.parametrize("normalization", ["per_feature", "global", "per_distance"])
+    def test_enformer_gamma_normalisations_match_their_formulas(self, normalization):
+        num_basis, length = 4, 40
+        enformer = EnformerPositionalEmbedding(2, 4, num_features=6 * num_basis, length_scale=length,
+                                               gamma_normalization=normalization)
+        # every distance of an input of `length` tokens, as both references evaluate them
+        distances = list(range(-length + 1, length))
+        raw = [enformer_gamma_raw(d, num_basis, length) for d in distances]
+        if normalization == "global":            # DeepMind: probabilities / tf.reduce_max(probabilities)
+            top = max(max(row) for row in raw)
+            want = [[g / top for g in row] for row in raw]
+        elif normalization == "per_distance":    # enformer-pytorch: probabilities / amax(probabilities, dim=-1)
+            want = [[g / max(row) for g in row] for row in raw]
+        else:                                    # each density over its own peak
+            peaks = [max(row[f] for row in raw) for f in range(num_basis)]
+            want = [[g / p for g, p in zip(row, peaks)] for row in raw]
+        got = enformer.features(torch.tensor(distances))[:, 2 * num_basis : 3 * num_basis]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-15)
+        assert normalization in repr(enformer)
+
+    def test_enformer_gamma_normalisations_differ_and_default_is_per_feature(self):
+        make = lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=40, **kw).features(
+            torch.arange(-39, 40))
+        features = {n: make(gamma_normalization=n) for n in ("per_feature", "global", "per_distance")}
+        torch.testing.assert_close(make(), features["per_feature"], rtol=0, atol=0)
+        assert (features["global"] - features["per_feature"]).abs().max() > 1e-2
+        assert (features["per_distance"] - features["per_feature"]).abs().max() > 1e-1
+        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: gamma_normalization must be one of "
+                                             "'per_feature', 'global', 'per_distance', got gamma_normalization='max'"):
+            EnformerPositionalEmbedding(2, 4, num_features=24, gamma_normalization="max")
 
 
 # ---------------------------------------------------------------------------
@@ -3515,6 +6442,15 @@ class TestShaw:
         with pytest.raises(TypeError, match="ShawPositionalEmbedding: positions_k must be an integer tensor"):
             pe.attention_values(weights, torch.arange(N), torch.arange(N, dtype=torch.float32))
 
+    def test_shaw_value_term_needs_v_of_the_head_dim(self):
+        q, k, v = qkv()
+        wide = torch.randn(B, H, N, DH + 8)
+        with pytest.raises(ValueError, match=r"ShawPositionalEmbedding: v must have the head dim Dh=32 .* "
+                                             r"got v \(2, 4, 16, 40\)"):
+            attention(q, k, wide, ShawPositionalEmbedding(H, DH))
+        no_values = ShawPositionalEmbedding(H, DH, values=False)
+        assert attention(q, k, wide, no_values).shape == (B, H, N, DH + 8)
+
 
 # ---------------------------------------------------------------------------
 # DeBERTa
@@ -3713,2544 +6649,168 @@ class TestDeberta:
 
 
 # ---------------------------------------------------------------------------
-# Shim (not pasted): the shared property tests over NEW_CASES
+# CoPE
 # ---------------------------------------------------------------------------
 
 
-def window_token(t, width, prefix):
-    """(row, col) of window token t, or None for the prefix token."""
-    return None if t < prefix else divmod(t - prefix, width)
-
-
-def randomise(module, std=0.5):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0.0, std)
-    return module
-
-
-def copy_into(dst, src):
-    with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
-
-
-# ---------------------------------------------------------------------------
-# Swin / BEiT window table
-# ---------------------------------------------------------------------------
-
-
-def beit_offsets_oracle(src, dst):
-    """BEiT's geometric source offsets (unilm beit/run_class_finetuning.py; timm 1.0.31
-    timm/layers/pos_embed_rel.py, resize_rel_pos_bias_table): bisection for the ratio, plain loops."""
-    lo, hi = 1.01, 1.5
-    while hi - lo > 1e-6:
-        r = (lo + hi) / 2.0
-        total = sum(r ** k for k in range(src // 2))       # 1 + r + ... + r^(n-1)
-        if total > dst // 2:
-            hi = r
-        else:
-            lo = r
-    out, cur = [], 1.0
-    for k in range(src // 2):
-        out.append(cur)
-        cur += r ** (k + 1)
-    return [-v for v in reversed(out)] + [0.0] + out
-
-
-def clamped_linear_oracle(points, t):
-    """[(index, weight)] of piecewise-linear interpolation at t, constant beyond the ends."""
-    if t <= points[0]:
-        return [(0, 1.0)]
-    if t >= points[-1]:
-        return [(len(points) - 1, 1.0)]
-    for k in range(1, len(points)):
-        if points[k - 1] < t <= points[k]:
-            w = (t - points[k - 1]) / (points[k] - points[k - 1])
-            return [(k - 1, 1.0 - w), (k, w)]
-    raise AssertionError
-
-
-def resize_oracle(table, old, new, extra):
-    """timm's resize_rel_pos_bias_table (the geometric / BEiT method) entry by entry, in float64."""
-    src = (2 * old[0] - 1, 2 * old[1] - 1)
-    dst = (2 * new[0] - 1, 2 * new[1] - 1)
-    ys, xs = beit_offsets_oracle(src[0], dst[0]), beit_offsets_oracle(src[1], dst[1])
-    heads = len(table[0])
-    out = []
-    for ty in range(-(dst[0] // 2), dst[0] // 2 + 1):
-        for tx in range(-(dst[1] // 2), dst[1] // 2 + 1):
-            row = []
-            for h in range(heads):
-                value = 0.0
-                for iy, wy in clamped_linear_oracle(ys, ty):
-                    for ix, wx in clamped_linear_oracle(xs, tx):
-                        value += wy * wx * table[iy * src[1] + ix][h]
-                row.append(value)
-            out.append(row)
-    return out + [list(r) for r in table[len(table) - extra:]] if extra else out
-
-
-class TestRelativePositionBias2D:
-    @pytest.mark.parametrize("prefix", [0, 1])
-    def test_matches_loop_oracle(self, prefix):
-        wh, ww, heads = 3, 4, 2
-        pe = randomise(RelativePositionBias2D(heads, (wh, ww), num_prefix_tokens=prefix).double())
-        table = pe.relative_position_bias_table.detach().tolist()
-        assert len(table) == (2 * wh - 1) * (2 * ww - 1) + 3 * prefix
-        t = wh * ww + prefix
-        bias = pe(t, t)
-        num_relative = (2 * wh - 1) * (2 * ww - 1)
-        for i in range(t):
-            for j in range(t):
-                a, b = window_token(i, ww, prefix), window_token(j, ww, prefix)
-                if a is None and b is None:
-                    row = num_relative + 2            # cls -> cls
-                elif a is None:
-                    row = num_relative                # cls (query) -> token
-                elif b is None:
-                    row = num_relative + 1            # token -> cls (key)
-                else:
-                    row = (a[0] - b[0] + wh - 1) * (2 * ww - 1) + (a[1] - b[1] + ww - 1)
-                for h in range(heads):
-                    assert bias[h, i, j].item() == table[row][h]
-
-    def test_shorter_calls_and_explicit_positions_select_window_tokens(self):
-        pe = RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1)
-        full = pe(21, 21)
-        torch.testing.assert_close(pe(3, 21), full[:, -3:], rtol=0, atol=0)
-        torch.testing.assert_close(pe(4, 4), full[:, :4, :4], rtol=0, atol=0)
-        patches = torch.arange(1, 21)                            # the patches without the [CLS]
-        torch.testing.assert_close(pe(20, 20, positions_q=patches, positions_k=patches), full[:, 1:, 1:], rtol=0, atol=0)
-        batched = torch.stack([patches, patches.flip(0)])
-        got = pe(20, 20, positions_q=batched, positions_k=batched)
-        assert got.shape == (2, H, 20, 20)
-        torch.testing.assert_close(got[1], full[:, 1:, 1:].flip(-1, -2), rtol=0, atol=0)
-
-    def test_matches_transformers_swin_attention(self):
-        pytest.importorskip("transformers")
-        from transformers import SwinConfig
-        from transformers.models.swin.modeling_swin import SwinAttention, SwinRelativePositionBias
-
-        heads, window, hidden = 4, 4, 32
-        config = SwinConfig(embed_dim=hidden, num_heads=[heads], depths=[1], window_size=window)
-        config._attn_implementation = "eager"
-        theirs = randomise(SwinAttention(config, hidden, heads, window).double().eval(), 0.2)
-        ours = RelativePositionBias2D(heads, window).double()
-        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias.relative_position_bias_table)
-        torch.testing.assert_close(ours.relative_position_index.flatten(), theirs.relative_position_bias.relative_position_index)
-        x = torch.randn(3, window * window, hidden, dtype=torch.float64)
-        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
-        out = attention(split(theirs.q_proj(x)), split(theirs.k_proj(x)), split(theirs.v_proj(x)), ours)
-        want = theirs(x)[0]
-        got = theirs.o_proj(out.transpose(1, 2).reshape(3, -1, hidden))
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)      # their eager softmax runs in float32
-        torch.testing.assert_close(ours(16, 16), theirs.relative_position_bias()[0], rtol=0, atol=0)
-        # a non-square window, bias against bias
-        rect = randomise(SwinRelativePositionBias(heads, (3, 5)).double())
-        ours = RelativePositionBias2D(heads, (3, 5)).double()
-        copy_into(ours.relative_position_bias_table, rect.relative_position_bias_table)
-        torch.testing.assert_close(ours(15, 15), rect()[0], rtol=0, atol=0)
-
-    def test_matches_transformers_beit_with_cls(self):
-        pytest.importorskip("transformers")
-        from transformers import BeitConfig
-        from transformers.models.beit.modeling_beit import BeitRelativePositionBias
-
-        config = BeitConfig(image_size=64, patch_size=16, num_attention_heads=3)    # window 4 x 4, + [CLS]
-        theirs = randomise(BeitRelativePositionBias(config).double())
-        ours = RelativePositionBias2D(3, 4, num_prefix_tokens=1).double()
-        copy_into(ours.relative_position_bias_table, theirs.relative_position_bias_table)
-        want = theirs(window_size=(4, 4))[0]                                             # [H, 17, 17]
-        torch.testing.assert_close(ours(17, 17), want, rtol=0, atol=1e-15)
-        torch.testing.assert_close(ours.relative_position_index, theirs.generate_relative_position_index((4, 4)))
-
-    def test_timm_index_and_resize_when_installed(self):
-        pos_embed_rel = pytest.importorskip("timm.layers.pos_embed_rel", reason="timm (needs torchvision) not importable")
-        table = torch.randn(7 * 7 + 3, 2, dtype=torch.float64)
-        ours = RelativePositionBias2D(2, 4, num_prefix_tokens=1).double()
-        copy_into(ours.relative_position_bias_table, table)
-        torch.testing.assert_close(ours.relative_position_index,
-                                   pos_embed_rel.gen_relative_position_index((4, 4), class_token=True))
-        want = pos_embed_rel.resize_rel_pos_bias_table(table.float(), (6, 6), (11 * 11 + 3, 2))
-        torch.testing.assert_close(ours.resize(6).relative_position_bias_table.float(), want, rtol=1e-5, atol=1e-6)
-
-    @pytest.mark.parametrize("old, new, prefix", [((4, 4), (6, 6), 1), ((6, 6), (4, 4), 0), ((3, 4), (5, 7), 0),
-                                                  ((4, 4), (4, 6), 1)])
-    def test_resize_matches_timm_geometric_oracle(self, old, new, prefix):
-        pe = randomise(RelativePositionBias2D(2, old, num_prefix_tokens=prefix).double())
-        table = pe.relative_position_bias_table.detach().tolist()
-        want = torch.tensor(resize_oracle(table, old, new, 3 * prefix), dtype=torch.float64)
-        got = pe.resize(new).relative_position_bias_table
-        assert pe.window_size == new and got.shape == want.shape
-        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
-        t = new[0] * new[1] + prefix
-        assert pe(t, t).shape == (2, t, t) and pe.relative_position_index.shape == (t, t)
-
-    def test_resize_bicubic_is_interpolate_of_the_offset_grid(self):
-        pe = randomise(RelativePositionBias2D(2, (3, 4), num_prefix_tokens=1).double())
-        table = pe.relative_position_bias_table.detach().clone()
-        grid = torch.zeros(1, 2, 5, 7, dtype=torch.float64)
-        for dr in range(-2, 3):                 # grid[h, dr + Wh - 1, dc + Ww - 1] = table[row(dr, dc), h]
-            for dc in range(-3, 4):
-                grid[0, :, dr + 2, dc + 3] = table[(dr + 2) * 7 + dc + 3]
-        resized = F.interpolate(grid, size=(9, 5), mode="bicubic", align_corners=False)[0]
-        got = pe.resize((5, 3), interpolation="bicubic").relative_position_bias_table.detach()
-        for dr in range(-4, 5):
-            for dc in range(-2, 3):
-                torch.testing.assert_close(got[(dr + 4) * 5 + dc + 2], resized[:, dr + 4, dc + 2])
-        torch.testing.assert_close(got[-3:], table[-3:], rtol=0, atol=0)
-
-    def test_resize_to_same_window_keeps_table(self):
-        pe = RelativePositionBias2D(2, 5)
-        before = pe.relative_position_bias_table.detach().clone()
-        torch.testing.assert_close(pe.resize(5).relative_position_bias_table.detach(), before, rtol=0, atol=0)
-
-    @pytest.mark.parametrize("causal", [False, True])
-    def test_score_mod_matches_dense_bias(self, causal):
-        pe = randomise(RelativePositionBias2D(H, (4, 5), num_prefix_tokens=1))
-        q, k, v = qkv(N - 3, N)
-        want = attention(q, k, v, pe, causal=causal or None, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=causal or None, use_flex=True), want)
-        positions = torch.stack([torch.arange(N) + 5, torch.randperm(21)[:N]])
-        q, k, v = qkv()
-        want = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=False)
-        got = attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=True)
-        torch.testing.assert_close(got, want)
-
-    def test_bad_arguments(self):
-        name = "RelativePositionBias2D"
-        with pytest.raises(ValueError, match=f"{name}: num_prefix_tokens must be 0 or 1 .*got num_prefix_tokens=2"):
-            RelativePositionBias2D(4, 7, num_prefix_tokens=2)
-        with pytest.raises(ValueError, match=f"{name}: window_size must be a sequence of 2 positive ints, got window_size=\\(7,\\)"):
-            RelativePositionBias2D(4, (7,))
-        with pytest.raises(ValueError, match=f"{name}: window_size\\[0\\] must be a positive int, got window_size\\[0\\]=0"):
-            RelativePositionBias2D(4, (0, 3))
-        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got float 7.0"):
-            RelativePositionBias2D(4, 7.0)
-        with pytest.raises(ValueError, match=f"{name}: num_heads must be a positive int, got num_heads=0"):
-            RelativePositionBias2D(0, 7)
-        pe = RelativePositionBias2D(4, (4, 5))
-        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 20 tokens \\(4x5\\), got q_len=21"):
-            pe(21, 21)
-        with pytest.raises(ValueError, match=f"{name}: positions_k must be token indices in \\[0, 20\\) .*got 20"):
-            pe(2, 2, positions_k=torch.tensor([3, 20]))
-        with pytest.raises(ValueError, match=f"{name}: positions_q must be token indices in \\[0, 20\\) .*got -1"):
-            attention(*qkv(2, 2), pe, positions_q=torch.tensor([-1, 0]))
-        with pytest.raises(TypeError, match=f"{name}: positions_q must be an integer tensor"):
-            pe(2, 2, positions_q=torch.tensor([0.0, 1.0]))
-        with pytest.raises(ValueError, match=f"{name}: interpolation must be 'geometric' or 'bicubic', got 'nearest'"):
-            pe.resize(6, interpolation="nearest")
-        with pytest.raises(ValueError, match=f"{name}: new_window_size\\[0\\] must be a positive int"):
-            pe.resize((0, 2))
-
-    def test_numpy_ints_accepted(self):
-        np = pytest.importorskip("numpy")
-        pe = RelativePositionBias2D(np.int64(2), (np.int64(3), np.int32(4)))
-        assert pe.window_size == (3, 4) and pe(12, 12).shape == (2, 12, 12)
-
-
-# ---------------------------------------------------------------------------
-# Swin-v2 continuous position bias
-# ---------------------------------------------------------------------------
-
-
-def cpb_oracle(pe, wh, ww, pretrained=None):
-    """Liu et al. (Swin-v2) eq. 4 with the official code's normalisation, every pair by loops, float64."""
-    ph, pw = pretrained or (wh, ww)
-    w1 = pe.cpb_mlp[0].weight.detach().tolist()
-    b1 = pe.cpb_mlp[0].bias.detach().tolist()
-    w2 = pe.cpb_mlp[2].weight.detach().tolist()
-    log_space = lambda x: math.copysign(math.log2(1 + abs(x)) / math.log2(8), x) if x else 0.0
-    t = wh * ww
-    out = torch.zeros(len(w2), t, t, dtype=torch.float64)
-    for i in range(t):
-        for j in range(t):
-            (ri, ci), (rj, cj) = divmod(i, ww), divmod(j, ww)
-            x = [log_space((ri - rj) / (ph - 1) * 8), log_space((ci - cj) / (pw - 1) * 8)]
-            hidden = [max(0.0, w1[u][0] * x[0] + w1[u][1] * x[1] + b1[u]) for u in range(len(b1))]
-            for h in range(len(w2)):
-                out[h, i, j] = 16 / (1 + math.exp(-sum(w2[h][u] * hidden[u] for u in range(len(hidden)))))
+def cope_oracle(q, k, table, scale, max_position):
+    """Golovneva et al.'s maths one pair at a time in float64: gates, counted positions,
+    clamp, interpolation of the two integer neighbours; -inf after the query."""
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[-2]
+    offset = k_len - q_len
+    out = torch.full((batch, heads, q_len, k_len), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            rows = table[h] if table.dim() == 3 else table
+            for i in range(q_len):
+                qi = q[b, h, i].tolist()
+                last = i + offset
+                dots = [sum(a * c for a, c in zip(qi, k[b, h, t].tolist())) for t in range(last + 1)]
+                gates = [1.0 / (1.0 + math.exp(-scale * d)) for d in dots]
+                for j in range(last + 1):
+                    p = min(sum(gates[j:]), max_position - 1)
+                    low, high = math.floor(p), math.ceil(p)
+                    w = p - low
+                    e = [(1 - w) * x + w * y for x, y in zip(rows[low].tolist(), rows[high].tolist())]
+                    out[b, h, i, j] = scale * dots[j] + sum(a * c for a, c in zip(qi, e))
     return out
 
 
-class TestContinuousPositionBias:
-    @pytest.mark.parametrize("window, pretrained", [((3, 4), None), ((4, 3), (2, 5))])
-    def test_matches_loop_oracle(self, window, pretrained):
-        pe = randomise(ContinuousPositionBias(2, window, hidden_dim=8, pretrained_window_size=pretrained).double())
-        t = window[0] * window[1]
-        torch.testing.assert_close(pe(t, t), cpb_oracle(pe, *window, pretrained), rtol=1e-12, atol=1e-12)
-
-    @pytest.mark.parametrize("window, pretrained", [(4, (0, 0)), ((3, 5), (4, 6))])
-    def test_matches_transformers_swinv2_attention(self, window, pretrained):
-        pytest.importorskip("transformers")
-        from transformers import Swinv2Config
-        from transformers.models.swinv2.modeling_swinv2 import Swinv2SelfAttention
-
-        heads, hidden = 4, 32
-        config = Swinv2Config(embed_dim=hidden, num_heads=[heads], depths=[1])
-        theirs = Swinv2SelfAttention(config, hidden, heads, window, pretrained_window_size=list(pretrained)).eval()
-        randomise(theirs, 0.3)
-        wh, ww = (window, window) if isinstance(window, int) else window
-        ours = ContinuousPositionBias(heads, window, pretrained_window_size=pretrained if pretrained[0] else None)
-        ours.load_state_dict({k: v for k, v in theirs.state_dict().items() if "position_bias_mlp" in k})
-        x = torch.randn(3, wh * ww, hidden)
-        split = lambda t: t.view(3, -1, heads, hidden // heads).transpose(1, 2)       # [B, H, N, Dh]
-        logit_scale = theirs.logit_scale.clamp(max=math.log(100.0)).exp()              # [H, 1, 1]
-        q = F.normalize(split(theirs.query(x)), dim=-1) * logit_scale                   # cosine attention
-        k = F.normalize(split(theirs.key(x)), dim=-1)
-        out = attention(q, k, split(theirs.value(x)), ours, scale=1.0)
-        want = theirs(x)[0]
-        torch.testing.assert_close(out.transpose(1, 2).reshape(3, -1, hidden), want, rtol=1e-5, atol=1e-5)
-
-    def test_state_dict_names_and_transformers_converter(self):
-        pe = ContinuousPositionBias(2, 4, hidden_dim=8)
-        assert set(pe.state_dict()) == {"cpb_mlp.0.weight", "cpb_mlp.0.bias", "cpb_mlp.2.weight"}
-        other = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
-        renamed = {k.replace("cpb_mlp", "continuous_position_bias_mlp"): v for k, v in other.state_dict().items()}
-        pe.load_state_dict(renamed)
-        torch.testing.assert_close(pe(16, 16), other(16, 16))
-        outer = torch.nn.Sequential(pe)
-        outer.load_state_dict({"0." + k: v for k, v in renamed.items()})             # nested prefix too
-
-    def test_resize_keeps_mlp_and_uses_old_window_as_pretrained(self):
-        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
-        fresh = ContinuousPositionBias(2, (6, 8), hidden_dim=8, pretrained_window_size=4)
-        fresh.load_state_dict(pe.state_dict())
-        pe.resize((6, 8))
-        assert pe.pretrained_window_size == (4, 4) and pe.window_size == (6, 8)
-        torch.testing.assert_close(pe(48, 48), fresh(48, 48), rtol=0, atol=0)
-
-    def test_window_of_one_row_is_finite(self):
-        pe = ContinuousPositionBias(2, (1, 4), hidden_dim=8).double()
-        torch.testing.assert_close(pe(4, 4), cpb_oracle(pe, 1, 4, (2, 4)), rtol=1e-12, atol=1e-12)  # axis 0: offset 0
-
-    def test_bfloat16_module_computes_in_float32(self):
-        pe = randomise(ContinuousPositionBias(2, 4, hidden_dim=8))
-        bf16 = copy.deepcopy(pe).bfloat16()
-        rounded = copy.deepcopy(bf16).float()              # the same rounded weights, float32 module
-        got = bf16(16, 16)
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got, rounded(16, 16), rtol=0, atol=0)
-        assert bf16.relative_coords_table.dtype == torch.float64
-
-    def test_bad_arguments(self):
-        name = "ContinuousPositionBias"
-        with pytest.raises(ValueError, match=f"{name}: hidden_dim must be a positive int, got hidden_dim=0"):
-            ContinuousPositionBias(2, 4, hidden_dim=0)
-        with pytest.raises(ValueError, match=f"{name}: pretrained_window_size\\[0\\] must be a positive int, got pretrained_window_size\\[0\\]=0"):
-            ContinuousPositionBias(2, 4, pretrained_window_size=(0, 3))
-        with pytest.raises(TypeError, match=f"{name}: window_size must be an int, got str '7'"):
-            ContinuousPositionBias(2, "7")
-        with pytest.raises(ValueError, match=f"{name}: q_len and k_len must be at most the window's 16 tokens"):
-            ContinuousPositionBias(2, 4)(17, 17)
+def cope_paper_appendix(query, key, pos_emb, npos_max):
+    """The paper's appendix code (CoPE + SelfAttn), ported: heads folded into the batch,
+    ``pos_emb`` ``[1, Dh, npos_max]``, a ``[Nq, Nk]`` 0/1 mask added as its log. Returns the
+    logits before the softmax."""
+    batch, heads, q_len, head_dim = query.shape
+    query = query.reshape(batch * heads, q_len, head_dim)
+    key = key.reshape(batch * heads, -1, head_dim)
+    mask = torch.ones(q_len, key.shape[1]).tril(key.shape[1] - q_len).to(query.dtype)
+    attn_logits = torch.bmm(query, key.transpose(-1, -2)) / math.sqrt(head_dim)
+    attn_logits = attn_logits + mask.log()
+    gates = torch.sigmoid(attn_logits)
+    pos = gates.flip(-1).cumsum(dim=-1).flip(-1).clamp(max=npos_max - 1)
+    pos_ceil, pos_floor = pos.ceil().long(), pos.floor().long()
+    logits_int = torch.matmul(query, pos_emb)
+    w = pos - pos_floor
+    cope = logits_int.gather(-1, pos_ceil) * w + logits_int.gather(-1, pos_floor) * (1 - w)
+    return (attn_logits + cope).reshape(batch, heads, q_len, -1)
 
 
-# ---------------------------------------------------------------------------
-# Dynamic position bias (CrossFormer / x-transformers)
-# ---------------------------------------------------------------------------
+class TestCoPE:
+    @pytest.mark.parametrize("per_head", [False, True])
+    @pytest.mark.parametrize("max_position", [3, 64])   # 3: most positions clamp
+    def test_matches_loop_oracle(self, per_head, max_position):
+        cope = CoPEPositionalEmbedding(2, 4, max_position=max_position, per_head=per_head, init_std=1.0).double()
+        q, k = torch.randn(2, 1, 2, 7, 4, dtype=torch.float64).unbind(0)
+        q = q[..., 2:, :] * 2                                                           # 5 queries: the last 5 keys
+        want = cope_oracle(q, k, cope.pos_emb.detach(), 0.5, max_position)
+        torch.testing.assert_close(cope(q, k), want, rtol=1e-12, atol=1e-12)
 
+    def test_matches_paper_appendix_code(self):
+        cope = CoPEPositionalEmbedding(H, DH, max_position=10, init_std=1.0)
+        q, k, v = qkv(N - 4, N)
+        want = cope_paper_appendix(q, k, cope.pos_emb.detach().T[None], 10)           # paper: [1, Dh, P]
+        got = cope(q, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+        out = attention(q, k, v, cope, causal=True)
+        torch.testing.assert_close(out, torch.softmax(want, -1) @ v, rtol=0, atol=1e-5)
 
-def dpb_oracle(pe, offset):
-    """The MLP of x-transformers' DynamicPositionBias on one query - key offset (a list), by loops."""
-    rows = lambda layer: (layer.weight.detach().tolist(), layer.bias.detach().tolist())
-    x = [math.copysign(math.log(1 + abs(v)), v) if pe.log_distance else float(v) for v in offset]
-    for block in pe.mlp[:-1]:
-        w, b = rows(block[0])
-        x = [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
-        if pe.norm:   # the first block's norm has no bias and calls its scale gamma
-            norm = block[1]
-            scale = (norm.gamma if hasattr(norm, "gamma") else norm.weight).tolist()
-            shift = [0.0] * len(x) if hasattr(norm, "gamma") else norm.bias.tolist()
-            x = layer_norm_oracle(x, scale, shift)
-        x = [v / (1 + math.exp(-v)) if v >= 0 else v * math.exp(v) / (1 + math.exp(v)) for v in x]   # SiLU
-    w, b = rows(pe.mlp[-1])
-    return [sum(w[o][c] * x[c] for c in range(len(x))) + b[o] for o in range(len(b))]
-
-
-class TestDynamicPositionBias:
-    @pytest.mark.parametrize("log_distance, norm, depth", [(False, False, 1), (True, True, 2)])
-    def test_matches_loop_oracle(self, log_distance, norm, depth):
-        pe = randomise(DynamicPositionBias(2, hidden_dim=6, depth=depth, log_distance=log_distance, norm=norm).double())
-        bias = pe(4, 7)                              # queries at 3..6 (bottom-right), keys 0..6
-        for i in range(4):
-            for j in range(7):
-                want = dpb_oracle(pe, [(i + 3) - j])
-                for h in range(2):
-                    assert bias[h, i, j].item() == pytest.approx(want[h], rel=1e-12, abs=1e-12)
-        pos_q, pos_k = torch.tensor([0.5, -3.25, 10.0]), torch.tensor([2.0, 0.5])
-        bias = pe(3, 2, pos_q, pos_k)
-        for i in range(3):
-            for j in range(2):
-                want = dpb_oracle(pe, [pos_q[i].item() - pos_k[j].item()])
-                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
-
-    def test_sparse_integer_positions_match_loop_oracle(self):
-        # offsets far apart: distinct ones are found by sorting keys, not by enumerating their range
-        pe = randomise(DynamicPositionBias(2, hidden_dim=6).double())
-        pos_q, pos_k = torch.tensor([0, 1000, 5]), torch.tensor([7, 2, 999, -4000])
-        bias = pe(3, 4, pos_q, pos_k)
-        pe2 = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6).double())
-        grid_q, grid_k = torch.tensor([[0, 0], [100, -50], [3, 7]]), torch.tensor([[1, 1], [-20, 900]])
-        bias2 = pe2(3, 2, grid_q, grid_k)
-        for i in range(3):
-            for j in range(4):
-                assert bias[:, i, j].tolist() == pytest.approx(dpb_oracle(pe, [int(pos_q[i] - pos_k[j])]), rel=1e-12, abs=1e-12)
-            for j in range(2):
-                want = dpb_oracle(pe2, (grid_q[i] - grid_k[j]).tolist())
-                assert bias2[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
-
-    def test_two_axes_match_loop_oracle(self):
-        pe = randomise(DynamicPositionBias(2, num_axes=2, hidden_dim=6, log_distance=True).double())
-        pos = grid_positions(6, width=3)
-        bias = pe(6, 6, pos, pos)
-        for i in range(6):
-            for j in range(6):
-                want = dpb_oracle(pe, (pos[i] - pos[j]).tolist())
-                assert bias[:, i, j].tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
-
-    @pytest.mark.parametrize("log_distance, norm", [(False, False), (True, True)])
-    def test_matches_x_transformers(self, log_distance, norm):
+    @pytest.mark.parametrize("q_len", [N, N - 5, 1])
+    def test_matches_x_transformers(self, q_len):
         x_transformers = pytest.importorskip("x_transformers.x_transformers")
-        theirs = x_transformers.DynamicPositionBias(16, heads=H, depth=3, log_distance=log_distance, norm=norm)
-        randomise(theirs, 0.3)
-        ours = DynamicPositionBias(H, hidden_dim=16, depth=3, log_distance=log_distance, norm=norm)
-        ours.load_state_dict(theirs.state_dict())     # same names: mlp.0.0, (mlp.0.1.gamma,) ..., mlp.3
-        torch.testing.assert_close(ours(N, N), theirs(N, N), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ours(5, N), theirs(5, N), rtol=1e-5, atol=1e-6)
+        reference = x_transformers.CoPE(dim=DH, heads=H, max_pos=12)
+        cope = CoPEPositionalEmbedding(H, DH, max_position=12, init_std=1.0)
+        with torch.no_grad():
+            reference.pos_emb.copy_(cope.pos_emb)                                        # same name and shape
+        q, k, _ = qkv(q_len, N, dtype=torch.float64)
+        q = q * 3                                                                       # spread the gates
+        reference, cope = reference.double(), cope.double()
+        # x-transformers' Attend: scaled logits, bottom-right causal mask as -max, then sim + cope(q, sim)
+        sim = q @ k.transpose(-1, -2) * DH ** -0.5
+        future = torch.ones(q_len, N, dtype=torch.bool).triu(N - q_len + 1)
+        sim = sim.masked_fill(future, -torch.finfo(sim.dtype).max)
+        want = sim + reference(q, sim)
+        got = cope(q, k)
+        assert torch.equal(torch.isinf(got), future.expand_as(got))
+        torch.testing.assert_close(got[..., ~future], want[..., ~future], rtol=0, atol=1e-12)
 
-    def test_explicit_positions_equal_default_and_shift_invariance(self):
-        pe = randomise(DynamicPositionBias(H, hidden_dim=8))
-        torch.testing.assert_close(pe(5, 9, torch.arange(4, 9) + 100, torch.arange(9) + 100), pe(5, 9))
-        pe2 = randomise(DynamicPositionBias(H, num_axes=2, hidden_dim=8))
-        pos = grid_positions(N)
-        torch.testing.assert_close(pe2(N, N, pos + torch.tensor([7, -3]), pos + torch.tensor([7, -3])), pe2(N, N, pos, pos))
+    def test_causal_by_construction(self):
+        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
+        q, k, v = qkv(N - 3, N)
+        logits = cope(q, k)
+        future = torch.ones(N - 3, N, dtype=torch.bool).triu(4)
+        assert torch.isinf(logits[..., future]).all() and torch.isfinite(logits[..., ~future]).all()
+        torch.testing.assert_close(attention(q, k, v, cope), attention(q, k, v, cope, causal=True))
 
-    @pytest.mark.parametrize("num_axes", [1, 2])
-    def test_score_mod_matches_dense_bias(self, num_axes):
-        pe = randomise(DynamicPositionBias(H, num_axes=num_axes, hidden_dim=8), 0.3)
+    def test_positions_count_open_gates(self):
+        # every gate fully open (q = k, large): p_ij = i - j + 1, so each pair reads row i - j + 1
+        cope = CoPEPositionalEmbedding(1, 2, max_position=8)
+        with torch.no_grad():
+            cope.pos_emb.copy_(torch.arange(8.0)[:, None] * torch.tensor([1.0, 0.0]))   # q . e[p] = p * q_0
+        q = torch.tensor([1.0, 0.0]).expand(1, 1, 5, 2) * 100
+        logits = cope(q, q.clone(), scale=1.0) - 100 * 100                              # drop the content term
+        i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+        want = torch.where(j <= i, 100.0 * (i - j + 1).float(), float("-inf"))
+        torch.testing.assert_close(logits[0, 0], want)
+
+    def test_decoding_token_by_token_is_exact(self):
+        cope = CoPEPositionalEmbedding(H, DH, max_position=6, per_head=True, init_std=1.0)
         q, k, v = qkv()
-        positions = grid_positions(N) if num_axes == 2 else None
-        kw = dict(positions_q=positions, positions_k=positions)
-        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
-        batched = torch.stack([grid_positions(N), grid_positions(N).flip(0)]) if num_axes == 2 else \
-            torch.stack([torch.arange(N) * 2, torch.arange(N)])
-        kw = dict(positions_q=batched, positions_k=batched)
-        torch.testing.assert_close(attention(q, k, v, pe, use_flex=True, **kw), attention(q, k, v, pe, use_flex=False, **kw))
+        full = attention(q, k, v, cope, causal=True)
+        for t in (0, 6, N - 1):
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], cope, causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :])
 
-    def test_bad_arguments(self):
-        name = "DynamicPositionBias"
-        with pytest.raises(ValueError, match=f"{name}: depth must be a positive int, got depth=0"):
-            DynamicPositionBias(2, depth=0)
-        with pytest.raises(TypeError, match=f"{name}: log_distance must be a bool, got str 'false'"):
-            DynamicPositionBias(2, log_distance="false")
-        with pytest.raises(ValueError, match=f"{name}: num_axes must be a positive int, got num_axes=0"):
-            DynamicPositionBias(2, num_axes=0)
-        pe = DynamicPositionBias(H, num_axes=2)
-        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
-            pe(4, 4)
-        with pytest.raises(ValueError, match=f"{name}: positions_q must have shape \\[4, 2\\]"):
-            pe(4, 4, torch.arange(4), grid_positions(4))
-        with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k are required for 2 axes"):
-            pe.forward_attn(*qkv(4, 4)[:2])
+    def test_gates_use_the_logit_scale(self):
+        cope = CoPEPositionalEmbedding(1, 4, max_position=64, init_std=1.0).double()
+        q, k = torch.randn(2, 1, 1, 6, 4, dtype=torch.float64).unbind(0)
+        torch.testing.assert_close(cope(q, k, scale=0.3), cope_oracle(q, k, cope.pos_emb.detach(), 0.3, 64))
 
-
-def test_docstring_examples_run():
-    """Every ``>>>`` example in the library file runs (issue 22: those of the sharded Heinsen
-    functions needed a process group; those lines are marked ``# doctest: +SKIP``)."""
-    tests = [t for t in doctest.DocTestFinder().find(pe_lib, globs=vars(pe_lib)) if t.examples]
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    failed = [t.name for t in tests if runner.run(copy.copy(t), out=lambda _: None).failed]
-    assert not failed, failed
-    # the finder reached every docstring that has an example (it also walks methods and helpers)
-    found = {t.name.split(".", 1)[1] for t in tests}
-    for name in pe_lib.__all__:
-        obj = getattr(pe_lib, name)
-        if ">>>" in (inspect.getdoc(obj) or ""):
-            assert obj.__name__ in found, name   # aliases (EmbedPosition) under their class's name
-    skipped = sum(e.options.get(doctest.SKIP, False) for t in tests for e in t.examples)
-    assert skipped == 4, skipped   # the two sharded examples' process-group lines, nothing else
-
-
-def rotate_pairs_oracle(x, angle):
-    """Interleaved pair rotation, one entry at a time: x [Dh], angle [Dh/2] -> [Dh] (float64)."""
-    out = torch.zeros_like(x, dtype=torch.float64)
-    for f in range(x.shape[0] // 2):
-        c, s = math.cos(float(angle[f])), math.sin(float(angle[f]))
-        a, b = float(x[2 * f]), float(x[2 * f + 1])
-        out[2 * f], out[2 * f + 1] = a * c - b * s, a * s + b * c
-    return out
-
-
-# ---------------------------------------------------------------------------
-# RoPE-Mixed
-# ---------------------------------------------------------------------------
-
-
-def rope_vit_init(dim, num_heads, theta):
-    """naver-ai/rope-vit `init_random_2d_freqs` (ported): [2, H, dim/2]."""
-    mag = 1 / (theta ** (torch.arange(0, dim, 4)[: (dim // 4)].float() / dim))
-    fx, fy = [], []
-    for _ in range(num_heads):
-        angles = torch.rand(1) * 2 * torch.pi
-        fx.append(torch.cat([mag * torch.cos(angles), mag * torch.cos(torch.pi / 2 + angles)], dim=-1))
-        fy.append(torch.cat([mag * torch.sin(angles), mag * torch.sin(torch.pi / 2 + angles)], dim=-1))
-    return torch.stack([torch.stack(fx), torch.stack(fy)])
-
-
-def rope_vit_apply(freqs, t_x, t_y, x):
-    """rope-vit `compute_mixed_cis` + `apply_rotary_emb` (ported, float64): x [B, H, N, Dh]."""
-    angles = t_x[:, None, None] * freqs[0][None] + t_y[:, None, None] * freqs[1][None]     # [N, H, F]
-    cis = torch.polar(torch.ones_like(angles), angles).permute(1, 0, 2)                    # [H, N, F]
-    x_ = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(x_ * cis).flatten(3)
-
-
-class TestMixedRotary:
-    def test_matches_loop_oracle(self):
-        pe = MixedRotaryPositionalEmbedding(8, 2).double()
-        with torch.no_grad():
-            pe.freqs.normal_()
-        x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
-        positions = torch.tensor([[0.0, 0.0], [1.0, 2.0], [-3.5, 0.25], [7.0, 1.0], [100.0, -20.0]])
-        got = pe(x, positions)
-        for h in range(2):
-            for n in range(5):
-                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(2)) for f in range(4)]
-                torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
-
-    def test_init_is_rope_vits(self):
-        torch.manual_seed(7)
-        want = rope_vit_init(DH, H, 10.0)
-        torch.manual_seed(7)
-        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0)
-        torch.testing.assert_close(pe.freqs, want, rtol=0, atol=1e-6)
-
-    def test_matches_rope_vit_with_same_weights(self):
-        pe = MixedRotaryPositionalEmbedding(DH, H, base=10.0).double()
-        end_x, end_y = 5, 3                                # rope-vit init_t_xy: x = column, y = row
-        t = torch.arange(end_x * end_y, dtype=torch.float64)
-        t_x, t_y = t % end_x, torch.div(t, end_x, rounding_mode="floor")
-        q = torch.randn(B, H, end_x * end_y, DH, dtype=torch.float64)
-        want = rope_vit_apply(pe.freqs.detach(), t_x, t_y, q)
-        got = pe(q, torch.stack([t_x, t_y], -1))
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-        # float32 module and input: float64 angles, float32 rotation
-        got32 = copy.deepcopy(pe).float()(q.float(), torch.stack([t_x, t_y], -1).long())
-        assert (got32.double() - want).abs().max() < 1e-5
-
-    def test_cls_token_at_origin_is_unrotated(self):
-        pe = MixedRotaryPositionalEmbedding(DH, H)
-        x = torch.randn(B, H, 1, DH)
-        torch.testing.assert_close(pe(x, torch.zeros(1, 2)), x)
-
-    def test_logits_depend_on_differences_only(self):
-        pe = MixedRotaryPositionalEmbedding(DH, H).double()
+    def test_gradient_reaches_keys_through_the_gates(self):
+        # beyond the content term, the keys move the gates, hence the positions (the paper's gradient path)
+        cope = CoPEPositionalEmbedding(H, DH, init_std=1.0)
         q, k, _ = qkv(dtype=torch.float64)
-        p = rope_coordinates((4, 4)) * 7
-        shifted = p + torch.tensor([5.25, -300.0], dtype=torch.float64)
-        torch.testing.assert_close(pe.forward_attn(q, k, p, p), pe.forward_attn(q, k, shifted, shifted))
-
-    def test_three_axes_init_is_orthonormal_frames(self):
-        pe = MixedRotaryPositionalEmbedding(24, 3, 3, base=10.0)
-        directions = pe.freqs.detach().double().view(3, 3, 3, 4)            # [A, H, vector j, magnitude i]
-        unit = directions / directions.norm(dim=0, keepdim=True)
-        for h in range(3):
-            frame = unit[:, h, :, 0]                                            # [A, 3]
-            torch.testing.assert_close(frame.T @ frame, torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
-            magnitude = directions[:, h, 0].norm(dim=0)                         # [4]
-            torch.testing.assert_close(magnitude, 10.0 ** -(torch.arange(4.0, dtype=torch.float64) * 6 / 24))
-        video = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
-        assert pe(torch.randn(1, 3, 12, 24), video.reshape(12, 3)).shape == (1, 3, 12, 24)
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be divisible by 2 \\* num_axes = 4, got head_dim=30"):
-            MixedRotaryPositionalEmbedding(30, 4)
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
-            MixedRotaryPositionalEmbedding(32, 4, base=1.0)
-        with pytest.raises(TypeError, match="MixedRotaryPositionalEmbedding: num_heads must be an int, got bool True"):
-            MixedRotaryPositionalEmbedding(32, True)
-        pe = MixedRotaryPositionalEmbedding(DH, H)
-        q, k, _ = qkv()
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions_q and positions_k are required"):
-            pe.forward_attn(q, k)
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: positions must have shape \\[16, 2\\]"):
-            pe(q, torch.zeros(N, 3))
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: x must be \\[..., H=4, N, Dh=32\\]"):
-            pe(q[:, :2], grid_rc(N))
-
-
-# ---------------------------------------------------------------------------
-# LieRE
-# ---------------------------------------------------------------------------
-
-
-def expm_oracle(g):
-    """exp of a float64 matrix by scaling and squaring with a 30-term Taylor series (loops)."""
-    squarings = max(0, math.ceil(math.log2(max(g.abs().sum(-1).max().item(), 1e-300) / 0.25)))
-    a = g / 2 ** squarings
-    term, total = torch.eye(g.shape[0], dtype=torch.float64), torch.eye(g.shape[0], dtype=torch.float64)
-    for order in range(1, 30):
-        term = term @ a / order
-        total = total + term
-    for _ in range(squarings):
-        total = total @ total
-    return total
-
-
-class TestLieRE:
-    def test_matches_loop_oracle(self):
-        pe = LieREPositionalEmbedding(8, 2, block_size=4).double()
-        raw = pe.generator_raw_params.detach()
-        x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
-        positions = torch.tensor([[0.0, 0.0], [0.5, 1.0], [-0.3, 0.9]], dtype=torch.float64)
-        got = pe(x, positions)
-        for h in range(2):
-            for n in range(3):
-                for blk in range(2):
-                    g = torch.zeros(4, 4, dtype=torch.float64)
-                    for a in range(2):
-                        for i in range(4):
-                            for j in range(i + 1, 4):
-                                g[i, j] += float(positions[n, a]) * float(raw[a, h, blk, i, j])
-                                g[j, i] -= float(positions[n, a]) * float(raw[a, h, blk, i, j])
-                    want = expm_oracle(g) @ x[0, h, n, 4 * blk : 4 * blk + 4]
-                    torch.testing.assert_close(got[0, h, n, 4 * blk : 4 * blk + 4], want, rtol=0, atol=1e-10)
-
-    def test_matches_authors_formula_with_same_weights(self):
-        # StanfordMIMI/LieRE LierePositionEncoder (phase_type "learned") + FlexibleAttention.apply_transforms,
-        # ported: one layer, per-head generators, cls token at the identity.
-        heads, dh, g, axes = 2, 16, 8, 2
-        pe = LieREPositionalEmbedding(dh, heads, axes, block_size=g).double()
-        raw = pe.generator_raw_params.detach().reshape(axes, heads * (dh // g), g, g)   # their [A, H*Dh/g, g, g]
-        positions = torch.cartesian_prod(torch.linspace(0, 1, 3, dtype=torch.float64),
-                                         torch.linspace(0, 1, 4, dtype=torch.float64))     # [12, 2]
-        upper = torch.triu(raw, diagonal=1) - 0.5
-        bases = upper - upper.transpose(-1, -2)
-        generator_pos = (positions.reshape(12, axes, 1, 1, 1) * bases).sum(1)            # [12, H*Dh/g, g, g]
-        generator_pos = torch.cat([torch.zeros_like(generator_pos[:1]), generator_pos])   # cls token
-        transforms = torch.matrix_exp(generator_pos).view(13, heads, dh // g, g, g).transpose(0, 1)
-        x = torch.randn(1, heads, 13, dh, dtype=torch.float64)
-        want = (transforms @ x.reshape(1, heads, 13, dh // g, g, 1)).flatten(-3)
-        got = pe(x, torch.cat([torch.zeros(1, 2, dtype=torch.float64), positions]))
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-
-    def test_blocks_of_two_are_rope_mixed(self):
-        liere = LieREPositionalEmbedding(DH, H, block_size=2).double()
-        mixed = MixedRotaryPositionalEmbedding(DH, H).double()
-        with torch.no_grad():
-            mixed.freqs.copy_(-liere.generator_raw_params[..., 0, 1])
-        q, k, _ = qkv(dtype=torch.float64)
-        p = rope_coordinates((4, 4))
-        torch.testing.assert_close(liere.forward_attn(q, k, p, p), mixed.forward_attn(q, k, p, p))
-
-    def test_full_generators_are_not_translation_invariant(self):
-        pe = LieREPositionalEmbedding(DH, H).double()
-        q, k, _ = qkv(dtype=torch.float64)
-        p = rope_coordinates((4, 4))
-        gap = (pe.forward_attn(q, k, p, p) - pe.forward_attn(q, k, p + 0.5, p + 0.5)).abs().max()
-        assert gap > 1e-3
-
-    def test_distinct_positions_path_equals_per_token(self, monkeypatch):
-        pe = LieREPositionalEmbedding(DH, H, block_size=8)
-        q, k, _ = qkv()
-        pq = torch.stack([grid_rc(N), grid_rc(N).flip(0)])                # [B, N, 2], repeated positions
-        pk = torch.cat([grid_rc(N)[:8], grid_rc(N)[:8]])
-        want = pe.forward_attn(q, k, pq, pk)
-        monkeypatch.setattr(sys.modules[type(pe).__module__], "_is_compiling", lambda: True)
-        torch.testing.assert_close(pe.forward_attn(q, k, pq, pk), want, rtol=1e-6, atol=1e-6)
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be an int in \\[2, head_dim=32\\], got block_size=64"):
-            LieREPositionalEmbedding(32, 4, block_size=64)
-        with pytest.raises(ValueError, match="LieREPositionalEmbedding: block_size must be a positive int, got block_size=0"):
-            LieREPositionalEmbedding(32, 4, block_size=0)
-        pe = LieREPositionalEmbedding(DH, H)
-        with pytest.raises(TypeError, match="LieREPositionalEmbedding: positions must be an integer or float tensor"):
-            pe(torch.randn(B, H, N, DH), torch.zeros(N, 2, dtype=torch.bool))
-
-
-# ---------------------------------------------------------------------------
-# Convolutional (PEG, wav2vec 2.0)
-# ---------------------------------------------------------------------------
-
-
-def depthwise_conv_oracle(grid, weight, bias):
-    """Zero-padded 'same' depthwise 2-D convolution, one output at a time (float64).
-    grid [Hg, Wg, D], weight [D, 1, k, k] -> [Hg, Wg, D]; even k: pad k//2 and keep the first outputs."""
-    rows, cols, dim = grid.shape
-    k = weight.shape[-1]
-    out = torch.zeros(rows, cols, dim, dtype=torch.float64)
-    for r in range(rows):
-        for c in range(cols):
-            for ch in range(dim):
-                total = float(bias[ch])
-                for i in range(k):
-                    for j in range(k):
-                        rr, cc = r + i - k // 2, c + j - k // 2
-                        if 0 <= rr < rows and 0 <= cc < cols:
-                            total += float(weight[ch, 0, i, j]) * float(grid[rr, cc, ch])
-                out[r, c, ch] = total
-    return out
-
-
-class TestConvolutional:
-    @pytest.mark.parametrize("kernel_size", [3, 4])
-    def test_matches_loop_oracle(self, kernel_size):
-        pe = ConvolutionalPositionalEmbedding(3, kernel_size=kernel_size, num_prefix_tokens=1).double()
-        x = torch.randn(2, 1 + 3 * 5, 3, dtype=torch.float64)
-        got = pe(x, (3, 5))
-        torch.testing.assert_close(got[:, 0], x[:, 0], rtol=0, atol=0)
-        for b in range(2):
-            grid = x[b, 1:].reshape(3, 5, 3)
-            want = grid + depthwise_conv_oracle(grid, pe.weight.detach(), pe.bias.detach())
-            torch.testing.assert_close(got[b, 1:], want.reshape(15, 3), rtol=0, atol=1e-12)
-
-    def test_matches_timm_posconv_with_same_weights(self):
-        # timm/models/twins.py PosConv (CPVT's PEG), ported: proj = Sequential(Conv2d(C, C, 3, 1, 1, groups=C)),
-        # x = proj(feat) + feat, on the patch tokens (CPVT keeps the class token aside).
-        dim, size = 8, (4, 6)
-        proj = torch.nn.Sequential(torch.nn.Conv2d(dim, dim, 3, 1, 1, bias=True, groups=dim)).double()
-        pe = ConvolutionalPositionalEmbedding(dim).double()
-        with torch.no_grad():
-            pe.weight.copy_(proj[0].weight)
-            pe.bias.copy_(proj[0].bias)
-        x = torch.randn(2, 24, dim, dtype=torch.float64)
-        feat = x.transpose(1, 2).view(2, dim, *size)
-        want = (proj(feat) + feat).flatten(2).transpose(1, 2)
-        torch.testing.assert_close(pe(x, size), want, rtol=0, atol=1e-12)
-
-    @pytest.mark.parametrize("kernel_size", [8, 7])
-    def test_matches_transformers_wav2vec2_with_same_weights(self, kernel_size):
-        transformers = pytest.importorskip("transformers")
-        from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2PositionalConvEmbedding
-
-        config = transformers.Wav2Vec2Config(hidden_size=32, num_conv_pos_embeddings=kernel_size,
-                                             num_conv_pos_embedding_groups=4, feat_extract_activation="gelu")
-        ref = Wav2Vec2PositionalConvEmbedding(config).double().eval()
-        pe = ConvolutionalPositionalEmbedding(32, kernel_size=kernel_size, num_axes=1, groups=4, weight_norm=True,
-                                              activation="gelu").double()
-        with torch.no_grad():
-            ref.conv.parametrizations.weight.original0.normal_()
-            pe.weight_g.copy_(ref.conv.parametrizations.weight.original0)
-            pe.weight_v.copy_(ref.conv.parametrizations.weight.original1)
-            pe.bias.copy_(ref.conv.bias.normal_())
-        x = torch.randn(2, 21, 32, dtype=torch.float64)
-        torch.testing.assert_close(pe(x), x + ref(x), rtol=0, atol=1e-12)
-
-    def test_init_follows_wav2vec2(self):
-        pe = ConvolutionalPositionalEmbedding(64, kernel_size=16, num_axes=1, groups=4, weight_norm=True)
-        torch.testing.assert_close(pe.conv_weight(), pe.weight_v.detach())          # g = |v| at init
-        assert abs(pe.weight_v.std().item() - 2 / math.sqrt(16 * 64)) < 0.01
-        assert (pe.bias == 0).all()
-
-    def test_forward_input_uses_stored_grid(self):
-        pe = ConvolutionalPositionalEmbedding(8, grid_shape=(2, 3))
-        x = torch.randn(2, 6, 8)
-        torch.testing.assert_close(pe.forward_input(x), pe(x, (2, 3)))
-        assert not torch.allclose(pe(x, (2, 3)), pe(x, (3, 2)))
-
-    def test_video_grid(self):
-        pe = ConvolutionalPositionalEmbedding(4, num_axes=3).double()
-        x = torch.randn(1, 2 * 3 * 4, 4, dtype=torch.float64)
-        maps = x[0].T.reshape(1, 4, 2, 3, 4)
-        want = maps + F.conv3d(maps, pe.weight, pe.bias, padding=1, groups=4)
-        torch.testing.assert_close(pe(x, (2, 3, 4)), want.reshape(4, 24).T[None])
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: groups must divide dim=12, got groups=5"):
-            ConvolutionalPositionalEmbedding(12, groups=5)
-        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: weight_norm is wav2vec 2.0's 1-D option"):
-            ConvolutionalPositionalEmbedding(12, weight_norm=True)
-        with pytest.raises(TypeError, match="ConvolutionalPositionalEmbedding: weight_norm must be a bool"):
-            ConvolutionalPositionalEmbedding(12, num_axes=1, weight_norm="false")
-        pe = ConvolutionalPositionalEmbedding(8, num_prefix_tokens=1)
-        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: grid_shape is required for 2 axes"):
-            pe(torch.randn(1, 7, 8))
-        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: x must have num_prefix_tokens \\+ prod\\(grid_shape\\) = 1 \\+ 6 tokens"):
-            pe(torch.randn(1, 6, 8), (2, 3))
-        with pytest.raises(ValueError, match="ConvolutionalPositionalEmbedding: positions must be None"):
-            pe.forward_input(torch.randn(1, 7, 8), torch.arange(7))
-
-
-# ---------------------------------------------------------------------------
-# Fourier features
-# ---------------------------------------------------------------------------
-
-
-class TestFourierFeatures:
-    def test_octave_matches_nerf_formula(self):
-        pe = FourierFeaturePositionalEmbedding(3, 24)                       # L = 4 octaves
-        p = torch.rand(5, 3, dtype=torch.float64) * 2 - 1
-        got = pe.embed(p)
-        for n in range(5):
-            row = []
-            for k in range(4):
-                row += [math.sin(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
-                row += [math.cos(2 ** k * math.pi * float(p[n, a])) for a in range(3)]
-            torch.testing.assert_close(got[n], torch.tensor(row, dtype=torch.float64), rtol=0, atol=1e-12)
-
-    def test_octave_with_scale_one_over_pi_is_nerf_pytorch(self):
-        # nerf-pytorch Embedder (ported, include_input=False, log_sampling): bands 2 ** linspace(0, L - 1, L)
-        x = torch.rand(7, 3, dtype=torch.float64)
-        bands = 2.0 ** torch.linspace(0.0, 9.0, steps=10, dtype=torch.float64)
-        want = torch.cat([fn(x * freq) for freq in bands for fn in (torch.sin, torch.cos)], -1)
-        torch.testing.assert_close(FourierFeaturePositionalEmbedding(3, 60, scale=1 / math.pi).embed(x), want)
-
-    def test_gaussian_matches_tancik_formula(self):
-        pe = FourierFeaturePositionalEmbedding(2, 8, sampling="gaussian", scale=10.0)
-        p = torch.rand(4, 2, dtype=torch.float64)
-        got = pe.embed(p)
-        for n in range(4):
-            for j in range(4):
-                angle = 2 * math.pi * sum(float(pe.B[j, a]) * float(p[n, a]) for a in range(2))
-                assert got[n, j].item() == pytest.approx(math.cos(angle), abs=1e-12)
-                assert got[n, 4 + j].item() == pytest.approx(math.sin(angle), abs=1e-12)
-
-    def test_gaussian_B_is_reproducible_and_scaled(self):
-        a = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
-        assert abs(a.B.std().item() - 3.0) < 0.1 and abs(a.B.mean().item()) < 0.1
-        torch.manual_seed(123)                                   # the global RNG plays no part
-        b = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
-        assert torch.equal(a.B, b.B) and a.B.dtype == torch.float64
-        assert not torch.equal(a.B, FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0,
-                                                                      seed=1).B)
-        with torch.device("meta"):
-            meta = FourierFeaturePositionalEmbedding(2, 20000, sampling="gaussian", scale=3.0)
-        meta.to_empty(device="cpu")
-        meta.reset_parameters()
-        assert torch.equal(meta.B, a.B) and list(meta.state_dict()) == []
-        assert torch.equal(copy.deepcopy(a).bfloat16().B, a.B)
-
-    def test_forward_adds_features_of_grid_coordinates(self):
-        pe = FourierFeaturePositionalEmbedding(2, 16)
-        x, p = torch.randn(2, 6, 16), rope_coordinates((2, 3))
-        torch.testing.assert_close(pe(x, p), x + pe.embed(p).float())
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions is required for 2 axes"):
-            pe(x)
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: dim must be a multiple of 6 for sampling='octave', got dim=16"):
-            FourierFeaturePositionalEmbedding(3, 16)
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: sampling must be one of 'octave', 'gaussian'"):
-            FourierFeaturePositionalEmbedding(2, 16, sampling="uniform")
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: scale must be a finite number > 0"):
-            FourierFeaturePositionalEmbedding(2, 16, scale=0.0)
-        with pytest.raises(TypeError, match="FourierFeaturePositionalEmbedding: seed must be an int"):
-            FourierFeaturePositionalEmbedding(2, 16, seed=True)
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must have shape \\[..., N, 2\\]"):
-            FourierFeaturePositionalEmbedding(2, 16).embed(torch.rand(5, 3))
-
-
-# ---------------------------------------------------------------------------
-# Sinusoidal options (MAE, fairseq)
-# ---------------------------------------------------------------------------
-
-
-def mae_2d_sincos(embed_dim, grid_size, cls_token):
-    """facebookresearch/mae util/pos_embed.py get_2d_sincos_pos_embed, ported to torch float64 loops."""
-    grid_w, grid_h = torch.meshgrid(torch.arange(grid_size, dtype=torch.float64),
-                                    torch.arange(grid_size, dtype=torch.float64), indexing="xy")   # np.meshgrid(w, h)
-    grid = [grid_w.reshape(-1), grid_h.reshape(-1)]
-
-    def one_d(dim, pos):
-        out = torch.zeros(len(pos), dim, dtype=torch.float64)
-        for m, p in enumerate(pos):
-            for d in range(dim // 2):
-                omega = 1.0 / 10000 ** (d / (dim / 2.0))
-                out[m, d], out[m, dim // 2 + d] = math.sin(float(p) * omega), math.cos(float(p) * omega)
-        return out
-
-    emb = torch.cat([one_d(embed_dim // 2, grid[0]), one_d(embed_dim // 2, grid[1])], 1)
-    return torch.cat([torch.zeros(1, embed_dim, dtype=torch.float64), emb]) if cls_token else emb
-
-
-def fairseq_oracle(positions, dim, padding_idx):
-    """fairseq SinusoidalPositionalEmbedding.get_embedding, one entry at a time (float64)."""
-    half = dim // 2
-    out = torch.zeros(len(positions), dim, dtype=torch.float64)
-    for row, p in enumerate(positions):
-        if int(p) == padding_idx:
-            continue
-        for i in range(half):
-            angle = float(p) * math.exp(-i * math.log(10000) / (half - 1))
-            out[row, i], out[row, half + i] = math.sin(angle), math.cos(angle)
-    return out
-
-
-class TestSinusoidalOptions:
-    def test_mae_table_with_cls_token(self):
-        size, dim = 5, 16
-        pe = SinusoidalPositionalEmbedding(dim, layout="concat", num_axes=2, num_prefix_tokens=1).double()
-        cols_rows = torch.stack(torch.meshgrid(torch.arange(size), torch.arange(size), indexing="xy"), -1)
-        x = torch.zeros(1, 1 + size * size, dim, dtype=torch.float64)
-        torch.testing.assert_close(pe(x, cols_rows.reshape(-1, 2).double())[0], mae_2d_sincos(dim, size, True),
-                                   rtol=0, atol=1e-12)
-        # the rows and columns order: rows are (row, col) -> MAE needs (col, row)
-        rows_cols = cols_rows.reshape(-1, 2).flip(-1)
-        assert not torch.allclose(pe(x, rows_cols)[0], mae_2d_sincos(dim, size, True))
-
-    @pytest.mark.parametrize("dim", [16, 17])
-    def test_fairseq_matches_loop_oracle(self, dim):
-        padding_idx = 1
-        pe = SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=padding_idx)
-        tokens_ids = torch.tensor([[5, 6, 7, 8, 1, 1], [9, 9, 1, 1, 1, 1]])   # right padding with id 1
-        mask = tokens_ids.ne(padding_idx).long()
-        positions = torch.cumsum(mask, dim=1) * mask + padding_idx                # fairseq make_positions
-        x = torch.zeros(2, 6, dim, dtype=torch.float64)
-        got = pe(x, positions)
-        for b in range(2):
-            torch.testing.assert_close(got[b], fairseq_oracle(positions[b], dim, padding_idx), rtol=0, atol=1e-7)  # float32 table
-        # default positions start at padding_idx + 1, offset continues them (incremental decoding)
-        torch.testing.assert_close(pe(x[:1, :4]), fairseq_oracle(torch.arange(2, 6), dim, padding_idx)[None])
-        torch.testing.assert_close(pe(x[:1, :1], offset=3), fairseq_oracle(torch.tensor([5]), dim, padding_idx)[None])
-
-    def test_fairseq_float32_reference(self):
-        # fairseq's get_embedding computes in float32; large positions differ by its rounding only
-        half, num = 64, 1024
-        emb = math.log(10000) / (half - 1)
-        emb = torch.exp(torch.arange(half, dtype=torch.float) * -emb)
-        emb = torch.arange(num, dtype=torch.float).unsqueeze(1) * emb.unsqueeze(0)
-        table = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1)
-        table[1, :] = 0
-        got = SinusoidalPositionalEmbedding(128, spectrum="fairseq", layout="concat", padding_idx=1).embed(torch.arange(num))
-        assert (got - table).abs().max() < 2e-4
-        assert (got[:64] - table[:64]).abs().max() < 1e-5
-
-    @pytest.mark.parametrize("kwargs", [{}, {"layout": "concat"}, {"num_axes": 2, "base": 100.0}])
-    def test_defaults_unchanged(self, kwargs):
-        old, new = pe_lib.SinusoidalPositionalEmbedding(16, **kwargs), SinusoidalPositionalEmbedding(16, **kwargs)
-        p = torch.randint(-50, 5000, (3, 7) + ((2,) if "num_axes" in kwargs else ()))
-        torch.testing.assert_close(new.embed(p), old.embed(p), rtol=0, atol=0)
-        assert repr(new) == repr(old)
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum must be one of 'vaswani', 'fairseq'"):
-            SinusoidalPositionalEmbedding(16, spectrum="t2t")
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: dim must be a positive multiple of 2 \\* num_axes = 2"):
-            SinusoidalPositionalEmbedding(17)
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: spectrum='fairseq' needs at least 2 frequencies"):
-            SinusoidalPositionalEmbedding(2, spectrum="fairseq")
-        with pytest.raises(TypeError, match="SinusoidalPositionalEmbedding: padding_idx must be an int, got float 1.0"):
-            SinusoidalPositionalEmbedding(16, padding_idx=1.0)
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: num_prefix_tokens must be a non-negative int"):
-            SinusoidalPositionalEmbedding(16, num_prefix_tokens=-1)
-        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must have shape \\[4\\]"):
-            SinusoidalPositionalEmbedding(16, num_prefix_tokens=1)(torch.randn(2, 5, 16), torch.arange(5))
-
-
-# ---------------------------------------------------------------------------
-# rope_coordinates (DINOv3)
-# ---------------------------------------------------------------------------
-
-
-def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
-    """facebookresearch/dinov3 RopePositionEmbedding.forward's coordinates (ported, float32, training)."""
-    dd = {"dtype": torch.float32}
-    if normalize == "max":
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / max(h, w), torch.arange(0.5, w, **dd) / max(h, w)
-    elif normalize == "min":
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / min(h, w), torch.arange(0.5, w, **dd) / min(h, w)
-    else:
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
-    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
-    coords = 2.0 * coords - 1.0
-    if shift is not None:
-        coords += torch.empty(2, **dd).uniform_(-shift, shift)[None, :]
-    if jitter is not None:
-        coords *= torch.empty(2, **dd).uniform_(-math.log(jitter), math.log(jitter)).exp()[None, :]
-    if rescale is not None:
-        coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
-    return coords
-
-
-class TestRopeCoordinates:
-    @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
-    @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
-    def test_matches_dinov3(self, normalize, augment):
-        torch.manual_seed(5)
-        want = dinov3_coords(3, 5, normalize, **augment)
-        torch.manual_seed(5)
-        got = rope_coordinates((3, 5), normalize=normalize, **augment)
-        assert got.dtype == torch.float64 and got.shape == (15, 2)
-        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)
-        generator = torch.Generator().manual_seed(5)
-        torch.testing.assert_close(rope_coordinates((3, 5), normalize=normalize, generator=generator, **augment), got)
-
-    def test_video_and_plain_values(self):
-        coords = rope_coordinates((2, 2, 4))
-        assert coords.shape == (16, 3)
-        torch.testing.assert_close(coords[1], torch.tensor([-0.5, -0.5, -0.25], dtype=torch.float64))
-        torch.testing.assert_close(rope_coordinates((4,))[:, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75],
-                                                                               dtype=torch.float64))
-
-    def test_feeds_every_multi_axis_rotary(self):
-        q, k, v = qkv(dtype=torch.float64)
-        p = rope_coordinates((4, 4), jitter=1.2)
-        for pe in (RotaryPositionalEmbedding(DH, sections=[8, 8], base=100.0), MixedRotaryPositionalEmbedding(DH, H),
-                   LieREPositionalEmbedding(DH, H, block_size=4)):
-            out = attention(q, k, v, pe.double(), positions_q=p, positions_k=p)
-            assert out.shape == v.shape and torch.isfinite(out).all()
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="rope_coordinates: normalize must be one of 'separate', 'max', 'min'"):
-            rope_coordinates((2, 2), normalize="mean")
-        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0, got jitter=0.5"):
-            rope_coordinates((2, 2), jitter=0.5)
-        with pytest.raises(ValueError, match="rope_coordinates: grid_shape\\[1\\] must be a positive int, got grid_shape\\[1\\]=0"):
-            rope_coordinates((2, 0))
-        with pytest.raises(TypeError, match="rope_coordinates: grid_shape\\[1\\] must be an int, got float 2.5"):
-            rope_coordinates((2, 2.5))
-
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-# largest |difference| against transformers per family, printed by -s (for the README table)
-MAX_DIFF = {}
-
-
-def hf_module(model: str, name: str):
-    pytest.importorskip("transformers")
-    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
-
-
-def hf_config(name: str, **kwargs):
-    transformers = pytest.importorskip("transformers")
-    return getattr(transformers, name)(**kwargs)
-
-
-def lib_accepts(cls, argument: str) -> bool:
-    return argument in inspect.signature(cls.__init__).parameters
-
-
-def hf_cos_sin(rotary, positions, **kwargs):
-    """transformers' cos, sin [N, R] for int positions [N] ([A, N] for M-RoPE), fresh module state."""
-    x = torch.zeros(1, dtype=torch.float32)
-    cos, sin = rotary(x, positions[..., None, :], **kwargs)   # position_ids [1, N] or [A, 1, N]
-    return cos[0].double(), sin[0].double()
-
-
-def ours_cos_sin(kwargs, positions):
-    pe = RotaryPositionalEmbedding(**kwargs)
-    cos, sin = pe.cos_sin(positions, positions.shape[0])
-    return pe, cos.double(), sin.double()
-
-
-def compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions, atol=2e-5, interleaved_output=False):
-    """Our [N, R/2] cos/sin equal transformers' [N, R]; record the largest difference."""
-    pe, cos, sin = ours_cos_sin(kwargs, positions)
-    half = cos.shape[-1]
-    assert hf_cos.shape[-1] == 2 * half, (hf_cos.shape, cos.shape)
-    # transformers' layout: cat(f, f) (half-split pairs) or repeat_interleave(f, 2) (Cohere)
-    first = hf_cos[..., 0::2] if interleaved_output else hf_cos[..., :half]
-    second = hf_cos[..., 1::2] if interleaved_output else hf_cos[..., half:]
-    torch.testing.assert_close(first, second, atol=0, rtol=0)
-    hf_sin = hf_sin[..., 0::2] if interleaved_output else hf_sin[..., :half]
-    diff = max((cos - first).abs().max().item(), (sin - hf_sin).abs().max().item())
-    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
-    assert diff <= atol, f"{family}: max |cos/sin| difference {diff:.3g} > {atol}"
-    return pe
-
-
-def rotate_half_split(x, cos, sin):
-    """Plain float64 half-split rotation of the first 2 * cos.shape[-1] channels (test oracle)."""
-    r = 2 * cos.shape[-1]
-    a, b, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], -1)
-
-
-POSITIONS = torch.arange(0, 200)          # past every original_max_position_embeddings below (16-64)
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, intermediate_size=32,
-            vocab_size=32)
-
-
-# ---------------------------------------------------------------------------
-# Rotary: every family against the model's own rotary module
-# ---------------------------------------------------------------------------
-
-
-class TestRotaryFromConfig:
-    @pytest.mark.parametrize("scaling", [
-        None,
-        {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
-         "attention_factor": 0.9},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 16},
-    ], ids=lambda s: "default" if s is None else "-".join(str(v) for v in s.values())[:40])
-    @pytest.mark.parametrize("top", [40, 200])   # dynamic: below and above max_position_embeddings
-    def test_llama(self, scaling, top):
-        config = hf_config("LlamaConfig", **TINY, max_position_embeddings=64, rope_theta=5e5,
-                           rope_scaling=None if scaling is None else dict(scaling))
-        positions = POSITIONS[:top]
-        kwargs = _rotary_kwargs_from_config(config)
-        family = f"llama/{'default' if scaling is None else scaling['rope_type']}"
-        hf_cos, hf_sin = hf_cos_sin(hf_module("llama", "LlamaRotaryEmbedding")(config), positions)
-        pe = compare_cos_sin(family, kwargs, hf_cos, hf_sin, positions)
-        # and the rotated queries, through transformers' own apply_rotary_pos_emb
-        apply = hf_module("llama", "apply_rotary_pos_emb")
-        q = torch.randn(2, 4, top, 16)
-        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
-        torch.testing.assert_close(pe(q, positions), want, atol=3e-5, rtol=1e-5)
-
-    def test_qwen3_explicit_head_dim(self):
-        config = hf_config("Qwen3Config", **TINY, head_dim=24, max_position_embeddings=64,
-                           rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32})
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["dim"] == 24
-        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen3", "Qwen3RotaryEmbedding")(config), POSITIONS)
-        compare_cos_sin("qwen3/yarn (head_dim=24)", kwargs, hf_cos, hf_sin, POSITIONS)
-
-    def test_qwen2_legacy_type_key(self):
-        config = hf_config("Qwen2Config", **TINY, max_position_embeddings=64,
-                           rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
-        hf_cos, hf_sin = hf_cos_sin(hf_module("qwen2", "Qwen2RotaryEmbedding")(config), POSITIONS)
-        compare_cos_sin("qwen2/yarn", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
-
-    @pytest.mark.parametrize("top", [30, 200])   # short factors below the original length, long above
-    @pytest.mark.parametrize("partial", [1.0, 0.75])
-    def test_phi3_longrope(self, top, partial):
-        half = int(16 * partial) // 2
-        config = hf_config("Phi3Config", **TINY, max_position_embeddings=128, original_max_position_embeddings=32,
-                           partial_rotary_factor=partial, pad_token_id=0,
-                           rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                                         "long_factor": [2.0 + 0.5 * i for i in range(half)]})
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["scaling"]["original_max_position_embeddings"] == 32
-        hf_cos, hf_sin = hf_cos_sin(hf_module("phi3", "Phi3RotaryEmbedding")(config), POSITIONS[:top])
-        compare_cos_sin("phi3/longrope", kwargs, hf_cos, hf_sin, POSITIONS[:top])
-
-    def test_phi_partial_rotary_factor(self):
-        config = hf_config("PhiConfig", **TINY, max_position_embeddings=64)   # partial_rotary_factor 0.5
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["rotary_dim"] == 8
-        hf_cos, hf_sin = hf_cos_sin(hf_module("phi", "PhiRotaryEmbedding")(config), POSITIONS)
-        compare_cos_sin("phi (partial 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
-
-    def test_gpt_neox_rotary_pct(self):
-        config = hf_config("GPTNeoXConfig", **TINY, max_position_embeddings=64, rotary_pct=0.5, rotary_emb_base=20000)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert (kwargs["rotary_dim"], kwargs["base"]) == (8, 20000.0)
-        hf_cos, hf_sin = hf_cos_sin(hf_module("gpt_neox", "GPTNeoXRotaryEmbedding")(config), POSITIONS)
-        pe = compare_cos_sin("gpt_neox (rotary_pct 0.5)", kwargs, hf_cos, hf_sin, POSITIONS)
-        apply = hf_module("gpt_neox", "apply_rotary_pos_emb")     # rotates the first 8 channels, passes 8
-        q = torch.randn(2, 4, 200, 16)
-        want, _ = apply(q, q, hf_cos.float()[None], hf_sin.float()[None])
-        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
-
-    def test_gptj_rotary_dim_interleaved(self):
-        config = hf_config("GPTJConfig", n_embd=64, n_head=4, n_layer=1, rotary_dim=8, n_positions=256, vocab_size=32)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs == {"dim": 16, "base": 10000.0, "rotary_dim": 8, "interleaved": True}
-        table = hf_module("gptj", "create_sinusoidal_positions")(256, 8)[POSITIONS].double()   # [N, sin | cos]
-        hf_sin, hf_cos = table[:, :4], table[:, 4:]
-        both = lambda t: torch.cat([t, t], -1)   # noqa: E731  (compare_cos_sin takes [N, R])
-        pe = compare_cos_sin("gptj (rotary_dim, interleaved)", kwargs, both(hf_cos), both(hf_sin), POSITIONS)
-        apply = hf_module("gptj", "apply_rotary_pos_emb")           # tensor [B, N, H, R]
-        q = torch.randn(2, 200, 4, 16)
-        want = torch.cat([apply(q[..., :8], hf_sin.float()[None], hf_cos.float()[None]), q[..., 8:]], -1)
-        torch.testing.assert_close(pe(q.transpose(1, 2), POSITIONS).transpose(1, 2), want, atol=3e-5, rtol=1e-5)
-
-    def test_cohere_interleaved(self):
-        config = hf_config("CohereConfig", **TINY, max_position_embeddings=64)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["interleaved"] is True
-        rotary = hf_module("cohere", "CohereRotaryEmbedding")(config)
-        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS)
-        pe = compare_cos_sin("cohere (interleaved)", kwargs, hf_cos, hf_sin, POSITIONS, interleaved_output=True)
-        q = torch.randn(2, 4, 200, 16)
-        want, _ = hf_module("cohere", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
-        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
-
-    def test_llama4_interleaved(self):
-        # Llama 4 rotates adjacent pairs through complex numbers (view_as_complex), whatever the config says
-        config = hf_config("Llama4TextConfig", **TINY, head_dim=16, max_position_embeddings=64)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["interleaved"] is True
-        freqs_cis = hf_module("llama4", "Llama4TextRotaryEmbedding")(config)(torch.zeros(1), POSITIONS[None])  # [1, N, 8]
-        pe = compare_cos_sin("llama4 (interleaved)", kwargs, freqs_cis.real[0].double().repeat_interleave(2, -1),
-                             freqs_cis.imag[0].double().repeat_interleave(2, -1), POSITIONS, interleaved_output=True)
-        q = torch.randn(2, 200, 4, 16)                                                       # Llama 4's [B, N, H, Dh]
-        want, _ = hf_module("llama4", "apply_rotary_emb")(q, q, freqs_cis)
-        torch.testing.assert_close(pe(q, POSITIONS, seq_dim=-3), want, atol=3e-5, rtol=1e-5)
-
-    def test_glm_partial_interleaved(self):
-        config = hf_config("GlmConfig", **TINY, max_position_embeddings=64, head_dim=16, partial_rotary_factor=0.5)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert (kwargs["rotary_dim"], kwargs["interleaved"]) == (8, True)
-        hf_cos, hf_sin = hf_cos_sin(hf_module("glm", "GlmRotaryEmbedding")(config), POSITIONS)
-        pe = compare_cos_sin("glm (partial, interleaved)", kwargs, hf_cos, hf_sin, POSITIONS)
-        q = torch.randn(2, 4, 200, 16)
-        want, _ = hf_module("glm", "apply_rotary_pos_emb")(q, q, hf_cos.float()[None], hf_sin.float()[None])
-        torch.testing.assert_close(pe(q, POSITIONS), want, atol=3e-5, rtol=1e-5)
-
-    def test_gemma(self):
-        config = hf_config("GemmaConfig", **TINY, head_dim=32, max_position_embeddings=64)
-        hf_cos, hf_sin = hf_cos_sin(hf_module("gemma", "GemmaRotaryEmbedding")(config), POSITIONS)
-        compare_cos_sin("gemma (head_dim=32)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
-
-    @pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
-    def test_gemma3_per_layer_type(self, layer_type):
-        config = hf_config("Gemma3TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, max_position_embeddings=64,
-                           layer_types=["sliding_attention", "full_attention"],
-                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                               "rope_theta": 1e6}})
-        kwargs = _rotary_kwargs_from_config(config, layer_type=layer_type)
-        rotary = hf_module("gemma3", "Gemma3RotaryEmbedding")(config)
-        hf_cos, hf_sin = hf_cos_sin(rotary, POSITIONS, layer_type=layer_type)
-        compare_cos_sin(f"gemma3/{layer_type}", kwargs, hf_cos, hf_sin, POSITIONS)
-        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding.from_config: .*pass layer_type"):
-            _rotary_kwargs_from_config(config)
-
-    def test_falcon_rope(self):
-        config = hf_config("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
-                           vocab_size=32, max_position_embeddings=64, rope_theta=1e4)
-        hf_cos, hf_sin = hf_cos_sin(hf_module("falcon", "FalconRotaryEmbedding")(config), POSITIONS)
-        compare_cos_sin("falcon (alibi=False)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, POSITIONS)
-
-    def test_deepseek_v3_yarn_mscale_interleaved(self):
-        scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
-                   "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
-        config = hf_config("DeepseekV3Config", **TINY, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                           kv_lora_rank=16, q_lora_rank=None, max_position_embeddings=64, rope_scaling=scaling,
-                           n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1)
-        kwargs = _rotary_kwargs_from_config(config)
-        assert (kwargs["dim"], kwargs["interleaved"]) == (8, True)
-        hf_cos, hf_sin = hf_cos_sin(hf_module("deepseek_v3", "DeepseekV3RotaryEmbedding")(config), POSITIONS)
-        pe = compare_cos_sin("deepseek_v3/yarn (mscale_all_dim)", kwargs, hf_cos, hf_sin, POSITIONS)
-        assert pe.attention_factor != 1.0   # mscale / mscale_all_dim reaches cos and sin
-        # DeepSeek de-interleaves while rotating (output half-split); ours keeps pairs in place: the
-        # outputs differ by one fixed permutation of channels, so every q . k logit is the same
-        apply = hf_module("deepseek_v3", "apply_rotary_pos_emb_interleave")
-        q, k = torch.randn(2, 4, 200, 8), torch.randn(2, 4, 200, 8)
-        hf_q, hf_k = apply(q, k, hf_cos.float()[None], hf_sin.float()[None])
-        torch.testing.assert_close(pe(q, POSITIONS) @ pe(k, POSITIONS).transpose(-1, -2),
-                                   hf_q @ hf_k.transpose(-1, -2), atol=2e-4, rtol=1e-5)
-
-    def test_qwen2_vl_mrope(self):
-        config = hf_config("Qwen2VLConfig", text_config=dict(**TINY, max_position_embeddings=64,
-                                                              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}))
-        kwargs = _rotary_kwargs_from_config(config)                # read through text_config
-        assert kwargs["sections"] == [2, 3, 3] and "section_layout" not in kwargs
-        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
-        rotary = hf_module("qwen2_vl", "Qwen2VLRotaryEmbedding")(config.text_config)
-        hf_cos, hf_sin = hf_cos_sin(rotary, axes)
-        compare_cos_sin("qwen2_vl (mrope)", kwargs, hf_cos, hf_sin, axes.T)
-
-    def qwen3_vl(self):
-        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16, max_position_embeddings=64,
-                                                              rope_parameters={"rope_type": "default",
-                                                                               "mrope_section": [4, 2, 2],
-                                                                               "mrope_interleaved": True}))
-        axes = torch.stack([POSITIONS // 50, POSITIONS % 50 // 7, POSITIONS % 7 * 3])       # [3, N]: t, h, w
-        rotary = hf_module("qwen3_vl", "Qwen3VLTextRotaryEmbedding")(config.text_config)
-        return config, axes, hf_cos_sin(rotary, axes)
-
-    def test_qwen3_vl_kwargs_mean_interleaved_sections(self):
-        # the section_layout="interleaved" contract, checked against transformers with a plain oracle:
-        # pair i turns with axis a in (1, 2) when i % 3 == a and i < 3 * sections[a], else with axis 0
-        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["sections"] == [4, 2, 2] and kwargs["section_layout"] == "interleaved"
-        sections, half = kwargs["sections"], kwargs["dim"] // 2
-        axis_of_pair = [next((a for a in (1, 2) if i % 3 == a and i < 3 * sections[a]), 0) for i in range(half)]
-        assert axis_of_pair == [0, 1, 2, 0, 1, 2, 0, 0]
-        for n in range(0, 200, 37):
-            for i in range(half):
-                angle = axes[axis_of_pair[i], n].item() * kwargs["base"] ** (-2 * i / kwargs["dim"])
-                assert hf_cos[n, i].item() == pytest.approx(math.cos(angle), abs=2e-5)
-                assert hf_sin[n, i].item() == pytest.approx(math.sin(angle), abs=2e-5)
-        assert self.qwen3_vl()[0].to_dict()["text_config"]["rope_parameters"]["mrope_interleaved"] is True
-
-    def test_qwen3_vl_interleaved_mrope(self):
-        config, axes, (hf_cos, hf_sin) = self.qwen3_vl()
-        compare_cos_sin("qwen3_vl (interleaved mrope)", _rotary_kwargs_from_config(config), hf_cos, hf_sin, axes.T)
-
-    def test_qwen3_vl_interleaved_without_the_flag(self):
-        # transformers interleaves for the qwen3_vl model type even when mrope_interleaved is absent
-        config = hf_config("Qwen3VLConfig", text_config=dict(**TINY, head_dim=16))
-        kwargs = _rotary_kwargs_from_config(config)
-        assert kwargs["sections"] == [24, 20, 20] and kwargs["section_layout"] == "interleaved"
-
-    def gemma4(self):
-        config = hf_config("Gemma4TextConfig", **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
-                           layer_types=["sliding_attention", "full_attention"],
-                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                            "full_attention": {"rope_type": "proportional", "factor": 2.0,
-                                                               "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
-        rotary = hf_module("gemma4", "Gemma4TextRotaryEmbedding")(config)
-        return config, hf_cos_sin(rotary, POSITIONS, layer_type="full_attention")
-
-    def test_gemma4_kwargs_mean_proportional(self):
-        # the rope_type="proportional" contract, checked against transformers with a plain oracle: the first
-        # int(p * dim / 2) pairs turn at base ** (-2i / dim) / factor (exponent over the FULL head dim),
-        # the other pairs have frequency 0
-        config, (hf_cos, hf_sin) = self.gemma4()
-        kwargs = _rotary_kwargs_from_config(config, layer_type="full_attention")
-        assert kwargs == {"dim": 32, "base": 1e6, "scaling": {"rope_type": "proportional", "factor": 2.0,
-                                                               "partial_rotary_factor": 0.25}}
-        assert _rotary_kwargs_from_config(config.to_dict(), layer_type="full_attention") == kwargs
-        assert _rotary_kwargs_from_config(config, layer_type="sliding_attention") == {"dim": 16, "base": 10000.0}
-        dim, rotated = kwargs["dim"], int(0.25 * kwargs["dim"] // 2)
-        for n in range(0, 200, 37):
-            for i in range(dim // 2):
-                freq = kwargs["base"] ** (-2 * i / dim) / 2.0 if i < rotated else 0.0
-                assert hf_cos[n, i].item() == pytest.approx(math.cos(n * freq), abs=2e-5)
-                assert hf_sin[n, i].item() == pytest.approx(math.sin(n * freq), abs=2e-5)
-
-    def test_gemma4_proportional(self):
-        config, (hf_cos, hf_sin) = self.gemma4()
-        compare_cos_sin("gemma4/proportional", _rotary_kwargs_from_config(config, layer_type="full_attention"),
-                        hf_cos, hf_sin, POSITIONS)
-
-    @pytest.mark.parametrize("name, kwargs", [
-        ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
-        ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
-        ("GPTNeoXConfig", {}), ("PhiConfig", {}), ("GPTJConfig", {}), ("CohereConfig", {}), ("FalconConfig", {}),
-        ("Qwen2VLConfig", {}), ("Qwen3VLConfig", {}), ("DeepseekV3Config", {}), ("Phi3Config", {}),
+        k.requires_grad_(True)
+        weights = torch.randn(B, H, N, N, dtype=torch.float64).tril()
+        finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)
+        (grad,) = torch.autograd.grad((finite(cope.double()(q, k)) * weights).sum(), k)
+        content = torch.autograd.grad(((q @ k.transpose(-1, -2)) * DH ** -0.5 * weights).sum(), k)[0]
+        assert (grad - content).abs().max() > 1e-3   # the position term moves the keys through the gates
+
+    @pytest.mark.parametrize("kwargs, error, message", [
+        (dict(num_heads=0, head_dim=8), ValueError, "num_heads must be a positive int, got num_heads=0"),
+        (dict(num_heads=2, head_dim=8, max_position=1.5), TypeError, "max_position must be an int, got float 1.5"),
+        (dict(num_heads=2, head_dim=8, per_head="yes"), TypeError, "per_head must be a bool, got str"),
+        (dict(num_heads=2, head_dim=8, init_std=-1.0), ValueError, "init_std must be a finite number >= 0"),
     ])
-    def test_dict_config_gives_same_kwargs(self, name, kwargs):
-        config = hf_config(name, **kwargs)
-        assert _rotary_kwargs_from_config(config.to_dict()) == _rotary_kwargs_from_config(config)
-
-    def test_raw_legacy_config_json(self):
-        # a config.json as old checkpoints ship it: top-level rope_theta, rope_scaling with "type"
-        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
-               "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
-        config = hf_config("LlamaConfig", **{k: v for k, v in raw.items() if k != "model_type"})
-        assert _rotary_kwargs_from_config(raw) == _rotary_kwargs_from_config(config) == {
-            "dim": 16, "base": 5e5, "scaling": {"rope_type": "linear", "factor": 2.0}}
-        neox = {"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4}   # rotary_pct default 0.25
-        assert _rotary_kwargs_from_config(neox) == {"dim": 16, "base": 10000.0, "rotary_dim": 4}
-        assert _rotary_kwargs_from_config(NEOX_DICT)["rotary_dim"] == DH // 2
-        # legacy Qwen2-VL: "type": "mrope" is default RoPE with sections, read through text_config
-        assert _rotary_kwargs_from_config(QWEN2_VL_DICT) == {"dim": DH, "base": 1e6, "sections": [4, 6, 6]}
-
-    def test_dynamic_reads_max_position_embeddings(self):
-        # transformers' dynamic NTK is relative to max_position_embeddings even when the dict names another length
-        raw = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 64,
-               "rope_scaling": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}}
-        assert _rotary_kwargs_from_config(raw)["scaling"] == {"rope_type": "dynamic", "factor": 2.0,
-                                                              "max_position_embeddings": 64}
-
-    def test_bad_configs(self):
-        owner = "RotaryPositionalEmbedding.from_config"
-        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object or its "
-                                            f"to_dict\\(\\), got str"):
-            _rotary_kwargs_from_config("meta-llama/Llama-3-8B")
-        with pytest.raises(ValueError, match=f"{owner}: config \\(model_type='gpt2'\\) has no rotary embedding"):
-            _rotary_kwargs_from_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4})
-        with pytest.raises(ValueError, match=f"{owner}: config has alibi=True .*ALiBiPositionalEmbedding.from_config"):
-            _rotary_kwargs_from_config({"model_type": "falcon", "alibi": True, "rope_theta": 1e4, "hidden_size": 64,
-                                        "num_attention_heads": 4})
-        gemma3 = {"model_type": "gemma3_text", "head_dim": 16, "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
-        with pytest.raises(ValueError, match=f"{owner}: layer_type must be one of .*got 'global'"):
-            _rotary_kwargs_from_config(gemma3, layer_type="global")
-        with pytest.raises(ValueError, match=f"{owner}: the rotated dim must be even .*rotary_dim=3"):
-            _rotary_kwargs_from_config({"model_type": "phi", "hidden_size": 64, "num_attention_heads": 4,
-                                        "rope_theta": 1e4, "partial_rotary_factor": 0.2})
-
-
-# ---------------------------------------------------------------------------
-# T5
-# ---------------------------------------------------------------------------
-
-
-class TestT5FromConfig:
-    @pytest.mark.parametrize("decoder", [False, True])
-    def test_bias_equals_compute_bias(self, decoder):
-        config = hf_config("T5Config", d_model=32, d_kv=8, num_heads=4, num_layers=1, vocab_size=32,
-                           relative_attention_num_buckets=16, relative_attention_max_distance=40, is_decoder=decoder)
-        attention = hf_module("t5", "T5Attention")(config, has_relative_attention_bias=True)
-        kwargs = _t5_kwargs_from_config(config)
-        assert kwargs == {"num_heads": 4, "num_buckets": 16, "max_distance": 40, "bidirectional": not decoder}
-        assert _t5_kwargs_from_config(config.to_dict()) == kwargs
-        ours = T5PositionalEmbedding(**kwargs)
-        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
-        for q_len, k_len in ((70, 70), (5, 90)):       # decoding: the last 5 queries of 90 keys
-            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
-            diff = (ours(q_len, k_len) - want).abs().max().item()
-            MAX_DIFF["t5 (decoder)" if decoder else "t5 (encoder)"] = diff
-            assert diff == 0.0
-
-    def test_decoder_override_and_old_configs(self):
-        encoder_config = {"model_type": "t5", "num_heads": 8, "relative_attention_num_buckets": 32}
-        assert _t5_kwargs_from_config(encoder_config) == {"num_heads": 8, "num_buckets": 32, "max_distance": 128,
-                                                          "bidirectional": True}
-        assert _t5_kwargs_from_config(encoder_config, decoder=True)["bidirectional"] is False
-
-    def test_bad_configs(self):
-        with pytest.raises(ValueError, match="T5PositionalEmbedding.from_config: model_type='llama' \\(config field model_type\\) "
-                                             "is not among the model types checked"):
-            _t5_kwargs_from_config({"model_type": "llama", "num_attention_heads": 4})
-        with pytest.raises(TypeError, match="T5PositionalEmbedding.from_config: decoder must be a bool or None, got "
-                                            "str 'yes'"):
-            _t5_kwargs_from_config(T5_DECODER_DICT, decoder="yes")
-
-
-# ---------------------------------------------------------------------------
-# ALiBi: Bloom, MPT, Falcon
-# ---------------------------------------------------------------------------
-
-
-def alibi_from_kwargs(kwargs):
-    """Our ALiBi with the kwargs; the current class has no slopes= yet, so set its buffer instead."""
-    if lib_accepts(ALiBiPositionalEmbedding, "slopes"):
-        return ALiBiPositionalEmbedding(**kwargs)
-    alibi = ALiBiPositionalEmbedding(kwargs["num_heads"], bidirectional=kwargs["bidirectional"])
-    alibi.slopes.copy_(torch.tensor(kwargs["slopes"]))
-    return alibi
-
-
-def check_ramp(family, alibi, ramp, n):
-    """The model adds ramp[h, j] (+slope * j up to a constant); ours must differ from it by one constant per row
-    on and below the diagonal, and mask the future."""
-    bias = alibi(n, n).double()                                            # [H, N, N]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    shifted = bias - ramp[:, None, :].double()                             # [H, N, N]: constant along j
-    row = shifted[:, :, :1].expand_as(shifted)
-    diff = (shifted - row)[:, causal].abs().max().item()
-    MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
-    assert torch.isinf(bias[:, ~causal]).all()
-    return diff
-
-
-class TestALiBiFromConfig:
-    @pytest.mark.parametrize("heads", [4, 6, 12, 16])
-    def test_bloom(self, heads):
-        config = hf_config("BloomConfig", n_head=heads, hidden_size=8 * heads, n_layer=1, vocab_size=32)
-        kwargs = _alibi_kwargs_from_config(config)
-        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
-        n = 40
-        ramp = hf_module("bloom", "build_alibi_tensor")(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
-        slopes = ramp[:, 1].tolist()                                       # Bloom's slopes: its ramp at j = 1
-        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
-        assert check_ramp("bloom", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
-
-    @pytest.mark.parametrize("heads, bias_max", [(4, 8), (12, 8), (16, 6), (6, 12)])
-    def test_mpt_alibi_bias_max(self, heads, bias_max):
-        config = hf_config("MptConfig", n_heads=heads, d_model=8 * heads, n_layers=1, vocab_size=32, max_seq_len=64,
-                           attn_config={"alibi": True, "alibi_bias_max": bias_max})
-        kwargs = _alibi_kwargs_from_config(config)
-        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
-        n = 64
-        ramp = hf_module("mpt", "build_mpt_alibi_tensor")(heads, n, bias_max)[:, 0, :]   # [H, N]: slope * (j - N + 1)
-        slopes = (-ramp[:, -2]).tolist()
-        assert kwargs["slopes"] == pytest.approx(slopes, rel=1e-6)
-        assert check_ramp("mpt (alibi_bias_max)", alibi_from_kwargs(kwargs), ramp, n) < 1e-5
-
-    @pytest.mark.parametrize("heads", [4, 6, 71])
-    def test_falcon_ramp(self, heads):
-        # FalconModel adds bf16(bf16(slope) * j) / sqrt(head_dim) to q . k / sqrt(head_dim) (SDPA path)
-        config = hf_config("FalconConfig", alibi=True, num_attention_heads=heads, hidden_size=4 * heads,
-                           num_hidden_layers=1, vocab_size=32, new_decoder_architecture=False, multi_query=False)
-        kwargs = _alibi_kwargs_from_config(config)
-        assert _alibi_kwargs_from_config(config.to_dict()) == kwargs
-        n = 48
-        ramp = hf_module("falcon", "build_alibi_tensor")(torch.ones(1, n, dtype=torch.long), heads, torch.float32)
-        ramp = ramp.reshape(heads, n).double() / math.sqrt(4)             # FalconModel divides by sqrt(head_dim)
-        assert kwargs["slopes"] == pytest.approx(ramp[:, 1].tolist(), rel=1e-7)   # j = 1: the rounded slope, exact
-        # Falcon rounds every product slope * j to bfloat16 as well: a staircase within 2^-8 of our line
-        exact = torch.tensor(kwargs["slopes"], dtype=torch.float64)[:, None] * torch.arange(n)
-        assert ((ramp - exact).abs() <= 2.0 ** -8 * exact).all()   # bf16 unit roundoff 2^-8
-        diff = check_ramp("falcon (bf16 slopes / sqrt(head_dim))", alibi_from_kwargs(kwargs), ramp.float(), n)
-        assert diff <= 2.0 ** -8 * exact.max().item() * 2 + 1e-6   # two rounded products per difference
-
-    def test_falcon_attention_output(self):
-        # FalconAttention's own output (SDPA path, the default) equals attention() with our ALiBi on its q, k, v
-        config = hf_config("FalconConfig", alibi=True, num_attention_heads=4, hidden_size=32, num_hidden_layers=1,
-                           vocab_size=32, new_decoder_architecture=False, multi_query=False, bias=False,
-                           parallel_attn=False, attn_implementation="sdpa")
-        from positional_embeddings import attention
-        model = pytest.importorskip("transformers").FalconModel(config).eval()
-        layer, seen = model.h[0].self_attention, {}
-        layer.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0] if args else
-                                                                            kwargs["hidden_states"]), with_kwargs=True)
-        layer.register_forward_hook(lambda m, args, output: seen.update(out=output[0]))
-        n = 20
-        with torch.no_grad():
-            model(torch.randint(0, 32, (1, n)))
-            q, k, v = (t.transpose(1, 2) for t in layer._split_heads(layer.query_key_value(seen["x"])))  # [B, H, N, Dh]
-            alibi = alibi_from_kwargs(_alibi_kwargs_from_config(config))
-            ours = layer.dense(attention(q, k, v, alibi, causal=True).transpose(1, 2).reshape(1, n, 32))
-        MAX_DIFF["falcon attention output"] = (ours - seen["out"]).abs().max().item()
-        torch.testing.assert_close(ours, seen["out"], atol=1e-5, rtol=1e-5)
-
-    def test_bad_configs(self):
-        owner = "ALiBiPositionalEmbedding.from_config"
-        with pytest.raises(ValueError, match=f"{owner}: model_type='llama' \\(config field model_type\\) is not among"):
-            _alibi_kwargs_from_config(LLAMA3_DICT)
-        with pytest.raises(ValueError, match=f"{owner}: Falcon config has alibi=False: it uses RoPE"):
-            _alibi_kwargs_from_config({"model_type": "falcon", "alibi": False, "num_attention_heads": 4})
-        with pytest.raises(ValueError, match=f"{owner}: MPT config has attn_config.alibi=False"):
-            _alibi_kwargs_from_config({"model_type": "mpt", "n_heads": 4, "attn_config": {"alibi": False}})
-        with pytest.raises(TypeError, match=f"{owner}: config must be a Hugging Face config object"):
-            _alibi_kwargs_from_config(None)
-
-
-def test_print_max_differences():
-    """Runs last: prints the table of largest differences gathered above (pytest -s)."""
-    for family, diff in sorted(MAX_DIFF.items()):
-        print(f"| {family} | {diff:.2e} |")
-
-
-# ---------------------------------------------------------------------------
-# Shim (not pasted): the shared property tests over NEW_CASES
-# ---------------------------------------------------------------------------
-
-
-def _missing_reference_libraries(block: str) -> list:
-    """The top-level modules ``block`` imports that are not installed. Only reference libraries
-    may be missing (transformers, ...): torch, the library and the standard library must import."""
-    import re
-
-    names = {m.split(".")[0] for m in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block, flags=re.M)}
-    missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
-    required = [n for n in missing if n in ("torch", "positional_embeddings") or n in sys.stdlib_module_names]
-    assert not required, f"an example imports {required}, which every machine must have"
-    return missing
-
-
-def _run_python_blocks(text: str, filename: str) -> list:
-    """Run every ```python block of a Markdown page, in order, in one namespace. A block that
-    imports an absent reference library is left out (like the other comparisons); the
-    names of what was left out are returned."""
-    import re
-
-    namespace, left_out = {}, []
-    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
-        missing = _missing_reference_libraries(block)
-        if missing:
-            left_out.extend(missing)
-            continue
-        exec(compile(block, filename, "exec"), namespace)
-    return left_out
-
-
-def test_readme_examples_run():
-    """Every ```python block of the README runs, in order, in one namespace."""
-    text = (pathlib.Path(__file__).parent / "README.md").read_text()
-    assert "```python" in text
-    left_out = _run_python_blocks(text, "README.md")
-    if left_out:
-        pytest.skip(f"the other examples ran; those that import {', '.join(left_out)} need it installed")
-
-
-@pytest.mark.parametrize("page", sorted(p.name for p in (pathlib.Path(__file__).parent / "docs").glob("*.md")))
-def test_docs_examples_run(page):
-    """Every ```python block of each docs/ page runs, in order, in one namespace per page
-    (``py`` blocks are shown, not run: they need a process group). Blocks that import an
-    absent reference library are skipped; the rest of the page still runs."""
-    left_out = _run_python_blocks((pathlib.Path(__file__).parent / "docs" / page).read_text(), page)
-    if left_out:
-        pytest.skip(f"the other examples ran; those that import {', '.join(left_out)} need it installed")
-
-
-def test_docs_examples_skip_only_blocks_that_need_an_absent_reference_library(monkeypatch):
-    """Issue 22 item 9: docs/model_parity.md's ``import transformers`` failed the suite where
-    transformers is not installed; such a block is skipped, and every other block still runs."""
-    text = ("```python\nimport torch\nx = torch.ones(2)\n```\n"
-            "```python\nimport not_a_reference_library_xyz.sub\nraise AssertionError('ran')\n```\n"
-            "```python\nassert x.sum() == 2\ny = 3\n```\n")
-    assert _run_python_blocks(text, "page.md") == ["not_a_reference_library_xyz"]
-    with pytest.raises(AssertionError, match="late"):   # the blocks after it do run
-        _run_python_blocks(text + "```python\nassert y == 4, 'late'\n```\n", "page.md")
-    find_spec = importlib.util.find_spec
-    with monkeypatch.context() as patch:   # a missing torch or stdlib module is a failure, not a skip
-        for name in ("math", "torch"):
-            patch.setattr(importlib.util, "find_spec", lambda n, name=name: None if n == name else find_spec(n))
-            with pytest.raises(AssertionError, match="every machine must have"):
-                _run_python_blocks(f"```python\nimport {name}\n```\n", "p.md")
-    page = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
-    assert "import transformers" in page   # the case that failed
-    expected = [] if importlib.util.find_spec("transformers") else ["transformers"]
-    assert _run_python_blocks(page, "model_parity.md") == expected
-
-
-def test_compare_quick_runs_end_to_end():
-    """benchmarks/compare.py --quick trains and evaluates every task kind (2 steps, 1 eval batch)."""
-    import pathlib
-    import subprocess
-    import sys
-
-    command = [sys.executable, "benchmarks/compare.py", "--quick", "--steps", "2", "--eval-batches", "1", "--markdown"]
-    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    table = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-             for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert table[0][:4] == ["encoding", "task", "acc@L", "acc@2L"], result.stdout
-    rows = table[1:]
-    assert {row[1] for row in rows} == {"reverse", "recall", "grid", "tree"}, result.stdout
-    for row in rows:
-        assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
-
-
-def test_compare_every_encoding_two_seeds(tmp_path):
-    """Every (task, encoding) pair of compare.py builds, trains one step and evaluates, over two
-    seeds: the table gives the mean and the range, the CSV one line per seed."""
-    import csv
-    import pathlib
-    import subprocess
-    import sys
-
-    out = tmp_path / "compare.csv"
-    command = [sys.executable, "benchmarks/compare.py", "--steps", "1", "--eval-batches", "1", "--batch-size", "8",
-               "--seeds", "0,1", "--markdown", "--csv", str(out)]
-    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in result.stdout.splitlines() if line.startswith("| ")][1:]
-    with open(out) as handle:
-        per_seed = list(csv.DictReader(handle))
-    assert len(per_seed) == 2 * len(rows) and {r["seed"] for r in per_seed} == {"0", "1"}
-    for row in rows:
-        seeds = [r for r in per_seed if (r["task"], r["encoding"]) == (row[1], row[0])]
-        mean = sum(float(r["acc_at_L"]) for r in seeds) / 2
-        assert row[2].startswith(f"{mean:.3f} ("), (row, seeds)
-    assert {row[0] for row in rows if row[1] == "recall"} >= {"xpos", "cope", "forgetting"}
-    assert not {row[0] for row in rows if row[1] == "reverse"} & {"xpos", "cope", "forgetting"}   # causal only
-    assert {row[0] for row in rows if row[1] == "grid"} >= {"swin_bias", "swinv2_cpb", "dynamic_bias_2d", "mixed_rope",
-                                                           "liere", "conv_peg", "fourier_2d"}
-
-
-class TestHeinsenReview:
-    """Second derivatives, torch.func transforms and argument checks of the Heinsen scan."""
-
-    @staticmethod
-    def scan_oracle(log_p, h, initial):
-        """The recurrence as a plain loop: s_t = logaddexp(log_p_t + s_{t-1}, h_t), s_0 = initial."""
-        s, states = initial[..., 0, :], []
-        for t in range(log_p.shape[-2]):
-            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
-            states.append(s)
-        return torch.stack(states, dim=-2)
-
-    @staticmethod
-    def scan_inputs(b=2, n=6, d=3):
-        log_p = F.logsigmoid(torch.randn(b, n, d, dtype=torch.float64))
-        h = torch.randn(b, n, d, dtype=torch.float64)
-        initial = torch.randn(b, 1, d, dtype=torch.float64)                 # a non-zero state
-        return log_p, h, initial
-
-    @pytest.mark.parametrize("block, n", [(128, 6), (4, 10)])   # one block; three chained, the last padded
-    def test_gradgradcheck(self, monkeypatch, block, n):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
-        inputs = [t.requires_grad_() for t in self.scan_inputs(n=n)]
-        assert torch.autograd.gradcheck(pe_lib._scan_apply, inputs, check_forward_ad=True)
-        assert torch.autograd.gradgradcheck(pe_lib._scan_apply, inputs)
-
-    @pytest.mark.parametrize("block", [128, 4])
-    def test_hessian_vector_product_matches_oracle(self, monkeypatch, block):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
-        inputs = self.scan_inputs(n=10)
-        weights = torch.randn(2, 10, 3, dtype=torch.float64)
-        vector = tuple(torch.randn_like(t) for t in inputs)
-        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
-        _, got = torch.autograd.functional.hvp(loss(pe_lib._scan_apply), inputs, vector)
-        _, want = torch.autograd.functional.hvp(loss(self.scan_oracle), inputs, vector)
-        for g, w in zip(got, want):
-            assert w.abs().max() > 1e-3                                      # the second-order term is there
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-
-    def test_module_second_derivative_matches_oracle(self):
-        # the scan's second-order term used to be dropped silently (once_differentiable)
-        pe = HeinsenPositionalEmbedding(5, 4).double()
-        x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
-        state = torch.randn(2, 1, 4, dtype=torch.float64, requires_grad=True)
-        weights = torch.randn(2, 9, 5, dtype=torch.float64)
-
-        def penalty(y):
-            grad_x, grad_state = torch.autograd.grad((y * weights).sum(), [x, state], create_graph=True)
-            return (grad_x ** 2).sum() + (grad_state ** 2).sum()
-
-        got = torch.autograd.grad(penalty(pe(x, state=state)), [x, state, pe.H.weight])
-        want = torch.autograd.grad(penalty(heinsen_reference(pe, x, state)[0]), [x, state, pe.H.weight])
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
-
-    def test_func_grad_matches_oracle(self):
-        inputs = self.scan_inputs()
-        weights = torch.randn(2, 6, 3, dtype=torch.float64)
-        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
-        got = torch.func.grad(loss(pe_lib._scan_apply), argnums=(0, 1, 2))(*inputs)
-        want = torch.func.grad(loss(self.scan_oracle), argnums=(0, 1, 2))(*inputs)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-        hessian = torch.func.jacrev(torch.func.jacrev(loss(pe_lib._scan_apply), argnums=1), argnums=1)(*inputs)
-        hessian_want = torch.func.jacrev(torch.func.jacrev(loss(self.scan_oracle), argnums=1), argnums=1)(*inputs)
-        torch.testing.assert_close(hessian, hessian_want, rtol=0, atol=1e-12)
-
-    def test_func_vmap_equals_a_loop(self):
-        log_p, h, initial = self.scan_inputs(b=3)
-        log_p_t = log_p.transpose(0, 1).contiguous()                          # batch dim 1
-        got = torch.func.vmap(pe_lib._scan_apply, in_dims=(1, 0, None))(log_p_t, h, initial[0])
-        want = torch.stack([pe_lib._scan_apply(log_p[i], h[i], initial[0]) for i in range(3)])
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        torch.testing.assert_close(got, self.scan_oracle(log_p, h, initial[:1].expand(3, 1, 3)), rtol=0, atol=1e-12)
-        # per-sample gradients: vmap over grad
-        per_sample = torch.func.vmap(torch.func.grad(lambda *a: pe_lib._scan_apply(*a).sin().sum(), argnums=(0, 1, 2)))
-        want = torch.func.vmap(torch.func.grad(lambda *a: self.scan_oracle(*a).sin().sum(), argnums=(0, 1, 2)))
-        for g, w in zip(per_sample(log_p, h, initial), want(log_p, h, initial)):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-
-    def test_func_jvp_matches_oracle_and_finite_differences(self):
-        inputs = self.scan_inputs(n=7)
-        tangents = tuple(torch.randn_like(t) for t in inputs)
-        value, got = torch.func.jvp(pe_lib._scan_apply, inputs, tangents)
-        _, want = torch.func.jvp(self.scan_oracle, inputs, tangents)
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-        eps = 1e-6
-        plus = pe_lib._scan_apply(*[t + eps * d for t, d in zip(inputs, tangents)])
-        minus = pe_lib._scan_apply(*[t - eps * d for t, d in zip(inputs, tangents)])
-        torch.testing.assert_close(got, (plus - minus) / (2 * eps), rtol=0, atol=1e-8)
-        # a tangent on one input only (the others get None)
-        _, only_h = torch.func.jvp(lambda h: pe_lib._scan_apply(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
-        _, only_h_want = torch.func.jvp(lambda h: self.scan_oracle(inputs[0], h, inputs[2]), (inputs[1],), (tangents[1],))
-        torch.testing.assert_close(only_h, only_h_want, rtol=0, atol=1e-12)
-
-    def test_compiled_module_still_traces_and_backpropagates(self):
-        pe = HeinsenPositionalEmbedding(6, 5)
-        x = torch.randn(2, 20, 6, requires_grad=True)
-        compiled = torch.compile(lambda t: pe(t), backend="eager", fullgraph=True)
-        grad, = torch.autograd.grad(compiled(x).sin().sum(), x)
-        want, = torch.autograd.grad(pe(x).sin().sum(), x)
-        torch.testing.assert_close(grad, want)
-
-    @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
-    def test_state_must_be_floating(self, dtype):
-        pe = HeinsenPositionalEmbedding(4, 3)
-        state = torch.zeros(2, 1, 3, dtype=dtype)
-        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: state must be a floating tensor, "
-                                            f"got dtype={dtype}"):
-            pe(torch.randn(2, 5, 4), state=state)
-
-    @pytest.mark.parametrize("name", ["H", "R"])
-    def test_h_and_r_must_be_modules(self, name):
-        with pytest.raises(TypeError, match=f"HeinsenPositionalEmbedding: {name} must be an nn.Module or None, "
-                                            f"got str 'linear'"):
-            HeinsenPositionalEmbedding(4, 3, **{name: "linear"})
-
-    def test_output_widths_of_custom_h_and_r(self):
-        x = torch.randn(2, 5, 4)
-        pe = HeinsenPositionalEmbedding(4, 3, H=torch.nn.Linear(4, 3))
-        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: H must output last dim 2 \* d_hid = 6, "
-                                             r"got shape \[2, 5, 3\] \(last dim 3\)"):
-            pe(x)
-        pe = HeinsenPositionalEmbedding(4, 3, R=torch.nn.Linear(3, 1))
-        with pytest.raises(ValueError, match=r"HeinsenPositionalEmbedding: R must output last dim d_emb = 4, "
-                                             r"got shape \[2, 5, 1\] \(last dim 1\)"):
-            pe(x)
-
-
-# ---------------------------------------------------------------------------
-# Review fixes: APE loading, Enformer gamma normalisation, relative logits
-# ---------------------------------------------------------------------------
-
-
-def ape_reference_node_map(w, path):
-    """konstantinosKokos/ape ``Branching.embed_positions`` for one node, as plain loops in float64:
-    ``maps = I`` then, step by step from the root, ``maps = linear(maps, W_branch) = maps @ W_branch^T``."""
-    n = w.shape[-1]
-    m = [[float(r == c) for c in range(n)] for r in range(n)]
-    for branch in path:
-        wt = w[branch].tolist()
-        m = [[sum(m[r][t] * wt[c][t] for t in range(n)) for c in range(n)] for r in range(n)]
-    return torch.tensor(m, dtype=torch.float64)
-
-
-def ape_reference_score(w, q, k, path_q, path_k):
-    """The reference's score: queries and keys mapped by ``einsum('bqBh,bqhAB->bqAh')`` (M x), then dotted."""
-    mq, mk = ape_reference_node_map(w, path_q), ape_reference_node_map(w, path_k)
-    q2 = [sum(mq[a, b].item() * q[b].item() for b in range(len(q))) for a in range(len(q))]
-    k2 = [sum(mk[a, b].item() * k[b].item() for b in range(len(k))) for a in range(len(k))]
-    return sum(x * y for x, y in zip(q2, k2))
-
-
-def enformer_gamma_raw(x, num_basis, length):
-    """Unnormalised gamma densities (plus 1e-8) at |x|, DeepMind's and enformer-pytorch's formula."""
-    out, stddev = [], length / (2 * num_basis)
-    for k in range(num_basis):
-        mean = length / num_basis + k * (length - length / num_basis) / (num_basis - 1)
-        c, rate = (mean / stddev) ** 2, mean / stddev ** 2
-        x = abs(x)
-        log_pdf = -math.inf if x == 0 else (c - 1) * math.log(x) - rate * x - (math.lgamma(c) - c * math.log(rate))
-        out.append(math.exp(log_pdf) + 1e-8)
-    return out
-
-
-class TestReviewFixes:
-    # --- issue 12 item 7: APE loading
-    def test_tree_reference_convention_equals_reference_path_products(self):
-        b, heads, dh = 2, 2, 4
-        tree = AlgebraicTreePositionalEmbedding(dh, heads, branching_factor=b, max_depth=3).double()
-        p = torch.randn(b, heads, dh, dh, dtype=torch.float64)
-        w_ref = torch.matrix_exp(p - p.mT)                                              # the reference's primitives
-        paths_q, paths_k = [[], [1], [0, 1], [1, 1, 0]], [[0], [], [1, 0, 1], [0, 0], [1]]
-        q, k = torch.randn(1, heads, 4, dh, dtype=torch.float64), torch.randn(1, heads, 5, dh, dtype=torch.float64)
-        nodes_q, nodes_k = tree.node_ids_from_paths(paths_q), tree.node_ids_from_paths(paths_k)
-        want = torch.tensor([[[ape_reference_score(w_ref[:, h], q[0, h, i], k[0, h, j], pq, pk)
-                               for j, pk in enumerate(paths_k)] for i, pq in enumerate(paths_q)]
-                             for h in range(heads)], dtype=torch.float64)
-        tree.set_primitives(w_ref, convention="reference")
-        got = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-        tree.set_primitives(w_ref)                                                      # the paper's convention
-        wrong = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
-        assert (wrong - want).abs().max() > 0.1                                         # transposed: not the reference
-        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: convention must be one of 'paper', "
-                                             "'reference', got convention='ref'"):
-            tree.set_primitives(w_ref, convention="ref")
-
-    @pytest.mark.parametrize("cls", [AlgebraicSequencePositionalEmbedding, AlgebraicTreePositionalEmbedding])
-    def test_float32_checkpoint_loads_accurately_at_position_1000(self, cls):
-        # RoPE-like primitives (the reference's initialisation: many angles near 0, nearly repeated
-        # eigenvalues of W + W^T) in a random basis; rounding them to float32 used to cost 1.3e-4 here
-        dh = 32
-        theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
-        basis = random_rotations(2, dh)
-        w = basis @ torch.block_diag(*[torch.tensor([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]],
-                                                    dtype=torch.float64) for t in theta.tolist()]) @ basis.mT
-        q, k = torch.randn(1, 2, 1, dh, dtype=torch.float64), torch.randn(1, 2, 1, dh, dtype=torch.float64)
-        if cls is AlgebraicSequencePositionalEmbedding:
-            pe = cls(dh, 2).double()
-            pe.set_primitives(w.float())                                                # a float32 checkpoint
-            got = pe.forward_attn(q, k, torch.tensor([0]), torch.tensor([1000]), scale=1.0)[0, :, 0, 0]
-            want = sequence_oracle(w, q[0], k[0], [0], [1000])[:, 0, 0]
-        else:  # 10 levels of branch 0 then branch 1 alternately: the node's map is a product of 10 primitives
-            pe = cls(dh, 2, branching_factor=2, max_depth=10).double()
-            pe.set_primitives(w.float()[None].expand(2, -1, -1, -1))
-            node = pe.node_ids_from_paths([[0, 1] * 5])
-            got = pe.forward_attn(q, k, torch.tensor([0]), node, scale=1.0)[0, :, 0, 0]
-            want = torch.stack([q[0, h, 0] @ tree_map_oracle(w[None, h].expand(2, -1, -1), int(node), 2)
-                                @ k[0, h, 0] for h in range(2)])
-        scale = q.norm(dim=-1).flatten() * k.norm(dim=-1).flatten()
-        assert ((got - want).abs() / scale).max() < 1e-5
-        assert orthogonality_error(pe.primitives.double()) < 1e-12
-
-    def test_set_primitives_rejects_nan_inf_and_non_orthogonal(self):
-        ape = AlgebraicSequencePositionalEmbedding(4, 1)
-        w = random_rotations(1, 4).float()
-        for bad in (float("nan"), float("inf")):
-            broken = w.clone()
-            broken[0, 1, 2] = bad
-            with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: primitives must be finite, "
-                                                 "got 1 NaN or infinite entries"):
-                ape.set_primitives(broken)
-        with pytest.raises(ValueError, match="every primitive must be orthogonal .*got max \\|W W\\^T - I\\| = "):
-            ape.set_primitives(w * 1.001)
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
-        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: primitives must be finite"):
-            tree.set_primitives(torch.full((2, 1, 4, 4), float("nan")))
-
-    def test_node_ids_from_paths_rejects_non_integer_steps(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=3)
-        for bad in (1.5, 1.0, True, "1", torch.tensor(1.0)):
-            with pytest.raises(TypeError, match="AlgebraicTreePositionalEmbedding: paths must hold integer branch "
-                                                "indices, got .* in path"):
-                tree.node_ids_from_paths([[0], [bad]])
-        assert tree.node_ids_from_paths([[torch.tensor(1), 0]]).tolist() == [5]
-        empty = tree.node_ids_from_paths([])
-        assert empty.dtype == torch.long and empty.numel() == 0
-
-    # --- issue 12 item 8: Enformer gamma normalisation
-    @pytest.mark.parametrize("normalization", ["per_feature", "global", "per_distance"])
-    def test_enformer_gamma_normalisations_match_their_formulas(self, normalization):
-        num_basis, length = 4, 40
-        enformer = EnformerPositionalEmbedding(2, 4, num_features=6 * num_basis, length_scale=length,
-                                               gamma_normalization=normalization)
-        # every distance of an input of `length` tokens, as both references evaluate them
-        distances = list(range(-length + 1, length))
-        raw = [enformer_gamma_raw(d, num_basis, length) for d in distances]
-        if normalization == "global":            # DeepMind: probabilities / tf.reduce_max(probabilities)
-            top = max(max(row) for row in raw)
-            want = [[g / top for g in row] for row in raw]
-        elif normalization == "per_distance":    # enformer-pytorch: probabilities / amax(probabilities, dim=-1)
-            want = [[g / max(row) for g in row] for row in raw]
-        else:                                    # each density over its own peak
-            peaks = [max(row[f] for row in raw) for f in range(num_basis)]
-            want = [[g / p for g, p in zip(row, peaks)] for row in raw]
-        got = enformer.features(torch.tensor(distances))[:, 2 * num_basis : 3 * num_basis]
-        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-15)
-        assert normalization in repr(enformer)
-
-    def test_enformer_gamma_normalisations_differ_and_default_is_per_feature(self):
-        make = lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=24, length_scale=40, **kw).features(
-            torch.arange(-39, 40))
-        features = {n: make(gamma_normalization=n) for n in ("per_feature", "global", "per_distance")}
-        torch.testing.assert_close(make(), features["per_feature"], rtol=0, atol=0)
-        assert (features["global"] - features["per_feature"]).abs().max() > 1e-2
-        assert (features["per_distance"] - features["per_feature"]).abs().max() > 1e-1
-        with pytest.raises(ValueError, match="EnformerPositionalEmbedding: gamma_normalization must be one of "
-                                             "'per_feature', 'global', 'per_distance', got gamma_normalization='max'"):
-            EnformerPositionalEmbedding(2, 4, num_features=24, gamma_normalization="max")
-
-    # --- issue 12 item 12: gradients to float positions; Transformer-XL with Nq > Nk
-    @pytest.mark.parametrize("cls", [TransformerXLPositionalEmbedding, EnformerPositionalEmbedding])
-    def test_gradcheck_float_positions(self, cls):
-        pe = (cls(2, 4, d_model=6) if cls is TransformerXLPositionalEmbedding
-              else cls(2, 4, num_features=12, length_scale=16)).double()
-        q, k = torch.randn(1, 2, 3, 4, dtype=torch.float64), torch.randn(1, 2, 4, 4, dtype=torch.float64)
-        # distinct distances away from 0 and from the central masks' steps (2**k - 1)
-        pos_q = torch.tensor([0.25, 4.6, 9.1], dtype=torch.float64, requires_grad=True)
-        pos_k = torch.tensor([2.1, 5.45, 0.7, 12.35], dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda a, b: pe(q, k, a, b), (pos_q, pos_k))
-        batched = torch.stack([pos_q.detach(), pos_q.detach() + 0.05]).requires_grad_()
-        assert torch.autograd.gradcheck(lambda a: pe(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), a, pos_k),
-                                        (batched,))
-        # the values equal the no-grad (distinct-distance) path
-        torch.testing.assert_close(pe(q, k, pos_q, pos_k), pe(q, k, pos_q.detach(), pos_k.detach()))
-
-    def test_transformer_xl_rejects_more_queries_than_keys_with_default_positions(self):
-        xl = TransformerXLPositionalEmbedding(2, 4)
-        q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
-        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: default positions need at least as "
-                                             "many keys as queries .*got Nq=5 > Nk=3; pass positions_q and "
-                                             "positions_k explicitly"):
-            xl(q, k)
-        out = xl(q, k, torch.arange(5), torch.arange(3))                                # explicit: defined
-        assert out.shape == (1, 2, 5, 3)
-        assert xl(q[..., :3, :], k).shape == (1, 2, 3, 3)
-
-
-# ---------------------------------------------------------------------------
-# attention() and today's models: grouped-query attention, packed documents
-# ---------------------------------------------------------------------------
-
-
-def _attention_kwargs(case, n):
-    positions_q, positions_k = case.positions(n, n)
-    return {"positions_q": positions_q, "positions_k": positions_k}
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input"], ids=repr)
-def test_grouped_query_attention_equals_repeated_kv(case):
-    """k, v with H / 2 heads give what the same k, v repeated per query head give."""
-    pe = case.make()
-    q = torch.randn(B, H, N, DH)
-    k, v = torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
-    kwargs = _attention_kwargs(case, N)
-    want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, **kwargs)
-    torch.testing.assert_close(attention(q, k, v, pe, causal=True, **kwargs), want)
-
-
-def test_grouped_query_attention_checks_head_counts():
-    q, k = torch.randn(B, 4, N, DH), torch.randn(B, 3, N, DH)
-    with pytest.raises(ValueError, match="attention: k and v must have as many heads as q or divide them"):
-        attention(q, k, k)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.make().kind != "input" and c.required_positions is None
-                                  and c.make().takes_positions], ids=repr)
-def test_packed_documents_equal_each_document_alone(case):
-    """Oracle: each document run alone with its own default positions."""
-    pe = case.make()
-    q, k, v = qkv()
-    ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
-    got = attention(q, k, v, pe, causal=True, document_ids=ids)
-    start = 0
-    for length in (5, 7, 4):
-        piece = slice(start, start + length)
-        want = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=True)
-        torch.testing.assert_close(got[..., piece, :], want)
-        start += length
-
-
-def test_packed_documents_batched_ids_and_positions():
-    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
-    assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]]
-    pe = ALiBiPositionalEmbedding(H)
-    q, k, v = qkv(6, 6)
-    got = attention(q, k, v, pe, causal=True, document_ids=ids)
-    for row in range(2):
-        for doc in ids[row].unique():
-            keep = ids[row] == doc
-            want = attention(q[row:row + 1, :, keep], k[row:row + 1, :, keep], v[row:row + 1, :, keep], pe, causal=True)
-            torch.testing.assert_close(got[row:row + 1, :, keep], want)
-    with pytest.raises(TypeError, match="attention: document_ids must be an integer tensor"):
-        attention(q, k, v, pe, document_ids=torch.zeros(6))
-
-
-# ---------------------------------------------------------------------------
-# Evidence scripts: extrapolation study (quick mode) and the gallery
-# ---------------------------------------------------------------------------
-
-
-REPO = pathlib.Path(__file__).resolve().parent
-
-
-def _load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_extrapolation_quick_runs(tmp_path):
-    extrapolation = _load_benchmark("extrapolation")
-    extrapolation.main(["--quick", "--out-dir", str(tmp_path)])
-    with open(tmp_path / "extrapolation.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    encodings = extrapolation.QUICK_ENCODINGS
-    train_len = extrapolation.QUICK["train_len"]
-    lengths = [train_len * f for f in extrapolation.LENGTH_FACTORS]
-    # one row per encoding x evaluation length (one seed in quick mode), nothing else
-    assert sorted((r["encoding"], int(r["eval_len"])) for r in rows) == sorted(
-        (name, n) for name in encodings for n in lengths)
-    for r in rows:
-        bpb = float(r["bpb"])
-        assert math.isfinite(bpb) and bpb > 0, r
-        if int(r["eval_len"]) == train_len:
-            assert math.isnan(float(r["bpb_beyond_L"])), r   # no position >= L in a window of L
-            assert bpb < extrapolation.UNIFORM_BPB, f"{r['encoding']} does not beat uniform guessing at L: {bpb}"
-        else:
-            assert math.isfinite(float(r["bpb_beyond_L"])), r
-        assert int(r["eval_bytes"]) == extrapolation.QUICK["eval_segments"] * lengths[-1]   # same bytes at every length
-    with open(tmp_path / "extrapolation_positions.csv") as handle:
-        positions = list(csv.DictReader(handle))
-    assert {r["encoding"] for r in positions} == set(encodings)
-    if importlib.util.find_spec("matplotlib") is not None:
-        for name in ("extrapolation.png", "extrapolation_position.png", "extrapolation_cost.png"):
-            assert (tmp_path / name).stat().st_size > 10_000, name
-
-
-def test_extrapolation_registry_covers_library():
-    extrapolation = _load_benchmark("extrapolation")
-    assert extrapolation.uncovered_classes() == []
-    corpus_files = extrapolation.corpus_files(pathlib.Path(extrapolation.sysconfig.get_paths()["stdlib"]))
-    assert corpus_files == sorted(corpus_files) and corpus_files
-    assert not any(part in extrapolation.EXCLUDED_DIRS for f in corpus_files for part in f.split("/")[:-1])
-
-
-def test_extrapolation_trial_runs_leave_committed_results_alone(tmp_path, monkeypatch):
-    """Issue 22 item 7: --quick (and any run that is not the full study) writes into SCRATCH, never
-    into the committed benchmarks/results and docs/figures; --write-results asks for them."""
-    extrapolation = _load_benchmark("extrapolation")
-    committed = {"csv": REPO / "benchmarks" / "results" / "extrapolation.csv",
-                 "positions": REPO / "benchmarks" / "results" / "extrapolation_positions.csv",
-                 "figure": REPO / "docs" / "figures" / "extrapolation.png",
-                 "position_figure": REPO / "docs" / "figures" / "extrapolation_position.png",
-                 "cost": REPO / "docs" / "figures" / "extrapolation_cost.png"}
-    paths = lambda *argv: extrapolation.output_paths(extrapolation.parse_args(list(argv)))
-    assert paths() == committed                                             # the full study
-    assert paths("--threads", "1", "--eval-chunk-tokens", "512") == committed   # speed only
-    assert paths("--merge", "A,B") == committed
-    for trial in (["--quick"], ["--seeds", "0"], ["--encodings", "rotary,alibi,nope"], ["--steps", "300"],
-                  ["--train-len", "32"], ["--lr", "1e-3"], ["--corpus-root", "src"]):
-        assert set(paths(*trial).values()) == {extrapolation.SCRATCH / p.name for p in committed.values()}, trial
-        assert paths(*trial, "--write-results") == committed, trial
-    assert set(paths("--quick", "--out-dir", "D").values()) == {pathlib.Path("D") / p.name for p in committed.values()}
-    with pytest.raises(SystemExit):   # one place or the other
-        extrapolation.parse_args(["--quick", "--out-dir", "D", "--write-results"])
-
-    # a tiny --quick run, end to end, on a two-file corpus: the committed CSVs keep their bytes
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    names = [f"m{i}.py" for i in range(100)]
-    valid = next(n for n in names if extrapolation.is_validation(n))
-    train = next(n for n in names if not extrapolation.is_validation(n))
-    for name in (valid, train):
-        (corpus / name).write_text("def f(x):\n    return x + 1\n" * 200)
-    before = {key: committed[key].read_bytes() for key in ("csv", "positions")}
-    monkeypatch.setattr(extrapolation, "SCRATCH", tmp_path / "scratch")
-    extrapolation.main(["--quick", "--encodings", "nope", "--steps", "2", "--eval-segments", "1", "--no-figures",
-                        "--corpus-root", str(corpus)])
-    assert {key: committed[key].read_bytes() for key in ("csv", "positions")} == before
-    with open(tmp_path / "scratch" / "extrapolation.csv") as handle:
-        assert {r["encoding"] for r in csv.DictReader(handle)} == {"nope"}
-    assert (tmp_path / "scratch" / "extrapolation_positions.csv").is_file()
-
-
-def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch):
-    """Issue 22 item 7: ``bench.py rope --regime both`` gave the child ``both`` as a section name."""
-    bench = _load_benchmark("bench")
-    calls = []
-    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, check: calls.append((command, env)))
-    for argv in (["rope", "--regime", "both"], ["rope", "--regime=both", "--reps", "3"], ["--regime", "both"], []):
-        calls.clear()
-        bench.main(argv)
-        assert [env["MALLOC_MMAP_THRESHOLD_"] for _, env in calls] == [
-            regime["MALLOC_MMAP_THRESHOLD_"] for regime in bench.REGIMES.values()], argv
-        for (command, _), regime in zip(calls, bench.REGIMES):
-            child = bench.parse_args(command[2:])   # [python, bench.py, *argv]
-            want = bench.parse_args([a for a in argv if "regime" not in a and a != "both"])
-            assert (child.sections, child.reps, child.no_compile, child.regime) == (
-                want.sections, want.reps, want.no_compile, regime), (argv, command)
-    with pytest.raises(SystemExit):   # an abbreviation would escape the filter
-        bench.parse_args(["rope", "--reg", "both"])
-
-
-def test_gallery_runs(tmp_path):
-    pytest.importorskip("matplotlib")
-    gallery = _load_benchmark("gallery")
-    outcome = gallery.make_gallery(str(tmp_path))
-    assert (tmp_path / "gallery.png").stat().st_size > 50_000
-    failed = {name: result for name, result in outcome.items() if not result.endswith(".png")}
-    assert not failed, failed
-    for name in gallery.GALLERY:
-        assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
-    assert gallery.uncovered_classes() == []
-
-
-# ---------------------------------------------------------------------------
-# Review leftovers (issue 12): every flag a real bool, every numeric argument typed and
-# ranged with a message naming the class and the argument, meta init == normal init bitwise
-# ---------------------------------------------------------------------------
-
-_HEINSEN_X = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(2))
-
-# (owner in the message, call taking the flag as a keyword, flag name)
-FLAG_ARGS = [
-    ("RotaryPositionalEmbedding", lambda **kw: RotaryPositionalEmbedding(8, **kw), "interleaved"),
-    ("t5_relative_position_bucket", lambda **kw: t5_relative_position_bucket(torch.arange(3), **kw), "bidirectional"),
-    ("T5PositionalEmbedding", lambda **kw: T5PositionalEmbedding(2, **kw), "bidirectional"),
-    ("ALiBiPositionalEmbedding", lambda **kw: ALiBiPositionalEmbedding(2, **kw), "bidirectional"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "relative_bias"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "cls_token"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw), "bidirectional"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
-     "bidirectional"),
-    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
-                                                                             **kw), "symmetric"),
-    ("XPosPositionalEmbedding", lambda **kw: XPosPositionalEmbedding(8, **kw), "interleaved"),
-    ("KerplePositionalEmbedding", lambda **kw: KerplePositionalEmbedding(2, **kw), "bidirectional"),
-    ("SandwichPositionalEmbedding", lambda **kw: SandwichPositionalEmbedding(2, 8, **kw), "bidirectional"),
-    ("FIREPositionalEmbedding", lambda **kw: FIREPositionalEmbedding(2, hidden_dim=4, **kw), "bidirectional"),
-    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw), "per_head"),
-    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "key_query"),
-    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw), "values"),
-    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding.from_bert(torch.zeros(5, 4), 2, **kw),
-     "key_query"),
-    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, max_relative_positions=8,
-                                                                           position_buckets=4, **kw), "layer_norm"),
-    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "log_distance"),
-    ("DynamicPositionBias", lambda **kw: DynamicPositionBias(2, hidden_dim=4, **kw), "norm"),
-    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, num_axes=1, **kw),
-     "weight_norm"),
-    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw),
-     "using_prev_context"),
-    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, 2)(_HEINSEN_X, **kw), "return_state"),
-    ("attention", lambda **kw: attention(*qkv(4, 4), **kw), "causal"),
-]
-# flags checked before the process group is looked for (a valid call needs torch.distributed)
-SHARDED_FLAG_ARGS = [
-    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
-                                                                        **kw), "using_prev_context"),
-    ("HeinsenPositionalEmbedding", lambda **kw: heinsen_forward_sharded(HeinsenPositionalEmbedding(4, 2), _HEINSEN_X,
-                                                                        **kw), "return_state"),
-    ("sharded_log_linear_scan", lambda **kw: sharded_log_linear_scan(-torch.ones(3, 2), torch.ones(3, 2), **kw),
-     "return_state"),
-]
-
-
-def _tiny_numeric(owner, make, name, value, error, want):
-    return pytest.param(owner, make, name, value, error, want, id=f"{owner}-{name}-{value!r}")
-
-
-# (owner, call taking the argument as a keyword, argument, bad value, error, what the message says)
-# The message must read "<owner>: <argument> must <want>" (an entry "<argument>[i]" for a sequence), with
-# the value in it; <want> starts with "be" unless given as a whole "must ..." phrase.
-NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
-    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16,
-                                                                             **kw),
-     "min_half_life", "3", TypeError, "a real number, got str '3'"),
-    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, length_scale=16, **kw),
-     "num_features", 12.0, TypeError, "an int, got float 12.0"),
-    ("EnformerPositionalEmbedding", lambda **kw: EnformerPositionalEmbedding(2, 4, num_features=6, **kw),
-     "length_scale", "16", TypeError, "an int, got str '16'"),
-    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
-     "d_model", "8", TypeError, "an int, got str '8'"),
-    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
-     "clamp_len", 2.5, TypeError, "an int, got float 2.5"),
-    ("TransformerXLPositionalEmbedding", lambda **kw: TransformerXLPositionalEmbedding(2, 4, **kw),
-     "init_std", -1.0, ValueError, "a finite number >= 0.0, got init_std=-1.0"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, **kw),
-     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
-    ("UnifiedPositionalEmbedding", lambda **kw: UnifiedPositionalEmbedding(8, 2, 4, relative_bias=False, **kw),
-     "num_buckets", 0, ValueError, "a positive int, got num_buckets=0"),
-    ("CoPEPositionalEmbedding", lambda **kw: CoPEPositionalEmbedding(2, 4, **kw),
-     "init_std", "0.1", TypeError, "a real number, got str '0.1'"),
-    ("ForgettingPositionalEmbedding", lambda **kw: ForgettingPositionalEmbedding(8, 2, **kw),
-     "init_std", None, TypeError, "a real number, got NoneType None"),
-    ("ShawPositionalEmbedding", lambda **kw: ShawPositionalEmbedding(2, 4, **kw),
-     "init_std", -0.5, ValueError, "a finite number >= 0.0, got init_std=-0.5"),
-    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
-     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
-    ("DebertaPositionalEmbedding", lambda **kw: DebertaPositionalEmbedding(8, 2, **kw),
-     "layer_norm_eps", "1e-7", TypeError, "a real number, got str '1e-7'"),
-    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), **kw),
-     "position_buckets", 1, ValueError, "an int >= 2, got position_buckets=1"),
-    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(torch.arange(3), position_buckets=8, **kw),
-     "max_relative_positions", 5, ValueError, "must exceed position_buckets // 2 \\+ 1 = 5 .*got max_relative_positions=5"),
-    ("deberta_log_bucket", lambda **kw: deberta_log_bucket(**kw),
-     "relative_position", torch.zeros(3), TypeError, "an integer tensor, got a tensor of shape \\[3\\]"),
-    ("AlgebraicTreePositionalEmbedding", lambda **kw: AlgebraicTreePositionalEmbedding(4, 2, 2, 3, **kw),
-     "init_std", float("inf"), ValueError, "a finite number >= 0.0, got init_std=inf"),
-    ("AlgebraicGridPositionalEmbedding", lambda **kw: AlgebraicGridPositionalEmbedding(8, 2, **kw),
-     "base", "100", TypeError, "a real number, got str '100'"),
-    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
-     "init_std", "0.02", TypeError, "a real number, got str '0.02'"),
-    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, 3, **kw),
-     "num_prefix_tokens", -1, ValueError, "a non-negative int, got num_prefix_tokens=-1"),
-    ("RelativePositionBias2D", lambda **kw: RelativePositionBias2D(2, **kw),
-     "window_size", (3, 0), ValueError, "a positive int, got window_size\\[1\\]=0"),
-    ("MixedRotaryPositionalEmbedding", lambda **kw: MixedRotaryPositionalEmbedding(8, **kw),
-     "num_heads", 0, ValueError, "a positive int, got num_heads=0"),
-    ("LieREPositionalEmbedding", lambda **kw: LieREPositionalEmbedding(8, 2, **kw),
-     "block_size", "4", TypeError, "an int, got str '4'"),
-    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
-     "kernel_size", 0, ValueError, "a positive int, got kernel_size=0"),
-    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
-     "num_prefix_tokens", 1.5, TypeError, "an int, got float 1.5"),
-    ("ConvolutionalPositionalEmbedding", lambda **kw: ConvolutionalPositionalEmbedding(4, **kw),
-     "grid_shape", (2, 3, 4), ValueError, "a sequence of 2 positive ints, got grid_shape=\\(2, 3, 4\\)"),
-    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
-     "seed", 1.5, TypeError, "an int, got float 1.5"),
-    ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
-     "scale", "1", TypeError, "a real number, got str '1'"),
-    ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
-     "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
-    ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
-     "d_hid", 2.5, TypeError, "an int, got float 2.5"),
-    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), to="half_split", **kw),
-     "head_dim", "4", TypeError, "an int, got str '4'"),
-    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, to="half_split", **kw),
-     "rotary_dim", 0, ValueError, "a positive int, got rotary_dim=0"),
-    ("permute_rotary_weight", lambda **kw: permute_rotary_weight(torch.zeros(8, 2), 4, **kw),
-     "to", "halfsplit", ValueError, "one of 'half_split', 'interleaved', got to='halfsplit'"),
-    ("shard_positions", lambda **kw: shard_positions(8, 0, 2, **kw),
-     "offset", 1.5, TypeError, "an int, got float 1.5"),
-]]
-
-# Builds taking sizes and reals, once with Python numbers and once with numpy's (given as
-# `num`): both must give the same module (numpy ints and floats are accepted as such).
-NUMPY_BUILDS = [
-    lambda num: UnifiedPositionalEmbedding(num.int64(8), num.int32(2), num.int64(4), num_buckets=num.int64(8),
-                                           max_distance=num.int64(12), init_std=num.float32(0.5)),
-    lambda num: TransformerXLPositionalEmbedding(num.int64(2), num.int64(4), d_model=num.int64(6),
-                                                 clamp_len=num.int64(5), init_std=num.float64(0.5)),
-    lambda num: EnformerPositionalEmbedding(num.int64(2), num.int64(4), num_features=num.int64(6),
-                                            length_scale=num.int64(16), min_half_life=num.float32(2.0)),
-    lambda num: CoPEPositionalEmbedding(num.int64(2), num.int64(4), max_position=num.int64(4),
-                                        init_std=num.float32(0.5)),
-    lambda num: ForgettingPositionalEmbedding(num.int64(8), num.int64(2), init_std=num.float32(0.5)),
-    lambda num: DebertaPositionalEmbedding(num.int64(8), num.int64(2), max_relative_positions=num.int64(8),
-                                           position_buckets=num.int64(4), layer_norm_eps=num.float64(1e-5),
-                                           init_std=num.float64(0.5)),
-    lambda num: AlgebraicTreePositionalEmbedding(num.int64(4), num.int64(2), num.int64(2), num.int64(3),
-                                                 init_std=num.float32(0.5)),
-    lambda num: RelativePositionBias2D(num.int64(2), (num.int64(3), num.int32(2)), num_prefix_tokens=num.int64(1),
-                                       init_std=num.float32(0.5)),
-    lambda num: ConvolutionalPositionalEmbedding(num.int64(4), kernel_size=num.int64(3), num_axes=num.int64(1),
-                                                 num_prefix_tokens=num.int64(1), groups=num.int64(2)),
-    lambda num: FourierFeaturePositionalEmbedding(num.int64(1), num.int64(4), sampling="gaussian",
-                                                  scale=num.float32(0.5), seed=num.int64(3)),
-    lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
-    lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
-]
-
-# Every property-test case, plus options whose parameters the cases do not cover.
-META_CASES = [pytest.param(case.make, id=case.name) for case in CASES] + [
-    pytest.param(lambda: UnifiedPositionalEmbedding(16, 2, 4, relative_bias=False), id="tupe_absolute_only"),
-    pytest.param(lambda: EnformerPositionalEmbedding(2, 4, num_features=6, length_scale=16, symmetric=True),
-                 id="enformer_symmetric"),
-    pytest.param(lambda: MixedRotaryPositionalEmbedding(12, 2, 3), id="mixed_rope_three_axes"),
-    pytest.param(lambda: ForgettingPositionalEmbedding(8, 2), id="forgetting_unbound"),
-    pytest.param(lambda: ConvolutionalPositionalEmbedding(8, num_axes=3), id="conv_peg_3d"),
-    pytest.param(lambda: DebertaPositionalEmbedding(8, 2, max_relative_positions=8, position_buckets=4,
-                                                    pos_att_type="p2c"), id="deberta_p2c"),
-]
-
-
-class TestHardeningLeftovers:
-    @pytest.mark.parametrize("bad", ["false", 1, None], ids=["str", "int", "None"])
-    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}")
-                                                   for row in FLAG_ARGS + SHARDED_FLAG_ARGS])
-    def test_flags_must_be_real_bools(self, owner, make, name, bad):
-        if (owner, name, bad) == ("attention", "causal", None):     # None: follow the encoding's own mode
-            make(causal=None)
-            return
-        with pytest.raises(TypeError, match=f"^{owner}: {name} must be a bool, got {type(bad).__name__} {bad!r}$"):
-            make(**{name: bad})
-
-    @pytest.mark.parametrize("owner, make, name", [pytest.param(*row, id=f"{row[0]}-{row[2]}") for row in FLAG_ARGS])
-    def test_numpy_bools_are_accepted_as_flags(self, owner, make, name):
-        numpy = pytest.importorskip("numpy")
-        make(**{name: numpy.bool_(False)})   # the same call with a bad flag is the TypeError above
-
-    @pytest.mark.parametrize("owner, make, name, value, error, want", NUMERIC_ARGS)
-    def test_numeric_arguments_are_typed_and_ranged(self, owner, make, name, value, error, want):
-        want = want[len("must "):] if want.startswith("must ") else "be " + want
-        with pytest.raises(error, match=f"^{owner}: {name}(\\[\\d+\\])? must {want}"):
-            make(**{name: value})
-
-    @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
-                                                         "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
-                                                         "liere", "heinsen"])
-    def test_numpy_numbers_build_the_same_module(self, build):
-        numpy = pytest.importorskip("numpy")
-        python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
-        torch.manual_seed(0)
-        plain = build(python)
-        torch.manual_seed(0)
-        from_numpy = build(numpy)
-        assert repr(from_numpy) == repr(plain)
-        want, got = plain.state_dict(), from_numpy.state_dict()
-        assert want.keys() == got.keys() and all(torch.equal(want[key], got[key]) for key in want)
-        stored = [(name, value) for name, value in vars(from_numpy).items()
-                  for item in (value if isinstance(value, tuple) else (value,)) if isinstance(item, numpy.generic)]
-        assert not stored, stored   # sizes are kept as Python ints
-
-    def test_permute_rotary_weight_rejects_numpy_arrays(self):
-        numpy = pytest.importorskip("numpy")
-        with pytest.raises(TypeError, match="^permute_rotary_weight: weight must be a torch.Tensor .*got ndarray"):
-            permute_rotary_weight(numpy.zeros((8, 2)), 4, to="half_split")
-
-    @pytest.mark.parametrize("make", META_CASES)
-    def test_meta_init_then_reset_equals_normal_init_bitwise(self, make):
-        torch.manual_seed(0)
-        normal = make()
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            meta = make()
-        meta.to_empty(device="cpu")
-        meta.reset_parameters()
-        want = dict(normal.named_parameters()) | dict(normal.named_buffers())
-        got = dict(meta.named_parameters()) | dict(meta.named_buffers())
-        assert want.keys() == got.keys()
-        differ = [name for name in want if want[name].dtype != got[name].dtype or not torch.equal(want[name], got[name])]
-        assert not differ, differ
-
-
-# ---------------------------------------------------------------------------
-# Packed documents: FlexAttention's block mask, Heinsen's restarting recurrence
-# ---------------------------------------------------------------------------
-
-
-class TestPackedDocumentsMore:
-    """``document_ids`` on the FlexAttention path and within-document positions for Heinsen."""
-
-    BIAS_MAKERS = {
-        "t5": lambda: T5PositionalEmbedding(H, num_buckets=8, max_distance=12),
-        "alibi": lambda: ALiBiPositionalEmbedding(H),
-        "alibi_bidirectional": lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
-        "tupe": lambda: UnifiedPositionalEmbedding(32, H, DH, cls_token=True, num_buckets=8, max_distance=12),
-        "kerple": lambda: KerplePositionalEmbedding(H),
-        "fire": lambda: FIREPositionalEmbedding(H),
-        "sandwich": lambda: SandwichPositionalEmbedding(H, 16),
-        "dynamic": lambda: DynamicPositionBias(H),
-    }
-    LENGTHS = (5, 7, 4)                                                    # [N] ids: three documents, N = 16
-    ROWS = ([3, 9, 4], [10, 6])                                            # [B, N] ids: other boundaries per row
-
-    @staticmethod
-    def ids_of(lengths):
-        return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-
-    @staticmethod
-    def pieces(lengths):
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        return [slice(s, s + n) for s, n in zip(starts, lengths)]
-
-    @pytest.mark.parametrize("causal", [False, True])
-    @pytest.mark.parametrize("name", list(BIAS_MAKERS))
-    def test_flex_documents_equal_dense_and_each_document_alone(self, name, causal):
-        pe = self.BIAS_MAKERS[name]()
+    def test_bad_arguments(self, kwargs, error, message):
+        with pytest.raises(error, match="CoPEPositionalEmbedding: " + message):
+            CoPEPositionalEmbedding(**kwargs)
+
+    def test_bad_inputs(self):
+        cope = CoPEPositionalEmbedding(H, DH)
         q, k, v = qkv()
-        ids = self.ids_of(self.LENGTHS)
-        got = attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=True)
-        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=ids, use_flex=False))
-        for piece in self.pieces(self.LENGTHS):  # oracle: the document alone, default positions from 0
-            alone = attention(q[..., piece, :], k[..., piece, :], v[..., piece, :], pe, causal=causal or None, use_flex=False)
-            torch.testing.assert_close(got[..., piece, :], alone)
-        batched = torch.stack([self.ids_of(r) for r in self.ROWS])                          # [B, N]
-        got = attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=True)
-        torch.testing.assert_close(got, attention(q, k, v, pe, causal=causal or None, document_ids=batched, use_flex=False))
-        for row, lengths in enumerate(self.ROWS):
-            for piece in self.pieces(lengths):
-                alone = attention(q[row:row + 1, :, piece], k[row:row + 1, :, piece], v[row:row + 1, :, piece], pe,
-                                  causal=causal or None, use_flex=False)
-                torch.testing.assert_close(got[row:row + 1, :, piece], alone)
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_q must be None: contextual .*"
+                                             "got shape \\(16,\\)"):
+            cope(q, k, torch.arange(N))
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: positions_k must be None"):
+            attention(q, k, v, cope, positions_k=torch.arange(N))
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q must not have more tokens than k.*Nq=16 "
+                                             "and Nk=5"):
+            cope(q, k[..., :5, :])
+        with pytest.raises(ValueError, match="CoPEPositionalEmbedding: q and k must be \\[..., H=4, N, Dh=32\\]"):
+            cope(q[..., :16], k[..., :16])
 
-    @pytest.mark.parametrize("name", ["t5", "fire", "alibi"])
-    def test_flex_documents_with_extra_dims_shared_rows_and_grouped_heads(self, name):
-        pe = self.BIAS_MAKERS[name]()
-        ids = torch.stack([self.ids_of(r) for r in self.ROWS])
-        q5, k5, v5 = (torch.randn(B, 3, H, N, DH) for _ in range(3))                       # [B, G, H, N, Dh]
-        for doc in (ids, ids[:1], ids[0]):
-            want = attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=False)
-            torch.testing.assert_close(attention(q5, k5, v5, pe, causal=True, document_ids=doc, use_flex=True), want)
-        shared = document_positions(ids[:1]) * 2                                            # [1, N] explicit positions
-        want = attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=False)
-        torch.testing.assert_close(attention(q5, k5, v5, pe, positions_q=shared, positions_k=shared, use_flex=True), want)
-        q, k, v = torch.randn(B, H, N, DH), torch.randn(B, H // 2, N, DH), torch.randn(B, H // 2, N, DH)
-        want = attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), pe, causal=True, document_ids=ids,
-                         use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True), want)
 
-    def test_flex_documents_build_no_dense_mask(self, monkeypatch):
-        def dense_mask(*args):
-            raise AssertionError("a dense [N, N] document mask was built")
-
-        monkeypatch.setattr(pe_lib, "_document_mask", dense_mask)
-        pe, (q, k, v) = ALiBiPositionalEmbedding(H), qkv()
-        ids = self.ids_of(self.LENGTHS)
-        assert attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=True).shape == (B, H, N, DH)
-        with pytest.raises(AssertionError, match="dense"):  # the dense path does build it: the patch is live
-            attention(q, k, v, pe, causal=True, document_ids=ids, use_flex=False)
-
-    def test_block_mask_skips_blocks_across_documents(self):
-        ids = torch.arange(256) // 128                                                      # two documents of one block each
-        blocks = pe_lib._block_mask(ids, False, 256, 256, ids.device).to_dense()                  # [1, 1, 2, 2] visited blocks
-        assert blocks.reshape(2, 2).tolist() == [[1, 0], [0, 1]]
-        one = pe_lib._block_mask(torch.zeros(256, dtype=torch.long), True, 256, 256, ids.device).to_dense()
-        assert one.reshape(2, 2).tolist() == [[1, 0], [1, 1]]
-        rows = torch.stack([ids, torch.zeros(256, dtype=torch.long)])                       # per-row documents
-        assert pe_lib._block_mask(rows, False, 256, 256, ids.device).to_dense().reshape(2, 2, 2).tolist() == \
-            [[[1, 0], [0, 1]], [[1, 1], [1, 1]]]
-
-    # -- Heinsen: within-document positions restart the recurrence ---------------------------------
-
-    @staticmethod
-    def heinsen_loop(pe, x, positions):
-        """float64 plain loop of ``s_t = log(exp(log_p_t + s_{t-1}) + exp(h_t))``, ``s = 0`` where a position is 0."""
-        weight, bias = pe.H.weight.detach().double().tolist(), pe.H.bias.detach().double().tolist()
-        d, out = pe.d_hid, []
-        for row in range(x.shape[0]):
-            pos = (positions if positions.dim() == 1 else positions[row]).tolist()
-            s, states = [0.0] * d, []
-            for t in range(x.shape[1]):
-                token = x[row, t].detach().double().tolist()
-                z = [sum(w * e for w, e in zip(weight[i], token)) + bias[i] for i in range(2 * d)]
-                s = [0.0] * d if pos[t] == 0 else s
-                s = [math.log(math.exp(-math.log1p(math.exp(-z[i])) + s[i]) + math.exp(z[d + i])) for i in range(d)]
-                states.append(s)
-            out.append(states)
-        s = torch.tensor(out, dtype=torch.float64)
-        return x.detach().double() + F.linear(s, pe.R.weight.detach().double(), pe.R.bias.detach().double())
-
-    @staticmethod
-    def reset_scan_oracle(log_p, h, starts):
-        """The scan as a differentiable loop: the state is set to 0 (not decayed) where a document starts."""
-        s, states = torch.zeros_like(h[..., 0, :]), []
-        for t in range(h.shape[-2]):
-            s = torch.where(starts[..., t, :], torch.zeros_like(s), s)
-            s = torch.logaddexp(log_p[..., t, :] + s, h[..., t, :])
-            states.append(s)
-        return torch.stack(states, dim=-2)
-
-    @staticmethod
-    def library_scan(log_p, h, starts):
-        """What the module hands the scan: a decay of exactly 0 and ``h = logaddexp(log_p, h)`` at starts."""
-        h = torch.where(starts, torch.logaddexp(log_p, h), h)
-        return pe_lib._scan_apply(log_p.masked_fill(starts, float("-inf")), h, torch.zeros_like(h[..., :1, :]), True)
-
-    @pytest.mark.parametrize("block", [128, 4])                   # one block; many, with starts inside and on edges
-    def test_heinsen_packed_equals_float64_loop_and_each_document_alone(self, monkeypatch, block):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
-        pe = HeinsenPositionalEmbedding(6, 5)
-        x = torch.randn(B, N, 6)
-        ids = self.ids_of(self.LENGTHS)
-        got = pe.forward_input(x, document_positions(ids))
-        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, document_positions(ids)), rtol=0, atol=1e-5)
-        for piece in self.pieces(self.LENGTHS):
-            torch.testing.assert_close(got[:, piece], pe.forward_input(x[:, piece]))
-        batched = document_positions(torch.stack([self.ids_of(r) for r in self.ROWS]))    # [B, N], rows differ
-        got = pe.forward_input(x, batched)
-        torch.testing.assert_close(got.double(), self.heinsen_loop(pe, x, batched), rtol=0, atol=1e-5)
-        for row, lengths in enumerate(self.ROWS):
-            for piece in self.pieces(lengths):
-                torch.testing.assert_close(got[row:row + 1, piece], pe.forward_input(x[row:row + 1, piece]))
-        torch.testing.assert_close(pe.forward_input(x, torch.arange(N)), pe.forward_input(x))   # one document
-
-    @pytest.mark.parametrize("block", [128, 4])
-    def test_heinsen_packed_gradients_equal_each_document_alone(self, monkeypatch, block):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
-        pe = HeinsenPositionalEmbedding(6, 5).double()
-        x = torch.randn(B, N, 6, dtype=torch.float64, requires_grad=True)
-        weights = torch.randn(B, N, 6, dtype=torch.float64)
-        leaves = [x, *pe.parameters()]
-        positions = document_positions(torch.stack([self.ids_of(r) for r in self.ROWS]))
-        got = torch.autograd.grad((pe.forward_input(x, positions) * weights).sum(), leaves)
-        total = sum((pe.forward_input(x[row:row + 1, piece]) * weights[row:row + 1, piece]).sum()
-                    for row, lengths in enumerate(self.ROWS) for piece in self.pieces(lengths))
-        want = torch.autograd.grad(total, leaves)
-        for g, w in zip(got, want):
-            assert w.abs().max() > 1e-3
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-
-    def test_heinsen_packed_gradcheck_and_gradgradcheck(self, monkeypatch):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", 4)
-        pe = HeinsenPositionalEmbedding(3, 2).double()
-        positions = document_positions(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2], [3, 3, 3, 3, 4, 4, 5, 5, 5, 5]]))
-        x = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
-        weight = pe.H.weight
-        run = lambda x, weight: torch.func.functional_call(pe, {"H.weight": weight}, (x,), {"positions": positions})
-        assert torch.autograd.gradcheck(run, (x, weight), fast_mode=True)
-        assert torch.autograd.gradgradcheck(run, (x, weight), fast_mode=True)
-        pe.requires_grad_(False)  # forward mode through the module (parameters need no gradient there)
-        assert torch.autograd.gradcheck(lambda x: pe.forward_input(x, positions), (x,), check_forward_ad=True,
-                                        check_backward_ad=False, fast_mode=True)
-
-    @pytest.mark.parametrize("block", [128, 4])
-    def test_heinsen_packed_scan_derivatives_match_reset_oracle(self, monkeypatch, block):
-        monkeypatch.setattr(pe_lib, "_SCAN_BLOCK", block)
-        positions = document_positions(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3],
-                                                     [5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 8]]))
-        starts = (positions == 0).unsqueeze(-1)                                              # [B, N, 1]
-        log_p = F.logsigmoid(torch.randn(2, 12, 3, dtype=torch.float64))
-        h = torch.randn(2, 12, 3, dtype=torch.float64)
-        oracle = lambda log_p, h: self.reset_scan_oracle(log_p, h, starts)
-        mine = lambda log_p, h: self.library_scan(log_p, h, starts)
-        torch.testing.assert_close(mine(log_p, h), oracle(log_p, h), rtol=0, atol=1e-12)
-        weights = torch.randn(2, 12, 3, dtype=torch.float64)
-        loss = lambda fn: lambda *args: (fn(*args) * weights).sum()
-        for g, w in zip(torch.func.grad(loss(mine), argnums=(0, 1))(log_p, h),
-                        torch.func.grad(loss(oracle), argnums=(0, 1))(log_p, h)):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-        hessian = torch.func.jacrev(torch.func.jacrev(loss(mine), argnums=1), argnums=1)(log_p, h)
-        want = torch.func.jacrev(torch.func.jacrev(loss(oracle), argnums=1), argnums=1)(log_p, h)
-        assert want.abs().max() > 1e-3 and torch.isfinite(hessian).all()
-        torch.testing.assert_close(hessian, want, rtol=0, atol=1e-12)
-        tangents = (torch.randn_like(log_p), torch.randn_like(h))
-        torch.testing.assert_close(torch.func.jvp(mine, (log_p, h), tangents)[1],
-                                   torch.func.jvp(oracle, (log_p, h), tangents)[1], rtol=0, atol=1e-12)
-        stacked = torch.stack([h, h.flip(-1)])                                               # vmap over a new batch dim
-        got = torch.func.vmap(lambda h: mine(log_p, h))(stacked)
-        torch.testing.assert_close(got, torch.stack([oracle(log_p, t) for t in stacked]), rtol=0, atol=1e-12)
-
-    def test_heinsen_positions_must_be_document_positions(self):
-        pe = HeinsenPositionalEmbedding(4, 3)
-        x = torch.randn(2, 5, 4)
-        for bad in (torch.arange(5) + 1, torch.tensor([0, 2, 3, 4, 5]), torch.tensor([0, 1, 0, 2, 3]),
-                    torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 2, 3]])):
-            with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must be None or "
-                                                 "within-document positions"):
-                pe.forward_input(x, bad)
-        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions must have shape \\[5\\]"):
-            pe.forward_input(x, torch.arange(6))
-        with pytest.raises(ValueError, match="HeinsenPositionalEmbedding: positions start a new document"):
-            pe(x, state=torch.zeros(2, 1, 3), positions=torch.arange(5))
-        positions = torch.tensor([0, 1, 2, 0, 1])
-        torch.testing.assert_close(pe.forward_input(x, positions.double()), pe.forward_input(x, positions))
-        # streaming: a packed chunk, then the last document goes on in the next chunk
-        more = torch.randn(2, 3, 4)
-        pe.forward_input(x, positions)
-        continued = pe(more, using_prev_context=True)
-        alone = pe(torch.cat([x[:, 3:], more], dim=1))
-        torch.testing.assert_close(continued, alone[:, 2:])
+# ===========================================================================
+# Cross-cutting
+# ===========================================================================
 
 
 # ---------------------------------------------------------------------------
 # torch.export with a dynamic sequence length: one program, checked at two other lengths
 # ---------------------------------------------------------------------------
+
 
 # Every class named in issue 12 plus a few of the newer ones (each export costs ~0.2-3 s on one core).
 # Not in this list, and why:
@@ -6293,9 +6853,14 @@ def _attend(pe, q, k, v, *positions):
     return attention(q, k, v, pe, causal=True, **dict(zip(("positions_q", "positions_k"), positions)))
 
 
+# exported in the default run (one per kind); PE_SLOW=1 exports every case of EXPORT_CASES
+QUICK_EXPORT_CASES = {"learned", "rotary", "alibi", "enformer"}
+
+
 @pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="torch.export needs torch >= 2.6 here")
 class TestExport:
-    @pytest.mark.parametrize("case", [c for c in CASES if c.name in EXPORT_CASES], ids=repr)
+    @pytest.mark.parametrize("case", quick_or_slow([c for c in CASES if c.name in EXPORT_CASES], QUICK_EXPORT_CASES,
+                                                   ids=[c.name for c in CASES if c.name in EXPORT_CASES]))
     def test_dynamic_length_matches_eager(self, case):
         """attention() (forward_input for the input kinds) at two lengths the program was not traced at."""
         pe = case.make().eval()
@@ -6359,630 +6924,770 @@ class TestExport:
 
 
 # ---------------------------------------------------------------------------
-# Heinsen: forward mode with live parameters (jvp, jacfwd, a gradient of a jvp)
+# torch.compile (fullgraph): every case's entry points and recompiles, the README's quick-start block
 # ---------------------------------------------------------------------------
 
 
-class TestHeinsenForwardMode:
-    """The scan's jvp rule with parameters that require grad: it used to run the ``out=`` scan on
-    tensors autograd tracks (a RuntimeError); now its tangent is recorded, checked here against
-    central differences in float64 (step 1e-6: truncation error ~1e-12, rounding ~1e-10)."""
+class QuickStartBlock(torch.nn.Module):
+    """The README's quick-start block, with the positions a case requires and the forget gate bound to x."""
 
-    def setup_method(self):
-        torch.manual_seed(0)
-        self.pe = HeinsenPositionalEmbedding(8, 8).double()
-        self.x = torch.randn(1, 10, 8, dtype=torch.float64)
-        self.t = torch.randn_like(self.x)
+    def __init__(self, dim, heads, pe):
+        super().__init__()
+        self.heads, self.pe = heads, pe
+        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
 
-    def tangent(self, x):
-        return torch.func.jvp(self.pe.forward_input, (x,), (self.t[:, :x.shape[1]],))[1]
-
-    def test_jvp_matches_central_difference(self):
-        assert all(p.requires_grad for p in self.pe.parameters())
-        step = 1e-6
-        numeric = (self.pe.forward_input(self.x + step * self.t) - self.pe.forward_input(self.x - step * self.t)) / (2 * step)
-        torch.testing.assert_close(self.tangent(self.x), numeric, atol=1e-8, rtol=0)
-
-    def test_gradient_of_jvp_matches_central_difference(self):
-        weights = torch.randn(1, 10, 8, dtype=torch.float64)
-        params = list(self.pe.parameters())[:3]   # R's bias does not reach the tangent
-        grads = torch.autograd.grad((self.tangent(self.x) * weights).sum(), params)
-        for param, grad in zip(params, grads):
-            direction = torch.randn_like(param)
-
-            def loss(scale):
-                with torch.no_grad():
-                    param.add_(scale * direction)
-                value = (self.tangent(self.x) * weights).sum().item()
-                with torch.no_grad():
-                    param.sub_(scale * direction)
-                return value
-            numeric = (loss(1e-6) - loss(-1e-6)) / 2e-6
-            assert math.isfinite(numeric) and abs((grad * direction).sum().item() - numeric) < 1e-7
-
-    def test_jacfwd_equals_jacrev(self):
-        x = self.x[:, :4]
-        forward = torch.func.jacfwd(self.pe.forward_input)(x)
-        reverse = torch.func.jacrev(self.pe.forward_input)(x)
-        torch.testing.assert_close(forward, reverse, atol=1e-12, rtol=0)
+    def forward(self, x, positions=None):
+        x = self.pe.forward_input(x, positions)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)   # [B, H, N, Dh] each
+        pe = self.pe(x) if isinstance(self.pe, ForgettingPositionalEmbedding) else self.pe
+        attend_positions = None if pe.kind == "input" else positions
+        y = attention(q, k, v, pe, causal=True, positions_q=attend_positions, positions_k=attend_positions)
+        return self.out(y.transpose(1, 2).flatten(2))
 
 
-# ---------------------------------------------------------------------------
-# Float positions: gradients where a query and a key share a position (distance 0)
-# ---------------------------------------------------------------------------
-
-# Every class that takes float positions (the shared cases), plus options the cases leave out whose
-# formula has its own behaviour at distance 0.
-FLOAT_POSITION_CASES = [case for case in CASES if case.takes_positions] + [
-    Case("alibi_2d", lambda: ALiBiPositionalEmbedding(H, bidirectional=True, num_axes=2),
-         required_positions=grid_rc, has_offset=False),
-    Case("kerple_power_causal", lambda: KerplePositionalEmbedding(H, kernel="power"), has_offset=False),
-    Case("enformer_per_distance_symmetric", lambda: EnformerPositionalEmbedding(
-        H, DH, num_features=6, length_scale=64, symmetric=True, gamma_normalization="per_distance"),
-         has_offset=False),
-    Case("fire_causal", lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0), has_offset=False),
-    Case("sandwich_bidirectional", lambda: SandwichPositionalEmbedding(H, DH, bidirectional=True), has_offset=False),
-    Case("dynamic_bias_log_2d", lambda: DynamicPositionBias(H, num_axes=2, hidden_dim=16, log_distance=True),
-         required_positions=grid_rc, has_offset=False),
-    Case("liere_full_2d", lambda: LieREPositionalEmbedding(8, H), required_positions=grid_rc, has_offset=False),
-]
+# Every case compiles in the slow run (PE_SLOW=1, as .ci/run does; 2 to 8 s a case and test); the default run
+# compiles one case per attention path.
+QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"}
 
 
-# Cases whose logits jump at distance 0 (a kink is fine, a jump has no derivative to compare with):
-# causal ALiBi's -inf on keys after the query, Enformer's sign(d) features.
-JUMP_AT_DISTANCE_0 = {"alibi", "enformer"}
+# Cases that trace fullgraph at every length but recompile once between 16 and 40 tokens (found by the
+# PE_SLOW run; the guard that fails is not identified yet: an open item, see the README limitations).
+RECOMPILE_ONCE_CASES = {"heinsen", "fourier_octave"}
+COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES])
 
 
-def _float_positions(case, n):
-    """Distinct float64 positions (no distance a multiple of 1 but 0, so no step of a basis is
-    crossed by a small perturbation): the case's own ones or ``arange(n)``, scaled by 1/sqrt(2)."""
-    base = case.positions(n, n)[1]
-    base = torch.arange(n) if base is None else base
-    return base.double() / math.sqrt(2.0) + 0.3
+class TestCompile:
+    """torch.compile (dynamo, fullgraph) over every case: the entry points, recompiles, the quick-start block."""
 
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_compile_fullgraph(self, case):
+        pe = case.make()
+        q, k, v = qkv()
+        x = tokens(case)
+        positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+        entry_points = {
+            "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
+            "forward_input": (pe.forward_input, lambda: (x,)),
+            "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
+            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
+        }
+        for name, (fn, args) in entry_points.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="eager", fullgraph=True)
+            torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
 
-def _position_loss(pe, case, inputs, weights):
-    """A scalar function of the positions: logits (and attention output) of self-attention, or the
-    encoded tokens of an input encoding."""
-    finite = lambda t: torch.where(torch.isfinite(t), t, 0.0)                                   # noqa: E731
-    if pe.kind == "input":
-        x = inputs[0]
-        return lambda pq, pk: (pe.forward_input(x, pq) * weights[0]).sum()
-    q, k, v = inputs
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
+        pe = case.make()
+        graphs = []
 
-    def loss(pq, pk):
-        total = (finite(pe.forward_attn(q, k, pq, pk)) * weights[0]).sum()
-        return total + (attention(q, k, v, pe, positions_q=pq, positions_k=pk) * weights[1]).sum()
-    return loss
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
 
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
+                                 fullgraph=True)
+        for n in (16, 12, 10, 14):
+            q, k, _ = qkv(n, n)
+            want = case.attn(pe, q, k)
+            torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
+        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
 
-@pytest.mark.parametrize("case", FLOAT_POSITION_CASES, ids=repr)
-class TestFloatPositionGradients:
-    n = 6
+    @pytest.mark.parametrize("case", COMPILE_CASES)
+    def test_quick_start_block_compiles_fullgraph_dynamic(self, case):
+        """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
+        pe = case.make()
+        if isinstance(pe, ForgettingPositionalEmbedding):
+            pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
+        dim = case.token_dim if pe.kind == "input" else D
+        block = QuickStartBlock(dim, H, pe)
+        lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
+        graphs = []
 
-    def setup(self, case):
-        pe = case.make().double()
-        if pe.integer_positions:
-            pytest.skip("integer positions only")
-        n, dh = self.n, getattr(pe, "head_dim", None) or DH
-        if pe.kind == "input":
-            inputs = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
-            weights = (torch.randn(1, n, case.token_dim, dtype=torch.float64),)
-        else:
-            inputs = tuple(torch.randn(1, H, n, dh, dtype=torch.float64) for _ in range(3))
-            weights = (torch.randn(1, H, n, n, dtype=torch.float64), torch.randn(1, H, n, dh, dtype=torch.float64))
-        # ALiBi's and Sandwich's biases are float32 whatever the module's dtype: difference them coarsely
-        coarse = pe.kind == "bias" and pe.attention_bias(2, 2, *case.positions(2, 2)).dtype == torch.float32
-        self.step, self.rel = (1e-3, 1e-3) if coarse else (1e-6, 1e-5)
-        return pe, _position_loss(pe, case, inputs, weights), _float_positions(case, n)
+        def counting_backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
 
-    @staticmethod
-    def grads(value, tensors):
-        """Gradients of ``value`` to ``tensors``; zeros for a tensor it does not depend on (NoPE)."""
-        if not value.requires_grad:
-            return [torch.zeros_like(t) for t in tensors]
-        grads = torch.autograd.grad(value, tensors, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors)]
+        torch._dynamo.reset()
+        compiled = torch.compile(block, dynamic=True, fullgraph=True, backend=counting_backend)
+        for n in lengths:
+            x = torch.randn(2, n, dim)
+            positions = None if case.required_positions is None else case.required_positions(n)
+            torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
+        assert len(graphs) == (2 if case.name in RECOMPILE_ONCE_CASES else 1), f"{len(graphs)} graphs for lengths {lengths}"
 
-    def test_shared_positions_gradient_is_finite_and_matches_central_differences(self, case):
-        """Self-attention (one tensor for queries and keys): every diagonal pair sits at distance 0."""
-        pe, loss, p = self.setup(case)
-        p = p.requires_grad_()
-        (grad,) = self.grads(loss(p, p), [p])
-        assert torch.isfinite(grad).all(), grad
-        direction = torch.randn_like(p)
-        step = self.step
-        with torch.no_grad():
-            numeric = (loss(p + step * direction, p + step * direction)
-                       - loss(p - step * direction, p - step * direction)) / (2 * step)
-        assert (grad * direction).sum().item() == pytest.approx(numeric.item(), rel=self.rel, abs=self.rel / 10)
-
-    def test_separate_positions_gradient_is_finite_and_a_one_sided_bound(self, case):
-        """Queries and keys as two tensors with equal values: distance 0 is a kink for |d| kernels.
-        The gradient of one query position must be finite and lie between the two one-sided
-        difference quotients (equal to both where the function is differentiable there)."""
-        pe, loss, p = self.setup(case)
-        pq, pk = p.clone().requires_grad_(), p.clone().requires_grad_()
-        grad_q, grad_k = self.grads(loss(pq, pk), [pq, pk])   # input kinds take one tensor: grad_k is 0
-        assert torch.isfinite(grad_q).all() and torch.isfinite(grad_k).all(), (grad_q, grad_k)
-        if case.name in JUMP_AT_DISTANCE_0:
-            return
-        i, step = self.n // 2, self.step
-        direction = torch.zeros_like(p)
-        direction[i] = 1.0
-        with torch.no_grad():
-            middle = loss(pq, pk).item()
-            right = (loss(pq + step * direction, pk).item() - middle) / step
-            left = (middle - loss(pq - step * direction, pk).item()) / step
-        slope = (grad_q * direction).sum().item()
-        tolerance = self.rel * 10 * (1 + abs(slope))
-        assert min(left, right) - tolerance <= slope <= max(left, right) + tolerance, (left, slope, right)
+    def test_finite_number_check_traces_under_dynamic_shapes(self):
+        """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
+        q, k, v = qkv()
+        fn = lambda q, k, v: attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+        with pytest.raises(ValueError, match="attention: scale must be a finite number, got scale=inf"):
+            attention(q, k, v, scale=float("inf"))
 
 
 # ---------------------------------------------------------------------------
-# attention_bias(q_len, k_len, positions_q, positions_k) with positions as a caller writes them
-# ---------------------------------------------------------------------------
-
-BIAS_CASES = [case for case in CASES if case.takes_positions and case.make().kind == "bias"]
-
-
-@pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
-@pytest.mark.parametrize("batch", [H, 3, 1])
-def test_attention_bias_with_raw_batched_positions_is_per_batch(case, batch):
-    """[B, N] positions give [B, H, Nq, Nk] (B == H used to broadcast batch against heads), each row the
-    bias of that row's [N] positions; int32 positions equal int64 ones."""
-    pe = case.make()
-    n = 6
-    base_q, base_k = case.positions(n, n)
-    if base_q is None:
-        base_q = base_k = torch.arange(n)
-    rows_q = torch.stack([base_q.roll(b, 0) if not pe.integer_positions else base_q for b in range(batch)])
-    rows_k = torch.stack([base_k + (0 if pe.integer_positions else b) for b in range(batch)])
-    if isinstance(pe, (RelativePositionBias2D, ContinuousPositionBias)):   # token indices in the window
-        rows_q = torch.stack([base_q.flip(0) if b % 2 else base_q for b in range(batch)])
-    got = pe.attention_bias(n, n, rows_q, rows_k)
-    assert got.shape == (batch, H, n, n)
-    for b in range(batch):
-        torch.testing.assert_close(got[b], pe.attention_bias(n, n, rows_q[b], rows_k[b]))
-        torch.testing.assert_close(got[b], pe(n, n, positions_q=rows_q[b], positions_k=rows_k[b]))
-    torch.testing.assert_close(pe.attention_bias(n, n, rows_q.int(), rows_k.int()), got)
-
-
-@pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
-def test_attention_bias_with_wrong_positions_raises(case):
-    pe = case.make()
-    n = 6
-    base_q, base_k = case.positions(n, n)
-    if base_q is None:
-        base_q = base_k = torch.arange(n)
-    name = type(pe).__name__
-    with pytest.raises(ValueError, match=f"{name}: positions_k must have shape"):
-        pe.attention_bias(n, n, base_q, base_k[:-1])
-    with pytest.raises(ValueError, match=f"{name}: positions_q and positions_k must have the same batch size"):
-        pe.attention_bias(n, n, torch.stack([base_q] * 2), torch.stack([base_k] * 3))
-
-
-# ---------------------------------------------------------------------------
-# from_config census: every model type from_config accepts, against the model's own module
-# ---------------------------------------------------------------------------
+# Distributed: sequence shards over 2 processes (gloo on CPU) equal the single-process run
 #
-# For each model type of ``pe_lib._ROPE_MODEL_TYPES`` (the list from_config trusts), the model's
-# default config (its rotary module holds no weights, so a default config costs nothing) builds
-# the model's own rotary module; q and k rotated by it and the model's apply function give the same
-# q . k logits as ``RotaryPositionalEmbedding.from_config`` on the same q, k and positions, for the
-# config's own rope type and every other rope type the model's module accepts. Types absent from
-# the installed transformers are skipped.
-
-CENSUS_N = 40
-# rope types tried on every model type besides its config's own (max_position_embeddings is set to 16)
-CENSUS_SCALINGS = {
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
-    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16},
-}
-# (model type, rope type) pairs not tried: transformers' legacy Phi-3 configs spell longrope "yarn", and
-# from_config reads them so (test_phi3_longrope), where the 5.x module would compute YaRN for the dict
-# Gemma 4: its proportional full-attention layers only (other rope types with its partial factor: not checked)
-CENSUS_SKIP = {("phi3", "yarn")} | {("gemma4_text", name) for name in CENSUS_SCALINGS}
-# default configs whose head dims are odd or inconsistent: the smallest change that makes them valid
-# (released GLM-4V and Qwen4-exp configs set the partial_rotary_factor that their default sections assume)
-CENSUS_CONFIG_FIXES = {"glm4_moe": {"head_dim": 64}, "glm4v_moe": {"head_dim": 64}, "glm4v_moe_text": {"head_dim": 64},
-                       "qwen3_omni_moe_text": {"head_dim": 128}, "qwen3_omni_moe_thinker": {"head_dim": 128},
-                       "glm4v": {"partial_rotary_factor": 0.5}, "glm4v_text": {"partial_rotary_factor": 0.5},
-                       "qwen4_exp": {"partial_rotary_factor": 0.25}, "qwen4_exp_text": {"partial_rotary_factor": 0.25}}
+# With PE_SLOW=1, one spawn of 2 ranks runs every sequence-shard check (every class of CASES on a
+# sequence shard, Heinsen's sharded scan at a million tokens, PyTorch's context parallel) and each rank
+# saves its measured errors; the tests below read them. A second spawn checks data parallelism: DDP and
+# FSDP2 (fully_shard, deferred meta init) against one process, one case per class. The default run spawns
+# once, for a representative set of both (_quick_check). The tests that read a spawn carry the marker
+# ``distributed`` (-m "not distributed" leaves them out).
+# ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def census_modeling(model_type: str):
-    """The transformers modeling module of a model type (each module imported once)."""
-    from transformers.models.auto import configuration_auto
-    name = configuration_auto.model_type_to_module_name(model_type)
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+def _shardable(case) -> bool:
+    """Classes whose shard needs only global positions (or, for Heinsen, the summary exchange).
+    Left out: content-ordered ones (CoPE counts gates, the forget gate is bound to token states) and
+    the convolutional encoding, whose shard would need its neighbours' tokens (a halo exchange)."""
+    pe = case.make()
+    return pe.takes_positions and (case.takes_positions or isinstance(pe, pe_lib.HeinsenPositionalEmbedding))
 
 
-def census_config(model_type: str):
-    """A fresh default config of the model type, or a skip where the installed transformers lacks it."""
-    pytest.importorskip("transformers")
-    from transformers.models.auto import configuration_auto
-    if model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {pytest.importorskip('transformers').__version__} has no {model_type!r}")
-    config = copy.deepcopy(census_default_config(model_type))
-    text = census_text(config)
-    for key, value in CENSUS_CONFIG_FIXES.get(model_type, {}).items():
-        if key == "partial_rotary_factor":
-            text.rope_parameters = {**text.rope_parameters, key: value}
-        else:
-            setattr(text, key, value)
-    return config
+SHARDED_CASES = [case for case in CASES if _shardable(case)]
 
 
-# model types whose default config the census cannot read: a tiny config of theirs instead
-# (Gemma 4's default is heterogeneous per layer: its head_dim is read per layer through per_layer_config)
-CENSUS_CONFIG_KWARGS = {"gemma4_text": dict(
-    **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
-    layer_types=["sliding_attention", "full_attention"],
-    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                     "full_attention": {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.25,
-                                        "rope_theta": 1e6}})}
+dist = torch.distributed
 
 
-@functools.lru_cache(maxsize=None)
-def census_default_config(model_type: str):
-    """The default (or CENSUS_CONFIG_KWARGS) config, built once (census_config hands out copies to change)."""
-    from transformers.models.auto import configuration_auto
-    return configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_CONFIG_KWARGS.get(model_type, {}))
+WORLD = 2
 
 
-def census_text(config):
-    get = getattr(config, "get_text_config", None)
-    return config if get is None else get(decoder=True)
+SPAWN_TIMEOUT_S = 150     # the whole spawn; a hung collective fails the tests instead of hanging them
 
 
-def census_rotary(model_type: str, text):
-    """The model's own text rotary module (the first ``*RotaryEmbedding`` class built from a config)."""
-    module = census_modeling(model_type)
+SCAN_TOKENS = 1_000_000
+
+
+HAS_GLOO = dist.is_available() and dist.is_gloo_available()
+
+
+needs_gloo = pytest.mark.skipif(not HAS_GLOO, reason="torch.distributed or its gloo backend is not available")
+
+
+# ---------------------------------------------------------------------------
+# Distributed: shard_positions (no process group needed)
+# ---------------------------------------------------------------------------
+
+
+class TestShardPositions:
+    @pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+    @pytest.mark.parametrize("world", [1, 2, 3, 4])
+    def test_shards_partition_the_sequence(self, layout, world):
+        n = 24
+        shards = [shard_positions(n, r, world, layout=layout) for r in range(world)]
+        assert torch.equal(torch.cat(shards).sort().values, torch.arange(n))
+        assert all(s.dtype == torch.long for s in shards)
+        if layout == "contiguous":  # rank order is sequence order
+            assert torch.equal(torch.cat(shards), torch.arange(n))
+
+    def test_uneven_contiguous_split_is_tensor_split(self):
+        for r, want in enumerate(torch.arange(10).tensor_split(4)):
+            assert torch.equal(shard_positions(10, r, 4), want)
+
+    def test_head_tail_pairs_chunk_r_with_its_mirror(self):
+        # 16 tokens, 2 ranks: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+        assert shard_positions(16, 0, 2, layout="head_tail").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+        assert shard_positions(16, 1, 2, layout="head_tail").tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+    def test_matches_context_parallel_load_balancer(self):
+        balancer = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
+        order = balancer._HeadTailLoadBalancer(24, 3, "cpu")._generate_indices()[0].long()   # [N], rank-major
+        mine = torch.cat([shard_positions(24, r, 3, layout="head_tail") for r in range(3)])
+        assert torch.equal(mine, order)
+
+    def test_offset_and_numpy_like_ints(self):
+        class Index:
+            def __index__(self):
+                return 2
+        assert torch.equal(shard_positions(8, 1, Index(), offset=100), torch.arange(104, 108))
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="shard_positions: rank must lie in \\[0, world_size=2\\), got rank=2"):
+            shard_positions(8, 2, 2)
+        with pytest.raises(ValueError, match="shard_positions: world_size must be a positive int"):
+            shard_positions(8, 0, 0)
+        with pytest.raises(ValueError, match="shard_positions: seq_len must be >= 0, got seq_len=-1"):
+            shard_positions(-1, 0, 2)
+        with pytest.raises(TypeError, match="shard_positions: seq_len must be an int, got float 8.0"):
+            shard_positions(8.0, 0, 2)
+        with pytest.raises(TypeError, match="shard_positions: rank must be an int, got True"):
+            shard_positions(8, True, 2)
+        with pytest.raises(ValueError, match="shard_positions: layout='head_tail' needs seq_len divisible by"):
+            shard_positions(6, 0, 2, layout="head_tail")
+        with pytest.raises(ValueError, match="shard_positions: layout must be 'contiguous' or 'head_tail'"):
+            shard_positions(8, 0, 2, layout="zigzag")
+
+    def test_scan_without_process_group_says_so(self):
+        if HAS_GLOO and dist.is_initialized():
+            pytest.skip("a process group is initialised in this process")
+        with pytest.raises(ValueError, match="sharded_log_linear_scan: needs an initialised torch.distributed"):
+            sharded_log_linear_scan(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))
+        with pytest.raises(ValueError, match="sharded_log_linear_scan: log_p and h must have the same shape"):
+            sharded_log_linear_scan(torch.zeros(1, 4, 2), torch.zeros(1, 5, 2))
+        with pytest.raises(TypeError, match="heinsen_forward_sharded: module must be a HeinsenPositionalEmbedding"):
+            heinsen_forward_sharded(RotaryPositionalEmbedding(8), torch.zeros(1, 4, 8))
+
+
+# ---------------------------------------------------------------------------
+# Distributed: the checks each rank runs (module level, so the spawned processes can import them)
+# ---------------------------------------------------------------------------
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max |got - want| over finite entries; inf unless both hold -inf/inf at the same places."""
+    got, want = got.detach().double(), want.detach().double()
+    if got.shape != want.shape or not torch.equal(torch.isinf(got), torch.isinf(want)) \
+            or torch.isnan(got).any() or torch.isnan(want).any():
+        return float("inf")
+    finite = torch.isfinite(want)
+    return (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def _gather_rows(local: torch.Tensor, idx: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """The full tensor from every rank's rows ``local`` at global indices ``idx`` along ``dim`` (shards may differ in size)."""
+    dim = dim % local.dim()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(WORLD)]
+    dist.all_gather(sizes, torch.tensor([idx.numel()]))
+    most = max(int(n) for n in sizes)
+    pad = [0, 0] * (local.dim() - 1 - dim) + [0, most - idx.numel()]
+    parts = [torch.empty_like(F.pad(local.detach(), pad)) for _ in range(WORLD)]
+    indices = [torch.empty(most, dtype=torch.long, device=idx.device) for _ in range(WORLD)]
+    dist.all_gather(parts, F.pad(local.detach(), pad).contiguous())
+    dist.all_gather(indices, F.pad(idx, (0, most - idx.numel())))
+    shape = list(local.shape)
+    shape[dim] = length
+    full = local.new_empty(shape)
+    for part, index, n in zip(parts, indices, sizes):
+        full.index_copy_(dim, index[: int(n)], part.narrow(dim, 0, int(n)))
+    return full
+
+
+def _summed_grads(module: torch.nn.Module) -> list:
+    """This rank's parameter gradients summed over ranks (what DDP's all-reduce gives)."""
+    grads = []
+    for p in module.parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(g)
+        grads.append(g)
+    return grads
+
+
+def _grad_error(got: list, module: torch.nn.Module) -> float:
+    """Max |got - want| / max(1, max |want|) over the parameters: each parameter's gradient is a sum over
+    all tokens, which the ranks add in another order (float32 sums of gradients of size ~100 differ by ~1e-4)."""
     errors = []
-    for name, cls in vars(module).items():
-        if not (inspect.isclass(cls) and name.endswith("RotaryEmbedding") and cls.__module__ == module.__name__):
-            continue
-        if list(inspect.signature(cls.__init__).parameters)[1:2] != ["config"]:
-            continue
-        try:
-            return module, cls(text)
-        except Exception as error:       # a vision rotary class that rejects the text config
-            errors.append(f"{name}: {error!r}")
-    raise RuntimeError(f"{model_type}: no rotary class takes its text config: {errors}")
+    for g, p in zip(got, module.parameters()):
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        errors.append(_max_error(g, want) / max(1.0, want.abs().max().item() if want.numel() else 0.0))
+    return max(errors, default=0.0)
 
 
-def census_apply(model_type: str, module, text, out, q, k):
-    """q, k rotated as the model's attention does with its rotary module's output."""
-    if model_type in ("gptj", "codegen"):
-        raise AssertionError("GPT-J / CodeGen build no rotary module")
-    if isinstance(out, torch.Tensor):                   # complex freqs_cis (Llama 4, DeepSeek-V2)
-        try:
-            a, b = module.apply_rotary_emb(q, k, out)
-            if a.shape == q.shape:
-                return a, b
-        except RuntimeError:
-            pass
-        a, b = module.apply_rotary_emb(q.transpose(1, 2), k.transpose(1, 2), out)    # [B, N, H, Dh]
-        return a.transpose(1, 2), b.transpose(1, 2)
-    cos, sin = out
-    interleave = getattr(module, "apply_rotary_pos_emb_interleave", None)
-    plain = getattr(module, "apply_rotary_pos_emb", None)
-    fn = interleave if interleave is not None and (plain is None or getattr(text, "rope_interleave", False)) else plain
+def _check_case(case, layout: str, rank: int) -> dict:
+    """One class on a sequence shard against the same class on the whole sequence."""
+    torch.manual_seed(0)  # the same module and data on every rank
+    full_pe = case.make()
+    pe = copy.deepcopy(full_pe)
+    x = torch.randn(B, N, case.token_dim)
+    q, k, v, weight = torch.randn(4, B, H, N, DH).unbind(0)
+    weight_x = torch.randn(B, N, case.token_dim)
+    idx = shard_positions(N, rank, WORLD, layout=layout)                               # [N_local] global indices
+    positions = None if case.required_positions is None else case.required_positions(N)
+    positions_q = idx if positions is None else positions[idx]                         # the shard's global positions
+    positions_k = torch.arange(N) if positions is None else positions                  # every key's position
+    errors = {}
+    if full_pe.kind == "input":
+        x_full = x.clone().requires_grad_(True)
+        want = full_pe.forward_input(x_full, positions) if case.takes_positions else full_pe(x_full)
+        (want * weight_x).sum().backward()
+        x_local = x[:, idx].clone().requires_grad_(True)
+        if case.takes_positions:
+            got = pe.forward_input(x_local, positions_q)
+        else:  # Heinsen: the order is the recurrence; the ranks exchange state summaries
+            got = heinsen_forward_sharded(pe, x_local)
+        (got * weight_x[:, idx]).sum().backward()
+        errors["output"] = _max_error(_gather_rows(got, idx, -2, N), want)
+        errors["grad_x"] = _max_error(_gather_rows(x_local.grad, idx, -2, N), x_full.grad)
+    else:
+        q_full = q.clone().requires_grad_(True)
+        want_logits = full_pe.forward_attn(q_full, k, positions, positions)
+        want = attention(q_full, k, v, full_pe, positions_q=positions, positions_k=positions, causal=True)
+        (want * weight).sum().backward()
+        # each rank holds its q, k, v shard; the keys and values are all-gathered (ring attention's
+        # result, without the ring), the queries stay local with their global positions
+        keys = _gather_rows(k[:, :, idx], idx, -2, N)
+        values = _gather_rows(v[:, :, idx], idx, -2, N)
+        causal = idx[:, None] >= torch.arange(N)[None, :]                               # [N_local, N] by global index
+        q_local = q[:, :, idx].clone().requires_grad_(True)
+        got_logits = pe.forward_attn(q_local, keys, positions_q, positions_k)
+        got = attention(q_local, keys, values, pe, positions_q=positions_q, positions_k=positions_k, attn_mask=causal)
+        (got * weight[:, :, idx]).sum().backward()
+        errors["logits"] = _max_error(_gather_rows(got_logits, idx, -2, N), want_logits)
+        errors["output"] = _max_error(_gather_rows(got, idx, -2, N), want)
+        errors["grad_q"] = _max_error(_gather_rows(q_local.grad, idx, -2, N), q_full.grad)
+    errors["grad_params_rel"] = _grad_error(_summed_grads(pe), full_pe)
+    return errors
+
+
+def _check_heinsen_scan(rank: int) -> dict:
+    """sharded_log_linear_scan at a million tokens (float64) against the single-process scan."""
+    n, d = SCAN_TOKENS, 4
+    g = torch.Generator().manual_seed(1)
+    # decays from strong (sigmoid(N(0, 1))) to very weak (sigmoid(14 + N(0, 1)), log_p ~ -1e-6):
+    # rank 0's state still weighs on rank 1's last tokens
+    z = torch.randn(1, n, d, generator=g, dtype=torch.float64) + torch.tensor([0.0, 4.0, 8.0, 14.0], dtype=torch.float64)
+    h, weight = torch.randn(2, 1, n, d, generator=g, dtype=torch.float64).unbind(0)
+    initial, weight_final = torch.randn(2, 1, 1, d, generator=g, dtype=torch.float64).unbind(0)
+    idx = shard_positions(n, rank, WORLD)
+    mine = [z[:, idx].clone().requires_grad_(True), h[:, idx].clone().requires_grad_(True),
+            initial.clone().requires_grad_(True)]
+    start = time.perf_counter()
+    s_local, final = sharded_log_linear_scan(F.logsigmoid(mine[0]), mine[1], mine[2], return_state=True)
+    # the final state is the same on every rank: count it once (rank 0, whose graph reaches rank 1's tokens)
+    loss = (s_local * weight[:, idx]).sum() + ((final * weight_final).sum() if rank == 0 else 0.0)
+    loss.backward()
+    seconds = time.perf_counter() - start
+    grad_initial = mine[2].grad.clone()
+    dist.all_reduce(grad_initial)
+    gathered = [_gather_rows(t, idx, -2, n) for t in (s_local, mine[0].grad, mine[1].grad)]
+    if rank:  # the single-process run is done once, on rank 0 (the machine may have 2 cores)
+        return {"seconds": seconds}
+    leaves = [t.clone().requires_grad_(True) for t in (z, h, initial)]
+    s = _LogLinearScanFunction.apply(F.logsigmoid(leaves[0]), leaves[1], leaves[2])    # [1, n, d]
+    ((s * weight).sum() + (s[:, -1:] * weight_final).sum()).backward()
+    return {
+        "s": _max_error(gathered[0], s),
+        "final": _max_error(final, s[:, -1:]),
+        "grad_log_p": _max_error(gathered[1], leaves[0].grad),
+        "grad_h": _max_error(gathered[2], leaves[1].grad),
+        "grad_initial": _max_error(grad_initial, leaves[2].grad),
+        "seconds": seconds,
+    }
+
+
+def _check_scan_oracle(rank: int) -> dict:
+    """The sharded scan against a plain float64 loop of the recurrence, uneven shards (101 + 100)."""
+    g = torch.Generator().manual_seed(2)
+    n, d = 201, 3
+    log_p = F.logsigmoid(torch.randn(2, n, d, generator=g, dtype=torch.float64) * 3 + 2)
+    h = torch.randn(2, n, d, generator=g, dtype=torch.float64) * 3
+    want = torch.empty_like(h)
+    state = torch.zeros(2, d, dtype=torch.float64)
+    for t in range(n):
+        for b in range(2):
+            for c in range(d):
+                state[b, c] = torch.logaddexp(log_p[b, t, c] + state[b, c], h[b, t, c])
+        want[:, t] = state
+    idx = shard_positions(n, rank, WORLD)
+    got = sharded_log_linear_scan(log_p[:, idx], h[:, idx])
+    got32 = sharded_log_linear_scan(log_p[:, idx].float(), h[:, idx].float())
+    return {"float64": _max_error(_gather_rows(got, idx, -2, n), want),
+            "float32": _max_error(_gather_rows(got32, idx, -2, n), want)}
+
+
+def _check_empty_shard(rank: int) -> dict:
+    """A rank with no tokens passes the state on, forward and backward."""
+    g = torch.Generator().manual_seed(3)
+    log_p = F.logsigmoid(torch.randn(1, 9, 2, generator=g, dtype=torch.float64)).requires_grad_(True)
+    h = torch.randn(1, 9, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    s = _LogLinearScanFunction.apply(log_p, h, torch.zeros(1, 1, 2, dtype=torch.float64))
+    s.sum().backward()
+    idx = torch.arange(9) if rank == 1 else torch.arange(0)                            # rank 0 holds nothing
+    mine = [log_p.detach()[:, idx].requires_grad_(True), h.detach()[:, idx].requires_grad_(True)]
+    s_local = sharded_log_linear_scan(*mine)
+    s_local.sum().backward()
+    return {"s": _max_error(s_local, s[:, idx]), "grad_h": _max_error(mine[1].grad, h.grad[:, idx])}
+
+
+def _check_heinsen_module(rank: int) -> dict:
+    """heinsen_forward_sharded on 2**17 tokens, then a second sharded chunk continuing the stream."""
+    torch.manual_seed(4)
+    full_pe = HeinsenPositionalEmbedding(8, 4).double()
+    pe = copy.deepcopy(full_pe)
+    n = 2 ** 17
+    x, weight = torch.randn(2, 1, n, 8, dtype=torch.float64).unbind(0)
+    x2, weight2 = torch.randn(2, 1, 64, 8, dtype=torch.float64).unbind(0)
+    x_full = x.clone().requires_grad_(True)
+    y = full_pe(x_full)
+    y2 = full_pe(x2, using_prev_context=True)   # detached context: truncated backprop, as the reference
+    ((y * weight).sum() + (y2 * weight2).sum()).backward()
+    idx, idx2 = shard_positions(n, rank, WORLD), shard_positions(64, rank, WORLD)
+    x_local = x[:, idx].clone().requires_grad_(True)
+    got = heinsen_forward_sharded(pe, x_local)
+    got2 = heinsen_forward_sharded(pe, x2[:, idx2], using_prev_context=True)
+    ((got * weight[:, idx]).sum() + (got2 * weight2[:, idx2]).sum()).backward()
+    return {
+        "output": _max_error(_gather_rows(got, idx, -2, n), y),
+        "continued_chunk": _max_error(_gather_rows(got2, idx2, -2, 64), y2),
+        "cached_context": _max_error(pe.prev_context, full_pe.prev_context),
+        "grad_x": _max_error(_gather_rows(x_local.grad, idx, -2, n), x_full.grad),
+        "grad_params_rel": _grad_error(_summed_grads(pe), full_pe),
+    }
+
+
+def _check_context_parallel(rank: int, device: str = "cpu") -> dict:
+    """RoPE with each shard's global positions inside PyTorch's context_parallel (ring SDPA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    torch.manual_seed(5)
+    n = 64
+    q, k, v = torch.randn(3, 1, H, n, DH, device=device).unbind(0)
+    rope = RotaryPositionalEmbedding(DH).to(device)
+    want = attention(q, k, v, rope, causal=True)
+    mesh = init_device_mesh(device, (WORLD,))
+    buffers = [q.clone(), k.clone(), v.clone()]
+    idx = shard_positions(n, rank, WORLD, layout="head_tail", device=device)   # the order context_parallel uses
     try:
-        return fn(q, k, cos, sin)
-    except (TypeError, RuntimeError):
-        pass
-    if len(inspect.signature(fn).parameters) <= 4:       # one tensor at a time (DeepSeek-V4)
-        return fn(q, cos, sin), fn(k, cos, sin)
-    width = cos.shape[-1]                                # partial rotary: the attention slices the leading channels
-    a, b = fn(q[..., :width], k[..., :width], cos, sin)
-    return torch.cat([a, q[..., width:]], -1), torch.cat([b, k[..., width:]], -1)
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            layout_ok = torch.equal(buffers[0], q[:, :, idx])
+            # attention() runs F.scaled_dot_product_attention(is_causal=True), which the context patches
+            out = attention(*buffers, rope, positions_q=idx, positions_k=idx, causal=True)
+    except Exception as error:  # noqa: BLE001 - the message is the finding (CPU has no ring kernel)
+        return {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
+    return {"output": _max_error(_gather_rows(out, idx, -2, n), want), "layout_is_head_tail": float(layout_ok)}
 
 
-def census_positions(num_axes: int) -> torch.Tensor:
-    """Positions [N] (one axis) or [N, A] with a different sequence on every axis."""
-    base = torch.arange(CENSUS_N)
-    columns = [base, base % 7 * 3 + 1, base % 5 * 11 + 2, base % 3 * 5][:num_axes]
-    return base if num_axes == 1 else torch.stack(columns, -1)
+def _checks() -> list:
+    checks = [(f"case/{case.name}/{layout}", lambda rank, case=case, layout=layout: _check_case(case, layout, rank))
+              for case in SHARDED_CASES for layout in ("contiguous", "head_tail")
+              if case.takes_positions or layout == "contiguous"]
+    return checks + [("heinsen_scan_1e6", _check_heinsen_scan), ("scan_oracle", _check_scan_oracle),
+                     ("empty_shard", _check_empty_shard), ("heinsen_module", _check_heinsen_module),
+                     ("context_parallel_cpu", _check_context_parallel)]
 
 
-def census_gptj(model_type: str, config, q, k, positions):
-    module = census_modeling(model_type)
-    rotary_dim = config.rotary_dim or q.shape[-1]
-    table = module.create_sinusoidal_positions(int(positions.max()) + 1, rotary_dim)[positions]   # [N, sin | cos]
-    sin, cos = table[None].chunk(2, -1)
-    rotate = lambda x: torch.cat([module.apply_rotary_pos_emb(x.transpose(1, 2)[..., :rotary_dim], sin, cos),
-                                  x.transpose(1, 2)[..., rotary_dim:]], -1).transpose(1, 2)   # noqa: E731
-    return rotate(q), rotate(k)
-
-
-def census_compare(model_type: str, config, layer_type=None, scaling_name=None) -> Optional[float]:
-    """Largest |q . k logit difference| between the model's module and from_config; None where the
-    model's module does not accept the rope type."""
-    text = census_text(config)
-    # from_config(config) is RotaryPositionalEmbedding(**kwargs); a short table keeps the census cheap
-    ours = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, layer_type=layer_type), cache_len=CENSUS_N)
-    num_axes = 1 if ours.sections is None else len(ours.sections)
-    positions = census_positions(num_axes)
-    g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 2, CENSUS_N, ours.dim, generator=g) for _ in range(2))
-    if model_type in ("gptj", "codegen"):
-        hf_q, hf_k = census_gptj(model_type, text, q, k, positions)
-    else:
-        try:
-            module, rotary = census_rotary(model_type, text)
-        except Exception:          # noqa: BLE001
-            if scaling_name is None:
-                raise
-            return None       # the model's module rejects this rope type
-        ids = positions[None] if num_axes == 1 else positions.T[:, None]                  # [1, N] or [A, 1, N]
-        out = rotary(q, ids) if layer_type is None else rotary(q, ids, layer_type=layer_type)
-        hf_q, hf_k = census_apply(model_type, module, text, out, q, k)
-        if num_axes == 1:          # a model with several position axes must not pass for a one-axis one
-            try:
-                multi = rotary(q, census_positions(3).T[:, None]) if layer_type is None else None
-                wide, _ = census_apply(model_type, module, text, multi, q, k) if multi is not None else (None, None)
-            except Exception:      # noqa: BLE001 - a one-axis module rejects [3, B, N] ids
-                wide = None
-            assert wide is None or wide.shape != q.shape, f"{model_type}: its module takes 3 position axes"
-    logits = lambda a, b: a.double() @ b.double().transpose(-1, -2)   # noqa: E731
-    return (logits(ours(q, positions), ours(k, positions)) - logits(hf_q, hf_k)).abs().max().item()
-
-
-def census_set_scaling(config, layer_type, scaling: dict, half: int) -> None:
-    """Replace the config's rope type (of one layer type) by ``scaling``; lengths shrink to 16."""
-    text = census_text(config)
-    scaling = dict(scaling)
-    if scaling["rope_type"] == "longrope":
-        scaling.update(short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)])
-    params = dict(text.rope_parameters)
-    if layer_type is None:
-        params = {key: value for key, value in params.items() if key in ("rope_theta", "partial_rotary_factor",
-                                                                        "mrope_section", "mrope_interleaved")}
-        params.update(scaling)
-    else:
-        keep = {key: value for key, value in params[layer_type].items() if key in ("rope_theta", "partial_rotary_factor")}
-        params[layer_type] = {**keep, **scaling}
-    text.rope_parameters = params
-    text.max_position_embeddings = 16
-    if getattr(text, "original_max_position_embeddings", None) is not None:
-        text.original_max_position_embeddings = 16
-
-
-def census_layer_types(config) -> list:
-    params = getattr(census_text(config), "rope_parameters", None) or {}
-    nested = [key for key, value in params.items() if isinstance(value, dict)]
-    return nested or [None]
-
-
-@pytest.fixture
-def one_thread():
-    """The census runs hundreds of tiny ops: one intra-op thread spares the pool's start-up (restored after)."""
-    threads = torch.get_num_threads()
+def _worker(rank: int, port: int, out_dir: str, backend: str, names: list) -> None:
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)
+    results = {}
+    for name, check in _checks() + _data_parallel_checks():
+        if name not in names:
+            continue
+        try:
+            results[name] = _check_context_parallel(rank, "cuda") if "nccl" in backend else check(rank)
+        except Exception:  # noqa: BLE001 - reported by the test that reads it
+            results[name] = {"error": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
 
 
-@pytest.mark.usefixtures("one_thread")
-class TestRotaryFromConfigCensus:
-    @pytest.mark.parametrize("model_type", sorted(pe_lib._ROPE_MODEL_TYPES))
-    def test_model_type_matches_its_module(self, model_type):
-        config = census_config(model_type)
-        for layer_type in census_layer_types(config):
-            diff = census_compare(model_type, config, layer_type)
-            family = f"census {model_type}"
-            MAX_DIFF[family] = max(MAX_DIFF.get(family, 0.0), diff)
-            assert diff <= 1e-3, f"{model_type} ({layer_type}): q . k logits differ by {diff:.3g}"
-            for name, scaling in CENSUS_SCALINGS.items():
-                if model_type in ("gptj", "codegen"):
-                    break
-                if (model_type, name) in CENSUS_SKIP:
-                    continue
-                scaled = census_config(model_type)
-                kwargs = _rotary_kwargs_from_config(scaled, layer_type=layer_type)
-                half = kwargs.get("rotary_dim", kwargs["dim"]) // 2
-                census_set_scaling(scaled, layer_type, scaling, half)
-                diff = census_compare(model_type, scaled, layer_type, name)
-                if diff is None:
-                    continue
-                MAX_DIFF[family] = max(MAX_DIFF[family], diff)
-                assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def census_t5_attention(model_type: str, text):
-    """The model's own attention module with a relative attention bias (the class with ``compute_bias``)."""
-    module = census_modeling(model_type)
-    for name, cls in vars(module).items():
-        if (inspect.isclass(cls) and cls.__module__ == module.__name__ and hasattr(cls, "compute_bias")
-                and "has_relative_attention_bias" in inspect.signature(cls.__init__).parameters):
-            return cls(text, has_relative_attention_bias=True)
-    raise AssertionError(f"{model_type}: no attention class with compute_bias")
+def run_distributed(names: list, backend: str = "gloo") -> dict:
+    """Spawn WORLD ranks running the named checks; {name: {metric: worst value over ranks}}."""
+    context = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        ranks = [context.Process(target=_worker, args=(r, port, out_dir, backend, names)) for r in range(WORLD)]
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        for p in ranks:
+            p.join(max(deadline - time.monotonic(), 0))
+        hung = [p.pid for p in ranks if p.is_alive()]
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise RuntimeError(f"distributed checks exceeded {SPAWN_TIMEOUT_S} s (ranks {hung} killed)")
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    merged = {}
+    for name in per_rank[0]:
+        merged[name] = {}
+        for result in per_rank:
+            for metric, value in result[name].items():
+                if isinstance(value, str):
+                    merged[name][metric] = value
+                elif not isinstance(merged[name].get(metric), str):
+                    merged[name][metric] = max(value, merged[name].get(metric, value))
+    return merged
 
 
-def census_alibi_ramp(model_type: str, config, heads: int, n: int):
-    """[H, N]: what the model adds to row N - 1 of its logits, up to a constant (built by its own code)."""
-    module = census_modeling(model_type)
-    if model_type == "bloom":
-        return module.build_alibi_tensor(torch.ones(1, n), heads, torch.float32).reshape(heads, n)
-    if model_type == "mpt":
-        return module.build_mpt_alibi_tensor(heads, n, config.attn_config.alibi_bias_max)[:, 0, :]
-    if model_type == "falcon":   # FalconModel divides its ramp by sqrt(head_dim); its bf16 staircase: see above
-        ramp = module.build_alibi_tensor(torch.ones(1, n, dtype=torch.long), heads, torch.float32).reshape(heads, n)
-        return ramp / math.sqrt(config.hidden_size // heads)
-    raise AssertionError(f"{model_type}: no ramp builder in the census")
+# The default run spawns once for both fixtures, for these checks only: one case per kind in both layouts,
+# Heinsen's small sharded checks and two data-parallel cases. PE_SLOW=1 spawns twice, for every check.
+QUICK_SHARDED_CASES = {"sinusoidal", "rotary", "t5", "transformer_xl", "heinsen"}
+QUICK_SCAN_CHECKS = {"scan_oracle", "empty_shard", "heinsen_module"}
+QUICK_PARALLEL_CASES = {"learned", "t5"}
 
 
-CENSUS_ALIBI_CONFIGS = {   # tiny configs with ALiBi on
-    "bloom": dict(n_head=6, hidden_size=48, n_layer=1, vocab_size=32),
-    "mpt": dict(n_heads=6, d_model=48, n_layers=1, vocab_size=32, max_seq_len=64,
-                attn_config={"alibi": True, "alibi_bias_max": 8}),
-    "falcon": dict(alibi=True, num_attention_heads=4, hidden_size=16, num_hidden_layers=1, vocab_size=32,
-                   new_decoder_architecture=False, multi_query=False),
-}
+def _quick_check(name: str) -> bool:
+    kind, _, rest = name.partition("/")
+    if kind == "case":
+        return rest.split("/")[0] in QUICK_SHARDED_CASES
+    if kind == "data_parallel":
+        return rest in QUICK_PARALLEL_CASES
+    return name in QUICK_SCAN_CHECKS
 
 
-class TestBiasFromConfigCensus:
-    @pytest.mark.parametrize("decoder", [False, True])
-    @pytest.mark.parametrize("model_type", sorted(pe_lib._T5_MODEL_TYPES))
-    def test_t5_model_type_matches_compute_bias(self, model_type, decoder):
-        config = census_config(model_type)
-        text = pe_lib._text_config("census", config)
-        text.is_decoder = decoder
-        attention = census_t5_attention(model_type, text)
-        ours = T5PositionalEmbedding.from_config(config)
-        assert ours.bidirectional is (not decoder and model_type not in pe_lib._T5_DECODER_ONLY)
-        ours.relative_attention_bias.weight.data.copy_(attention.relative_attention_bias.weight.data)
-        for q_len, k_len in ((150, 150), (5, 150)):
-            want = attention.compute_bias(q_len, k_len, past_seen_tokens=k_len - q_len)[0]
-            diff = (ours(q_len, k_len) - want).abs().max().item()
-            MAX_DIFF[f"census t5 {model_type}"] = max(MAX_DIFF.get(f"census t5 {model_type}", 0.0), diff)
-            assert diff == 0.0, f"{model_type} (decoder={decoder}): bias differs by {diff:.3g}"
-
-    @pytest.mark.parametrize("model_type", sorted(pe_lib._ALIBI_MODEL_TYPES))
-    def test_alibi_model_type_matches_its_ramp(self, model_type):
-        pytest.importorskip("transformers")
-        from transformers.models.auto import configuration_auto
-        config = configuration_auto.CONFIG_MAPPING[model_type](**CENSUS_ALIBI_CONFIGS[model_type])
-        kwargs = _alibi_kwargs_from_config(config)
-        n = 40
-        ramp = census_alibi_ramp(model_type, config, kwargs["num_heads"], n)
-        diff = check_ramp(f"census alibi {model_type}", alibi_from_kwargs(kwargs), ramp, n)
-        # Falcon's bf16 staircase: within 2^-8 of the line, twice (two rounded products per difference)
-        assert diff <= (2.0 ** -7 * ramp.abs().max().item() + 1e-6 if model_type == "falcon" else 1e-5)
-
-    @pytest.mark.parametrize("model_type, fields, message", [
-        ("dbrx", {"n_heads": 16, "attn_config": {"rope_theta": 5e5}}, "DBRX uses RoPE"),
-        ("udop", {"num_heads": 8, "relative_attention_num_buckets": 32}, "bounding-box"),
-        ("pix2struct_vision_model", {"num_attention_heads": 8, "relative_attention_num_buckets": 32}, "never adds"),
-        ("prophetnet", {"num_attention_heads": 8, "num_buckets": 32}, "n-gram"),
-        ("wavlm", {"num_attention_heads": 8, "num_buckets": 320}, "gates"),
-        ("layoutlmv2", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
-        ("layoutlmv3", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
-        ("layoutxlm", {"num_attention_heads": 8, "rel_pos_bins": 32}, "bounding-box"),
-        ("cpmant", {"num_attention_heads": 8, "position_bias_num_buckets": 512}, "segment"),
-        ("longt5", {"num_heads": 8, "relative_attention_num_buckets": 32}, "per block"),
-    ])
-    def test_refused_bias_model_types(self, model_type, fields, message):
-        for reader, cls in ((_t5_kwargs_from_config, "T5"), (_alibi_kwargs_from_config, "ALiBi")):
-            with pytest.raises(ValueError, match=f"{cls}PositionalEmbedding.from_config: model_type='{model_type}'"):
-                reader({"model_type": model_type, **fields})
-        reader = _alibi_kwargs_from_config if model_type == "dbrx" else _t5_kwargs_from_config
-        with pytest.raises(ValueError, match=message):
-            reader({"model_type": model_type, **fields})
+@functools.lru_cache(maxsize=None)
+def _quick_distributed_results() -> dict:
+    return run_distributed([name for name, _ in _checks() + _data_parallel_checks() if _quick_check(name)])
 
 
-def docs_model_types(heading: str) -> set:
-    """The `names` of the paragraph that follows ``heading`` in docs/model_parity.md."""
-    text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
-    start = text.index(heading)
-    paragraph = text[start + len(heading):].split("\n\n")[0]
-    return set(re.findall(r"`([^`]+)`", paragraph))
+@pytest.fixture(scope="module")
+def results():
+    if not HAS_GLOO:
+        pytest.skip("torch.distributed or its gloo backend is not available")
+    if not SLOW:
+        return _quick_distributed_results()
+    return run_distributed([name for name, _ in _checks()])
 
 
-class TestFromConfigModelTypes:
-    def test_docs_list_the_from_config_model_types(self):
-        assert docs_model_types("RoPE model types (") == set(pe_lib._ROPE_MODEL_TYPES)
-        assert docs_model_types("T5 bias model types (") == set(pe_lib._T5_MODEL_TYPES)
-        assert docs_model_types("ALiBi model types (") == set(pe_lib._ALIBI_MODEL_TYPES)
-        text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
-        for name in [*pe_lib._ROPE_REFUSED, *pe_lib._T5_REFUSED, *pe_lib._ALIBI_REFUSED]:
-            assert f"- `{name}`" in text, f"{name}: refused without a reason in the docs"
-
-    def test_unchecked_model_type_needs_the_layout_stated(self):
-        owner = "RotaryPositionalEmbedding.from_config"
-        raw = {"model_type": "my_new_model", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
-        with pytest.raises(ValueError, match=f"{owner}: model_type='my_new_model' \\(config field model_type\\) is not "
-                                             f"among .*from_config\\(config, interleaved=True or False\\)"):
-            RotaryPositionalEmbedding.from_config(raw)
-        assert RotaryPositionalEmbedding.from_config(raw, interleaved=True).interleaved is True
-        assert _rotary_kwargs_from_config(raw, interleaved=False) == {"dim": 16, "base": 1e4}
-        # a multi-axis config needs its section layout too
-        multi = {**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2]}}
-        with pytest.raises(ValueError, match="or how mrope_section maps pairs to axes.*section_layout='contiguous' "
-                                             "or 'interleaved'"):
-            RotaryPositionalEmbedding.from_config(multi, interleaved=False)
-        pe = RotaryPositionalEmbedding.from_config(multi, interleaved=False, section_layout="interleaved")
-        assert (pe.sections, pe.section_layout) == ([4, 2, 2], "interleaved")
-        # the keywords override an accepted model type's config (the caller takes responsibility)
-        llama = {**raw, "model_type": "llama"}
-        assert _rotary_kwargs_from_config(llama, interleaved=True, rotary_dim=8) == {
-            "dim": 16, "base": 1e4, "rotary_dim": 8, "interleaved": True}
-        with pytest.raises(TypeError, match=f"{owner}: interleaved must be a bool"):
-            _rotary_kwargs_from_config(llama, interleaved="yes")
-
-    @pytest.mark.parametrize("model_type, message", [
-        ("ernie4_5_vl_moe_text", "h and w over the first frequency pairs"), ("nanochat", "minus the angle"),
-        ("hunyuan_vl", "XD-RoPE"), ("mistral_large4", "NoPE layers")])
-    def test_refused_rope_model_types(self, model_type, message):
-        raw = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
-        for stated in ({}, {"interleaved": False, "section_layout": "contiguous"}):   # keywords do not help
-            with pytest.raises(ValueError, match=f"model_type='{model_type}' is not supported .*{message}"):
-                RotaryPositionalEmbedding.from_config(raw, **stated)
-
-    def test_the_issue_models_are_now_read_exactly(self):
-        # layouts the census holds against the models' modules (the raw dicts need no transformers)
-        read = lambda model_type, **fields: _rotary_kwargs_from_config(      # noqa: E731
-            {"model_type": model_type, "rope_theta": 1e4, **fields})
-        for model_type in ("cohere2_moe", "ernie4_5", "moonshine", "openai_privacy_filter", "pe_audio_encoder",
-                           "glm4v_text", "deepseek_v2"):
-            assert read(model_type, head_dim=16)["interleaved"] is True, model_type
-        qwen3_5 = read("qwen3_5_text", head_dim=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                                     "partial_rotary_factor": 0.25})
-        assert (qwen3_5["sections"], qwen3_5["section_layout"], qwen3_5["rotary_dim"]) == ([11, 11, 10],
-                                                                                          "interleaved", 64)
-        hy = read("hy_v4_vl_text", head_dim=128)
-        assert (hy["interleaved"], hy["section_layout"]) == (True, "interleaved")
-        v4 = _rotary_kwargs_from_config({"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64,
-                                         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4,
-                                                                      "partial_rotary_factor": 0.125}}},
-                                        layer_type="main")
-        assert v4 == {"dim": 64, "base": 1e4, "interleaved": True}     # not 8: the factor is applied once
-        ministral = read("ministral3", head_dim=16, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
-            "llama_4_scaling_beta": 0.1})
-        assert "llama_4_scaling_beta" not in ministral["scaling"]
-
-    def test_interleaved_sections_too_large_raise_value_error(self):
-        # h (axis 1) takes pairs 1, 4, 7: pair 7 does not exist among 7 pairs (was an IndexError)
-        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: section_layout='interleaved' gives axis a .*"
-                                             "must be < rotary_dim / 2 = 7; got sections=\\[1, 3, 3\\]"):
-            RotaryPositionalEmbedding(14, sections=[1, 3, 3], section_layout="interleaved")
-        with pytest.raises(ValueError, match="must be < rotary_dim / 2 = 5; got sections=\\[1, 1, 3\\]"):   # w too large
-            RotaryPositionalEmbedding(10, sections=[1, 1, 3], section_layout="interleaved")
-        RotaryPositionalEmbedding(10, sections=[3, 1, 1], section_layout="interleaved")
-        RotaryPositionalEmbedding(64, sections=[11, 11, 10], section_layout="interleaved")   # Qwen3.5: fits
-
-    def test_ministral3_query_temperature_stays_with_the_model(self):
-        # the rotation is exact (census); the model's q scale 1 + beta log(1 + floor(p / L)) is not a RoPE term
-        modeling = census_modeling("ministral3") if pytest.importorskip("transformers") else None
-        positions = torch.arange(0, 100)
-        scale = modeling.get_llama_4_attn_scale(positions[None], 0.1, 16)[0, :, :, 0]           # [1, N]
-        want = 1 + 0.1 * torch.log1p(torch.floor(positions / 16.0))
-        torch.testing.assert_close(scale[0], want)
+def _measured(results, name) -> dict:
+    found = results[name]
+    assert "error" not in found, found.get("error")
+    return found
 
 
-def test_print_census_max_differences():
-    """Runs after the census: prints its largest differences (pytest -s)."""
-    for family, diff in sorted(MAX_DIFF.items()):
-        if family.startswith("census"):
-            print(f"| {family} | {diff:.2e} |")
+# float32 compute at N=16: rounding differences between one dense call and shards (outputs,
+# logits, input gradients); parameter gradients are sums over every token that the ranks add
+# in another order, compared relative to their size
+CASE_TOL, GRAD_TOL = 2e-5, 1e-4
+
+
+@pytest.mark.distributed
+@needs_gloo
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("case", quick_or_slow(SHARDED_CASES, QUICK_SHARDED_CASES, ids=[c.name for c in SHARDED_CASES]))
+def test_shards_equal_single_process(results, case, layout):
+    if not case.takes_positions and layout != "contiguous":
+        pytest.skip("a recurrence needs its shards in sequence order")
+    for metric, error in _measured(results, f"case/{case.name}/{layout}").items():
+        assert error <= (GRAD_TOL if metric == "grad_params_rel" else CASE_TOL), f"{case.name} ({layout}): {metric} differs by {error:.2e}"
+
+
+@pytest.mark.distributed
+@needs_gloo
+@slow
+def test_heinsen_scan_million_tokens_forward_and_backward(results):
+    found = _measured(results, "heinsen_scan_1e6")
+    for metric in ("s", "final", "grad_log_p", "grad_h", "grad_initial"):
+        assert found[metric] <= 1e-6, f"{metric} differs by {found[metric]:.2e}"
+
+
+@pytest.mark.distributed
+@needs_gloo
+def test_sharded_scan_matches_float64_loop_oracle(results):
+    found = _measured(results, "scan_oracle")
+    assert found["float64"] <= 1e-12 and found["float32"] <= 5e-6, found
+
+
+@pytest.mark.distributed
+@needs_gloo
+def test_empty_shard_passes_the_state_on(results):
+    found = _measured(results, "empty_shard")
+    assert found["s"] <= 1e-12 and found["grad_h"] <= 1e-12, found
+
+
+@pytest.mark.distributed
+@needs_gloo
+def test_heinsen_module_sharded_forward_backward_and_streaming(results):
+    for metric, error in _measured(results, "heinsen_module").items():
+        assert error <= 1e-9, f"{metric} differs by {error:.2e}"
+
+
+@pytest.mark.distributed
+@needs_gloo
+@slow
+def test_context_parallel_rope_cpu(results):
+    found = results["context_parallel_cpu"]
+    if "error" in found:
+        # torch 2.13: context_parallel routes SDPA to ring kernels for the flash / efficient /
+        # cuDNN CUDA ops only; CPU SDPA (aten._scaled_dot_product_flash_attention_for_cpu) has no
+        # DTensor sharding strategy.
+        pytest.skip(f"context_parallel does not run on CPU in torch {torch.__version__}: {found['error']}")
+    assert found["layout_is_head_tail"] == 1.0
+    assert found["output"] <= 1e-5, found
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= WORLD),
+                    reason=f"context_parallel's ring SDPA needs CUDA: {WORLD} GPUs and NCCL")
+def test_context_parallel_rope_cuda():
+    found = run_distributed(["context_parallel_cpu"], backend="cpu:gloo,cuda:nccl")["context_parallel_cpu"]
+    assert "error" not in found, found["error"]
+    assert found["layout_is_head_tail"] == 1.0
+    assert found["output"] <= 1e-3, found   # flash / efficient kernels round in their own order
+
+
+# ---------------------------------------------------------------------------
+# Distributed: data parallel, DDP and FSDP2 (fully_shard, deferred meta init) equal the single-process run
+# ---------------------------------------------------------------------------
+
+
+def _one_case_per_class() -> list:
+    """The first case of every class that has parameters (the others have nothing to shard or reduce),
+    and wav2vec 2.0's weight-normed convolution (its init reads one parameter into another)."""
+    seen, cases = set(), []
+    for case in CASES:
+        pe = case.make()
+        if (type(pe) not in seen or case.name == "conv_wav2vec2") and any(True for _ in pe.parameters()):
+            seen.add(type(pe))
+            cases.append(case)
+    return cases
+
+
+PARALLEL_CASES = _one_case_per_class()
+
+
+# the classes whose seed-dependent parameters the library itself draws full-size (``_copy_into``), so
+# a sharded deferred init keeps them bitwise; nn.init on a CPU DTensor draws each shard from the local
+# generator instead (torch's DTensor RNG tracker covers CUDA-like devices only)
+FULL_DRAWS = (pe_lib.AlgebraicTreePositionalEmbedding, pe_lib.MixedRotaryPositionalEmbedding)
+
+
+class _Layer(torch.nn.Module):
+    """A tiny attention layer around an encoding: qkv projection, the encoding, attention()."""
+
+    def __init__(self, case) -> None:
+        super().__init__()
+        self.case = case
+        self.qkv = torch.nn.Linear(case.token_dim, 3 * H * DH)
+        self.pe = case.make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = None if self.case.required_positions is None else self.case.required_positions(x.shape[-2])
+        if self.pe.kind == "input":
+            x = self.pe.forward_input(x, positions) if self.case.takes_positions else self.pe(x)
+        q, k, v = self.qkv(x).unflatten(-1, (3, H, DH)).permute(2, 0, 3, 1, 4)          # [B, H, N, Dh] each
+        return attention(q, k, v, self.pe, positions_q=positions, positions_k=positions, causal=True)
+
+
+def _reference(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """Single-process output and gradients of the loss the ranks' mean gives: sum(out * weight) / WORLD."""
+    model = copy.deepcopy(model)
+    out = model(x)
+    ((out * weight).sum() / WORLD).backward()
+    return out.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _rank_errors(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, rank: int, want: tuple) -> dict:
+    """This rank's half of the batch through ``model`` (DDP or FSDP2) against the reference."""
+    rows = slice(rank, rank + 1)
+    out = model(x[rows])
+    (out * weight[rows]).sum().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]                       # FIRE's init_L is frozen
+    grads = [pe_lib._full(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in trained]
+    want_out, want_grads = want
+    return {"output": _max_error(out, want_out[rows]),
+            "grad_params_rel": max(_max_error(g, w) / max(1.0, w.abs().max().item()) for g, w in zip(grads, want_grads))}
+
+
+def _check_data_parallel(case, rank: int) -> dict:
+    """DDP, FSDP2 (the encoding and the layer each fully_shard-ed) and FSDP2 with deferred init."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Layer(case)
+    x = torch.randn(WORLD, N, case.token_dim)                                           # the global batch
+    weight = torch.randn(WORLD, H, N, DH)
+    want = _reference(model, x, weight)
+    errors = {}
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    errors.update({f"ddp_{m}": e for m, e in _rank_errors(ddp, x, weight, rank, want).items()})
+    sharded = copy.deepcopy(model)
+    fully_shard(sharded.pe)
+    fully_shard(sharded)
+    errors.update({f"fsdp_{m}": e for m, e in _rank_errors(sharded, x, weight, rank, want).items()})
+
+    # deferred init: build on meta, shard, allocate, reset; against reset_parameters of a normal module
+    with torch.device("meta"):
+        deferred = _Layer(case)
+    fully_shard(deferred.pe)
+    fully_shard(deferred)
+    deferred.to_empty(device="cpu")
+    deferred.qkv.reset_parameters()
+    torch.manual_seed(1)
+    deferred.pe.reset_parameters()
+    normal, other = case.make(), case.make()
+    torch.manual_seed(1)
+    normal.reset_parameters()
+    torch.manual_seed(2)
+    other.reset_parameters()                                                            # tells what depends on the seed
+    fixed, drawn = [], []
+    for got, same_seed, other_seed in zip(deferred.pe.parameters(), normal.parameters(), other.parameters()):
+        (drawn if not torch.equal(same_seed, other_seed) else fixed).append(_max_error(pe_lib._full(got), same_seed))
+    fixed += [_max_error(got, same) for got, same in zip(deferred.pe.buffers(), normal.buffers())]
+    errors["deferred_init_fixed"] = max(fixed, default=0.0)
+    if isinstance(normal, FULL_DRAWS):
+        errors["deferred_init_drawn"] = max(drawn, default=0.0)
+    # the deferred model against a single process holding its (gathered) weights
+    single = _Layer(case)
+    with torch.no_grad():
+        for p, q in zip(single.parameters(), deferred.parameters()):
+            p.copy_(pe_lib._full(q))
+    errors.update({f"deferred_{m}": e for m, e in _rank_errors(deferred, x, weight, rank, _reference(single, x, weight)).items()})
+    return errors
+
+
+def _data_parallel_checks() -> list:
+    return [(f"data_parallel/{case.name}", lambda rank, case=case: _check_data_parallel(case, rank))
+            for case in PARALLEL_CASES]
+
+
+def _has_fully_shard() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return HAS_GLOO
+
+
+@pytest.fixture(scope="module")
+def data_parallel_results():
+    if not _has_fully_shard():
+        pytest.skip("torch.distributed, gloo or FSDP2's fully_shard is not available")
+    if not SLOW:
+        return _quick_distributed_results()
+    return run_distributed([name for name, _ in _data_parallel_checks()])
+
+
+# float32 at N=16: DDP and FSDP2 average the two ranks' gradients, the reference sums the whole
+# batch: the same terms added in another order
+PARALLEL_TOL = 1e-5
+
+
+@pytest.mark.distributed
+@needs_gloo
+@pytest.mark.parametrize("case", quick_or_slow(PARALLEL_CASES, QUICK_PARALLEL_CASES, ids=[c.name for c in PARALLEL_CASES]))
+def test_ddp_and_fsdp2_equal_single_process(data_parallel_results, case):
+    found = _measured(data_parallel_results, f"data_parallel/{case.name}")
+    for metric, error in found.items():
+        want = 0.0 if metric.startswith("deferred_init") else PARALLEL_TOL   # init: bitwise
+        assert error <= want, f"{case.name}: {metric} differs by {error:.2e}"
 
 
 # ---------------------------------------------------------------------------
 # Vendoring
 # ---------------------------------------------------------------------------
 
+
 # Every public encoding class (and the alias EmbedPosition), each vendored alone.
 VENDOR_CLASSES = [name for name in pe_lib.__all__
                   if isinstance(getattr(pe_lib, name), type) and issubclass(getattr(pe_lib, name), PositionalEmbedding)]
+
+
 VENDOR_LEAN = {"config": False, "flex": False, "distributed": False}
+# vendored and run in the default run (an input, a qk, a bias and a logits class); PE_SLOW=1 adds the rest
+VENDOR_QUICK = ["HeinsenPositionalEmbedding", "RotaryPositionalEmbedding", "ALiBiPositionalEmbedding",
+                "ShawPositionalEmbedding"]
+VENDOR_SETS = quick_or_slow([VENDOR_QUICK, [name for name in VENDOR_CLASSES if name not in VENDOR_QUICK]], {"quick"},
+                            ids=["quick", "rest"])
+
 
 # Run in a fresh process: imports every vendored file given (as JSON: [[path, names, lean], ...]) and
 # compares it with the library on the demo encodings (each entry of `_demo_modules` that names a class the
@@ -7069,10 +7774,11 @@ def _vendor_run_check(files) -> list:
 
 
 class TestVendor:
-    def test_vendored_classes_equal_the_library_in_a_fresh_process(self, tmp_path):
+    @pytest.mark.parametrize("classes", VENDOR_SETS)
+    def test_vendored_classes_equal_the_library_in_a_fresh_process(self, tmp_path, classes):
         # lean: every class alone; everything kept: five classes a file (each still compared with the library)
-        files = [[str(tmp_path / f"{name}_lean.py"), [name], True] for name in VENDOR_CLASSES]
-        files += [[str(tmp_path / f"group{i}.py"), VENDOR_CLASSES[i:i + 5], False] for i in range(0, len(VENDOR_CLASSES), 5)]
+        files = [[str(tmp_path / f"{name}_lean.py"), [name], True] for name in classes]
+        files += [[str(tmp_path / f"group{i}.py"), classes[i:i + 5], False] for i in range(0, len(classes), 5)]
         for path, names, lean in files:
             pe_lib.vendor(names, path, **(VENDOR_LEAN if lean else {}))
         results = _vendor_run_check(files)
@@ -7173,372 +7879,343 @@ class TestVendor:
 
 
 # ---------------------------------------------------------------------------
-# Compile with dynamic shapes, the default path of bias encodings, the causal rule
+# Docs: the demo, docstring examples, README and docs/ pages
 # ---------------------------------------------------------------------------
 
 
-class QuickStartBlock(torch.nn.Module):
-    """The README's quick-start block, with the positions a case requires and the forget gate bound to x."""
-
-    def __init__(self, dim, heads, pe):
-        super().__init__()
-        self.heads, self.pe = heads, pe
-        self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-
-    def forward(self, x, positions=None):
-        x = self.pe.forward_input(x, positions)
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)   # [B, H, N, Dh] each
-        pe = self.pe(x) if isinstance(self.pe, ForgettingPositionalEmbedding) else self.pe
-        attend_positions = None if pe.kind == "input" else positions
-        y = attention(q, k, v, pe, causal=True, positions_q=attend_positions, positions_k=attend_positions)
-        return self.out(y.transpose(1, 2).flatten(2))
+def test_demo_runs(capsys):
+    pe_lib._demo()
+    out = capsys.readouterr().out
+    for name in pe_lib._demo_modules(2, 8, 16):
+        assert name in out
 
 
-# Every case compiles in the slow run (PE_SLOW=1, as .ci/run does; about 8 s a case); the default run
-# compiles one case per attention path.
-QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"}
-# Cases that trace fullgraph at every length but recompile once between 16 and 40 tokens (found by the
-# PE_SLOW run; the guard that fails is not identified yet: an open item, see the README limitations).
-RECOMPILE_ONCE_CASES = {"heinsen", "fourier_octave"}
-
-
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_quick_start_block_compiles_fullgraph_dynamic(case):
-    """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
-    if case.name not in QUICK_COMPILE_CASES and not os.environ.get("PE_SLOW"):
-        pytest.skip("compiled in the slow run only (PE_SLOW=1)")
-    pe = case.make()
-    if isinstance(pe, ForgettingPositionalEmbedding):
-        pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
-    dim = case.token_dim if pe.kind == "input" else D
-    block = QuickStartBlock(dim, H, pe)
-    lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, dynamic=True, fullgraph=True, backend=counting_backend)
-    for n in lengths:
-        x = torch.randn(2, n, dim)
-        positions = None if case.required_positions is None else case.required_positions(n)
-        torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
-    assert len(graphs) == (2 if case.name in RECOMPILE_ONCE_CASES else 1), f"{len(graphs)} graphs for lengths {lengths}"
-
-
-def test_finite_number_check_traces_under_dynamic_shapes():
-    """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
-    q, k, v = qkv()
-    fn = lambda q, k, v: attention(q, k, v, scale=0.25, dropout_p=0.0, causal=True)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
-    with pytest.raises(ValueError, match="attention: scale must be a finite number, got scale=inf"):
-        attention(q, k, v, scale=float("inf"))
-
-
-class TestBiasDefaultPath:
-    def test_cpu_default_is_the_dense_bias_eager_and_compiled(self, monkeypatch):
-        """Issue 22.2: on the CPU the default never runs (unfused) FlexAttention, traced or not."""
-        def no_flex(*args, **kwargs):
-            raise AssertionError("FlexAttention was called")
-
-        monkeypatch.setattr(pe_lib, "_flex_attention", no_flex)
-        pe, (q, k, v) = T5PositionalEmbedding(H, bidirectional=False), qkv()
-        want = attention(q, k, v, pe, use_flex=False)
-        torch.testing.assert_close(attention(q, k, v, pe), want)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
-            torch.testing.assert_close(compiled(q, k, v), want)
-
-    def test_causal_flex_skips_blocks_above_the_diagonal(self):
-        mask = pe_lib._block_mask(None, True, 384, 384, torch.device("cpu")).to_dense().reshape(3, 3)
-        assert mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
-        assert pe_lib._block_mask(None, False, 384, 384, torch.device("cpu")) is None
-        tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
-        assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
-
-    def test_fire_score_mod_is_pointwise(self):
-        """Issue 22.2: inductor lowers a score_mod without reductions; FIRE's MLP used to sum over its units."""
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Recorder(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                ops.add(str(func))
-                return func(*args, **(kwargs or {}))
-
-        fire = FIREPositionalEmbedding(H, hidden_dim=8)
-        score_mod = fire.score_mod(N, N)
-        args = (torch.tensor(0.5), torch.tensor(0), torch.tensor(1), torch.tensor(7), torch.tensor(3))
-        ops = set()
-        with torch.no_grad(), Recorder():
-            score_mod(*args)
-        assert ops and not any("sum" in op or "mm" in op or "mean" in op for op in ops), ops
-        want = fire(N, N)[1, 7, 3] + 0.5
-        torch.testing.assert_close(score_mod(*args), want)
-
-    @pytest.mark.skipif(not os.environ.get("PE_SLOW"), reason="inductor compiles FIRE's kernel for minutes on a CPU")
-    def test_fire_score_mod_compiles_with_inductor(self):
-        fire = FIREPositionalEmbedding(H, hidden_dim=8, init_L=16.0)
-        q, k, v = (torch.randn(1, H, 128, DH) for _ in range(3))
-        mask = pe_lib._block_mask(None, True, 128, 128, q.device)
-        with torch.no_grad():
-            got = pe_lib._compiled_flex_attention()(q, k, v, score_mod=fire.score_mod(128, 128), block_mask=mask)
-            torch.testing.assert_close(got, attention(q, k, v, fire, causal=True, use_flex=False))
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
-                                      lambda: KerplePositionalEmbedding(H), lambda: FIREPositionalEmbedding(H)])
-    def test_cuda_default_is_compiled_flex(self, make):
-        pe = make().cuda()
-        q, k, v = (t.cuda() for t in qkv(N - 3, N))
-        want = attention(q, k, v, pe, causal=True, use_flex=False)
-        import warnings
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")                               # eager flex warns that it is unfused
-            got = attention(q, k, v, pe, causal=True)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        q.requires_grad_(True)
-        attention(q, k, v, pe, causal=True).sum().backward()
-        assert torch.isfinite(q.grad).all()
-
-
-CAUSAL_MODE_EXTRA = {
-    "fire_causal": lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0),
-    "kerple_power_causal": lambda: KerplePositionalEmbedding(H, kernel="power"),
-    "tupe_causal": lambda: UnifiedPositionalEmbedding(64, H, DH, bidirectional=False, num_buckets=8, max_distance=12),
-}
-# the causal-mode cases, read from their constructors: bidirectional=False (or a decoder config), or causal by
-# construction (CoPE, the forget gate)
-CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting",
-                     "t5_from_decoder_config"}
-
-
-class TestCausalRule:
-    @pytest.mark.parametrize("case", CASES, ids=repr)
-    def test_is_causal_attribute(self, case):
-        assert case.make().is_causal is (case.name in CAUSAL_MODE_CASES)
-
-    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
-    def test_last_token_does_not_move_token_zero_by_default(self, name):
-        """Issue 22.11: a causal-mode encoding masks the future under attention()'s default call."""
-        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
-        assert pe.is_causal
-        q, k, v = qkv(dtype=torch.float64)
-        pe = pe.double()
-        out = attention(q, k, v, pe)
-        q2, k2, v2 = (t.clone() for t in (q, k, v))
-        for t in (q2, k2, v2):
-            t[..., -1, :] += 5.0                                         # change the last token only
-        moved = attention(q2, k2, v2, pe)
-        torch.testing.assert_close(moved[..., 0, :], out[..., 0, :], rtol=0, atol=1e-12)
-        assert not torch.allclose(moved[..., -1, :], out[..., -1, :])   # the change does reach the last token
-        torch.testing.assert_close(out, attention(q, k, v, pe, causal=True))
-
-    @pytest.mark.parametrize("name", sorted(CAUSAL_MODE_CASES | set(CAUSAL_MODE_EXTRA)))
-    def test_explicit_non_causal_call_is_rejected(self, name):
-        pe = CAUSAL_MODE_EXTRA[name]() if name in CAUSAL_MODE_EXTRA else next(c for c in CASES if c.name == name).make()
-        q, k, v = qkv()
-        with pytest.raises(ValueError, match=f"attention: causal=False with {type(pe).__name__}, a causal-mode "
-                                             f"encoding .*pass causal=True or leave causal unset"):
-            attention(q, k, v, pe, causal=False)
-
-    def test_bidirectional_encodings_stay_bidirectional_by_default(self):
-        q, k, v = qkv()
-        for pe in (None, RotaryPositionalEmbedding(DH), T5PositionalEmbedding(H),
-                   ALiBiPositionalEmbedding(H, bidirectional=True), FIREPositionalEmbedding(H, bidirectional=True)):
-            torch.testing.assert_close(attention(q, k, v, pe), attention(q, k, v, pe, causal=False))
-
-    def test_causal_must_be_a_bool_or_none(self):
-        q, k, v = qkv()
-        with pytest.raises(TypeError, match="attention: causal must be a bool, got str"):
-            attention(q, k, v, causal="yes")
-
-
-# ---------------------------------------------------------------------------
-# Positions on another device than the inputs (here the meta device)
-# ---------------------------------------------------------------------------
-
-
-def _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k):
-    """The class's own forward, given explicit positions."""
-    if pe.kind == "input":
-        return pe(x, positions_q)
-    if pe.kind == "bias":
-        return pe(q.shape[-2], k.shape[-2], positions_q=positions_q, positions_k=positions_k)
-    if pe.kind == "logits" or isinstance(case, PairCase):
-        return pe(q, k, positions_q, positions_k)
-    return pe(q, positions_q)
-
-
-@pytest.mark.parametrize("case", [case for case in CASES if case.takes_positions], ids=repr)
-def test_positions_on_another_device_raise_value_error(case):
-    pe = case.make()
-    q, k, v = qkv()
-    x = tokens(case)
-    positions_q, positions_k = case.positions(N, N)
-    if positions_q is None:
-        positions_q = positions_k = torch.arange(N)
-    on_meta_q, on_meta_k = positions_q.to("meta"), positions_k.to("meta")
-    name = type(pe).__name__
-    calls = {
-        "attention": (lambda: attention(q, k, v, pe, positions_q=positions_q, positions_k=on_meta_k), "positions_k"),
-        "forward_attn": (lambda: pe.forward_attn(q, k, on_meta_q, positions_k), "positions_q"),
-        "forward_input": (lambda: pe.forward_input(x, on_meta_k), "positions"),
-        "forward": (lambda: _own_call_with_positions(pe, case, q, k, x, on_meta_q, positions_k),
-                    "positions" if pe.kind == "input" else "positions_q"),
-    }
-    if pe.kind != "input":
-        del calls["forward_input"]     # attention-side encodings leave the tokens alone
-        if pe.kind == "qk" and not isinstance(case, PairCase):
-            calls["forward"] = (calls["forward"][0], "positions")
-    for entry, (call, argument) in calls.items():
-        with pytest.raises(ValueError, match=f"{name}: {argument} must be on the device of the inputs \\(cpu\\), "
-                                             f"got {argument} on meta"):
-            call()
-
-
-# ---------------------------------------------------------------------------
-# Constructor widths and head counts checked at attention()'s entry
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("case", CASES, ids=repr)
-def test_attention_rejects_a_wrong_head_count_or_head_dim(case):
-    """A wrong (or swapped) constructor argument must not run: every attention-side class built for a head
-    count or a head width checks q against it at attention()'s entry, naming itself."""
-    pe = case.make()
-    heads, head_dim = getattr(pe, "num_heads", None), getattr(pe, "head_dim", None)
-    if pe.kind == "input":
-        pytest.skip("added to the tokens: attention() never sees its widths")
-    if heads is None and head_dim is None:
-        pytest.fail(f"{case.name}: an attention-side class with neither num_heads nor head_dim")
-    positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
-    name = type(pe).__name__
-    for h, dh in ((H + 1, DH), (1, DH), (H, 2 * DH), (H, DH // 2)):
-        q, k, v = (torch.randn(B, h, N, dh) for _ in range(3))
-        wrong = (heads is not None and h != heads) or (head_dim is not None and dh != head_dim)
-        if not wrong:   # a bias built for H heads takes any head dim; RoPE any head count
-            assert attention(q, k, v, pe, **positions).shape == (B, h, N, dh)
+def test_demo_translation_column_is_measured_for_every_class():
+    """Issue 22 item 13: the column said "n/a (absolute positions)" for FIRE and the Swin bias,
+    which take relative positions. It now shifts every position and reports what it measured."""
+    heads, head_dim, n = 2, 8, 16
+    q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
+    # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
+    moves = {"fire", "liere", "tupe"}
+    for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
+        column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
+        assert "absolute positions" not in column, (name, column)
+        if pe.kind == "input" or not pe.takes_positions or name == "algebraic_tree":
+            assert column.startswith("n/a ("), (name, column)
             continue
-        with pytest.raises(ValueError, match=f"{name}: q must be \\[\\.\\.\\., H(={heads})?, N, Dh(={head_dim})?\\], "
-                                             f"got \\({B}, {h}, {N}, {dh}\\)"):
-            attention(q, k, v, pe, **positions)
+        gap = float(column.rsplit("= ", 1)[1])
+        if name in moves:
+            assert column.startswith("not invariant") and gap > 1e-3, (name, column)
+        else:
+            assert column.startswith("invariant") and gap < 1e-4, (name, column)
 
 
-def test_attention_rejects_rotary_built_for_another_head_dim():
-    """The one-argument swap of the issue: RotaryPositionalEmbedding(4) (a head count) on head dim 32."""
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q must be \[\.\.\., H, N, Dh=4\], got \(2, 4, 16, 32\)"):
-        attention(q, k, v, RotaryPositionalEmbedding(4))
-    with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: q and k must be \[\.\.\., H, N, Dh=4\]"):
-        RotaryPositionalEmbedding(4).forward_attn(q, k)
+def test_docstring_examples_run():
+    """Every ``>>>`` example in the library file runs (issue 22: those of the sharded Heinsen
+    functions needed a process group; those lines are marked ``# doctest: +SKIP``)."""
+    tests = [t for t in doctest.DocTestFinder().find(pe_lib, globs=vars(pe_lib)) if t.examples]
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    failed = [t.name for t in tests if runner.run(copy.copy(t), out=lambda _: None).failed]
+    assert not failed, failed
+    # the finder reached every docstring that has an example (it also walks methods and helpers)
+    found = {t.name.split(".", 1)[1] for t in tests}
+    for name in pe_lib.__all__:
+        obj = getattr(pe_lib, name)
+        if ">>>" in (inspect.getdoc(obj) or ""):
+            assert obj.__name__ in found, name   # aliases (EmbedPosition) under their class's name
+    skipped = sum(e.options.get(doctest.SKIP, False) for t in tests for e in t.examples)
+    assert skipped == 4, skipped   # the two sharded examples' process-group lines, nothing else
 
 
-class TestSmallHelpersReject:
-    """Small entry points: a clear error or the right result, never a NaN or a deep RuntimeError."""
+def _missing_reference_libraries(block: str) -> list:
+    """The top-level modules ``block`` imports that are not installed. Only reference libraries
+    may be missing (transformers, ...): torch, the library and the standard library must import."""
+    import re
 
-    def test_sinusoidal_embed_rejects_non_finite_positions(self):
-        pe = SinusoidalPositionalEmbedding(8)
-        for bad in (float("nan"), float("inf")):
-            with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: positions must be finite, got \\["):
-                pe.embed(torch.tensor([bad, 1.0]))
+    names = {m.split(".")[0] for m in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block, flags=re.M)}
+    missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
+    required = [n for n in missing if n in ("torch", "positional_embeddings") or n in sys.stdlib_module_names]
+    assert not required, f"an example imports {required}, which every machine must have"
+    return missing
 
-    def test_learned_embed_takes_any_integer_dtype_and_checks_the_device(self):
-        pe = LearnedPositionalEmbedding(8, 4)
-        positions = torch.tensor([0, 3, 7])
-        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
-            torch.testing.assert_close(pe.embed(positions.to(dtype)), pe.weight[positions])
-        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions must be on the device of the "
-                                             r"table \(cpu\), got positions on meta"):
-            pe.embed(positions.to("meta"))
 
-    def test_fourier_embed_rejects_non_finite_positions_like_forward(self):
-        pe = FourierFeaturePositionalEmbedding(2, 16)
-        bad = torch.tensor([[float("nan"), 0.0]])
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
-            pe.embed(bad)
-        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
-            pe(torch.randn(1, 16), bad)
+def _run_python_blocks(text: str, filename: str) -> list:
+    """Run every ```python block of a Markdown page, in order, in one namespace. A block that
+    imports an absent reference library is left out (like the other comparisons); the
+    names of what was left out are returned."""
+    import re
 
-    def test_xpos_offset_must_be_an_int(self):
-        q = k = torch.randn(1, 2, 3, 8)
-        with pytest.raises(TypeError, match="XPosPositionalEmbedding: offset must be an int, got str '1'"):
-            XPosPositionalEmbedding(8)(q, k, offset="1")
+    namespace, left_out = {}, []
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        missing = _missing_reference_libraries(block)
+        if missing:
+            left_out.extend(missing)
+            continue
+        exec(compile(block, filename, "exec"), namespace)
+    return left_out
 
-    def test_shaw_value_term_needs_v_of_the_head_dim(self):
-        q, k, v = qkv()
-        wide = torch.randn(B, H, N, DH + 8)
-        with pytest.raises(ValueError, match=r"ShawPositionalEmbedding: v must have the head dim Dh=32 .* "
-                                             r"got v \(2, 4, 16, 40\)"):
-            attention(q, k, wide, ShawPositionalEmbedding(H, DH))
-        no_values = ShawPositionalEmbedding(H, DH, values=False)
-        assert attention(q, k, wide, no_values).shape == (B, H, N, DH + 8)
 
-    @pytest.mark.parametrize("shape, grid", [((0, 5, 16), None), ((2, 0, 5, 16), None), ((0, 3, 4, 16), (2, 2))])
-    def test_convolutional_peg_with_an_empty_batch_returns_empty(self, shape, grid):
-        pe = ConvolutionalPositionalEmbedding(16, num_axes=1 if grid is None else 2)
-        x = torch.randn(shape)
-        out = pe(x, grid)
-        assert out.shape == x.shape
-        full = pe(torch.randn(1, *shape[-2:]), grid)   # and a non-empty batch still works
-        assert full.shape == (1, *shape[-2:])
+def test_readme_examples_run():
+    """Every ```python block of the README runs, in order, in one namespace."""
+    text = (pathlib.Path(__file__).parent / "README.md").read_text()
+    assert "```python" in text
+    left_out = _run_python_blocks(text, "README.md")
+    if left_out:
+        pytest.skip(f"the other examples ran; those that import {', '.join(left_out)} need it installed")
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (pathlib.Path(__file__).parent / "docs").glob("*.md")))
+def test_docs_examples_run(page):
+    """Every ```python block of each docs/ page runs, in order, in one namespace per page
+    (``py`` blocks are shown, not run: they need a process group). Blocks that import an
+    absent reference library are skipped; the rest of the page still runs."""
+    left_out = _run_python_blocks((pathlib.Path(__file__).parent / "docs" / page).read_text(), page)
+    if left_out:
+        pytest.skip(f"the other examples ran; those that import {', '.join(left_out)} need it installed")
+
+
+def test_docs_examples_skip_only_blocks_that_need_an_absent_reference_library(monkeypatch):
+    """Issue 22 item 9: docs/model_parity.md's ``import transformers`` failed the suite where
+    transformers is not installed; such a block is skipped, and every other block still runs."""
+    text = ("```python\nimport torch\nx = torch.ones(2)\n```\n"
+            "```python\nimport not_a_reference_library_xyz.sub\nraise AssertionError('ran')\n```\n"
+            "```python\nassert x.sum() == 2\ny = 3\n```\n")
+    assert _run_python_blocks(text, "page.md") == ["not_a_reference_library_xyz"]
+    with pytest.raises(AssertionError, match="late"):   # the blocks after it do run
+        _run_python_blocks(text + "```python\nassert y == 4, 'late'\n```\n", "page.md")
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as patch:   # a missing torch or stdlib module is a failure, not a skip
+        for name in ("math", "torch"):
+            patch.setattr(importlib.util, "find_spec", lambda n, name=name: None if n == name else find_spec(n))
+            with pytest.raises(AssertionError, match="every machine must have"):
+                _run_python_blocks(f"```python\nimport {name}\n```\n", "p.md")
+    page = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
+    assert "import transformers" in page   # the case that failed
+    expected = [] if importlib.util.find_spec("transformers") else ["transformers"]
+    assert _run_python_blocks(page, "model_parity.md") == expected
+
+
+def docs_model_types(heading: str) -> set:
+    """The `names` of the paragraph that follows ``heading`` in docs/model_parity.md."""
+    text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
+    start = text.index(heading)
+    paragraph = text[start + len(heading):].split("\n\n")[0]
+    return set(re.findall(r"`([^`]+)`", paragraph))
+
+
+def test_docs_list_the_from_config_model_types():
+    assert docs_model_types("RoPE model types (") == set(pe_lib._ROPE_MODEL_TYPES)
+    assert docs_model_types("T5 bias model types (") == set(pe_lib._T5_MODEL_TYPES)
+    assert docs_model_types("ALiBi model types (") == set(pe_lib._ALIBI_MODEL_TYPES)
+    text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
+    for name in [*pe_lib._ROPE_REFUSED, *pe_lib._T5_REFUSED, *pe_lib._ALIBI_REFUSED]:
+        assert f"- `{name}`" in text, f"{name}: refused without a reason in the docs"
 
 
 # ---------------------------------------------------------------------------
-# Constructor keywords: num_heads=, head_dim=, dim= read the same for every class
+# Benchmark scripts: compare.py, the extrapolation study (quick mode), bench.py, the gallery
 # ---------------------------------------------------------------------------
 
-# (class, keyword arguments): every class built for a head width takes it as head_dim=, every per-head
-# class its head count as num_heads=; dim= is a token width (or Sandwich's sinusoid width).
-KEYWORD_BUILDS = [
-    (RotaryPositionalEmbedding, dict(head_dim=DH)),
-    (XPosPositionalEmbedding, dict(head_dim=DH)),
-    (AlgebraicSequencePositionalEmbedding, dict(head_dim=DH, num_heads=H)),
-    (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
-    (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
-    (LieREPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
-    (TransformerXLPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
-    (EnformerPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
-    (CoPEPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
-    (ShawPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
-    (DebertaPositionalEmbedding, dict(dim=D, num_heads=H)),
-    (UnifiedPositionalEmbedding, dict(max_len=64, num_heads=H, head_dim=DH)),
-    (T5PositionalEmbedding, dict(num_heads=H)),
-    (ALiBiPositionalEmbedding, dict(num_heads=H)),
-    (KerplePositionalEmbedding, dict(num_heads=H)),
-    (SandwichPositionalEmbedding, dict(num_heads=H, dim=DH)),
-    (FIREPositionalEmbedding, dict(num_heads=H)),
-    (DynamicPositionBias, dict(num_heads=H)),
-    (ForgettingPositionalEmbedding, dict(dim=D, num_heads=H)),
-    (SinusoidalPositionalEmbedding, dict(dim=D)),
-    (LearnedPositionalEmbedding, dict(max_len=64, dim=D)),
-    (ConvolutionalPositionalEmbedding, dict(dim=D, num_axes=1)),
-    (NoPositionalEmbedding, dict(dim=D)),
-]
+
+def test_compare_quick_runs_end_to_end():
+    """benchmarks/compare.py --quick trains and evaluates every task kind (2 steps, 1 eval batch)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    command = [sys.executable, "benchmarks/compare.py", "--quick", "--steps", "2", "--eval-batches", "1", "--markdown"]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    table = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+             for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0][:4] == ["encoding", "task", "acc@L", "acc@2L"], result.stdout
+    rows = table[1:]
+    assert {row[1] for row in rows} == {"reverse", "recall", "grid", "tree"}, result.stdout
+    for row in rows:
+        assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
 
 
-@pytest.mark.parametrize("cls, kwargs", KEYWORD_BUILDS, ids=[cls.__name__ for cls, _ in KEYWORD_BUILDS])
-def test_constructor_keywords_read_the_same(cls, kwargs):
-    pe = cls(**kwargs)
-    for name, value in kwargs.items():
-        if name in ("num_heads", "head_dim", "dim"):
-            assert getattr(pe, name) == value, name
+@slow
+def test_compare_every_encoding_two_seeds(tmp_path):
+    """Every (task, encoding) pair of compare.py builds, trains one step and evaluates, over two
+    seeds: the table gives the mean and the range, the CSV one line per seed."""
+    import csv
+    import pathlib
+    import subprocess
+    import sys
+
+    out = tmp_path / "compare.csv"
+    command = [sys.executable, "benchmarks/compare.py", "--steps", "1", "--eval-batches", "1", "--batch-size", "8",
+               "--seeds", "0,1", "--markdown", "--csv", str(out)]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    with open(out) as handle:
+        per_seed = list(csv.DictReader(handle))
+    assert len(per_seed) == 2 * len(rows) and {r["seed"] for r in per_seed} == {"0", "1"}
+    for row in rows:
+        seeds = [r for r in per_seed if (r["task"], r["encoding"]) == (row[1], row[0])]
+        mean = sum(float(r["acc_at_L"]) for r in seeds) / 2
+        assert row[2].startswith(f"{mean:.3f} ("), (row, seeds)
+    assert {row[0] for row in rows if row[1] == "recall"} >= {"xpos", "cope", "forgetting"}
+    assert not {row[0] for row in rows if row[1] == "reverse"} & {"xpos", "cope", "forgetting"}   # causal only
+    assert {row[0] for row in rows if row[1] == "grid"} >= {"swin_bias", "swinv2_cpb", "dynamic_bias_2d", "mixed_rope",
+                                                           "liere", "conv_peg", "fourier_2d"}
 
 
-@pytest.mark.parametrize("cls", [RotaryPositionalEmbedding, XPosPositionalEmbedding])
-def test_head_dim_alias_of_dim(cls):
-    torch.manual_seed(0)
-    q, k, _ = qkv()
-    torch.testing.assert_close(cls(head_dim=DH).forward_attn(q, k), cls(DH).forward_attn(q, k))
-    assert cls(head_dim=DH).dim == DH
-    name = cls.__name__
-    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both .* got dim=32 and head_dim=16"):
-        cls(DH, head_dim=16)
-    with pytest.raises(TypeError, match=f"{name}: pass dim or head_dim, not both"):
-        cls(dim=DH, head_dim=DH)
-    with pytest.raises(TypeError, match=f"{name}: missing the required argument dim \\(or its keyword alias head_dim\\)"):
-        cls()
+REPO = pathlib.Path(__file__).resolve().parent
+
+
+def _load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@slow   # the default run has test_extrapolation_trial_runs_leave_committed_results_alone's tiny run
+def test_extrapolation_quick_runs(tmp_path):
+    extrapolation = _load_benchmark("extrapolation")
+    extrapolation.main(["--quick", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "extrapolation.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    encodings = extrapolation.QUICK_ENCODINGS
+    train_len = extrapolation.QUICK["train_len"]
+    lengths = [train_len * f for f in extrapolation.LENGTH_FACTORS]
+    # one row per encoding x evaluation length (one seed in quick mode), nothing else
+    assert sorted((r["encoding"], int(r["eval_len"])) for r in rows) == sorted(
+        (name, n) for name in encodings for n in lengths)
+    for r in rows:
+        bpb = float(r["bpb"])
+        assert math.isfinite(bpb) and bpb > 0, r
+        if int(r["eval_len"]) == train_len:
+            assert math.isnan(float(r["bpb_beyond_L"])), r   # no position >= L in a window of L
+            assert bpb < extrapolation.UNIFORM_BPB, f"{r['encoding']} does not beat uniform guessing at L: {bpb}"
+        else:
+            assert math.isfinite(float(r["bpb_beyond_L"])), r
+        assert int(r["eval_bytes"]) == extrapolation.QUICK["eval_segments"] * lengths[-1]   # same bytes at every length
+    with open(tmp_path / "extrapolation_positions.csv") as handle:
+        positions = list(csv.DictReader(handle))
+    assert {r["encoding"] for r in positions} == set(encodings)
+    if importlib.util.find_spec("matplotlib") is not None:
+        for name in ("extrapolation.png", "extrapolation_position.png", "extrapolation_cost.png"):
+            assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_extrapolation_registry_covers_library():
+    extrapolation = _load_benchmark("extrapolation")
+    assert extrapolation.uncovered_classes() == []
+    corpus_files = extrapolation.corpus_files(pathlib.Path(extrapolation.sysconfig.get_paths()["stdlib"]))
+    assert corpus_files == sorted(corpus_files) and corpus_files
+    assert not any(part in extrapolation.EXCLUDED_DIRS for f in corpus_files for part in f.split("/")[:-1])
+
+
+def test_extrapolation_trial_runs_leave_committed_results_alone(tmp_path, monkeypatch):
+    """Issue 22 item 7: --quick (and any run that is not the full study) writes into SCRATCH, never
+    into the committed benchmarks/results and docs/figures; --write-results asks for them."""
+    extrapolation = _load_benchmark("extrapolation")
+    committed = {"csv": REPO / "benchmarks" / "results" / "extrapolation.csv",
+                 "positions": REPO / "benchmarks" / "results" / "extrapolation_positions.csv",
+                 "figure": REPO / "docs" / "figures" / "extrapolation.png",
+                 "position_figure": REPO / "docs" / "figures" / "extrapolation_position.png",
+                 "cost": REPO / "docs" / "figures" / "extrapolation_cost.png"}
+    paths = lambda *argv: extrapolation.output_paths(extrapolation.parse_args(list(argv)))
+    assert paths() == committed                                             # the full study
+    assert paths("--threads", "1", "--eval-chunk-tokens", "512") == committed   # speed only
+    assert paths("--merge", "A,B") == committed
+    for trial in (["--quick"], ["--seeds", "0"], ["--encodings", "rotary,alibi,nope"], ["--steps", "300"],
+                  ["--train-len", "32"], ["--lr", "1e-3"], ["--corpus-root", "src"]):
+        assert set(paths(*trial).values()) == {extrapolation.SCRATCH / p.name for p in committed.values()}, trial
+        assert paths(*trial, "--write-results") == committed, trial
+    assert set(paths("--quick", "--out-dir", "D").values()) == {pathlib.Path("D") / p.name for p in committed.values()}
+    with pytest.raises(SystemExit):   # one place or the other
+        extrapolation.parse_args(["--quick", "--out-dir", "D", "--write-results"])
+
+    # a tiny --quick run, end to end, on a two-file corpus: the committed CSVs keep their bytes
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    names = [f"m{i}.py" for i in range(100)]
+    valid = next(n for n in names if extrapolation.is_validation(n))
+    train = next(n for n in names if not extrapolation.is_validation(n))
+    for name in (valid, train):
+        (corpus / name).write_text("def f(x):\n    return x + 1\n" * 200)
+    before = {key: committed[key].read_bytes() for key in ("csv", "positions")}
+    monkeypatch.setattr(extrapolation, "SCRATCH", tmp_path / "scratch")
+    extrapolation.main(["--quick", "--encodings", "nope", "--steps", "2", "--eval-segments", "1", "--no-figures",
+                        "--corpus-root", str(corpus)])
+    assert {key: committed[key].read_bytes() for key in ("csv", "positions")} == before
+    with open(tmp_path / "scratch" / "extrapolation.csv") as handle:
+        assert {r["encoding"] for r in csv.DictReader(handle)} == {"nope"}
+    assert (tmp_path / "scratch" / "extrapolation_positions.csv").is_file()
+
+
+def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch):
+    """Issue 22 item 7: ``bench.py rope --regime both`` gave the child ``both`` as a section name."""
+    bench = _load_benchmark("bench")
+    calls = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, env, check: calls.append((command, env)))
+    for argv in (["rope", "--regime", "both"], ["rope", "--regime=both", "--reps", "3"], ["--regime", "both"], []):
+        calls.clear()
+        bench.main(argv)
+        assert [env["MALLOC_MMAP_THRESHOLD_"] for _, env in calls] == [
+            regime["MALLOC_MMAP_THRESHOLD_"] for regime in bench.REGIMES.values()], argv
+        for (command, _), regime in zip(calls, bench.REGIMES):
+            child = bench.parse_args(command[2:])   # [python, bench.py, *argv]
+            want = bench.parse_args([a for a in argv if "regime" not in a and a != "both"])
+            assert (child.sections, child.reps, child.no_compile, child.regime) == (
+                want.sections, want.reps, want.no_compile, regime), (argv, command)
+    with pytest.raises(SystemExit):   # an abbreviation would escape the filter
+        bench.parse_args(["rope", "--reg", "both"])
+
+
+@slow
+def test_gallery_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    gallery = _load_benchmark("gallery")
+    outcome = gallery.make_gallery(str(tmp_path))
+    assert (tmp_path / "gallery.png").stat().st_size > 50_000
+    failed = {name: result for name, result in outcome.items() if not result.endswith(".png")}
+    assert not failed, failed
+    for name in gallery.GALLERY:
+        assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
+    assert gallery.uncovered_classes() == []
+
+
+def test_gallery_draws_a_few_panels(tmp_path):
+    """The default run's gallery: three panels drawn end to end (test_gallery_runs draws them all)."""
+    pytest.importorskip("matplotlib")
+    gallery = _load_benchmark("gallery")
+    only = list(gallery.GALLERY)[:3]
+    outcome = gallery.make_gallery(str(tmp_path), only=only)
+    assert (tmp_path / "gallery.png").is_file()
+    assert set(outcome) == {*only, "gallery"} and all(result.endswith(".png") for result in outcome.values()), outcome
+    for name in only:
+        assert (tmp_path / "gallery" / f"{name}.png").is_file(), name
+    assert gallery.uncovered_classes() == []
+
+
+# ---------------------------------------------------------------------------
+# Largest differences against transformers (pytest -s prints them, after every comparison ran)
+# ---------------------------------------------------------------------------
+
+
+def test_print_max_differences():
+    """Runs last: prints the table of largest differences gathered above (pytest -s)."""
+    for family, diff in sorted(MAX_DIFF.items()):
+        print(f"| {family} | {diff:.2e} |")
+
+
+def test_print_census_max_differences():
+    """Runs after the census: prints its largest differences (pytest -s)."""
+    for family, diff in sorted(MAX_DIFF.items()):
+        if family.startswith("census"):
+            print(f"| {family} | {diff:.2e} |")
+
+
+if __name__ == "__main__":  # python3 test_positional_embeddings.py: the distributed figures for the README
+    for name, found in run_distributed([name for name, _ in _checks()]).items():
+        print(f"{name:<48}" + "  ".join(f"{m}={v:.1e}" if not isinstance(v, str) else f"{m}={v}"
+                                        for m, v in found.items()))
