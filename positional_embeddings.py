@@ -5951,7 +5951,7 @@ _ROPE_KEYS_NOT_SCALING = {"rope_theta", "rope_type", "type", "partial_rotary_fac
 
 # The model types whose RoPE ``from_config`` reads exactly: each one is held against the model's own
 # rotary module and ``apply_rotary_pos_emb`` (same q, k and positions, every rope type its config
-# accepts) by ``TestRotaryFromConfigCensus`` with the pinned transformers (5.24.0); docs/model_parity.md
+# accepts) by ``TestRotary.test_model_type_matches_its_module`` with the pinned transformers (5.24.0); docs/model_parity.md
 # lists the same names (a test compares them). Any other model type needs the layout stated by the caller.
 _ROPE_MODEL_TYPES = frozenset({
     "EvollaModel", "afmoe", "apertus", "apertus1p5", "apertus1p5_text", "arcee", "aria", "aria_text", "axk1",
@@ -6221,7 +6221,8 @@ def _check_model_type_known(owner: str, model_type: str, text, params: dict, int
 
 
 # Model types whose T5 bias from_config reads exactly (each held against the model's own ``compute_bias``
-# with the same weights by ``TestBiasFromConfigCensus``), and the ones refused with the reason.
+# with the same weights by ``TestT5.test_t5_model_type_matches_compute_bias``), and the ones refused with
+# the reason.
 _T5_MODEL_TYPES = frozenset({"t5", "mt5", "umt5", "switch_transformers", "pop2piano", "pix2struct",
                              "pix2struct_text_model"})
 
@@ -6245,7 +6246,7 @@ _T5_REFUSED = {
 }
 
 
-# Model types whose ALiBi from_config reads exactly (TestBiasFromConfigCensus), and the ones refused.
+# Model types whose ALiBi from_config reads exactly (TestALiBi.test_alibi_model_type_matches_its_ramp), and the ones refused.
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 
 
@@ -6530,7 +6531,7 @@ def sharded_log_linear_scan(log_p: Tensor, h: Tensor, initial: Optional[Tensor] 
         state with ``return_state=True``.
 
     Example (on every rank of an initialised process group, so doctest skips those lines;
-    ``test_distributed.py`` runs this on two gloo processes):
+    the test file's distributed section runs this on two gloo processes):
         >>> import torch.distributed as dist
         >>> log_p, h = F.logsigmoid(torch.randn(2, 64, 16)), torch.randn(2, 64, 16)   # the whole sequence
         >>> idx = shard_positions(64, dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
@@ -6586,7 +6587,7 @@ def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using
     rank, so the next sharded chunk continues from it.
 
     Example (on every rank of an initialised process group, so doctest skips those lines;
-    ``test_distributed.py`` runs this on two gloo processes):
+    the test file's distributed section runs this on two gloo processes):
         >>> import torch.distributed as dist
         >>> embed, x_full = HeinsenPositionalEmbedding(32, 16), torch.randn(2, 64, 32)
         >>> idx = shard_positions(x_full.shape[-2], dist.get_rank(), dist.get_world_size())  # doctest: +SKIP
