@@ -1358,7 +1358,6 @@ class LearnedPositionalEmbedding(_AddedInput):
         torch.Size([2, 100, 768])
     """
 
-    kind = "input"
     integer_positions = True
 
     def __init__(self, max_len: int, dim: int, *, init_std: float = 0.02) -> None:
@@ -1668,8 +1667,6 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
         >>> ff.embed(uv).shape
         torch.Size([4096, 256])
     """
-
-    kind = "input"
 
     arguments = {"sampling": functools.partial(_check_choice, choices=("octave", "gaussian")),
                  "scale": _positive_float, "seed": functools.partial(_as_int, minimum=None)}
@@ -5512,7 +5509,7 @@ class ShawPositionalEmbedding(_ExplicitLogits):
     def __init__(self, num_heads: int, head_dim: int, *, max_distance: Union[int, Sequence[int]] = 16,
                  key_query: bool = False, values: bool = True, init_std: float = 0.02) -> None:
         super().__init__()
-        (left, right) = max_distance if isinstance(max_distance, tuple) else (max_distance, max_distance)
+        left, right = max_distance if isinstance(max_distance, tuple) else (max_distance, max_distance)
         self.num_heads, self.head_dim, self.left, self.right = num_heads, head_dim, left, right
         self.key_query, self.init_std = key_query, init_std
         self.relative_keys = _uninitialised(nn.Embedding, left + right + 1, head_dim)  # a_K: [R, Dh]
