@@ -2019,17 +2019,22 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
             self.prev_context = context.to(fn(torch.empty(0, device=context.device)).device)
         return self
 
+    def _check_call(self, x: Tensor, using_prev_context, state: Optional[Tensor], return_state) -> tuple:
+        """``forward``'s (and ``heinsen_forward_sharded``'s) arguments; returns the two flags as bools."""
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.d_emb)
+        using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
+        if using_prev_context and state is not None:
+            raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+        return using_prev_context, _check_flag(owner, "return_state", return_state)
+
     def forward(self, x: Tensor, using_prev_context: bool = False, *, state: Optional[Tensor] = None,
                 return_state: bool = False, positions: Optional[Tensor] = None):
         """``x + R(s)``; with ``return_state=True`` also the final log-state ``[..., 1, d_hid]``.
         ``positions``: within-document positions of packed sequences (the state restarts at each 0)."""
         owner = type(self).__name__
-        _check_tensor(owner, "x", x, 2)
-        _check_last_dim(owner, "x", x, self.d_emb)
-        using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
-        return_state = _check_flag(owner, "return_state", return_state)
-        if using_prev_context and state is not None:
-            raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+        using_prev_context, return_state = self._check_call(x, using_prev_context, state, return_state)
         restart = self._restarts(positions, x)                                          # [(B, 1..,) N, 1] or None
         if restart is not None and (using_prev_context or state is not None):
             raise ValueError(f"{owner}: positions start a new document at the first token, so no state is "
@@ -6594,12 +6599,7 @@ def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using
         raise TypeError(f"heinsen_forward_sharded: module must be a HeinsenPositionalEmbedding, "
                         f"got {type(module).__name__}")
     owner = type(module).__name__
-    _check_tensor(owner, "x", x, 2)
-    _check_last_dim(owner, "x", x, module.d_emb)
-    using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
-    return_state = _check_flag(owner, "return_state", return_state)
-    if using_prev_context and state is not None:
-        raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+    using_prev_context, return_state = module._check_call(x, using_prev_context, state, return_state)
     if using_prev_context:
         if module.prev_context is None:
             raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -53,7 +53,6 @@ from positional_embeddings import (
     ConvolutionalPositionalEmbedding,
     DebertaPositionalEmbedding,
     DynamicPositionBias,
-    EmbedPosition,
     EnformerPositionalEmbedding,
     FIREPositionalEmbedding,
     ForgettingPositionalEmbedding,
@@ -74,7 +73,6 @@ from positional_embeddings import (
     TransformerXLPositionalEmbedding,
     UnifiedPositionalEmbedding,
     XPosPositionalEmbedding,
-    alibi_slopes,
     attention,
     deberta_log_bucket,
     document_positions,
