@@ -3718,9 +3718,16 @@ class _PairwiseBias(PositionalEmbedding):
         heads = torch.arange(self.num_heads, device=pos_q.device)[:, None, None]       # [H, 1, 1]
         return self.pair_bias(pos_q.unsqueeze(-1 - axes), pos_k.unsqueeze(-2 - axes), heads)
 
-    def forward(self, q_len: int, k_len: int, *, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None) -> Tensor:
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N]`` positions), float32."""
+    def forward(self, q_len: int, k_len: Optional[int] = None, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None):
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N(, A)]`` positions), float32.
+
+        An encoding that reads the token states (``bound_inputs``: the forget gate) is bound to them
+        by ``pe(x)`` instead, which returns ``pe.bind(x)``."""
+        if isinstance(q_len, Tensor) and self.bound_inputs:
+            if k_len is not None or positions_q is not None or positions_k is not None:
+                raise ValueError(f"{type(self).__name__}: pe(x) takes the token states alone, got more arguments")
+            return self.bind(q_len)
         return self.attention_bias(q_len, k_len, *self._validated(q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
@@ -4611,12 +4618,6 @@ class DynamicPositionBias(_PairwiseBias):
         index = head + torch.zeros(values.shape[:-1], dtype=head.dtype, device=head.device)   # broadcast
         return values.expand(*index.shape, self.num_heads).gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
-    def forward(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None) -> Tensor:
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for batched positions), float32; positions
-        ``[N, A]`` are required for ``A > 1``. (Positions may be passed positionally here.)"""
-        return super().forward(q_len, k_len, positions_q=positions_q, positions_k=positions_k)
-
 
 def _window_relative_index(window_size: tuple, num_prefix_tokens: int, device=None) -> Tensor:
     """Swin's table row of every (query, key) pair of a window, BEiT's three rows for a prefix token.
@@ -5007,19 +5008,6 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
             nn.init.zeros_(self.fgate_proj.bias)
 
     # -- binding ------------------------------------------------------------------------
-
-    def forward(self, x, k_len: Optional[int] = None, *, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None):
-        """``fox(x)``: the encoding bound to token states ``x`` ``[B, N, D]``.
-
-        On a bound encoding, ``fox_x(q_len, k_len)`` is its bias ``[B, H, Nq, Nk]`` (float32),
-        like every bias's ``forward(q_len, k_len)``.
-        """
-        if not isinstance(x, Tensor):
-            return super().forward(x, k_len, positions_q=positions_q, positions_k=positions_k)
-        if k_len is not None:
-            raise ValueError(f"{type(self).__name__}: pe(x) takes the token states alone, got k_len={k_len!r}")
-        return self.bind(x)
 
     def bind(self, x: Optional[Tensor] = None, *,
              log_forget: Optional[Tensor] = None) -> "ForgettingPositionalEmbedding":
