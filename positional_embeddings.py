@@ -5712,21 +5712,14 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         self.span = max_relative_positions if position_buckets is None else position_buckets   # S
         self.rel_embeddings = _uninitialised(nn.Embedding, 2 * self.span, dim)         # [2 S, D]
         self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if layer_norm else None
-        # shared projections are the attention's: a plain tuple keeps them out of this module's tree
-        self._shared = (query_proj, key_proj) if shared else None
+        # shared projections are the attention's: set past nn.Module, they stay out of this module's tree
+        object.__setattr__(self, "query_proj", query_proj)
+        object.__setattr__(self, "key_proj", key_proj)
         if not shared and "p2c" in self.pos_att_type:
             self.pos_query_proj = _uninitialised(nn.Linear, dim, num_heads * head_dim)
         if not shared and "c2p" in self.pos_att_type:
             self.pos_key_proj = _uninitialised(nn.Linear, dim, num_heads * head_dim)
         self.reset_parameters()
-
-    @property
-    def query_proj(self) -> Optional[nn.Linear]:
-        return None if self._shared is None else self._shared[0]
-
-    @property
-    def key_proj(self) -> Optional[nn.Linear]:
-        return None if self._shared is None else self._shared[1]
 
     def reset_parameters(self) -> None:
         """Re-initialise the owned weights (never the shared ``query_proj`` / ``key_proj``)."""
@@ -5747,17 +5740,10 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
         """``(Q_r, K_r)``: the normalised table through the position projections, ``[H, 2 S, Dh]``
         each (None for a term not in ``pos_att_type``)."""
         table = self.rel_embeddings.weight.to(dtype)                                     # [2 S, D]
-        if self.norm is not None:
-            weight, bias = self.norm.weight, self.norm.bias
-            table = F.layer_norm(table, (self.dim,), None if weight is None else weight.to(dtype),
-                                 None if bias is None else bias.to(dtype), self.norm.eps)
-
-        def project(linear: nn.Linear) -> Tensor:                                       # -> [H, 2 S, Dh]
-            bias = None if linear.bias is None else linear.bias.to(dtype)
-            out = F.linear(table, linear.weight.to(dtype), bias)                         # [2 S, H Dh]
-            return out.unflatten(-1, (self.num_heads, self.head_dim)).transpose(0, 1)
-
-        queries, keys = self._shared or (getattr(self, "pos_query_proj", None), getattr(self, "pos_key_proj", None))
+        table = table if self.norm is None else _run_mlp(self.norm, table)
+        project = lambda linear: _run_mlp(linear, table).unflatten(-1, (self.num_heads, -1)).transpose(0, 1)
+        queries = self.query_proj or getattr(self, "pos_query_proj", None)              # D -> H Dh
+        keys = self.key_proj or getattr(self, "pos_key_proj", None)
         return (project(queries) if "p2c" in self.pos_att_type else None,
                 project(keys) if "c2p" in self.pos_att_type else None)
 
@@ -5941,8 +5927,9 @@ _ROPE_KEYS_NOT_SCALING = {"rope_theta", "rope_type", "type", "partial_rotary_fac
 
 # The model types whose RoPE ``from_config`` reads exactly: each one is held against the model's own
 # rotary module and ``apply_rotary_pos_emb`` (same q, k and positions, every rope type its config
-# accepts) by ``TestRotary.test_model_type_matches_its_module`` with the pinned transformers (5.24.0); docs/model_parity.md
-# lists the same names (a test compares them). Any other model type needs the layout stated by the caller.
+# accepts) by ``TestRotary.test_model_type_matches_its_module`` with the pinned transformers (5.24.0);
+# docs/model_parity.md lists the same names (a test compares them). Any other model type needs the layout
+# stated by the caller.
 _ROPE_MODEL_TYPES = frozenset({
     "EvollaModel", "afmoe", "apertus", "apertus1p5", "apertus1p5_text", "arcee", "aria", "aria_text", "axk1",
     "axk2", "bailing_hybrid", "bamba", "beam", "bitnet", "chameleon", "codegen", "cohere", "cohere2",
@@ -6236,7 +6223,8 @@ _T5_REFUSED = {
 }
 
 
-# Model types whose ALiBi from_config reads exactly (TestALiBi.test_alibi_model_type_matches_its_ramp), and the ones refused.
+# Model types whose ALiBi from_config reads exactly (TestALiBi.test_alibi_model_type_matches_its_ramp), and
+# the ones refused.
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 
 
