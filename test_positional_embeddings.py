@@ -7877,6 +7877,29 @@ class TestVendor:
 
 
 # ---------------------------------------------------------------------------
+# The file's structure: the contract lives in the bases
+# ---------------------------------------------------------------------------
+
+
+def test_the_contract_lives_in_the_bases():
+    """Each kind's contract is written once, in its base: the encodings write their maths hook only."""
+    import ast
+    tree = ast.parse(pathlib.Path(pe_lib.__file__).read_text())
+    methods = [(cls.name, node.name) for cls in tree.body if isinstance(cls, ast.ClassDef)
+               for node in cls.body if isinstance(node, ast.FunctionDef)]
+    bases = {"PositionalEmbedding", "_AddedInput", "_QKTransform", "_PairwiseBias", "_ExplicitLogits"}
+    own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases)
+    assert own("score_mod") == ["ForgettingPositionalEmbedding"]          # per batch row, O(B H N) closed over
+    assert own("encode_qk") == ["RotaryPositionalEmbedding"]              # its cos/sin cache: the fast path
+    assert own("attention_bias") == [] and own("full_precision_logits") == []
+    # every bias's forward(q_len, k_len) is the base's
+    bias_forwards = [cls for cls, method in methods if method == "forward" and cls in
+                     {name for name, obj in vars(pe_lib).items() if isinstance(obj, type)
+                      and issubclass(obj, pe_lib._PairwiseBias)}]
+    assert bias_forwards == ["_PairwiseBias"]
+
+
+# ---------------------------------------------------------------------------
 # Docs: the demo, docstring examples, README and docs/ pages
 # ---------------------------------------------------------------------------
 
