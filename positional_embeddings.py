@@ -5048,7 +5048,9 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
                          f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
                          f"e.g. attention(q, k, v, pe(x), causal=True)")
 
-    def _check_lengths(self, q_len: int, k_len: int) -> None:
+    def _check_lengths(self, q_len: int, k_len: int, q_shape: Optional[tuple] = None) -> None:
+        """Keys are the bound tokens (at most as many), queries the last ``Nq`` keys; a batch of q and k
+        matches the bound batch (or the bound batch is 1)."""
         name, bound = self._bound_input() or self._unbound()
         if k_len > bound.shape[-2 if name == "states" else -1]:
             raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
@@ -5056,16 +5058,15 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
         if q_len > k_len:
             raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
                              f"Nq keys), got Nq={q_len} and Nk={k_len}")
+        if q_shape is not None and bound.shape[0] not in (1, q_shape[0]):
+            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {bound.shape[0]} "
+                             f"(or the encoding batch 1), got q {q_shape}")
 
     def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
         super()._check_qk(q, k, positions_q, positions_k, grouped)
         if q.dim() != 4:
             raise ValueError(f"{type(self).__name__}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
-        batch = (self._bound_input() or self._unbound())[1].shape[0]
-        if batch not in (1, q.shape[0]):
-            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {batch} "
-                             f"(or the encoding batch 1), got q {tuple(q.shape)}")
-        self._check_lengths(q.shape[-2], k.shape[-2])
+        self._check_lengths(q.shape[-2], k.shape[-2], tuple(q.shape))
         return None, None
 
     def _cumulative(self, k_len: int) -> tuple:
