@@ -353,6 +353,7 @@ _ARGUMENTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _declared_check(cls: type, name: str):
     """The check of constructor argument ``name`` for ``cls``: its own ``arguments`` (the nearest class
     declaring it), else the shared ``_ARGUMENTS``, else None."""
@@ -363,6 +364,11 @@ def _declared_check(cls: type, name: str):
     return _ARGUMENTS.get(name)
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(init) -> inspect.Signature:
+    return inspect.signature(init)
+
+
 def _checking_arguments(init):
     """``init`` with its declared arguments checked and normalised first (see ``_ARGUMENTS``)."""
 
@@ -370,7 +376,7 @@ def _checking_arguments(init):
     def checked(self, *args, **kwargs):
         if _is_compiling():  # built inside a traced function (a bound copy): the arguments come from a module
             return init(self, *args, **kwargs)
-        signature = inspect.signature(init)
+        signature = _signature(init)
         bound = signature.bind(self, *args, **kwargs)
         owner = type(self).__name__
         for name, value in list(bound.arguments.items())[1:]:
