@@ -738,8 +738,10 @@ class PositionalEmbedding(nn.Module):
 
     def _bound_input(self) -> Optional[tuple]:
         """``(name, tensor)`` of the input this encoding is bound to, or None."""
-        return next(((name, self._buffers[name]) for name in self.bound_inputs
-                     if self._buffers.get(name) is not None), None)
+        for name in self.bound_inputs:  # a loop: dynamo before torch 2.7 cannot trace next() with a default
+            if self._buffers.get(name) is not None:
+                return name, self._buffers[name]
+        return None
 
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
@@ -4476,8 +4478,8 @@ class FIREPositionalEmbedding(_PairwiseBias):
         u = self._inputs(pos_q, pos_k)
         w1, b1, w2, b2 = self._weights()
         out = b2[head]
-        for unit in range(self.hidden_dim):
-            out = out + w2[head, unit] * torch.relu(u * w1[unit] + b1[unit])
+        for unit in range(self.hidden_dim):  # w2[:, unit][head]: an int beside a tensor index fails in torch <= 2.8
+            out = out + w2[:, unit][head] * torch.relu(u * w1[unit] + b1[unit])
         return out
 
     def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
