@@ -170,7 +170,7 @@ def _surely(condition) -> bool:
     if _is_exporting():
         from torch.fx.experimental.symbolic_shapes import statically_known_true
         return statically_known_true(condition)
-    return bool(condition)
+    return True if condition else False   # an if, not bool(): dynamo before 2.7 guards the one, not the other
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
