@@ -90,6 +90,7 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 
 import functools
 import inspect
+import itertools
 import math
 import numbers
 import operator
@@ -756,7 +757,8 @@ class PositionalEmbedding(nn.Module):
 
     def _buffer_device(self):
         """The device of this module's own tensors (else of its submodules' parameters), or None."""
-        for tensor in (*self.parameters(recurse=False), *self.buffers(recurse=False), *self.parameters()):
+        # lazily (called on every bias call); a loop, as dynamo before 2.7 cannot trace next() with a default
+        for tensor in itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False), self.parameters()):
             return tensor.device
         return None
 
