@@ -124,6 +124,7 @@ __all__ = [
     "document_positions",
     "NoPositionalEmbedding",
     "XPosPositionalEmbedding",
+    "PolarPositionalEmbedding",
     "KerplePositionalEmbedding",
     "SandwichPositionalEmbedding",
     "FIREPositionalEmbedding",
@@ -667,8 +668,8 @@ class PositionalEmbedding(nn.Module):
     ) -> Tensor:
         """Pre-mask, pre-softmax logits ``scale * <q', k'> + bias``: [B, H, Nq, Nk]."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        scale = self.logit_scale(q.shape[-1]) if scale is None else scale              # of q's own width
         q, k = self.encode_qk(q, k, positions_q, positions_k)
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale                          # [B, H, Nq, Nk]
         bias = self.attention_bias(q.shape[-2], k.shape[-2], positions_q, positions_k, device=q.device)
         return logits if bias is None else logits + bias.to(logits.dtype)
@@ -1622,7 +1623,8 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
         out = conv(maps, self.conv_weight(dtype), self.bias.to(dtype), padding=self.kernel_size // 2,
                    groups=self.groups)
         if self.kernel_size % 2 == 0:   # "same" length: drop the extra last step on every axis
-            out = out[(...,) + (slice(0, -1),) * self.num_axes]
+            for axis in range(2, out.dim()):  # narrow, not a built slice tuple: dynamo 2.6 cannot trace that
+                out = out.narrow(axis, 0, out.shape[axis] - 1)
         if self.activation == "gelu":
             out = F.gelu(out)
         out = out.movedim(1, -1).reshape(*lead, tokens.shape[-2], self.dim)                     # [..., N', D]
@@ -2665,18 +2667,44 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         ``seq_dim=-2``: x is ``[..., N, Dh]`` (SDPA's ``[B, H, N, Dh]``); ``seq_dim=-3``: x is
         ``[..., N, H, Dh]`` (flash-attn, torchtune), rotated in place of its layout, no transpose.
         """
+        positions = self._check_rotated(x, seq_dim, positions=positions)
+        cos, sin = self.cos_sin(positions, x.shape[seq_dim], offset=offset, device=x.device,
+                                dtype=_compute_dtype(x.dtype))
+        return self._apply_rotation(x, cos, sin, seq_dim)
+
+    def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *,
+                 seq_dim: Literal[-2, -3] = -2) -> Tensor:
+        """Keys rotated at ``old_positions`` turned to ``new_positions``, with no unrotated copy.
+
+        A KV cache that evicts tokens and renumbers the rest (StreamingLLM's attention sinks, Xiao
+        et al., arXiv:2309.17453) needs its cached keys at their new positions: ``rope(k, old)``
+        becomes ``rope(k, new)``. Each pair turns by ``angle(new) - angle(old)``, taken in float64 from
+        the same frequencies ``forward`` uses (sections, scalings; ``dynamic`` / ``longrope`` at each
+        set's own largest position, as one call of ``forward`` with those positions would), so the
+        result equals ``rope(k, new)`` up to one more rounding in the input dtype; the attention
+        factor is already in ``x`` and stays. Positions as ``forward`` takes them (both required).
+        """
+        for name, p in (("old_positions", old_positions), ("new_positions", new_positions)):
+            if p is None:
+                raise TypeError(f"{type(self).__name__}: rerotate needs {name} (a tensor of positions), got None")
+        old, new = self._check_rotated(x, seq_dim, old_positions=old_positions, new_positions=new_positions)
+        n = x.shape[seq_dim]
+        turn = self._pair_angles(new, self._frequencies(new, n, 0, None, x.device)[0]) \
+            - self._pair_angles(old, self._frequencies(old, n, 0, None, x.device)[0])    # [..., N, F] float64
+        dtype = _compute_dtype(x.dtype)
+        return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype), seq_dim)
+
+    def _check_rotated(self, x: Tensor, seq_dim: int, **positions: Optional[Tensor]):
+        """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
+        its positions (each as ``forward`` takes them); return the positions (one, or a tuple)."""
         owner = type(self).__name__
         if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
             raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
         _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
-        n = x.shape[seq_dim]
-        positions = _check_positions(owner, "positions", positions, tuple(x.shape[:seq_dim]), n, self.num_axes,
-                                     device=x.device)
-        cos, sin = self.cos_sin(positions, n, offset=offset, device=x.device, dtype=_compute_dtype(x.dtype))
-        if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return self._apply_rotation(x, cos, sin)
+        checked = tuple(_check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
+                                         device=x.device) for name, p in positions.items())
+        return checked[0] if len(checked) == 1 else checked
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len = q.shape[-2], k.shape[-2]
@@ -2704,21 +2732,30 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         """
         device = self.inv_freq.device if device is None else device
         default = positions is None
-        inv_freq, factor = self.inv_freq, self.attention_factor
-        if self._scaling["rope_type"] in _LENGTH_DEPENDENT:
-            length = self._largest(positions, n, offset) + 1 if length is None else length
-            inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
-            inv_freq = inv_freq.to(device)
+        inv_freq, factor = self._frequencies(positions, n, offset, length, device)
         positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
         cached = self._from_cache(None if default else positions, offset, n, inv_freq, factor, device, dtype)
         if cached is not None:
             return cached
-        if self.sections is not None:  # pair i turns with the position on its axis
-            positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
-            angles = positions.to(torch.float64) * inv_freq.to(torch.float64)
-        else:
-            angles = _angles(positions, inv_freq)                                                  # [..., N, F]
+        angles = self._pair_angles(positions, inv_freq)                                 # [..., N, F] float64
         return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+    def _frequencies(self, positions: Optional[Tensor], n: int, offset: int, length, device) -> tuple:
+        """``(inv_freq [F], attention factor)`` of a call: the construction-time ones, or for ``dynamic`` /
+        ``longrope`` those of ``length`` (default: the call's largest position + 1)."""
+        if self._scaling["rope_type"] not in _LENGTH_DEPENDENT:
+            return self.inv_freq, self.attention_factor
+        length = self._largest(positions, n, offset) + 1 if length is None else length
+        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
+        return inv_freq.to(device), factor
+
+    def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
+        pair i turns with the position on its axis)."""
+        if self.sections is None:
+            return _angles(positions, inv_freq)
+        positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
+        return positions.to(torch.float64) * inv_freq.to(torch.float64)
 
     @staticmethod
     def _largest(positions: Optional[Tensor], n: int, offset: int):
@@ -2771,7 +2808,9 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self.cos_sin_cached = cache
         return cache
 
-    def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
+        if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
 
 
@@ -2823,12 +2862,27 @@ class _QKTransform(PositionalEmbedding):
         return positions.unsqueeze(-1) if self.num_axes == 1 else positions
 
 
+class _QKPairTransform(_QKTransform):
+    """A ``"qk"`` encoding whose query and key maps differ (xPos's opposite scales, PoPE's key phase):
+    a subclass writes ``transform_qk(q, k, pos_q, pos_k)`` alone, and its own call takes both,
+    ``forward(q, k, positions_q=None, positions_k=None, *, offset=0) -> (q', k')``, with the
+    positions validated and defaulted by this base (keys ``arange(Nk) + offset``, queries the last
+    ``Nq`` of them)."""
+
+    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
+                positions_k: Optional[Tensor] = None, *, offset: int = 0) -> tuple:
+        """``(q', k')`` for ``q`` ``[..., Nq, Dh]`` and ``k`` ``[..., Nk, Dh]``."""
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
+        offset = _as_int(type(self).__name__, "offset", offset, minimum=None)
+        return self.transform_qk(q, k, *self._qk_positions(q, k, positions_q, positions_k, offset))
+
+
 def _xpos_limit(scale_base: float, log_zeta_min: float, dtype: torch.dtype) -> float:
     """Largest ``|p|`` whose xPos scales ``zeta ** (+-p / scale_base)`` are normal numbers in ``dtype``."""
     return scale_base * -math.log(torch.finfo(dtype).tiny) / -log_zeta_min
 
 
-class XPosPositionalEmbedding(_QKTransform):
+class XPosPositionalEmbedding(_QKPairTransform):
     """xPos: RoPE with an exponential decay of the logits in the distance (Sun et al. 2022).
 
     Sun et al., "A Length-Extrapolatable Transformer", arXiv:2212.10554. Pair ``i`` of q at
@@ -2914,13 +2968,6 @@ class XPosPositionalEmbedding(_QKTransform):
         """The largest ``|position|`` accepted for inputs of ``dtype`` (see the table above)."""
         return _xpos_limit(self.scale_base, math.log(self.gamma / (1 + self.gamma)), dtype)
 
-    def forward(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
-                positions_k: Optional[Tensor] = None, *, offset: int = 0) -> tuple:
-        """``(q', k')``; default positions: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them."""
-        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        offset = _as_int(type(self).__name__, "offset", offset, minimum=None)
-        return self.transform_qk(q, k, *self._qk_positions(q, k, positions_q, positions_k, offset))
-
     def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
         self._check_range(q.dtype, pos_q, pos_k)
         return self._scaled_rotation(q, pos_q, 1.0), self._scaled_rotation(k, pos_k, -1.0)
@@ -2944,6 +2991,88 @@ class XPosPositionalEmbedding(_QKTransform):
                 f"{type(self).__name__}: positions must satisfy |p| <= {limit:.0f} for {dtype} inputs "
                 f"(zeta ** (p / scale_base) leaves the normal range beyond), got |p| = {largest:g}; shift q's and "
                 f"k's positions by the same constant (logits depend on p - r only) or raise scale_base/gamma")
+
+
+class PolarPositionalEmbedding(_QKPairTransform):
+    """PoPE: polar coordinates, the magnitude from content and the phase from position alone.
+
+    Gopalakrishnan et al., "Decoupling the 'What' and 'Where' With Polar Coordinate Positional
+    Embeddings", arXiv:2509.10534. Channel ``c`` of q at position ``t`` becomes the complex number
+    ``softplus(q_c) e^{i t theta_c}``, channel ``c`` of k at position ``s`` becomes
+    ``softplus(k_c) e^{i (s theta_c + delta_c)}``, with one frequency per channel,
+    ``theta_c = base ** (-c / Dh)`` for ``c < Dh``, and a learned phase bias ``delta`` per head
+    and channel, clamped to ``[-2 pi, 0]``. The logit is the real part of their inner product,
+
+        ``a_ts = scale * sum_c softplus(q_c) softplus(k_c) cos((s - t) theta_c + delta_c)``,
+
+    which depends on ``s - t`` only, and whose phase no content can turn (RoPE's can: the angle
+    of a q/k pair adds to the positional one). As real tensors, ``q'`` and ``k'`` are the
+    real parts followed by the imaginary parts, ``[..., 2 Dh]`` (x-transformers' layout; the
+    paper's pseudocode interleaves them, which gives the same dot products).
+
+    Cost: q' and k' are twice as wide as q and k, so the ``q k^T`` product and the q/k memory
+    double; values keep their width. The default logit scale is ``1 / sqrt(Dh)`` of q's own
+    width, not of the doubled one (as x-transformers), in ``attention()`` and ``forward_attn``.
+
+    Precision: phases come from float64 positions times float64 frequencies, plus ``delta``;
+    softplus and the products run in float32 (float64 for float64 inputs) and round once to
+    the input dtype.
+
+    Args:
+        head_dim (int): head dim ``Dh`` of q and k.
+        num_heads (int): heads ``H`` (one phase bias per head and channel).
+        base (float): frequency base. Default: 10000.0.
+        phase_bias (bool): learn ``delta``; False fixes ``delta = 0``. Default: True.
+        phase_init (str): ``"zeros"`` (x-transformers' default) or ``"uniform"`` in ``[-2 pi, 0]``
+            (x-transformers' ``polar_bias_uniform_init``). Default: ``"zeros"``.
+
+    Shape:
+        - q: ``[B, H, Nq, Dh]``, k: ``[B, H, Nk, Dh]``; positions ``[N]`` or ``[B, N]``.
+        - Output of ``forward``: ``(q', k')``, ``[B, H, Nq, 2 Dh]`` and ``[B, H, Nk, 2 Dh]``.
+
+    Example:
+        >>> pope = PolarPositionalEmbedding(64, 8)
+        >>> q, k, v = torch.randn(2, 8, 100, 64), torch.randn(2, 8, 100, 64), torch.randn(2, 8, 100, 64)
+        >>> pope(q, k)[0].shape
+        torch.Size([2, 8, 100, 128])
+        >>> attention(q, k, v, pope, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    translation_invariant = True
+    arguments = {"phase_bias": _check_flag, "phase_init": functools.partial(_check_choice, choices=("zeros", "uniform"))}
+
+    def __init__(self, head_dim: int, num_heads: int, *, base: float = 10000.0, phase_bias: bool = True,
+                 phase_init: Literal["zeros", "uniform"] = "zeros") -> None:
+        super().__init__()
+        self.head_dim, self.num_heads, self.base = head_dim, num_heads, base
+        self.phase_bias, self.phase_init = phase_bias, phase_init
+        self.delta = nn.Parameter(torch.empty(num_heads, head_dim)) if phase_bias else None    # [H, Dh]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.delta is not None and self.phase_init == "uniform":
+            nn.init.uniform_(self.delta, -2 * math.pi, 0.0)
+        elif self.delta is not None:
+            nn.init.zeros_(self.delta)
+        super().reset_parameters()
+
+    def _init_buffers(self, device) -> None:
+        exponents = torch.arange(self.head_dim, dtype=torch.float64, device=device) / self.head_dim
+        self.register_buffer("inv_freq", self.base ** -exponents, persistent=False)       # theta: [Dh] float64
+
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        delta = None if self.delta is None else self.delta.clamp(-2 * math.pi, 0.0)
+        return self._polar(q, pos_q, None), self._polar(k, pos_k, delta)
+
+    def _polar(self, x: Tensor, positions: Tensor, delta: Optional[Tensor]) -> Tensor:
+        """``softplus(x) e^{i phase}`` as ``[real, imaginary]``: ``[..., H, N, Dh] -> [..., H, N, 2 Dh]``."""
+        phase = _angles(positions, self.inv_freq)                                       # [..., N, Dh] float64
+        if delta is not None:  # positions [N] or [B, 1, N] (a slot for the heads) meet delta [H, 1, Dh]
+            phase = phase + delta.to(torch.float64).unsqueeze(-2)                       # [(B,) H, N, Dh]
+        dtype = _compute_dtype(x.dtype)
+        magnitude = F.softplus(x.to(dtype))
+        return torch.cat([magnitude * phase.cos().to(dtype), magnitude * phase.sin().to(dtype)], dim=-1).to(x.dtype)
 
 
 def _plane_blocks(a: Tensor, b: Tensor) -> Tensor:
@@ -4531,6 +4660,13 @@ class _GammaLayerNorm(nn.Module):
         return F.layer_norm(x, self.gamma.shape, eps=1e-5) * self.gamma.to(x.dtype)
 
 
+def _signed_log1p(x: Tensor) -> Tensor:
+    """``sign(x) log(1 + |x|)`` with slope 1 at 0. Each branch reads ``x`` through a ``where``, whose
+    gradient is exact on every torch (``clamp(min=0)``'s gradient at 0 is 1 before torch 2.15, 0 from it)."""
+    positive = x >= 0
+    return torch.where(positive, torch.log1p(torch.where(positive, x, 0.0)), -torch.log1p(torch.where(positive, 0.0, -x)))
+
+
 class DynamicPositionBias(_PairwiseBias):
     """Dynamic position bias: an MLP from relative positions to per-head biases.
 
@@ -4610,7 +4746,7 @@ class DynamicPositionBias(_PairwiseBias):
             flat, inverse = _distinct_rows(flat)                                         # [U, A], [M]
         x = flat.to(dtype)
         if self.log_distance:  # sign(x) log(1 + |x|), written so its slope at 0 is 1 (sign's would give 0)
-            x = torch.where(x >= 0, torch.log1p(x.clamp(min=0)), -torch.log1p((-x).clamp(min=0)))
+            x = _signed_log1p(x)
         values = _run_mlp(self.mlp, x)                                                   # [U, H]
         if inverse is not None:
             values = values[inverse]                                                     # [M, H]

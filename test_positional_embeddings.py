@@ -73,6 +73,7 @@ from positional_embeddings import (
     TransformerXLPositionalEmbedding,
     UnifiedPositionalEmbedding,
     XPosPositionalEmbedding,
+    PolarPositionalEmbedding,
     attention,
     deberta_log_bucket,
     document_positions,
@@ -234,6 +235,7 @@ CASES = [
     Case("rotary_from_gptj_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(GPTJ_DICT))),
     PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
              has_offset=False),
+    PairCase("polar", lambda: PolarPositionalEmbedding(DH, H, phase_init="uniform"), has_offset=False),
     Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
     Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
     Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
@@ -3782,6 +3784,77 @@ class TestRotary:
                 assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
 
 
+class TestRerotate:
+    """``RotaryPositionalEmbedding.rerotate``: cached keys moved to new positions (StreamingLLM's renumbering)."""
+
+    LONGROPE = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+                "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}
+    LAYOUTS = {
+        "half_split": dict(), "interleaved": dict(interleaved=True), "partial": dict(rotary_dim=8),
+        "sections": dict(sections=[2, 3, 3]), "sections_interleaved": dict(sections=[4, 2, 2], section_layout="interleaved"),
+        "per_axis": dict(sections=[4, 2, 2], axis_spectrum="per_axis"),
+        **{name: dict(scaling={"original_max_position_embeddings": 16, **scaling})
+           for name, scaling in CENSUS_SCALINGS.items() if name != "longrope"},
+        "longrope": dict(scaling=LONGROPE),
+    }
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+    def test_equals_rotating_at_the_new_positions(self, layout, dtype):
+        """rerotate(rope(k, old), old, new) == rope(k, new): every layout and scaling (dynamic and longrope cross
+        their switch: old positions past the original length, new ones within it), up to one rounding in dtype."""
+        rope = RotaryPositionalEmbedding(16, **self.LAYOUTS[layout])
+        k = torch.randn(2, 3, 12, 16).to(dtype)
+        if rope.num_axes == 1:
+            old, new = torch.arange(20, 32), torch.cat([torch.arange(4), torch.arange(4, 12)])   # sinks + recent
+        else:
+            old = torch.randint(0, 40, (12, 3), generator=torch.Generator().manual_seed(0))
+            new = old - old.min(0).values
+        got, want = rope.rerotate(rope(k, old), old, new), rope(k, new)
+        assert got.dtype == dtype
+        ulp = torch.finfo(dtype).eps * want.double().abs().amax().item()
+        assert (got.double() - want.double()).abs().max().item() <= (1e-12 if dtype == torch.float64 else 2 * ulp)
+
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_turns_each_pair_by_the_position_difference(self, interleaved):
+        """Against the float64 rotation-matrix oracle: any x turns by (new - old) * theta_i, pair by pair."""
+        rope = RotaryPositionalEmbedding(8, base=100.0, interleaved=interleaved)
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        old, new = torch.tensor([3, 9, 0, 7, 1000]), torch.tensor([0, 2, 5, 7, -3])
+        want = rope_oracle(x, (new - old).tolist(), plain_inv_freq(8, 100.0), interleaved=interleaved)
+        torch.testing.assert_close(rope.rerotate(x, old, new), want, rtol=1e-12, atol=1e-12)
+
+    def test_streaming_cache_attends_like_a_recomputed_one(self):
+        """Keep 4 sink tokens and the 6 most recent of 16 cached keys, renumber them 0..9: attention of a new
+        query at position 10 equals attention over keys rotated at 0..9 from the start."""
+        rope = RotaryPositionalEmbedding(DH)
+        keys, values, q = torch.randn(1, H, 16, DH), torch.randn(1, H, 16, DH), torch.randn(1, H, 1, DH)
+        kept = torch.cat([torch.arange(4), torch.arange(10, 16)])
+        cached = rope(keys)[..., kept, :]                                              # rotated at 0..15
+        moved = rope.rerotate(cached, kept, torch.arange(10))
+        fresh = rope(keys[..., kept, :])                                                # rotated at 0..9
+        query = rope(q, offset=10)
+        torch.testing.assert_close(attention(query, moved, values[..., kept, :]),
+                                   attention(query, fresh, values[..., kept, :]), rtol=1e-5, atol=1e-6)
+
+    def test_batched_positions_and_heads_last_layout(self):
+        rope = RotaryPositionalEmbedding(DH)
+        k = torch.randn(2, 6, H, DH)                                                   # [B, N, H, Dh]
+        old, new = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5]]), torch.arange(6).expand(2, 6)
+        got = rope.rerotate(rope(k, old, seq_dim=-3), old, new, seq_dim=-3)
+        torch.testing.assert_close(got, rope(k, new, seq_dim=-3), rtol=1e-5, atol=1e-6)
+
+    def test_bad_input_is_named(self):
+        rope = RotaryPositionalEmbedding(DH)
+        k = torch.randn(1, H, 4, DH)
+        with pytest.raises(TypeError, match="RotaryPositionalEmbedding: rerotate needs new_positions"):
+            rope.rerotate(k, torch.arange(4), None)
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: old_positions"):
+            rope.rerotate(k, torch.arange(3), torch.arange(4))
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: x"):
+            rope.rerotate(torch.randn(1, H, 4, DH + 2), torch.arange(4), torch.arange(4))
+
+
 # ---------------------------------------------------------------------------
 # xPos
 # ---------------------------------------------------------------------------
@@ -3944,6 +4017,99 @@ class TestXPos:
         q = k = torch.randn(1, 2, 3, 8)
         with pytest.raises(TypeError, match="XPosPositionalEmbedding: offset must be an int, got str '1'"):
             XPosPositionalEmbedding(8)(q, k, offset="1")
+
+
+# ---------------------------------------------------------------------------
+# PoPE (polar coordinates)
+# ---------------------------------------------------------------------------
+
+
+def pope_oracle(q, k, positions_q, positions_k, delta, base=10000.0):
+    """The paper's logit, one (query, key, channel) at a time in float64:
+    sum_c softplus(q_c) softplus(k_c) cos((s - t) theta_c + delta_c) / sqrt(Dh); q, k [H, N, Dh], delta [H, Dh]."""
+    heads, dh = q.shape[0], q.shape[-1]
+    mq, mk = F.softplus(q.double()), F.softplus(k.double())
+    out = torch.zeros(heads, len(positions_q), len(positions_k), dtype=torch.float64)
+    for h in range(heads):
+        for i, t in enumerate(positions_q):
+            for j, s_ in enumerate(positions_k):
+                out[h, i, j] = sum(mq[h, i, c] * mk[h, j, c] * math.cos((s_ - t) * base ** (-c / dh) + float(delta[h, c]))
+                                   for c in range(dh))
+    return out / math.sqrt(dh)
+
+
+class TestPolar:
+    def test_matches_loop_oracle(self):
+        pope = PolarPositionalEmbedding(6, 2, base=50.0, phase_init="uniform").double()
+        q, k = torch.randn(2, 4, 6, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
+        pos_q, pos_k = [7, 3, 100, -2], [0, 9, 4, 4, 55]
+        want = pope_oracle(q, k, pos_q, pos_k, pope.delta.detach(), base=50.0)
+        got = pope.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        default = pope.forward_attn(q, k)                                               # keys 0..4, queries 1..4
+        torch.testing.assert_close(default, pope_oracle(q, k, [1, 2, 3, 4], range(5), pope.delta.detach(), 50.0),
+                                   rtol=1e-12, atol=1e-12)
+
+    def test_matches_x_transformers(self):
+        xt = pytest.importorskip("x_transformers.x_transformers")
+        theirs = xt.PolarEmbedding(DH, H)
+        with torch.no_grad():  # bias_uniform_init=True fails in 2.31.10 (an in-place init of a leaf that requires grad)
+            theirs.learned_bias.uniform_(-2 * math.pi, 0.0)
+        ours = PolarPositionalEmbedding(DH, H)
+        with torch.no_grad():
+            ours.delta.copy_(theirs.learned_bias[:, 0])                                 # [H, 1, Dh] -> [H, Dh]
+        q, k = torch.randn(B, H, 24, DH), torch.randn(B, H, 24, DH)
+        freqs, bias = theirs(torch.arange(24))
+        our_q, our_k = ours(q, k)
+        torch.testing.assert_close(our_q, xt.apply_polar_pos_emb(q, freqs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(our_k, xt.apply_polar_pos_emb(k, freqs + bias), rtol=1e-5, atol=1e-5)
+
+    def test_phase_bias_is_clamped_and_learned(self):
+        pope = PolarPositionalEmbedding(DH, H)
+        assert torch.equal(pope.delta, torch.zeros(H, DH))                              # x-transformers' init
+        with torch.no_grad():
+            pope.delta.fill_(-10.0)                                                     # below -2 pi: clamped
+        q, k = torch.randn(1, H, 5, DH), torch.randn(1, H, 5, DH)
+        clamped = PolarPositionalEmbedding(DH, H)
+        with torch.no_grad():
+            clamped.delta.fill_(-2 * math.pi)
+        torch.testing.assert_close(pope.forward_attn(q, k), clamped.forward_attn(q, k))
+        inside = PolarPositionalEmbedding(DH, H, phase_init="uniform")
+        assert inside.delta.min() >= -2 * math.pi and inside.delta.max() <= 0
+        inside.forward_attn(q, k).sum().backward()
+        assert inside.delta.grad is not None and inside.delta.grad.abs().sum() > 0
+        without = PolarPositionalEmbedding(DH, H, phase_bias=False)
+        assert without.delta is None and not list(without.parameters())
+        torch.testing.assert_close(without.forward_attn(q, k), PolarPositionalEmbedding(DH, H).forward_attn(q, k))
+
+    def test_content_cannot_turn_the_phase(self):
+        """Flipping the sign of q's channels changes magnitudes only: with one channel, the logit's sign
+        is that of cos((s - t) theta + delta) whatever the content (RoPE's turns with the content)."""
+        pope = PolarPositionalEmbedding(2, 1, base=10.0, phase_bias=False)
+        q, k = torch.randn(1, 1, 9, 2), torch.randn(1, 1, 9, 2)
+        q[..., 1:], k[..., 1:] = -50.0, -50.0                                           # channel 1 off (softplus ~ 0)
+        signs = pope.forward_attn(q, k).sign()
+        distance = torch.arange(9)[None, :] - torch.arange(9)[:, None]
+        assert torch.equal(signs[0, 0], torch.cos(distance.double()).sign().float())
+
+    def test_width_doubles_and_decoding_matches_the_full_pass(self):
+        pope = PolarPositionalEmbedding(DH, H, phase_init="uniform")
+        q, k = torch.randn(1, H, 10, DH), torch.randn(1, H, 10, DH)
+        full_q, full_k = pope(q, k)
+        assert full_q.shape == (1, H, 10, 2 * DH) and full_k.shape == (1, H, 10, 2 * DH)
+        for t in (0, 4, 9):
+            step_q, step_k = pope(q[..., t : t + 1, :], k[..., t : t + 1, :], offset=t)
+            torch.testing.assert_close(step_q, full_q[..., t : t + 1, :])
+            torch.testing.assert_close(step_k, full_k[..., t : t + 1, :])
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="PolarPositionalEmbedding: phase_init"):
+            PolarPositionalEmbedding(DH, H, phase_init="normal")
+        with pytest.raises(TypeError, match="PolarPositionalEmbedding: phase_bias must be a bool"):
+            PolarPositionalEmbedding(DH, H, phase_bias="zeros")
+        pope = PolarPositionalEmbedding(DH, H)
+        with pytest.raises(ValueError, match="PolarPositionalEmbedding: q"):
+            pope(torch.randn(1, H + 1, 4, DH), torch.randn(1, H + 1, 4, DH))
 
 
 # ---------------------------------------------------------------------------
@@ -6951,6 +7117,8 @@ QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"
 # Cases that trace fullgraph at every length but recompile once between 16 and 40 tokens (found by the
 # PE_SLOW run; the guard that fails is not identified yet: an open item, see the README limitations).
 RECOMPILE_ONCE_CASES = {"heinsen", "fourier_octave"}
+# dynamo before torch 2.7 recompiles Heinsen's block once more (3 graphs; measured on torch 2.6.0, outputs equal)
+HEINSEN_GRAPHS = 3 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 7) else 2
 COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES])
 
 
@@ -7013,7 +7181,8 @@ class TestCompile:
             x = torch.randn(2, n, dim)
             positions = None if case.required_positions is None else case.required_positions(n)
             torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
-        assert len(graphs) == (2 if case.name in RECOMPILE_ONCE_CASES else 1), f"{len(graphs)} graphs for lengths {lengths}"
+        expected = HEINSEN_GRAPHS if case.name == "heinsen" else 2 if case.name in RECOMPILE_ONCE_CASES else 1
+        assert len(graphs) == expected, f"{len(graphs)} graphs for lengths {lengths}"
 
     def test_finite_number_check_traces_under_dynamic_shapes(self):
         """Issue 22.1: attention()'s float checks (dropout_p, scale) trace with dynamic=True, fullgraph=True."""
@@ -7963,7 +8132,8 @@ def _missing_reference_libraries(block: str) -> list:
 
     names = {m.split(".")[0] for m in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block, flags=re.M)}
     missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
-    required = [n for n in missing if n in ("torch", "positional_embeddings") or n in sys.stdlib_module_names]
+    stdlib = getattr(sys, "stdlib_module_names", ())   # Python >= 3.10 (on 3.9: torch and the library only)
+    required = [n for n in missing if n in ("torch", "positional_embeddings") or n in stdlib]
     assert not required, f"an example imports {required}, which every machine must have"
     return missing
 
