@@ -806,8 +806,10 @@ def _check_same_kind(owner: str, name: str, value: Tensor, reference_name: str, 
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> Tensor:
-    """Boolean [Nq, Nk]; True where key j may be seen by query i (bottom-right aligned)."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(_query_offset(q_len, k_len))
+    """Boolean [Nq, Nk]; True where key j may be seen by query i (bottom-right aligned). Compared
+    positions, not ``tril``: ``torch.export`` 2.8 bakes tril's diagonal, a dynamic size, in as a constant."""
+    last_key = torch.arange(q_len, device=device) + _query_offset(q_len, k_len)        # [Nq]
+    return torch.arange(k_len, device=device) <= last_key[:, None]
 
 
 def _check_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> None:
