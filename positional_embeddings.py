@@ -6764,6 +6764,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "heinsen": HeinsenPositionalEmbedding(dim, dim),
         "nope": NoPositionalEmbedding(dim=dim),
         "xpos": XPosPositionalEmbedding(head_dim),
+        "polar": PolarPositionalEmbedding(head_dim, num_heads, phase_init="uniform"),
         "kerple": KerplePositionalEmbedding(num_heads),
         "sandwich": SandwichPositionalEmbedding(num_heads, head_dim),
         "fire": FIREPositionalEmbedding(num_heads),

@@ -221,6 +221,8 @@ def _registry() -> dict:
         Encoding("heinsen", "HeinsenPositionalEmbedding",
                  lambda L, M: pe_lib.HeinsenPositionalEmbedding(D_MODEL, D_MODEL), "order from a recurrence"),
         Encoding("xpos", "XPosPositionalEmbedding", lambda L, M: pe_lib.XPosPositionalEmbedding(HEAD_DIM)),
+        Encoding("polar", "PolarPositionalEmbedding",
+                 lambda L, M: pe_lib.PolarPositionalEmbedding(HEAD_DIM, NUM_HEADS), "q/k twice as wide"),
         Encoding("kerple_log", "KerplePositionalEmbedding",
                  lambda L, M: pe_lib.KerplePositionalEmbedding(NUM_HEADS, kernel="log")),
         Encoding("kerple_power", "KerplePositionalEmbedding",
