@@ -129,6 +129,7 @@ __all__ = [
     "SandwichPositionalEmbedding",
     "FIREPositionalEmbedding",
     "CoPEPositionalEmbedding",
+    "ReRoPEPositionalEmbedding",
     "ForgettingPositionalEmbedding",
     "ShawPositionalEmbedding",
     "DebertaPositionalEmbedding",
@@ -993,8 +994,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], 
     """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head);
     ``flex``: a bias through FlexAttention, documents (if any) masked block-wise there."""
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if group > 1 and pe is not None and pe.kind in ("qk", "logits") and getattr(pe, "num_heads", None):
-        k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1   # per-head maps
+    if group > 1 and pe is not None and (pe.kind == "logits" or pe.kind == "qk" and getattr(pe, "num_heads", None)):
+        # explicit logits, or per-head q/k maps: every query head meets its own copy of k and v
+        k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1
     if pe is not None and pe.kind == "logits":
         return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p)
     if flex:
@@ -6006,6 +6008,93 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
         return torch.where(allowed, logits + term, float("-inf")).flip(-1)             # q . e(p_ij) added
 
 
+
+class ReRoPEPositionalEmbedding(_ExplicitLogits):
+    """ReRoPE: RoPE whose relative position stops growing past a window (Su 2023).
+
+    Su, "Rectified Rotary Position Embeddings" (kexue.fm/archives/9708, 2023; code in the
+    bojone/rerope repository). A query at ``t`` and a key at ``s <= t`` at distance
+    ``d = t - s`` meet as RoPE at the rectified distance
+
+        ``d' = d`` for ``d < window``, else ``window`` (or, with ``leak = k``, Leaky ReRoPE's
+        ``window + (d - window) / k``),
+
+    so no logit ever sees a distance beyond what training saw, at any length, with no
+    fine-tuning. Computed in two passes, as the reference does: RoPE logits at the true positions
+    for the pairs inside the window, and for the others queries rotated at ``window`` against
+    unrotated keys (leaky: queries at ``t / k + window (1 - 1 / k)``, keys at ``s / k``). Causal
+    by construction: keys after the query get ``-inf`` (``attention()`` masks them anyway).
+
+    The reference patch also multiplies every query at position ``t`` by
+    ``max(1, log(t + 1) / log(L_train))``; pass ``log_scaling_length=L_train`` for that. The
+    default leaves it out: the rectification is the method, the scaling an addition of that patch.
+
+    Cost: two ``q k^T`` products and one ``[Nq, Nk]`` select per call, with no fused SDPA path (a
+    ``"logits"`` kind). Decoding: keep the raw keys in the cache (each call rotates them, twice).
+
+    Args:
+        dim (int): head dim ``Dh`` (even); also accepted as ``head_dim=``.
+        window (int): distances below it are exact (the reference's default: 512).
+        base (float): RoPE frequency base. Default: 10000.0.
+        interleaved (bool): RoPE pairs ``(2i, 2i + 1)`` instead of ``(i, i + Dh/2)``. Default: False.
+        leak (float, optional): Leaky ReRoPE's ``k > 1``. Default: None (plain ReRoPE).
+        log_scaling_length (int, optional): the reference's ``L_train`` for the query scaling
+            above. Default: None (no scaling).
+
+    Shape:
+        - q: ``[..., Nq, Dh]``, k: ``[..., Nk, Dh]``; positions ``[N]`` or ``[B, N]``.
+        - Output of ``forward``: logits ``[..., Nq, Nk]``.
+
+    Example:
+        >>> rerope = ReRoPEPositionalEmbedding(64, window=16)
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, rerope, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    translation_invariant = True
+    is_causal = True  # causal by construction: keys after the query get -inf
+    arguments = {"window": _check_positive_int, "leak": functools.partial(_as_float, minimum=1.0, exclusive=True),
+                 "log_scaling_length": functools.partial(_as_int, minimum=2)}
+
+    def __init__(self, dim: Optional[int] = None, window: int = 512, *, base: float = 10000.0,
+                 interleaved: bool = False, leak: Optional[float] = None, log_scaling_length: Optional[int] = None,
+                 head_dim: Optional[int] = None) -> None:
+        super().__init__()
+        self.dim = _even_int(type(self).__name__, "dim", _one_of(type(self).__name__, "dim", dim, "head_dim", head_dim))
+        self.window, self.base, self.interleaved = window, base, interleaved
+        self.leak, self.log_scaling_length = leak, log_scaling_length
+        self.rope = RotaryPositionalEmbedding(self.dim, base=base, interleaved=interleaved)
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim ``Dh`` this encoding is built for (``dim``): q and k must have it."""
+        return self.dim
+
+    def logits(self, q, k, positions_q, positions_k, scale):
+        pos_q, pos_k = _pair_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, 0, q.device, k.device)
+        if self.log_scaling_length is not None:  # the reference patch's max(1, log(t + 1) / log(L_train))
+            growth = torch.log1p(pos_q.to(torch.float64)) / math.log(self.log_scaling_length)
+            q = q * growth.clamp(min=1.0).to(q.dtype).unsqueeze(-1)
+        inner = torch.matmul(*self._rotated(q, k, pos_q, pos_k))                       # [..., Nq, Nk], exact d
+        outer = torch.matmul(*self._rotated(q, k, *self._rectified(pos_q, pos_k)))     # d' past the window
+        distance = pos_q.unsqueeze(-1) - pos_k.unsqueeze(-2)                           # [(B, 1,) Nq, Nk]
+        logits = torch.where(distance < self.window, inner, outer) * scale
+        return logits.masked_fill(distance < 0, float("-inf"))
+
+    def _rotated(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        """RoPE's q' at ``pos_q`` and k'^T at ``pos_k``, ready for one product."""
+        q, k = self.rope.encode_qk(q, k, pos_q, pos_k)
+        return q, k.transpose(-1, -2)
+
+    def _rectified(self, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        """The second pass's positions: every query at ``window``, keys at 0 (leaky: both scaled by 1 / k
+        and queries shifted by ``window (1 - 1 / k)``, so that their difference is ``window + (d - window) / k``)."""
+        if self.leak is None:
+            return torch.full_like(pos_q, self.window), torch.zeros_like(pos_k)
+        shrink = 1.0 / self.leak
+        return pos_q.to(torch.float64) * shrink + self.window * (1.0 - shrink), pos_k.to(torch.float64) * shrink
+
 # ---------------------------------------------------------------------------
 # Hugging Face configs (from_config)
 # ---------------------------------------------------------------------------
@@ -6769,6 +6858,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "sandwich": SandwichPositionalEmbedding(num_heads, head_dim),
         "fire": FIREPositionalEmbedding(num_heads),
         "cope": CoPEPositionalEmbedding(num_heads, head_dim),
+        "rerope": ReRoPEPositionalEmbedding(head_dim, window=seq_len // 4),
         "forgetting": ForgettingPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),   # bound
         "shaw": ShawPositionalEmbedding(num_heads, head_dim),
         "deberta": DebertaPositionalEmbedding(dim, num_heads),

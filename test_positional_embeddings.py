@@ -49,6 +49,7 @@ from positional_embeddings import (
     AlgebraicSequencePositionalEmbedding,
     AlgebraicTreePositionalEmbedding,
     CoPEPositionalEmbedding,
+    ReRoPEPositionalEmbedding,
     ContinuousPositionBias,
     ConvolutionalPositionalEmbedding,
     DebertaPositionalEmbedding,
@@ -284,6 +285,8 @@ CASES = [
          has_offset=False),
     Case("deberta_c2p_unbucketed", lambda: DebertaPositionalEmbedding(
         D, H, max_relative_positions=6, position_buckets=None, pos_att_type=("c2p",), layer_norm=False),
+         has_offset=False),
+    Case("rerope_leaky", lambda: ReRoPEPositionalEmbedding(DH, window=5, leak=4.0, log_scaling_length=8),
          has_offset=False),
     Case("cope", lambda: CoPEPositionalEmbedding(H, DH, max_position=8, init_std=0.5), has_offset=False,
          takes_positions=False),
@@ -1206,7 +1209,7 @@ CAUSAL_MODE_EXTRA = {
 
 # the causal-mode cases, read from their constructors: bidirectional=False (or a decoder config), or causal by
 # construction (CoPE, the forget gate)
-CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting",
+CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting", "rerope_leaky",
                      "t5_from_decoder_config"}
 
 
@@ -6970,6 +6973,73 @@ class TestCoPE:
 # Cross-cutting
 # ===========================================================================
 
+
+
+# ---------------------------------------------------------------------------
+# ReRoPE
+# ---------------------------------------------------------------------------
+
+
+def rerope_oracle(q, k, positions_q, positions_k, window, base, leak=None, log_length=None):
+    """ReRoPE's logits one pair at a time in float64: RoPE at the rectified distance d' (d below the window,
+    else window, or window + (d - window) / leak), queries scaled by max(1, log(t + 1) / log(log_length))."""
+    dh = q.shape[-1]
+    inv_freq = plain_inv_freq(dh, base)
+    out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
+    for i, t in enumerate(positions_q):
+        growth = 1.0 if log_length is None else max(1.0, math.log(t + 1) / math.log(log_length))
+        for j, s_ in enumerate(positions_k):
+            d = t - s_
+            if d < 0:
+                continue
+            rectified = d if d < window else window + (d - window) / leak if leak else window
+            turned = rope_oracle(q[..., i : i + 1, :].double() * growth, [rectified], inv_freq)[..., 0, :]
+            out[..., i, j] = (turned * k[..., j, :].double()).sum(-1) / math.sqrt(dh)
+    return out
+
+
+class TestReRoPE:
+    @pytest.mark.parametrize("leak, log_length", [(None, None), (4.0, None), (None, 8), (2.5, 6)])
+    def test_matches_loop_oracle(self, leak, log_length):
+        pe = ReRoPEPositionalEmbedding(8, window=5, base=100.0, leak=leak, log_scaling_length=log_length).double()
+        q, k = torch.randn(2, 3, 7, 8, dtype=torch.float64), torch.randn(2, 3, 12, 8, dtype=torch.float64)
+        want = rerope_oracle(q, k, range(5, 12), range(12), 5, 100.0, leak, log_length)   # bottom-right
+        got = pe.forward_attn(q, k)
+        assert torch.equal(got.isinf(), want.isinf())
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+        pos_q, pos_k = torch.tensor([30, 2, 17]), torch.tensor([0, 29, 3, 16, 17])
+        want = rerope_oracle(q[..., :3, :], k[..., :5, :], pos_q.tolist(), pos_k.tolist(), 5, 100.0, leak, log_length)
+        got = pe.forward_attn(q[..., :3, :], k[..., :5, :], pos_q, pos_k)
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+
+    def test_rope_inside_the_window_and_constant_beyond_it(self):
+        rope, rerope = RotaryPositionalEmbedding(DH), ReRoPEPositionalEmbedding(DH, window=6)
+        q, k = torch.randn(1, H, 1, DH), torch.randn(1, H, 1, DH)
+        logit = lambda pe, t: pe.forward_attn(q, k, torch.tensor([t]), torch.tensor([0]))
+        for d in range(6):                                                              # exact: RoPE's logits
+            torch.testing.assert_close(logit(rerope, d), logit(rope, d), rtol=1e-5, atol=1e-6)
+        for d in (6, 7, 100, 10**6):                                                    # rectified: as at the window
+            torch.testing.assert_close(logit(rerope, d), logit(rope, 6), rtol=1e-5, atol=1e-6)
+
+    def test_decoding_with_raw_keys_matches_the_full_pass(self):
+        pe = ReRoPEPositionalEmbedding(DH, window=4, leak=3.0)
+        q, k, v = qkv(12, 12)
+        full = attention(q, k, v, pe, causal=True)
+        for t in (0, 5, 11):                                                            # new query t, keys 0..t
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: leak"):
+            ReRoPEPositionalEmbedding(DH, window=4, leak=1.0)
+        with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: window"):
+            ReRoPEPositionalEmbedding(DH, window=0)
+        with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: log_scaling_length"):
+            ReRoPEPositionalEmbedding(DH, window=4, log_scaling_length=1)
+        with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: dim"):
+            ReRoPEPositionalEmbedding(7, window=4)
+        with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: q"):
+            attention(*qkv(dh=DH + 2), ReRoPEPositionalEmbedding(DH, window=4), causal=True)
 
 # ---------------------------------------------------------------------------
 # torch.export with a dynamic sequence length: one program, checked at two other lengths

@@ -231,6 +231,8 @@ def _registry() -> dict:
                  lambda L, M: pe_lib.SandwichPositionalEmbedding(NUM_HEADS, D_MODEL)),
         Encoding("fire", "FIREPositionalEmbedding", lambda L, M: pe_lib.FIREPositionalEmbedding(NUM_HEADS)),
         Encoding("cope", "CoPEPositionalEmbedding", lambda L, M: pe_lib.CoPEPositionalEmbedding(NUM_HEADS, HEAD_DIM)),
+        Encoding("rerope", "ReRoPEPositionalEmbedding",
+                 lambda L, M: pe_lib.ReRoPEPositionalEmbedding(HEAD_DIM, window=L // 2), "window L/2"),
         Encoding("forgetting", "ForgettingPositionalEmbedding",
                  lambda L, M: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS),
                  "gate reads each block's normalised token states"),

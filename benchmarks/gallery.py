@@ -116,6 +116,8 @@ def _gallery() -> dict:
         entries.append(Entry("fire", "FIREPositionalEmbedding", lambda: pe_lib.FIREPositionalEmbedding(H), learned=True))
     if has("CoPEPositionalEmbedding"):
         entries.append(Entry("cope", "CoPEPositionalEmbedding", lambda: pe_lib.CoPEPositionalEmbedding(H, Dh), learned=True))
+    if has("ReRoPEPositionalEmbedding"):
+        entries.append(Entry("rerope", "ReRoPEPositionalEmbedding", lambda: pe_lib.ReRoPEPositionalEmbedding(Dh, window=8)))
     if has("ForgettingPositionalEmbedding"):
         entries.append(Entry("forgetting", "ForgettingPositionalEmbedding",
                              lambda: pe_lib.ForgettingPositionalEmbedding(D, H), learned=True))
