@@ -8195,6 +8195,20 @@ def test_docstring_examples_run():
     assert skipped == 4, skipped   # the two sharded examples' process-group lines, nothing else
 
 
+def _in_standard_library(name: str) -> bool:
+    """Is ``name`` a standard-library module? ``sys.stdlib_module_names`` from Python 3.10; on 3.9 a
+    built-in module, or a module file or package in the standard library's folders."""
+    names = getattr(sys, "stdlib_module_names", None)
+    if names is not None:
+        return name in names
+    import pathlib
+    import sysconfig
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return (name in sys.builtin_module_names or (stdlib / f"{name}.py").exists() or (stdlib / name).is_dir()
+            or any((stdlib / "lib-dynload").glob(f"{name}.*")))
+
+
 def _missing_reference_libraries(block: str) -> list:
     """The top-level modules ``block`` imports that are not installed. Only reference libraries
     may be missing (transformers, ...): torch, the library and the standard library must import."""
@@ -8202,8 +8216,7 @@ def _missing_reference_libraries(block: str) -> list:
 
     names = {m.split(".")[0] for m in re.findall(r"^\s*(?:import|from)\s+([\w.]+)", block, flags=re.M)}
     missing = sorted(n for n in names if importlib.util.find_spec(n) is None)
-    stdlib = getattr(sys, "stdlib_module_names", ())   # Python >= 3.10 (on 3.9: torch and the library only)
-    required = [n for n in missing if n in ("torch", "positional_embeddings") or n in stdlib]
+    required = [n for n in missing if n in ("torch", "positional_embeddings") or _in_standard_library(n)]
     assert not required, f"an example imports {required}, which every machine must have"
     return missing
 
