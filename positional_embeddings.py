@@ -2065,11 +2065,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         if restart is not None and (using_prev_context or state is not None):
             raise ValueError(f"{owner}: positions start a new document at the first token, so no state is "
                              f"continued: pass positions or using_prev_context / state, not both")
-        if using_prev_context:
-            if self.prev_context is None:
-                raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "
-                                 f"call once without it first (or after reset_context())")
-            state = self.prev_context
+        state = self._continued(using_prev_context, state)
         logits = self.H(x)                                                              # [..., N, 2 * d_hid]
         self._check_width("H", logits, 2 * self.d_hid, "2 * d_hid")
         dtype = _compute_dtype(logits.dtype)
@@ -2093,6 +2089,15 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """``x + R(s)``; ``positions``: None, or within-document positions (``document_positions``)."""
         return self(x, positions=positions)
+
+    def _continued(self, using_prev_context: bool, state: Optional[Tensor]) -> Optional[Tensor]:
+        """The state a call continues from: the cached context for ``using_prev_context``, else ``state``."""
+        if not using_prev_context:
+            return state
+        if self.prev_context is None:
+            raise ValueError(f"{type(self).__name__}: using_prev_context=True but no context is cached; "
+                             f"call once without it first (or after reset_context())")
+        return self.prev_context
 
     def _restarts(self, positions: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
         """Where documents start (position 0), from exact within-document positions: bool
@@ -6822,13 +6827,8 @@ def heinsen_forward_sharded(module: HeinsenPositionalEmbedding, x: Tensor, using
     if not isinstance(module, HeinsenPositionalEmbedding):
         raise TypeError(f"heinsen_forward_sharded: module must be a HeinsenPositionalEmbedding, "
                         f"got {type(module).__name__}")
-    owner = type(module).__name__
     using_prev_context, return_state = module._check_call(x, using_prev_context, state, return_state)
-    if using_prev_context:
-        if module.prev_context is None:
-            raise ValueError(f"{owner}: using_prev_context=True but no context is cached; "
-                             f"call once without it first (or after reset_context())")
-        state = module.prev_context
+    state = module._continued(using_prev_context, state)
     logits = module.H(x)                                                                # [..., N_local, 2 * d_hid]
     dtype = _compute_dtype(logits.dtype)
     log_p = F.logsigmoid(logits[..., : module.d_hid].to(dtype))                        # [..., N_local, d_hid]
