@@ -130,6 +130,10 @@ __all__ = [
     "FIREPositionalEmbedding",
     "CoPEPositionalEmbedding",
     "ReRoPEPositionalEmbedding",
+    "SelfExtendPositionalEmbedding",
+    "DualChunkPositionalEmbedding",
+    "RandomizedPositionalEmbedding",
+    "StickBreakingPositionalEmbedding",
     "ForgettingPositionalEmbedding",
     "ShawPositionalEmbedding",
     "DebertaPositionalEmbedding",
@@ -680,6 +684,12 @@ class PositionalEmbedding(nn.Module):
         """``forward_attn`` before any cast to the input dtype (``attention()`` softmaxes these)."""
         return self.forward_attn(q, k, positions_q, positions_k, scale=scale)
 
+    def attention_weights(self, logits: Tensor) -> Tensor:
+        """``"logits"`` kinds only: the attention weights ``[B, H, Nq, Nk]`` from the masked float32 logits
+        (masked: ``-inf``). The softmax by default, a fully masked row giving 0 (as SDPA does);
+        stick-breaking attention replaces it."""
+        return torch.softmax(logits, dim=-1).nan_to_num(nan=0.0)
+
     def attention_values(self, weights: Tensor, positions_q: Optional[Tensor] = None,
                          positions_k: Optional[Tensor] = None) -> Optional[Tensor]:
         """A positional term added to the attention output, or None (the default).
@@ -689,6 +699,12 @@ class PositionalEmbedding(nn.Module):
         adds the result ``[B, H, Nq, Dv]`` to ``weights @ v`` (Shaw et al.'s value term).
         """
         return None
+
+    def _resolve_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                           positions_k: Optional[Tensor], device) -> tuple:
+        """The positions of one ``attention()`` call, resolved once for all its hooks: those given (None
+        for the defaults). A wrapper that draws positions (``RandomizedPositionalEmbedding``) draws here."""
+        return positions_q, positions_k
 
     def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor],
                   positions_k: Optional[Tensor], grouped: bool = False) -> tuple:
@@ -945,6 +961,8 @@ def attention(
                 attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
         if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
             positions_q = positions_k = document_positions(document_ids)
+    if pe is not None and pe.kind != "input":
+        positions_q, positions_k = pe._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
     return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
                             flex, document_ids, group)
 
@@ -1071,8 +1089,7 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding
     mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    # a fully masked row gives 0 (as SDPA does), not NaN
-    weights = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0)                        # [B, H, Nq, Nk]
+    weights = pe.attention_weights(logits)                                              # [B, H, Nq, Nk]
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = torch.matmul(weights.to(v.dtype), v)                                          # [B, H, Nq, Dv]
@@ -1555,6 +1572,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "input"
+    takes_positions, order_from = False, "the order of the tokens (the grid for 2-D)"
 
     def __init__(self, dim: int, *, kernel_size: int = 3, num_axes: int = 2, grid_shape=None,
                  num_prefix_tokens: int = 0, groups: Optional[int] = None, weight_norm: bool = False,
@@ -2015,6 +2033,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
     """
 
     kind = "input"
+    takes_positions, order_from = False, "the recurrence (positions only restart it at documents)"
 
     arguments = {"d_emb": _check_positive_int, "d_hid": _check_positive_int, "H": _module_or_none,
                  "R": _module_or_none}
@@ -6024,7 +6043,65 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
 
 
 
-class ReRoPEPositionalEmbedding(_ExplicitLogits):
+class _RotaryPieces(_ExplicitLogits):
+    """RoPE logits whose positions depend on the pair: each (query, key) pair is rotated by one of a few
+    position rules (ReRoPE, Self-Extend, Dual Chunk Attention).
+
+    A subclass holds ``self.rope`` (a ``RotaryPositionalEmbedding``) and gives two hooks on the
+    query and key positions: ``pieces(pos_q, pos_k)``, the rules as (query positions, key positions)
+    pairs, and ``piece_of(pos_q, pos_k) -> [(B, 1,) Nq, Nk]``, the rule each pair takes. The base
+    rotates q and k once per rule, takes each pair's logit from its rule's product and gives keys
+    after the query ``-inf`` (causal by construction). ``log_scaling_length = L`` multiplies the
+    query at ``t`` by ``max(1, log(t + 1) / log(L))``, as the ReRoPE and Self-Extend patches can.
+
+    Cost: one ``q k^T`` product and one ``[Nq, Nk]`` select per rule, with no fused SDPA path.
+    Decoding keeps the raw keys in the cache: each call rotates them once per rule.
+    """
+
+    is_causal = True  # causal by construction: keys after the query get -inf
+    arguments = {"log_scaling_length": functools.partial(_as_int, minimum=2)}
+    log_scaling_length: Optional[int] = None
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim ``Dh`` of the wrapped RoPE: q and k must have it."""
+        return self.rope.dim
+
+    def pieces(self, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        raise NotImplementedError
+
+    def piece_of(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def logits(self, q, k, positions_q, positions_k, scale):
+        pos_q, pos_k = _pair_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, 0, q.device, k.device)
+        if self.log_scaling_length is not None:  # the patches' max(1, log(t + 1) / log(L_train))
+            growth = torch.log1p(pos_q.to(torch.float64)) / math.log(self.log_scaling_length)
+            q = q * growth.clamp(min=1.0).to(q.dtype).unsqueeze(-1)
+        choice = self.piece_of(pos_q, pos_k)                                           # [(B, 1,) Nq, Nk]
+        logits = None
+        for index, (piece_q, piece_k) in enumerate(self.pieces(pos_q, pos_k)):
+            rotated_q, rotated_k = self.rope.encode_qk(q, k, piece_q, piece_k)
+            piece = torch.matmul(rotated_q, rotated_k.transpose(-1, -2))                # [..., Nq, Nk]
+            logits = piece if logits is None else torch.where(choice == index, piece, logits)
+        distance = pos_q.unsqueeze(-1) - pos_k.unsqueeze(-2)
+        return (logits * scale).masked_fill(distance < 0, float("-inf"))
+
+
+def _check_wrapped_rope(owner: str, name: str, rope) -> "RotaryPositionalEmbedding":
+    """A one-axis RoPE whose frequencies do not depend on the call's length (each rule of a
+    ``_RotaryPieces`` has its own largest position, so ``dynamic`` / ``longrope`` would differ per rule)."""
+    if not isinstance(rope, RotaryPositionalEmbedding):
+        raise TypeError(f"{owner}: {name} must be a RotaryPositionalEmbedding, got {type(rope).__name__}")
+    if rope.sections is not None:
+        raise ValueError(f"{owner}: {name} must rotate one position axis, got sections={rope.sections}")
+    if rope.scaling["rope_type"] in _LENGTH_DEPENDENT:
+        raise ValueError(f"{owner}: {name} must have length-independent frequencies, got "
+                         f"scaling rope_type={rope.scaling['rope_type']!r} (its spectrum follows each call's length)")
+    return rope
+
+
+class ReRoPEPositionalEmbedding(_RotaryPieces):
     """ReRoPE: RoPE whose relative position stops growing past a window (Su 2023).
 
     Su, "Rectified Rotary Position Embeddings" (kexue.fm/archives/9708, 2023; code in the
@@ -6068,9 +6145,7 @@ class ReRoPEPositionalEmbedding(_ExplicitLogits):
     """
 
     translation_invariant = True
-    is_causal = True  # causal by construction: keys after the query get -inf
-    arguments = {"window": _check_positive_int, "leak": functools.partial(_as_float, minimum=1.0, exclusive=True),
-                 "log_scaling_length": functools.partial(_as_int, minimum=2)}
+    arguments = {"window": _check_positive_int, "leak": functools.partial(_as_float, minimum=1.0, exclusive=True)}
 
     def __init__(self, dim: Optional[int] = None, window: int = 512, *, base: float = 10000.0,
                  interleaved: bool = False, leak: Optional[float] = None, log_scaling_length: Optional[int] = None,
@@ -6081,26 +6156,11 @@ class ReRoPEPositionalEmbedding(_ExplicitLogits):
         self.leak, self.log_scaling_length = leak, log_scaling_length
         self.rope = RotaryPositionalEmbedding(self.dim, base=base, interleaved=interleaved)
 
-    @property
-    def head_dim(self) -> int:
-        """The head dim ``Dh`` this encoding is built for (``dim``): q and k must have it."""
-        return self.dim
+    def pieces(self, pos_q, pos_k):
+        return (pos_q, pos_k), self._rectified(pos_q, pos_k)
 
-    def logits(self, q, k, positions_q, positions_k, scale):
-        pos_q, pos_k = _pair_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, 0, q.device, k.device)
-        if self.log_scaling_length is not None:  # the reference patch's max(1, log(t + 1) / log(L_train))
-            growth = torch.log1p(pos_q.to(torch.float64)) / math.log(self.log_scaling_length)
-            q = q * growth.clamp(min=1.0).to(q.dtype).unsqueeze(-1)
-        inner = torch.matmul(*self._rotated(q, k, pos_q, pos_k))                       # [..., Nq, Nk], exact d
-        outer = torch.matmul(*self._rotated(q, k, *self._rectified(pos_q, pos_k)))     # d' past the window
-        distance = pos_q.unsqueeze(-1) - pos_k.unsqueeze(-2)                           # [(B, 1,) Nq, Nk]
-        logits = torch.where(distance < self.window, inner, outer) * scale
-        return logits.masked_fill(distance < 0, float("-inf"))
-
-    def _rotated(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
-        """RoPE's q' at ``pos_q`` and k'^T at ``pos_k``, ready for one product."""
-        q, k = self.rope.encode_qk(q, k, pos_q, pos_k)
-        return q, k.transpose(-1, -2)
+    def piece_of(self, pos_q, pos_k):
+        return (pos_q.unsqueeze(-1) - pos_k.unsqueeze(-2) >= self.window).long()      # 1: past the window
 
     def _rectified(self, pos_q: Tensor, pos_k: Tensor) -> tuple:
         """The second pass's positions: every query at ``window``, keys at 0 (leaky: both scaled by 1 / k
@@ -6109,6 +6169,405 @@ class ReRoPEPositionalEmbedding(_ExplicitLogits):
             return torch.full_like(pos_q, self.window), torch.zeros_like(pos_k)
         shrink = 1.0 / self.leak
         return pos_q.to(torch.float64) * shrink + self.window * (1.0 - shrink), pos_k.to(torch.float64) * shrink
+
+
+class SelfExtendPositionalEmbedding(_RotaryPieces):
+    """Self-Extend: a RoPE model read past its training length through grouped positions (Jin et al. 2024).
+
+    Jin et al., "LLM Maybe LongLM: Self-Extend LLM Context Window Without Tuning",
+    arXiv:2401.01325 (code: datamllab/LongLM). Wraps a ``RotaryPositionalEmbedding``, used at
+    inference with no fine-tuning. A query at ``t`` meets a key at ``s <= t`` as that RoPE does
+    while the distance ``t - s`` is below ``window`` (neighbour attention). Farther pairs use
+    grouped positions: the key at ``s // G``, the query at ``t // G + shift`` with the paper's
+    ``shift = window - window // G``, so grouped distances take over where the window ends and
+    grow ``G`` times slower. The largest distance a logit sees at length ``L`` is about
+    ``window + L / G``: pick ``G`` so that it stays within the training length.
+
+    ``shift="code"`` uses ``window - window / G`` (a float), as the authors' prefill computes it;
+    their decoding path uses the paper's integer shift, so the two disagree when ``window % G != 0``.
+    The default is the paper's, which keeps prefill and decoding equal.
+
+    Cost: two ``q k^T`` products and one ``[Nq, Nk]`` select, as ReRoPE. Decoding: keep the raw
+    keys in the cache; a single query over the cached keys equals the full pass's row.
+
+    Args:
+        rope (RotaryPositionalEmbedding): the model's RoPE (any layout, ``rotary_dim``, fixed
+            scaling; not ``dynamic`` / ``longrope``, whose spectrum follows the call's length).
+        group_size (int): ``G``, positions per group past the window (the reference's
+            ``group_size_1``; 1 leaves RoPE unchanged).
+        window (int): neighbour window ``W``, distances below it are exact (``group_size_2``).
+        shift (str): ``"paper"`` (``W - W // G``, the default) or ``"code"`` (``W - W / G``).
+        log_scaling_length (int, optional): the reference's ``scale_base``: queries at ``t``
+            multiplied by ``max(1, log(t + 1) / log(L))``. Default: None (no scaling).
+
+    Shape:
+        - q: ``[..., Nq, Dh]``, k: ``[..., Nk, Dh]``; positions ``[N]`` or ``[B, N]``.
+        - Output of ``forward``: logits ``[..., Nq, Nk]``.
+
+    Example:
+        >>> rope = RotaryPositionalEmbedding(64)
+        >>> extend = SelfExtendPositionalEmbedding(rope, group_size=4, window=16)
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, extend, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    arguments = {"rope": _check_wrapped_rope, "group_size": _check_positive_int, "window": _check_positive_int,
+                 "shift": functools.partial(_check_choice, choices=("paper", "code"))}
+
+    def __init__(self, rope: RotaryPositionalEmbedding, group_size: int = 8, window: int = 1024, *,
+                 shift: Literal["paper", "code"] = "paper", log_scaling_length: Optional[int] = None) -> None:
+        super().__init__()
+        self.rope, self.group_size, self.window, self.shift = rope, group_size, window, shift
+        self.log_scaling_length = log_scaling_length
+        self.group_shift = window - (window // group_size if shift == "paper" else window / group_size)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}, window={self.window}, shift={self.shift!r}"
+
+    def pieces(self, pos_q, pos_k):
+        group_q = torch.div(pos_q, self.group_size, rounding_mode="floor")
+        if isinstance(self.group_shift, float):                                         # "code": a float shift
+            group_q = group_q.to(torch.float64)
+        grouped = (group_q + self.group_shift, torch.div(pos_k, self.group_size, rounding_mode="floor"))
+        return (pos_q, pos_k), grouped
+
+    def piece_of(self, pos_q, pos_k):
+        return (pos_q.unsqueeze(-1) - pos_k.unsqueeze(-2) >= self.window).long()      # 1: grouped
+
+
+class DualChunkPositionalEmbedding(_RotaryPieces):
+    """Dual Chunk Attention: a RoPE model read past its training length in chunks (An et al. 2024).
+
+    An et al., "Training-Free Long-Context Scaling of Large Language Models", arXiv:2402.17463
+    (code: HKUNLP/ChunkLlama; vLLM's dual-chunk backend for Qwen2.5-1M). Wraps a
+    ``RotaryPositionalEmbedding``. The sequence is cut into chunks of ``L = chunk_size - local_size``
+    tokens. Every key at ``s`` sits at ``s mod L``; the query at ``t`` takes one of three positions,
+    by how many chunks lie between them:
+
+    * same chunk (intra): ``t mod L``, so the distance is exactly ``t - s``;
+    * the previous chunk (successive): ``min(t mod L + L, chunk_size)``, exact up to ``local_size + 1``
+      tokens into the chunk, then held at ``chunk_size``;
+    * earlier chunks (inter): ``min(2L - 1, chunk_size)``, one position for every query.
+
+    No logit ever sees a distance above ``chunk_size``. This is the authors' and vLLM's code (they
+    agree); the paper's ``s``, ``c - 1`` and ``w`` are ``L``, ``chunk_size`` and ``local_size + 1``
+    (its figure, ``s = 6, c = 10, w = 4``, is ``chunk_size=9, local_size=3``).
+
+    ChunkLlama also multiplies q's and k's cos/sin by ``m = 0.05 ln(N / L_train) + 1`` (vLLM:
+    ``0.1``, clipped at 1) when ``N`` tokens exceed the training length, which scales every logit
+    by ``m^2``; the paper has no such factor. ``scaling_length=L_train`` turns it on, with
+    ``N`` the call's largest key position + 1 and ``scaling_coefficient`` 0.05 (ChunkLlama) or 0.1
+    (vLLM); the default leaves it out, as the paper does. ChunkLlama keeps each cached key at the
+    ``m`` of the call that rotated it; here ``m`` follows the current call.
+
+    Cost: three ``q k^T`` products and three ``[Nq, Nk]`` selects, with no fused SDPA path (a
+    ``"logits"`` kind); the reference runs three flash-attention calls per chunk instead. Decoding:
+    keep the raw keys in the cache; a single query over them equals the full pass's row.
+
+    Args:
+        rope (RotaryPositionalEmbedding): the model's RoPE (any layout, ``rotary_dim``, fixed
+            scaling; not ``dynamic`` / ``longrope``).
+        chunk_size (int): the largest query position (ChunkLlama's default: 3/4 of the training length).
+        local_size (int): ``chunk_size - L``, the successive-chunk reach (ChunkLlama's
+            ``local_window``, default 1/8 of the training length); below ``chunk_size``.
+        scaling_length (int, optional): the training length for the ``m^2`` factor above. Default: None.
+        scaling_coefficient (float): the factor's slope. Default: 0.05 (ChunkLlama).
+
+    Shape:
+        - q: ``[..., Nq, Dh]``, k: ``[..., Nk, Dh]``; positions ``[N]`` or ``[B, N]``.
+        - Output of ``forward``: logits ``[..., Nq, Nk]``.
+
+    Example:
+        >>> rope = RotaryPositionalEmbedding(64)
+        >>> chunked = DualChunkPositionalEmbedding(rope, chunk_size=24, local_size=4)
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, chunked, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    arguments = {"rope": _check_wrapped_rope, "chunk_size": _check_positive_int,
+                 "local_size": functools.partial(_as_int, minimum=0), "scaling_length": _check_positive_int,
+                 "scaling_coefficient": _positive_float}
+
+    def __init__(self, rope: RotaryPositionalEmbedding, chunk_size: int, local_size: int, *,
+                 scaling_length: Optional[int] = None, scaling_coefficient: float = 0.05) -> None:
+        super().__init__()
+        if local_size >= chunk_size:
+            raise ValueError(f"{type(self).__name__}: local_size must be below chunk_size (chunks hold "
+                             f"chunk_size - local_size tokens), got local_size={local_size}, chunk_size={chunk_size}")
+        self.rope, self.chunk_size, self.local_size = rope, chunk_size, local_size
+        self.scaling_length, self.scaling_coefficient = scaling_length, scaling_coefficient
+        self.chunk_len = chunk_size - local_size                                        # L
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, local_size={self.local_size}, chunk_len={self.chunk_len}"
+
+    def pieces(self, pos_q, pos_k):
+        within_q, within_k = torch.remainder(pos_q, self.chunk_len), torch.remainder(pos_k, self.chunk_len)
+        successive = (within_q + self.chunk_len).clamp(max=self.chunk_size)
+        inter = torch.full_like(pos_q, min(2 * self.chunk_len - 1, self.chunk_size))
+        return (within_q, within_k), (successive, within_k), (inter, within_k)
+
+    def piece_of(self, pos_q, pos_k):
+        chunks_apart = self._chunk(pos_q).unsqueeze(-1) - self._chunk(pos_k).unsqueeze(-2)
+        return chunks_apart.clamp(0, 2)                                                 # 0 intra, 1 successive, 2 inter
+
+    def _chunk(self, positions: Tensor) -> Tensor:
+        return torch.div(positions, self.chunk_len, rounding_mode="floor")
+
+    def logits(self, q, k, positions_q, positions_k, scale):
+        logits = super().logits(q, k, positions_q, positions_k, scale)
+        if self.scaling_length is None or k.shape[-2] == 0:
+            return logits
+        length = k.shape[-2] if positions_k is None else positions_k.max() + 1
+        m = torch.clamp(self.scaling_coefficient * torch.log(torch.as_tensor(length, dtype=torch.float64)
+                                                              / self.scaling_length) + 1.0, min=1.0)
+        return logits * (m * m).to(logits.dtype)
+
+
+class StickBreakingPositionalEmbedding(_ExplicitLogits):
+    """Stick-breaking attention: no positions; each query breaks a stick from its nearest key back (Tan et al. 2024).
+
+    Tan et al., "Scaling Stick-Breaking Attention: An Efficient Implementation and In-depth Study",
+    arXiv:2410.17980 (code: shawntan/stickbreaking-attention; flash-linear-attention's
+    ``stickbreaking_attn``). The weights replace the softmax. With ``z_ij = scale q_i . k_j`` and
+    ``beta_ij = sigmoid(z_ij)``, query ``i`` gives key ``j < i``
+
+        ``A_ij = beta_ij prod_{j < l < i} (1 - beta_il)``,
+
+    so the nearest earlier key takes a fraction ``beta`` of the stick, the next one a fraction of
+    what is left, and so on: order comes from the keys' order, and no position is encoded. The
+    weights sum to at most 1. Computed in log space, ``log A_ij = logsigmoid(z_ij) - sum_{l > j}
+    softplus(z_il)`` over the visible keys (masked keys, other documents included, neither take
+    nor break the stick), in float32 (float64 for float64 inputs).
+
+    ``attend_current=True`` lets the query's own key in (``j <= i``, the product over
+    ``j < l <= i``), as the reference's option. The leftover ``1 - sum_j A_ij`` is dropped by
+    default, as the reference functions return it apart; ``remainder="current"`` adds it to the
+    query's own value, as the reference's tests do (the authors' model uses a learned vector per
+    head instead, left to the caller).
+
+    Cost: one ``q k^T`` product, a reverse cumulative sum and a ``[Nq, Nk]`` exp, with no fused
+    path (the reference's Triton kernels are not used). Causal by construction.
+
+    Args:
+        attend_current (bool): queries see their own key. Default: False.
+        remainder (str): ``"drop"`` (the default) or ``"current"``: the leftover weight goes to
+            the query's own value.
+
+    Shape:
+        - q: ``[..., Nq, Dh]``, k: ``[..., Nk, Dh]`` (queries are the last ``Nq`` keys); no positions.
+        - Output of ``forward``: logits ``[..., Nq, Nk]`` (``-inf`` for the keys a query cannot see).
+
+    Example:
+        >>> stick = StickBreakingPositionalEmbedding()
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, stick, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    takes_positions = False
+    order_from = "the order of the keys (the stick breaks from the nearest earlier key)"
+    is_causal = True  # causal by construction: later keys (and, by default, the query's own) get -inf
+    arguments = {"attend_current": _check_flag,
+                 "remainder": functools.partial(_check_choice, choices=("drop", "current"))}
+
+    def __init__(self, *, attend_current: bool = False, remainder: Literal["drop", "current"] = "drop") -> None:
+        super().__init__()
+        self.attend_current, self.remainder = attend_current, remainder
+
+    def logits(self, q, k, positions_q, positions_k, scale):
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scale                          # [..., Nq, Nk]
+        own = torch.arange(q_len, device=q.device) + _query_offset(q_len, k_len)          # each query's own key
+        keys = torch.arange(k_len, device=q.device)
+        hidden = keys > own.unsqueeze(-1) if self.attend_current else keys >= own.unsqueeze(-1)
+        return logits.masked_fill(hidden, float("-inf"))
+
+    def attention_weights(self, logits: Tensor) -> Tensor:
+        log_keep = F.logsigmoid(-logits)                                                  # log(1 - beta); 0 if masked
+        broken_after = log_keep.flip(-1).cumsum(-1).flip(-1) - log_keep                   # sum over later keys l > j
+        weights = torch.exp(F.logsigmoid(logits) + broken_after)                          # [..., Nq, Nk]
+        if self.remainder == "drop":
+            return weights
+        q_len, k_len = logits.shape[-2], logits.shape[-1]
+        own = F.one_hot(torch.arange(q_len, device=logits.device) + _query_offset(q_len, k_len), k_len)
+        return weights + (1.0 - weights.sum(-1, keepdim=True)) * own.to(weights.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Wrappers: an encoding of any kind, with the positions it sees changed
+# ---------------------------------------------------------------------------
+
+def _check_position_taking(owner: str, name: str, encoding) -> PositionalEmbedding:
+    """A one-axis encoding that takes positions (the ones a wrapper can change)."""
+    if not isinstance(encoding, PositionalEmbedding):
+        raise TypeError(f"{owner}: {name} must be a PositionalEmbedding, got {type(encoding).__name__}")
+    if not encoding.takes_positions:
+        raise ValueError(f"{owner}: {name} must take positions, got {type(encoding).__name__} "
+                         f"(its order comes from {encoding.order_from or 'the content'})")
+    if encoding.num_axes != 1:
+        raise ValueError(f"{owner}: {name} must take one position axis, got {type(encoding).__name__} "
+                         f"with num_axes={encoding.num_axes}")
+    return encoding
+
+
+class RandomizedPositionalEmbedding(PositionalEmbedding):
+    """Randomized positions: train on positions drawn from a range longer than the sequence (Ruoss et al. 2023).
+
+    Ruoss et al., "Randomized Positional Encodings Boost Length Generalization of Transformers",
+    arXiv:2305.16843 (code: google-deepmind/randomized_positional_encodings). Wraps any one-axis
+    encoding that takes positions, of any kind. In training mode, every call that leaves the
+    positions to their defaults instead draws ``Nk`` distinct positions uniformly from
+    ``[0, max_len)`` and sorts them: keys take them in order, queries the last ``Nq`` (as the
+    defaults' bottom-right rule). So a model trained on short sequences has seen every position
+    up to ``max_len``, and in eval mode, where the defaults ``arange`` are used, it runs at any
+    length up to ``max_len`` on positions it knows. One draw serves a whole call (every sequence of
+    the batch and every hook: rotation, bias, logits, value term), as in the reference.
+
+    Explicit positions (and ``attention()``'s document positions) pass through unchanged. For
+    calls that rotate q and k separately (``rope(q)``, ``rope(k)``), draw once with ``draw(n)``
+    and pass the positions to both. ``generator`` seeds the draws (reproducible training).
+
+    The reference's Transformer-XL and ALiBi variants draw relative distances instead of
+    positions; they are not implemented (drawn positions give those encodings differences of
+    sorted draws).
+
+    Args:
+        encoding (PositionalEmbedding): the encoding to feed (one position axis, takes positions).
+        max_len (int): ``L``, positions are drawn from ``[0, L)``; at least the longest sequence.
+        generator (torch.Generator, optional): the source of the draws. Default: torch's global one.
+
+    Shape:
+        - As ``encoding``'s. ``forward`` is its own call for ``"input"`` and ``"bias"`` kinds; for
+          ``"qk"`` and ``"logits"`` kinds the logits ``forward_attn(q, k, positions_q, positions_k)``.
+
+    Example:
+        >>> rope = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(64), max_len=1024,
+        ...                                      generator=torch.Generator().manual_seed(0))
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, rope, causal=True).shape                 # training: sorted draws from [0, 1024)
+        torch.Size([2, 8, 100, 64])
+        >>> out = attention(q, k, v, rope.eval(), causal=True)          # eval: arange(100), plain RoPE
+    """
+
+    arguments = {"encoding": _check_position_taking, "max_len": _check_positive_int}
+
+    def __init__(self, encoding: PositionalEmbedding, max_len: int, *,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"{type(self).__name__}: generator must be a torch.Generator or None, "
+                            f"got {type(generator).__name__}")
+        self.encoding, self.max_len, self.generator = encoding, max_len, generator
+        self.kind, self.integer_positions = encoding.kind, encoding.integer_positions
+        self.translation_invariant = encoding.translation_invariant
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}, seeded={self.generator is not None}"
+
+    @property
+    def num_heads(self) -> Optional[int]:
+        return getattr(self.encoding, "num_heads", None)
+
+    @property
+    def head_dim(self) -> Optional[int]:
+        return getattr(self.encoding, "head_dim", None)
+
+    @property
+    def is_causal(self) -> bool:
+        return self.encoding.is_causal
+
+    def draw(self, n: int, device=None) -> Tensor:
+        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64."""
+        if n > self.max_len:
+            raise ValueError(f"{type(self).__name__}: a sequence of {n} tokens needs max_len >= {n}, "
+                             f"got max_len={self.max_len}")
+        generator_device = self.generator.device if self.generator is not None else "cpu"
+        drawn = torch.randperm(self.max_len, generator=self.generator, device=generator_device)[:n]
+        return drawn.sort().values.to(device)
+
+    def _resolve_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                           positions_k: Optional[Tensor], device) -> tuple:
+        if not self.training or positions_q is not None or positions_k is not None:
+            return positions_q, positions_k
+        if q_len > k_len:
+            raise ValueError(f"{type(self).__name__}: drawn positions need Nq <= Nk (queries are the last Nq "
+                             f"keys), got Nq={q_len}, Nk={k_len}")
+        positions_k = self.draw(k_len, device)
+        return positions_k[k_len - q_len:], positions_k
+
+    def forward(self, *args, **kwargs):
+        """The wrapped encoding's own call, on drawn positions: ``(x, positions)`` for ``"input"`` kinds,
+        ``(q_len, k_len, positions_q, positions_k)`` (the bias) for ``"bias"`` kinds, else the logits
+        ``forward_attn(q, k, ...)``: a rotation of one tensor alone could not share its draw with the other."""
+        if self.kind == "input":
+            return self._forward_input(*args, **kwargs)
+        if self.kind == "bias":
+            return self.attention_bias(*args, **kwargs)
+        return self.forward_attn(*args, **kwargs)
+
+    def _forward_input(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        if self.training and positions is None:
+            if offset != 0:
+                raise ValueError(f"{type(self).__name__}: offset={offset} in training mode, where positions "
+                                 "are drawn; pass positions, or offset in eval mode")
+            positions = self.draw(x.shape[-2], x.device)
+        return self._named(self.encoding, x, positions, offset=offset)
+
+    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
+        return self._named(self.encoding._check_qk, q, k, positions_q, positions_k, grouped)
+
+    def _check_attention_shapes(self, q, k, v):
+        self._named(self.encoding._check_attention_shapes, q, k, v)
+
+    def _named(self, hook, *args, **kwargs):
+        """``hook(*args, **kwargs)`` of the wrapped encoding; its errors name this wrapper, as the
+        class the user called, and then the wrapped one."""
+        try:
+            return hook(*args, **kwargs)
+        except (TypeError, ValueError) as error:
+            inner, message = type(self.encoding).__name__, str(error)
+            if message.startswith(inner + ": "):
+                message = message[len(inner) + 2:]
+            raise type(error)(f"{type(self).__name__}: {message} (in the wrapped {inner})") from None
+
+    def reset_parameters(self) -> None:
+        self.encoding.reset_parameters()
+
+    def logit_scale(self, head_dim: int) -> float:
+        return self.encoding.logit_scale(head_dim)
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
+                                                           q.device)
+        return self._named(self.encoding.encode_qk, q, k, positions_q, positions_k)
+
+    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
+        positions_q, positions_k = self._resolve_positions(q_len, k_len, positions_q, positions_k, device)
+        return self._named(self.encoding.attention_bias, q_len, k_len, positions_q, positions_k, device=device)
+
+    def score_mod(self, q_len, k_len, positions_q=None, positions_k=None):
+        positions_q, positions_k = self._resolve_positions(q_len, k_len, positions_q, positions_k, None)
+        return self._named(self.encoding.score_mod, q_len, k_len, positions_q, positions_k)
+
+    def full_precision_logits(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
+                                                           q.device)
+        return self._named(self.encoding.full_precision_logits, q, k, positions_q, positions_k, scale=scale)
+
+    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
+        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
+                                                           q.device)
+        return self._named(self.encoding.forward_attn, q, k, positions_q, positions_k, scale=scale)
+
+    def attention_values(self, weights, positions_q=None, positions_k=None):
+        return self._named(self.encoding.attention_values, weights, positions_q, positions_k)
+
+    def attention_weights(self, logits):
+        return self.encoding.attention_weights(logits)
+
 
 # ---------------------------------------------------------------------------
 # Hugging Face configs (from_config)
@@ -6869,6 +7328,13 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "fire": FIREPositionalEmbedding(num_heads),
         "cope": CoPEPositionalEmbedding(num_heads, head_dim),
         "rerope": ReRoPEPositionalEmbedding(head_dim, window=seq_len // 4),
+        "stick_breaking": StickBreakingPositionalEmbedding(),
+        "self_extend": SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(head_dim), group_size=4,
+                                                     window=seq_len // 4),
+        "randomized_rope": RandomizedPositionalEmbedding(RotaryPositionalEmbedding(head_dim), max_len=4 * seq_len,
+                                                         generator=torch.Generator().manual_seed(0)),   # training mode
+        "dual_chunk": DualChunkPositionalEmbedding(RotaryPositionalEmbedding(head_dim), chunk_size=seq_len // 4,
+                                                   local_size=seq_len // 16),
         "forgetting": ForgettingPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),   # bound
         "shaw": ShawPositionalEmbedding(num_heads, head_dim),
         "deberta": DebertaPositionalEmbedding(dim, num_heads),
@@ -6888,7 +7354,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
 
 def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
     """Positions for encodings that need them: a square grid for multi-axis ones."""
-    if pe.num_axes == 1:
+    if pe.num_axes == 1 or not pe.takes_positions:   # the convolution reads its grid from the token order
         return None
     side = math.isqrt(seq_len)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")

@@ -16,12 +16,14 @@ subset of each and skips the rest, which carries the ``slow`` marker: ``PE_SLOW=
 runs exactly what the default run leaves out.
 """
 
+import collections
 import copy
 import csv
 import doctest
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import os
 import pathlib
@@ -50,6 +52,10 @@ from positional_embeddings import (
     AlgebraicTreePositionalEmbedding,
     CoPEPositionalEmbedding,
     ReRoPEPositionalEmbedding,
+    SelfExtendPositionalEmbedding,
+    DualChunkPositionalEmbedding,
+    RandomizedPositionalEmbedding,
+    StickBreakingPositionalEmbedding,
     ContinuousPositionBias,
     ConvolutionalPositionalEmbedding,
     DebertaPositionalEmbedding,
@@ -288,6 +294,26 @@ CASES = [
          has_offset=False),
     Case("rerope_leaky", lambda: ReRoPEPositionalEmbedding(DH, window=5, leak=4.0, log_scaling_length=8),
          has_offset=False),
+    Case("self_extend", lambda: SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH, interleaved=True),
+                                                               group_size=3, window=4), has_offset=False),
+    Case("self_extend_code_shift", lambda: SelfExtendPositionalEmbedding(
+        RotaryPositionalEmbedding(DH, rotary_dim=DH // 2), group_size=3, window=5, shift="code",
+        log_scaling_length=6), has_offset=False),
+    Case("dual_chunk", lambda: DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=5, local_size=2),
+         has_offset=False),
+    Case("dual_chunk_interleaved", lambda: DualChunkPositionalEmbedding(
+        RotaryPositionalEmbedding(DH, interleaved=True), chunk_size=6, local_size=1), has_offset=False),
+    Case("stick_breaking", lambda: StickBreakingPositionalEmbedding(), has_offset=False, takes_positions=False),
+    Case("stick_breaking_current", lambda: StickBreakingPositionalEmbedding(attend_current=True, remainder="current"),
+         has_offset=False, takes_positions=False),
+    # wrappers, in eval mode (arange positions; training draws are tested in TestRandomized)
+    PairCase("randomized_rope", lambda: RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64).eval(),
+             has_offset=False),
+    Case("randomized_sinusoidal", lambda: RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64).eval()),
+    Case("randomized_alibi", lambda: RandomizedPositionalEmbedding(ALiBiPositionalEmbedding(H), 64).eval(),
+         has_offset=False),
+    Case("randomized_shaw", lambda: RandomizedPositionalEmbedding(ShawPositionalEmbedding(H, DH, max_distance=5),
+                                                                  64).eval(), has_offset=False),
     Case("cope", lambda: CoPEPositionalEmbedding(H, DH, max_position=8, init_std=0.5), has_offset=False,
          takes_positions=False),
     Case("cope_per_head", lambda: CoPEPositionalEmbedding(H, DH, per_head=True, init_std=0.5), has_offset=False,
@@ -511,7 +537,8 @@ class TestEveryClass:
             if causal:
                 i = torch.arange(nq)[:, None] + (N - nq)
                 logits = logits.masked_fill(torch.arange(N)[None, :] > i, float("-inf"))
-            weights = torch.softmax(logits, dim=-1)
+            softmax = type(pe64).attention_weights is pe_lib.PositionalEmbedding.attention_weights
+            weights = torch.softmax(logits, dim=-1) if softmax else pe64.attention_weights(logits)   # stick-breaking
             want = weights @ v
             extra = pe64.attention_values(weights, *positions)           # the value term, if the class has one
             want = want if extra is None else want + extra
@@ -623,6 +650,8 @@ class TestEveryClass:
         heads, head_dim = getattr(pe, "num_heads", None), getattr(pe, "head_dim", None)
         if pe.kind == "input":
             pytest.skip("added to the tokens: attention() never sees its widths")
+        if heads is None and head_dim is None and case.name.startswith("stick_breaking"):
+            pytest.skip("no parameters and no positions: any head count and width")
         if heads is None and head_dim is None:
             pytest.fail(f"{case.name}: an attention-side class with neither num_heads nor head_dim")
         positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
@@ -958,7 +987,7 @@ FLOAT_POSITION_CASES = [case for case in CASES if case.takes_positions] + [
 
 # Cases whose logits jump at distance 0 (a kink is fine, a jump has no derivative to compare with):
 # causal ALiBi's -inf on keys after the query, Enformer's sign(d) features.
-JUMP_AT_DISTANCE_0 = {"alibi", "enformer"}
+JUMP_AT_DISTANCE_0 = {"alibi", "enformer", "randomized_alibi"}
 
 
 def _float_positions(case, n):
@@ -1210,7 +1239,9 @@ CAUSAL_MODE_EXTRA = {
 # the causal-mode cases, read from their constructors: bidirectional=False (or a decoder config), or causal by
 # construction (CoPE, the forget gate)
 CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting", "rerope_leaky",
-                     "t5_from_decoder_config"}
+                     "t5_from_decoder_config", "self_extend", "self_extend_code_shift", "dual_chunk",
+                     "dual_chunk_interleaved", "randomized_alibi",
+                     "stick_breaking", "stick_breaking_current"}
 
 
 class TestCausalRule:
@@ -7041,6 +7072,422 @@ class TestReRoPE:
         with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: q"):
             attention(*qkv(dh=DH + 2), ReRoPEPositionalEmbedding(DH, window=4), causal=True)
 
+
+# ---------------------------------------------------------------------------
+# Self-Extend
+# ---------------------------------------------------------------------------
+
+
+def self_extend_oracle(q, k, positions_q, positions_k, group_size, window, base, shift, log_length=None):
+    """Self-Extend's logits one pair at a time in float64: RoPE at distance d = t - s below the window, else
+    at the grouped distance (t // G + shift) - s // G; -inf for keys after the query."""
+    dh = q.shape[-1]
+    inv_freq = plain_inv_freq(dh, base)
+    out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
+    for i, t in enumerate(positions_q):
+        growth = 1.0 if log_length is None else max(1.0, math.log(t + 1) / math.log(log_length))
+        for j, s_ in enumerate(positions_k):
+            if t < s_:
+                continue
+            d = t - s_ if t - s_ < window else (t // group_size + shift) - s_ // group_size
+            turned = rope_oracle(q[..., i : i + 1, :].double() * growth, [d], inv_freq)[..., 0, :]
+            out[..., i, j] = (turned * k[..., j, :].double()).sum(-1) / math.sqrt(dh)
+    return out
+
+
+def authors_neighbour_mask(length, window):
+    """The LongLM patch's prefill choice, built as it builds it: a lower triangle with the triangle of pairs
+    at least ``window`` apart taken out (True: neighbour attention)."""
+    mask = torch.ones(length, length).tril()
+    if length > window:
+        mask[window:, :-window] -= torch.ones(length - window, length - window).tril()
+    return mask.bool()
+
+
+class TestSelfExtend:
+    @pytest.mark.parametrize("group_size, window, shift, log_length", [
+        (3, 5, "paper", None), (3, 5, "code", None), (4, 8, "paper", 6), (1, 3, "paper", None)])
+    def test_matches_loop_oracle(self, group_size, window, shift, log_length):
+        rope = RotaryPositionalEmbedding(8, base=100.0)
+        pe = SelfExtendPositionalEmbedding(rope, group_size, window, shift=shift, log_scaling_length=log_length)
+        pe = pe.double()
+        offset = window - (window // group_size if shift == "paper" else window / group_size)
+        q, k = torch.randn(2, 3, 9, 8, dtype=torch.float64), torch.randn(2, 3, 20, 8, dtype=torch.float64)
+        want = self_extend_oracle(q, k, range(11, 20), range(20), group_size, window, 100.0, offset, log_length)
+        got = pe.forward_attn(q, k)                                                     # bottom-right queries
+        assert torch.equal(got.isinf(), want.isinf())
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+        pos_q, pos_k = torch.tensor([40, 2, 17]), torch.tensor([0, 39, 3, 16, 17])
+        want = self_extend_oracle(q[..., :3, :], k[..., :5, :], pos_q.tolist(), pos_k.tolist(), group_size, window,
+                                  100.0, offset, log_length)
+        got = pe.forward_attn(q[..., :3, :], k[..., :5, :], pos_q, pos_k)
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+
+    def test_neighbour_pairs_are_those_of_the_authors_mask(self):
+        pe = SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH), group_size=2, window=5)
+        pos = torch.arange(13)
+        assert torch.equal(pe.piece_of(pos, pos) == 0, authors_neighbour_mask(13, 5) | (pos[:, None] < pos))
+
+    def test_group_size_one_is_the_wrapped_rope(self):
+        rope = RotaryPositionalEmbedding(DH, interleaved=True)
+        q, k, v = qkv(10, 10)
+        want = attention(q, k, v, rope, causal=True)
+        got = attention(q, k, v, SelfExtendPositionalEmbedding(rope, group_size=1, window=3), causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    def test_grouped_distance_continues_the_window(self):
+        # Past the window, the grouped distance starts at the window (to within G) and grows G times slower.
+        pe = SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH), group_size=4, window=16)
+        t = torch.arange(16, 4000)
+        pos_q, pos_k = pe.pieces(t, torch.zeros_like(t))[1]
+        grouped = pos_q - pos_k
+        assert grouped.min() >= 16 - 4 + 1 and grouped.max() == 3999 // 4 + 12
+
+    @pytest.mark.parametrize("shift", ["paper", "code"])
+    def test_decoding_with_raw_keys_matches_the_full_pass(self, shift):
+        pe = SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH), group_size=3, window=4, shift=shift)
+        q, k, v = qkv(14, 14)
+        full = attention(q, k, v, pe, causal=True)
+        for t in (0, 5, 13):                                                            # new query t, keys 0..t
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+
+    def test_bad_input_is_named(self):
+        rope = RotaryPositionalEmbedding(DH)
+        with pytest.raises(TypeError, match="SelfExtendPositionalEmbedding: rope must be a RotaryPositionalEmbedding"):
+            SelfExtendPositionalEmbedding(ALiBiPositionalEmbedding(H))
+        with pytest.raises(ValueError, match="SelfExtendPositionalEmbedding: rope .* rope_type='dynamic'"):
+            SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH, scaling={
+                "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}))
+        with pytest.raises(ValueError, match="SelfExtendPositionalEmbedding: rope must rotate one position axis"):
+            SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH, sections=[4, 6, 6]))
+        for name, kwargs in [("group_size", {"group_size": 0}), ("window", {"window": -1}),
+                             ("shift", {"shift": "floor"}), ("log_scaling_length", {"log_scaling_length": 1})]:
+            with pytest.raises(ValueError, match=f"SelfExtendPositionalEmbedding: {name}"):
+                SelfExtendPositionalEmbedding(rope, **kwargs)
+        with pytest.raises(ValueError, match="SelfExtendPositionalEmbedding: q"):
+            attention(*qkv(dh=DH + 2), SelfExtendPositionalEmbedding(rope), causal=True)
+
+
+# ---------------------------------------------------------------------------
+# Dual Chunk Attention
+# ---------------------------------------------------------------------------
+
+
+def dual_chunk_oracle(q, k, positions_q, positions_k, chunk_size, local_size, base):
+    """Dual Chunk Attention's logits one pair at a time in float64, in the paper's terms (its Eqs. 2-8):
+    chunks of s = chunk_size - local_size tokens, keys at j mod s; the query at i mod s (same chunk),
+    at s + i mod s while i mod s < w = local_size + 1 and c - 1 = chunk_size after that (previous chunk),
+    and at c - 1 for earlier chunks (the code's min(2s - 1, c - 1), which is c - 1 unless local_size >= s)."""
+    dh = q.shape[-1]
+    inv_freq = plain_inv_freq(dh, base)
+    s, w, c_minus_1 = chunk_size - local_size, local_size + 1, chunk_size
+    out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
+    for a, i in enumerate(positions_q):
+        for b, j in enumerate(positions_k):
+            if i < j:
+                continue
+            apart = i // s - j // s
+            if apart == 0:
+                query = i % s
+            elif apart == 1:
+                query = s + i % s if i % s < w else c_minus_1
+            else:
+                query = min(2 * s - 1, c_minus_1)
+            turned = rope_oracle(q[..., a : a + 1, :].double(), [query - j % s], inv_freq)[..., 0, :]
+            out[..., a, b] = (turned * k[..., b, :].double()).sum(-1) / math.sqrt(dh)
+    return out
+
+
+class TestDualChunk:
+    @pytest.mark.parametrize("chunk_size, local_size", [(9, 3), (10, 4), (5, 0), (10, 7)])
+    def test_matches_loop_oracle(self, chunk_size, local_size):
+        pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(8, base=100.0), chunk_size, local_size).double()
+        q, k = torch.randn(2, 3, 11, 8, dtype=torch.float64), torch.randn(2, 3, 30, 8, dtype=torch.float64)
+        want = dual_chunk_oracle(q, k, range(19, 30), range(30), chunk_size, local_size, 100.0)
+        got = pe.forward_attn(q, k)                                                     # bottom-right queries
+        assert torch.equal(got.isinf(), want.isinf())
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+        pos_q, pos_k = torch.tensor([40, 2, 17]), torch.tensor([0, 39, 3, 16, 17])
+        want = dual_chunk_oracle(q[..., :3, :], k[..., :5, :], pos_q.tolist(), pos_k.tolist(), chunk_size,
+                                 local_size, 100.0)
+        got = pe.forward_attn(q[..., :3, :], k[..., :5, :], pos_q, pos_k)
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+
+    def test_the_papers_figure(self):
+        # The paper's Figure 2 example: chunk s = 6, pretraining length c = 10, local window w = 4; successive-chunk
+        # query positions [6, 7, 8, 9, 9, 9] and inter-chunk 9 = c - 1 (chunk_size=9, local_size=3 here).
+        pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=9, local_size=3)
+        t = torch.arange(12, 18)                                                        # one chunk of queries
+        (intra_q, keys), (successive_q, _), (inter_q, _) = pe.pieces(t, torch.arange(18))
+        assert intra_q.tolist() == [0, 1, 2, 3, 4, 5] and successive_q.tolist() == [6, 7, 8, 9, 9, 9]
+        assert inter_q.tolist() == [9] * 6 and keys.tolist() == list(range(6)) * 3
+
+    def test_distances_stay_within_chunk_size(self):
+        pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=10, local_size=4)
+        t = torch.arange(200)
+        pieces, choice = pe.pieces(t, t), pe.piece_of(t, t)
+        causal = t[:, None] >= t[None, :]
+        for rule, want in enumerate([range(0, 6), range(1, 11), range(5, 11)]):
+            d = pieces[rule][0][:, None] - pieces[rule][1][None, :]
+            assert d[(choice == rule) & causal].unique().tolist() == list(want)
+
+    def test_within_one_chunk_it_is_the_wrapped_rope(self):
+        rope = RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)
+        q, k, v = qkv(6, 6)
+        want = attention(q, k, v, rope, causal=True)
+        got = attention(q, k, v, DualChunkPositionalEmbedding(rope, chunk_size=8, local_size=2), causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    def test_length_scaling_multiplies_the_logits_by_m_squared(self):
+        rope = RotaryPositionalEmbedding(DH)
+        plain = DualChunkPositionalEmbedding(rope, chunk_size=6, local_size=2)
+        q, k = torch.randn(1, H, 20, DH, dtype=torch.float64), torch.randn(1, H, 20, DH, dtype=torch.float64)
+        for coefficient in (0.05, 0.1):
+            scaled = DualChunkPositionalEmbedding(rope, 6, 2, scaling_length=8, scaling_coefficient=coefficient)
+            m = coefficient * math.log(20 / 8) + 1.0
+            want = plain.forward_attn(q, k) * m * m
+            torch.testing.assert_close(scaled.forward_attn(q, k), want, rtol=1e-12, atol=1e-12)
+            short = scaled.forward_attn(q[..., :5, :], k[..., :5, :])                   # within L_train: m = 1
+            torch.testing.assert_close(short, plain.forward_attn(q[..., :5, :], k[..., :5, :]), rtol=0, atol=0)
+
+    def test_decoding_with_raw_keys_matches_the_full_pass(self):
+        pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=5, local_size=2)
+        q, k, v = qkv(16, 16)
+        full = attention(q, k, v, pe, causal=True)
+        for t in (0, 4, 9, 15):                                                         # new query t, keys 0..t
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+
+    def test_bad_input_is_named(self):
+        rope = RotaryPositionalEmbedding(DH)
+        with pytest.raises(TypeError, match="DualChunkPositionalEmbedding: rope must be a RotaryPositionalEmbedding"):
+            DualChunkPositionalEmbedding(None, 8, 2)
+        with pytest.raises(ValueError, match="DualChunkPositionalEmbedding: local_size must be below chunk_size"):
+            DualChunkPositionalEmbedding(rope, 8, 8)
+        for name, kwargs in [("chunk_size", {"chunk_size": 0, "local_size": 0}),
+                             ("local_size", {"chunk_size": 4, "local_size": -1}),
+                             ("scaling_length", {"chunk_size": 4, "local_size": 1, "scaling_length": 0}),
+                             ("scaling_coefficient", {"chunk_size": 4, "local_size": 1, "scaling_coefficient": 0.0})]:
+            with pytest.raises(ValueError, match=f"DualChunkPositionalEmbedding: {name}"):
+                DualChunkPositionalEmbedding(rope, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Randomized positions
+# ---------------------------------------------------------------------------
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+class TestRandomized:
+    def test_draws_are_sorted_distinct_and_in_range(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 40, generator=seeded())
+        for n in (1, 7, 40):
+            p = pe.draw(n)
+            assert p.dtype == torch.int64 and p.shape == (n,)
+            assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
+        assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
+
+    def test_every_subset_is_equally_likely(self):
+        # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
+        # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 5, generator=seeded(1))
+        counts = collections.Counter(tuple(pe.draw(2).tolist()) for _ in range(20000))
+        assert sorted(counts) == sorted(itertools.combinations(range(5), 2))
+        chi2 = sum((c - 2000) ** 2 / 2000 for c in counts.values())
+        assert chi2 < 27.9, chi2
+
+    def test_inclusion_frequency_is_n_over_l(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded(2))
+        hits = torch.zeros(64)
+        for _ in range(4000):
+            hits[pe.draw(16)] += 1
+        # each position is drawn with probability 16/64; binomial sd sqrt(4000 * 0.25 * 0.75) = 27.4: 5 sd
+        assert (hits - 1000).abs().max() < 5 * 27.4
+
+    def test_seeded_generators_repeat_the_draws(self):
+        a = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
+        b = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
+        q, k, v = qkv(12, 12)
+        torch.testing.assert_close(attention(q, k, v, a, causal=True), attention(q, k, v, b, causal=True),
+                                   rtol=0, atol=0)
+        assert not torch.equal(a.draw(12), a.draw(12))                                  # and draws move on
+
+    @pytest.mark.parametrize("make", [
+        lambda: RotaryPositionalEmbedding(DH, interleaved=True),
+        lambda: ALiBiPositionalEmbedding(H),
+        lambda: T5PositionalEmbedding(H, bidirectional=False),
+        lambda: TransformerXLPositionalEmbedding(H, DH),
+        lambda: ShawPositionalEmbedding(H, DH, max_distance=50),                      # logits and a value term
+        lambda: XPosPositionalEmbedding(DH),
+    ], ids=["rope", "alibi", "t5", "transformer_xl", "shaw_values", "xpos"])
+    def test_training_is_the_encoding_at_one_draw(self, make):
+        # One draw per call, used by every hook: equal to the wrapped encoding given those positions.
+        torch.manual_seed(0)
+        inner = make()
+        pe = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))
+        positions = RandomizedPositionalEmbedding(make(), 200, generator=seeded(4)).draw(12)
+        q, k, v = qkv(12, 12)
+        want = attention(q, k, v, inner, positions_q=positions, positions_k=positions, causal=True)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True), want, rtol=0, atol=0)
+        decode = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))      # Nq < Nk: last Nq keys
+        want = inner.forward_attn(q[..., -3:, :], k, positions[-3:], positions)
+        torch.testing.assert_close(decode.forward_attn(q[..., -3:, :], k), want, rtol=0, atol=0)
+
+    def test_input_kind_in_training_and_eval(self):
+        inner = SinusoidalPositionalEmbedding(D)
+        pe = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5))
+        x = torch.randn(B, 10, D)
+        positions = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5)).draw(10)
+        torch.testing.assert_close(pe(x), inner(x, positions), rtol=0, atol=0)
+        torch.testing.assert_close(pe.eval()(x), inner(x), rtol=0, atol=0)
+        torch.testing.assert_close(pe(x, offset=3), inner(x, offset=3), rtol=0, atol=0)
+
+    def test_eval_and_explicit_positions_pass_through(self):
+        inner = ALiBiPositionalEmbedding(H)
+        pe = RandomizedPositionalEmbedding(inner, 500)
+        q, k, v = qkv(9, 9)
+        positions = torch.tensor([0, 3, 4, 10, 11, 30, 31, 32, 90])
+        torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions),
+                                   attention(q, k, v, inner, positions_q=positions, positions_k=positions))
+        torch.testing.assert_close(attention(q, k, v, pe.eval()), attention(q, k, v, inner))
+        assert pe.is_causal and pe.kind == "bias"
+
+    def test_gradients_reach_the_wrapped_parameters(self):
+        inner = T5PositionalEmbedding(H, num_buckets=8, max_distance=64)
+        pe = RandomizedPositionalEmbedding(inner, 64, generator=seeded(6))
+        q, k, v = qkv(10, 10)
+        attention(q, k, v, pe).sum().backward()
+        assert inner.relative_attention_bias.weight.grad.abs().sum() > 0
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: encoding must be a PositionalEmbedding"):
+            RandomizedPositionalEmbedding(torch.nn.Linear(2, 2), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take positions"):
+            RandomizedPositionalEmbedding(HeinsenPositionalEmbedding(D, 8), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take one position axis"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH, sections=[4, 6, 6]), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: max_len"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 0)
+        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: generator"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 10, generator=0)
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 8)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: a sequence of 9 tokens needs max_len >= 9"):
+            attention(*qkv(9, 9), pe)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
+            RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
+
+
+# ---------------------------------------------------------------------------
+# Stick-breaking attention
+# ---------------------------------------------------------------------------
+
+
+def stick_breaking_oracle(q, k, v, attend_current=False, remainder="drop"):
+    """Stick-breaking attention in float64, one query and one key at a time, as products of probabilities:
+    A_ij = sigmoid(z_ij) prod_{j < l < i} (1 - sigmoid(z_il)) for keys j < i (j <= i and l <= i with
+    attend_current), z = q . k / sqrt(Dh); queries are the last Nq keys. Returns the output and the weights."""
+    q, k, v = q.double(), k.double(), v.double()
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    z = torch.einsum("...id,...jd->...ij", q, k) / math.sqrt(q.shape[-1])
+    beta = torch.sigmoid(z)
+    weights = torch.zeros_like(z)
+    for i in range(q_len):
+        own = k_len - q_len + i
+        last = own if attend_current else own - 1                                      # the nearest visible key
+        for j in range(last + 1):
+            w = beta[..., i, j].clone()
+            for l_ in range(j + 1, last + 1):
+                w = w * (1 - beta[..., i, l_])
+            weights[..., i, j] = w
+        if remainder == "current":
+            weights[..., i, own] += 1 - weights[..., i, :].sum(-1)
+    return weights @ v, weights
+
+
+def fla_stick_breaking():
+    """flash-linear-attention's reference function, loaded from its file alone (the package imports Triton)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or sys.version_info < (3, 10):
+        pytest.skip("fla-core (flash-linear-attention) is not installed (Python >= 3.10)")
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "stickbreaking_attn" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_stickbreaking_naive", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.naive_stickbreaking_attn
+
+
+class TestStickBreaking:
+    @pytest.mark.parametrize("attend_current, remainder", [(False, "drop"), (True, "drop"), (False, "current"),
+                                                           (True, "current")])
+    def test_matches_loop_oracle(self, attend_current, remainder):
+        pe = StickBreakingPositionalEmbedding(attend_current=attend_current, remainder=remainder)
+        q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) * 2 for n in (7, 11, 11))
+        want, weights = stick_breaking_oracle(q, k, v, attend_current, remainder)
+        torch.testing.assert_close(attention(q, k, v, pe), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(pe.attention_weights(pe.full_precision_logits(q, k)), weights,
+                                   rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("attend_current", [False, True])
+    def test_matches_flash_linear_attention(self, attend_current):
+        reference = fla_stick_breaking()
+        pe = StickBreakingPositionalEmbedding(attend_current=attend_current)
+        q, k, v = (torch.randn(2, H, 13, DH, dtype=torch.float64) for _ in range(3))
+        want, rem = reference(*(t.transpose(1, 2) for t in (q, k, v)), attend_current=attend_current)
+        torch.testing.assert_close(attention(q, k, v, pe), want.transpose(1, 2), rtol=1e-12, atol=1e-12)
+        weights = pe.attention_weights(pe.full_precision_logits(q, k))
+        torch.testing.assert_close(1 - weights.sum(-1), rem.transpose(1, 2), rtol=1e-12, atol=1e-12)
+        q32, k32, v32 = (t.float() for t in (q, k, v))                                  # float32 as well
+        want, _ = reference(*(t.transpose(1, 2) for t in (q32, k32, v32)), attend_current=attend_current)
+        torch.testing.assert_close(attention(q32, k32, v32, pe), want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+    def test_weights_sum_to_at_most_one_and_the_nearest_key_goes_first(self):
+        pe = StickBreakingPositionalEmbedding()
+        q, k = torch.zeros(1, 1, 5, DH), torch.zeros(1, 1, 5, DH)                       # every beta = 1/2
+        weights = pe.attention_weights(pe.full_precision_logits(q, k))[0, 0]
+        assert weights[4].tolist() == [1 / 16, 1 / 8, 1 / 4, 1 / 2, 0.0]              # halves from the nearest back
+        assert weights[0].tolist() == [0.0] * 5                                          # no earlier key: nothing
+        whole = StickBreakingPositionalEmbedding(remainder="current")
+        weights = whole.attention_weights(whole.full_precision_logits(q, k))[0, 0]
+        torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+        assert weights[4, 4] == 1 / 16 and weights[0, 0] == 1.0                           # the leftover, at home
+
+    def test_decoding_and_documents(self):
+        pe = StickBreakingPositionalEmbedding(attend_current=True)
+        q, k, v = qkv(12, 12)
+        full = attention(q, k, v, pe)
+        for t in (0, 5, 11):
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe)
+            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+        ids = torch.tensor([0] * 5 + [1] * 7)                                           # two packed documents
+        packed = attention(q, k, v, pe, document_ids=ids)
+        torch.testing.assert_close(packed[..., 5:, :], attention(q[..., 5:, :], k[..., 5:, :], v[..., 5:, :], pe),
+                                   rtol=1e-5, atol=1e-6)
+
+    def test_long_sequences_stay_finite_and_close_in_bfloat16(self):
+        # 2048 keys, sharp logits: the weights are float32 in log space, so bfloat16 costs only its rounding
+        # of the output (2^-8 relative) and of the weights before the product with v.
+        pe = StickBreakingPositionalEmbedding()
+        q, k, v = (torch.randn(1, 2, 2048, DH).bfloat16() * 3 for _ in range(3))
+        want = attention(q.double(), k.double(), v.double(), pe)
+        got = attention(q, k, v, pe)
+        assert torch.isfinite(got).all()
+        assert ((got.double() - want).abs() <= 2 ** -6 * want.abs() + 2 ** -6).all()
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="StickBreakingPositionalEmbedding: remainder"):
+            StickBreakingPositionalEmbedding(remainder="keep")
+        with pytest.raises(TypeError, match="StickBreakingPositionalEmbedding: attend_current"):
+            StickBreakingPositionalEmbedding(attend_current=1)
+        with pytest.raises(ValueError, match="StickBreakingPositionalEmbedding: positions_q must be None"):
+            attention(*qkv(), StickBreakingPositionalEmbedding(), positions_q=torch.arange(N), positions_k=torch.arange(N))
+        with pytest.raises(ValueError, match="causal=False with StickBreakingPositionalEmbedding"):
+            attention(*qkv(), StickBreakingPositionalEmbedding(), causal=False)
+
+
 # ---------------------------------------------------------------------------
 # torch.export with a dynamic sequence length: one program, checked at two other lengths
 # ---------------------------------------------------------------------------
@@ -7282,7 +7729,7 @@ def _shardable(case) -> bool:
     Left out: content-ordered ones (CoPE counts gates, the forget gate is bound to token states) and
     the convolutional encoding, whose shard would need its neighbours' tokens (a halo exchange)."""
     pe = case.make()
-    return pe.takes_positions and (case.takes_positions or isinstance(pe, pe_lib.HeinsenPositionalEmbedding))
+    return isinstance(pe, pe_lib.HeinsenPositionalEmbedding) or (pe.takes_positions and case.takes_positions)
 
 
 SHARDED_CASES = [case for case in CASES if _shardable(case)]
@@ -7983,7 +8430,10 @@ for index, (path, names, lean) in enumerate(json.loads(sys.argv[1])):
     compared = [None]
     assert all(same(a, b) for a, b in zip(run(mod, None), run(lib, None))), f"{path}: attention() differs"
     for key, value in entries.items():
-        if not any(isinstance(node, ast.Name) and node.id in held for node in ast.walk(value)):
+        head = value
+        while isinstance(head, ast.Call):   # the class the entry builds (a bound one: the class it binds)
+            head = head.func
+        if head.id not in held:
             continue
         ours = build(key, {**vars(lib), **held})
         if key not in library:
@@ -8135,7 +8585,8 @@ def test_the_contract_lives_in_the_bases():
     methods = [(cls.name, node.name) for cls in tree.body if isinstance(cls, ast.ClassDef)
                for node in cls.body if isinstance(node, ast.FunctionDef)]
     bases = {"PositionalEmbedding", "_AddedInput", "_QKTransform", "_PairwiseBias", "_ExplicitLogits"}
-    own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases)
+    wrappers = {"RandomizedPositionalEmbedding"}   # an encoding of any kind inside: it forwards every hook
+    own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases | wrappers)
     assert own("score_mod") == ["ForgettingPositionalEmbedding"]          # per batch row, O(B H N) closed over
     assert own("encode_qk") == ["RotaryPositionalEmbedding"]              # its cos/sin cache: the fast path
     assert own("attention_bias") == [] and own("full_precision_logits") == []
@@ -8164,7 +8615,7 @@ def test_demo_translation_column_is_measured_for_every_class():
     heads, head_dim, n = 2, 8, 16
     q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
     # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
-    moves = {"fire", "liere", "tupe"}
+    moves = {"fire", "liere", "tupe", "dual_chunk"}   # Dual Chunk: chunk boundaries sit at absolute positions
     for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
         column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
         assert "absolute positions" not in column, (name, column)

@@ -6,6 +6,7 @@ same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when ab
 
     python benchmarks/bench.py                 # everything
     python benchmarks/bench.py rope --reps 50  # one section
+    python benchmarks/bench.py all --only rotary,alibi   # a few encodings against the floor
     python benchmarks/bench.py gqa             # grouped-query attention against repeated k/v (time, peak memory)
     python benchmarks/bench.py bias_paths      # bias encodings: eager dense, compiled flex, compiled dense
     python benchmarks/bench.py gpu --regime "reused memory"   # the GPU table (says "no GPU" without one)
@@ -388,20 +389,29 @@ def _peer_attentions(q, k, v, x, h: int, d: int, n: int) -> dict:
     return peers
 
 
+ONLY = set()   # --only: the demo entries to time (empty: all, with the peer libraries)
+
+
+def _demo_entries(h: int, d: int, n: int) -> dict:
+    """The library's demo encodings at these sizes, or those --only names."""
+    return {name: pe for name, pe in pe_lib._demo_modules(h, d, n).items() if not ONLY or name in ONLY}
+
+
 def bench_all(reps: int, compile: bool) -> None:
     b, h, n, d = 2, 8, 1024, 64
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
     x = torch.randn(b, n, h * d, requires_grad=True)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = {"plain SDPA, causal (floor: no positions)": lambda q, k, v, x: sdpa(q, k, v, is_causal=True)}
-    for name, pe in pe_lib._demo_modules(h, d, n).items():
+    for name, pe in _demo_entries(h, d, n).items():
         positions = pe_lib._demo_positions(pe, n)
         if pe.kind == "input":
             calls[f"{name} (forward_input + SDPA)"] = lambda q, k, v, x, pe=pe: (pe.forward_input(x), sdpa(q, k, v, is_causal=True))
         else:
             calls[name] = lambda q, k, v, x, pe=pe, p=positions: pe_lib.attention(
                 q, k, v, pe, positions_q=p, positions_k=p, causal=p is None)
-    calls.update(_peer_attentions(q, k, v, x, h, d, n))
+    if not ONLY:   # --only times the named entries against the floor, no peers
+        calls.update(_peer_attentions(q, k, v, x, h, d, n))
 
     def total(out):
         return sum(t.float().sum() for t in (out if isinstance(out, tuple) else (out,)))
@@ -508,7 +518,7 @@ def bench_gpu(reps: int, compile: bool) -> None:
     q, k, v = (torch.randn(b, h, n, d, device=device, requires_grad=True) for _ in range(3))
     x = torch.randn(b, n, h * d, device=device, requires_grad=True)
     calls = {"plain SDPA, causal (floor: no positions)": lambda q, k, v, x: sdpa(q, k, v, is_causal=True)}
-    for name, pe in pe_lib._demo_modules(h, d, n).items():
+    for name, pe in _demo_entries(h, d, n).items():
         pe = pe.to(device)
         positions = pe_lib._demo_positions(pe, n)
         positions = None if positions is None else positions.to(device)
@@ -522,7 +532,8 @@ def bench_gpu(reps: int, compile: bool) -> None:
         if pe.kind == "bias":
             calls[f"{name}, dense bias (use_flex=False)"] = lambda q, k, v, x, pe=pe, p=positions, c=causal: \
                 pe_lib.attention(q, k, v, pe, positions_q=p, positions_k=p, causal=c, use_flex=False)
-    calls.update(_peer_attentions(q, k, v, x, h, d, n))
+    if not ONLY:   # --only times the named entries against the floor, no peers
+        calls.update(_peer_attentions(q, k, v, x, h, d, n))
     working = {}
     for name, fn in calls.items():  # a peer built for the CPU may not run on the GPU: leave it out, say so
         try:
@@ -588,6 +599,8 @@ def parse_args(argv: list) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
     parser.add_argument("--regime", choices=[*REGIMES, "both"], default="both",
                         help="allocator regime (default: both, each in a child process)")
+    parser.add_argument("--only", default=None,
+                        help="all / gpu: only these demo entries (comma-separated), besides the floor")
     return parser.parse_args(argv)
 
 
@@ -615,6 +628,11 @@ def main(argv: list = None) -> None:
     print(f"\n===== allocator: {args.regime} ({' '.join(f'{k}={v}' for k, v in REGIMES[args.regime].items())}) =====")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}")
+    if args.only is not None:
+        ONLY.update(args.only.split(","))
+        unknown = ONLY - set(pe_lib._demo_modules(4, 8, 16))
+        if unknown:
+            raise SystemExit(f"--only: no demo entry named {', '.join(sorted(unknown))}")
     for name in args.sections or SECTIONS:
         SECTIONS[name](args.reps, compile=not args.no_compile)
 

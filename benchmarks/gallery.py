@@ -118,6 +118,18 @@ def _gallery() -> dict:
         entries.append(Entry("cope", "CoPEPositionalEmbedding", lambda: pe_lib.CoPEPositionalEmbedding(H, Dh), learned=True))
     if has("ReRoPEPositionalEmbedding"):
         entries.append(Entry("rerope", "ReRoPEPositionalEmbedding", lambda: pe_lib.ReRoPEPositionalEmbedding(Dh, window=8)))
+    if has("SelfExtendPositionalEmbedding"):
+        entries.append(Entry("self_extend", "SelfExtendPositionalEmbedding", lambda: pe_lib.SelfExtendPositionalEmbedding(
+            pe_lib.RotaryPositionalEmbedding(Dh), group_size=4, window=8)))
+    if has("StickBreakingPositionalEmbedding"):
+        entries.append(Entry("stick_breaking", "StickBreakingPositionalEmbedding",
+                             lambda: pe_lib.StickBreakingPositionalEmbedding()))
+    if has("RandomizedPositionalEmbedding"):
+        entries.append(Entry("randomized_rope", "RandomizedPositionalEmbedding", lambda: pe_lib.RandomizedPositionalEmbedding(
+            pe_lib.RotaryPositionalEmbedding(Dh), 4 * SEQ_LEN, generator=torch.Generator().manual_seed(0))))
+    if has("DualChunkPositionalEmbedding"):
+        entries.append(Entry("dual_chunk", "DualChunkPositionalEmbedding", lambda: pe_lib.DualChunkPositionalEmbedding(
+            pe_lib.RotaryPositionalEmbedding(Dh), chunk_size=10, local_size=3)))
     if has("ForgettingPositionalEmbedding"):
         entries.append(Entry("forgetting", "ForgettingPositionalEmbedding",
                              lambda: pe_lib.ForgettingPositionalEmbedding(D, H), learned=True))
@@ -245,9 +257,12 @@ def picture(entry: Entry, pe) -> Picture:
                 if not codes.abs().sum():
                     return Picture([], [], "", text="identity: adds nothing\n(attention is plain SDPA)")
                 return Picture([_cosine(codes)], ["cos(code_i, code_j)"], "cosine similarity")
-            values = _finite(attention_logits(pe, n, None))                                    # [H, N, N]
-            last = values.shape[0] - 1
+            values = attention_logits(pe, n, None)                                             # [H, N, N]
             what = "bias" if pe.kind == "bias" else "logit, q = k = 1"
+            if pe.kind == "logits" and type(pe).attention_weights is not pe_lib.PositionalEmbedding.attention_weights:   # stick-breaking
+                values, what = pe.attention_weights(values).clamp(min=1e-6).log10(), "log10 weight, q = k = 1"
+            values = _finite(values)
+            last = values.shape[0] - 1
             return Picture([values[0], values[last]], [f"head 0", f"head {last}"], what)
         if entry.layout == "grid":
             positions = grid_positions()
