@@ -125,6 +125,7 @@ __all__ = [
     "NoPositionalEmbedding",
     "XPosPositionalEmbedding",
     "PolarPositionalEmbedding",
+    "FoPEPositionalEmbedding",
     "KerplePositionalEmbedding",
     "SandwichPositionalEmbedding",
     "FIREPositionalEmbedding",
@@ -3111,6 +3112,109 @@ class PolarPositionalEmbedding(_QKPairTransform):
         dtype = _compute_dtype(x.dtype)
         magnitude = F.softplus(x.to(dtype))
         return torch.cat([magnitude * phase.cos().to(dtype), magnitude * phase.sin().to(dtype)], dim=-1).to(x.dtype)
+
+
+def _step_eye(num_frequencies: int, num_pairs: int) -> Tensor:
+    """FoPE's dominant terms ``[D, P]``: output pair ``i`` keeps frequency ``i * ceil(D / P)`` at weight 1
+    (the identity when ``D == P``)."""
+    eye = torch.zeros(num_frequencies, num_pairs, dtype=torch.float64)
+    step = math.ceil(num_frequencies / num_pairs)
+    for pair in range(num_pairs):
+        if pair * step < num_frequencies:
+            eye[pair * step, pair] = 1.0
+    return eye
+
+
+class FoPEPositionalEmbedding(_QKTransform):
+    """FoPE: RoPE with each pair a Fourier series of frequencies, and frequencies too low to train clipped (Hua et al. 2024).
+
+    Hua et al., "Fourier Position Embedding: Enhancing Attention's Periodic Extension for Length
+    Generalization", arXiv:2412.17739 (code: TsinghuaC3I/Fourier-Position-Embedding; vLLM's
+    ``rotary_embedding/fope.py``). RoPE's frequencies ``w = base^(-2i / Dh)`` whose period exceeds
+    the training length (``w < 2 pi / train_length``) are clipped; the ``D`` kept ones feed every
+    output pair ``p`` of head ``h`` through two coefficient matrices ``A, B`` ``[H, D, P]``:
+
+        ``C_p(m) = sum_d A[h, d, p] cos(w_d m)``,  ``S_p(m) = sum_d B[h, d, p] sin(w_d m)``,
+        ``(x_p, x_{p + Dh/2}) -> (x_p C_p - x_{p + Dh/2} S_p, x_{p + Dh/2} C_p + x_p S_p)``
+
+    (half-split pairs, as both references). The same map acts on q and k. The pairs past ``P``
+    hold no frequency: by default they pass through unchanged (``C = 1, S = 0``, the paper's zero
+    frequency and today's vLLM); ``padded="ones"`` gives them ``C = S = 1`` as the authors' code
+    does, which scales those channels' dot product by 2 at every position.
+
+    ``A`` and ``B`` start as the authors' ``eye_xavier_norm``: Xavier-normal noise of gain
+    ``sigma`` plus 1 on each pair's own frequency, and stay fixed unless ``learnable`` (the
+    authors' default is fixed). With ``sigma=0`` and nothing clipped FoPE is RoPE. The noise
+    makes the logits depend on absolute position a little (the cross terms of different
+    frequencies), as in both references.
+
+    Args:
+        head_dim (int): ``Dh`` (even).
+        num_heads (int): ``H``, one coefficient set per head (vLLM: per key/value head; repeat
+            them for the query heads of a group).
+        train_length (int): the training length: frequencies below ``2 pi / train_length`` are clipped.
+        base (float): RoPE base. Default: 10000.0.
+        sigma (float): the noise gain. Default: 0.3 (the authors' 60M model; 0.4 and 0.6 larger).
+        num_pairs (int, optional): ``P``, the pairs that get a series. Default: ``D``, every kept
+            frequency (vLLM); the authors' code uses ``min(D, Dh // 4)``.
+        padded (str): ``"identity"`` (default) or ``"ones"`` (the authors' code) for pairs past ``P``.
+        learnable (bool): train ``A`` and ``B``. Default: False.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions ``[N]`` or ``[B, N]``.
+
+    Example:
+        >>> fope = FoPEPositionalEmbedding(64, 8, train_length=512)
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, fope, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    arguments = {"train_length": _check_positive_int, "sigma": _non_negative_float, "num_pairs": _check_positive_int,
+                 "padded": functools.partial(_check_choice, choices=("identity", "ones")), "learnable": _check_flag}
+
+    def __init__(self, head_dim: int, num_heads: int, train_length: int, *, base: float = 10000.0,
+                 sigma: float = 0.3, num_pairs: Optional[int] = None, padded: Literal["identity", "ones"] = "identity",
+                 learnable: bool = False) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.head_dim, self.num_heads = _even_int(owner, "head_dim", head_dim), num_heads
+        self.train_length, self.base, self.sigma, self.padded = train_length, base, sigma, padded
+        floor = 2 * math.pi / train_length
+        kept = sum(base ** (-i / head_dim) >= floor for i in range(0, head_dim, 2))      # the highest D
+        if kept == 0:
+            raise ValueError(f"{owner}: train_length={train_length} clips every frequency (the highest, 1, has a "
+                             f"period of 2 pi); it must be at least 7")
+        self.num_frequencies = kept
+        self.num_pairs = kept if num_pairs is None else num_pairs
+        if self.num_pairs > head_dim // 2:
+            raise ValueError(f"{owner}: num_pairs must be at most head_dim // 2 = {head_dim // 2}, got {num_pairs}")
+        shape = (num_heads, kept, self.num_pairs)
+        self.cos_coef = nn.Parameter(torch.empty(shape), requires_grad=learnable)      # A: [H, D, P]
+        self.sin_coef = nn.Parameter(torch.empty(shape), requires_grad=learnable)      # B: [H, D, P]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            eye = _step_eye(self.num_frequencies, self.num_pairs)
+            for coef in (self.sin_coef, self.cos_coef):   # the authors' order
+                nn.init.xavier_normal_(coef, gain=self.sigma)
+                coef += eye.to(coef)
+        super().reset_parameters()
+
+    def _init_buffers(self, device) -> None:
+        kept = _inverse_frequencies(self.head_dim, self.base, device)[: self.num_frequencies]
+        self.register_buffer("inv_freq", kept, persistent=False)                          # [D] float64
+
+    def transform(self, x: Tensor, positions: Tensor) -> Tensor:
+        angles = _angles(positions, self.inv_freq)                                       # [..., N, D] float64
+        cos = torch.matmul(angles.cos(), self.cos_coef.to(torch.float64))                  # [.., H, N, P]
+        sin = torch.matmul(angles.sin(), self.sin_coef.to(torch.float64))
+        free = self.head_dim // 2 - self.num_pairs
+        cos = F.pad(cos, (0, free), value=1.0)                                            # [.., H, N, Dh/2]
+        sin = F.pad(sin, (0, free), value=1.0 if self.padded == "ones" else 0.0)
+        dtype = _compute_dtype(x.dtype)
+        return _rotate_pairs(x.to(dtype), cos.to(dtype), sin.to(dtype), interleaved=False).to(x.dtype)
 
 
 def _plane_blocks(a: Tensor, b: Tensor) -> Tensor:
@@ -7323,6 +7427,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "nope": NoPositionalEmbedding(dim=dim),
         "xpos": XPosPositionalEmbedding(head_dim),
         "polar": PolarPositionalEmbedding(head_dim, num_heads, phase_init="uniform"),
+        "fope": FoPEPositionalEmbedding(head_dim, num_heads, train_length=seq_len),
         "kerple": KerplePositionalEmbedding(num_heads),
         "sandwich": SandwichPositionalEmbedding(num_heads, head_dim),
         "fire": FIREPositionalEmbedding(num_heads),

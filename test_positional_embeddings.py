@@ -81,6 +81,7 @@ from positional_embeddings import (
     UnifiedPositionalEmbedding,
     XPosPositionalEmbedding,
     PolarPositionalEmbedding,
+    FoPEPositionalEmbedding,
     attention,
     deberta_log_bucket,
     document_positions,
@@ -243,6 +244,8 @@ CASES = [
     PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
              has_offset=False),
     PairCase("polar", lambda: PolarPositionalEmbedding(DH, H, phase_init="uniform"), has_offset=False),
+    Case("fope", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, learnable=True)),
+    Case("fope_authors", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, num_pairs=DH // 4, padded="ones")),
     Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
     Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
     Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
@@ -7489,6 +7492,103 @@ class TestStickBreaking:
 
 
 # ---------------------------------------------------------------------------
+# FoPE
+# ---------------------------------------------------------------------------
+
+
+def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded):
+    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length, pair p of head h
+    turned by C = sum_d A[h, d, p] cos(w_d m) and S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and
+    S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
+    heads, n, dh = x.shape
+    freqs = [base ** (-2 * i / dh) for i in range(dh // 2)]
+    freqs = [w for w in freqs if w >= 2 * math.pi / train_length]
+    pairs = cos_coef.shape[-1]
+    out = torch.empty(heads, n, dh, dtype=torch.float64)
+    for h in range(heads):
+        for t, m in enumerate(positions):
+            for p in range(dh // 2):
+                if p < pairs:
+                    c = sum(float(cos_coef[h, d, p]) * math.cos(w * m) for d, w in enumerate(freqs))
+                    s = sum(float(sin_coef[h, d, p]) * math.sin(w * m) for d, w in enumerate(freqs))
+                else:
+                    c, s = 1.0, (1.0 if padded == "ones" else 0.0)
+                a, b = float(x[h, t, p]), float(x[h, t, p + dh // 2])
+                out[h, t, p], out[h, t, p + dh // 2] = a * c - b * s, b * c + a * s
+    return out
+
+
+class TestFoPE:
+    @pytest.mark.parametrize("num_pairs, padded", [(None, "identity"), (None, "ones"), (2, "ones"), (3, "identity")])
+    def test_matches_loop_oracle(self, num_pairs, padded):
+        pe = FoPEPositionalEmbedding(16, 2, train_length=300, base=100.0, num_pairs=num_pairs, padded=padded).double()
+        assert pe.num_frequencies == 7                                                  # 100^(-14/16) < 2 pi / 300
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        positions = [0, 3, 17, 250, 4000]
+        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    def test_without_noise_or_clipping_it_is_rope(self):
+        fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
+        assert fope.num_frequencies == DH // 2
+        q, k, v = qkv(12, 12)
+        torch.testing.assert_close(attention(q, k, v, fope, causal=True),
+                                   attention(q, k, v, RotaryPositionalEmbedding(DH), causal=True), rtol=1e-5, atol=1e-6)
+
+    def test_clipped_frequencies_and_the_padded_pairs(self):
+        # base 10^4, Dh = 32, L = 512: w_i = 10^(-i/4) >= 2 pi / 512 keeps i <= 7, so 8 of 16 frequencies.
+        pe = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0)
+        assert pe.num_frequencies == 8 and pe.cos_coef.shape == (1, 8, 8)
+        x = torch.randn(1, 6, 32, dtype=torch.float64)
+        pe = pe.double()
+        out = pe(x, torch.arange(6) * 37)
+        free = [*range(8, 16), *range(24, 32)]                                          # the pairs past P
+        torch.testing.assert_close(out[..., free], x[..., free], rtol=0, atol=0)       # identity
+        ones = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0, padded="ones").double()
+        q, k = torch.randn(2, 1, 1, 32, dtype=torch.float64).unbind(0)
+        keep = torch.zeros(32, dtype=torch.bool)
+        keep[free] = True
+        q, k = q * keep, k * keep
+        for m in (0, 5, 300):                                                           # twice the dot product
+            dot = (ones(q, torch.tensor([m])) * ones(k, torch.tensor([0]))).sum()
+            torch.testing.assert_close(dot, 2 * (q * k).sum())
+
+    def test_authors_initialisation(self):
+        # eye_xavier_norm: Xavier-normal noise of gain sigma (std sigma sqrt(2 / (D P + H P))) plus 1 on
+        # each pair's frequency, i * ceil(D / P); the noise is torch's xavier_normal_ draw (sin, then cos).
+        torch.manual_seed(0)
+        pe = FoPEPositionalEmbedding(64, 8, train_length=512, num_pairs=16)
+        assert pe.num_frequencies == 16 and not pe.cos_coef.requires_grad
+        eye = torch.zeros(16, 16)
+        eye[torch.arange(16), torch.arange(16)] = 1.0
+        noise = torch.cat([pe.cos_coef - eye, pe.sin_coef - eye]).flatten()
+        expected = 0.3 * math.sqrt(2 / (16 * 16 + 8 * 16))
+        assert abs(noise.std().item() / expected - 1) < 0.05
+        torch.manual_seed(0)
+        sin_noise = torch.nn.init.xavier_normal_(torch.empty(8, 16, 16), gain=0.3)
+        torch.testing.assert_close(pe.sin_coef - eye, sin_noise, rtol=0, atol=1e-7)
+        stepped = FoPEPositionalEmbedding(64, 1, train_length=1024, num_pairs=16, sigma=0.0)
+        assert stepped.num_frequencies == 18                                           # ceil(18 / 16) = 2
+        nonzero = stepped.cos_coef[0].nonzero().tolist()
+        assert nonzero == [[2 * i, i] for i in range(9)]                               # pairs 9..15: no frequency
+        assert FoPEPositionalEmbedding(DH, H, 64, learnable=True).cos_coef.requires_grad
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: train_length=6 clips every frequency"):
+            FoPEPositionalEmbedding(DH, H, 6)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: num_pairs must be at most"):
+            FoPEPositionalEmbedding(DH, H, 512, num_pairs=DH)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: padded"):
+            FoPEPositionalEmbedding(DH, H, 512, padded="zeros")
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: head_dim"):
+            FoPEPositionalEmbedding(DH + 1, H, 512)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: sigma"):
+            FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
+            attention(*qkv(dh=DH + 2), FoPEPositionalEmbedding(DH, H, 512), causal=True)
+
+
+# ---------------------------------------------------------------------------
 # torch.export with a dynamic sequence length: one program, checked at two other lengths
 # ---------------------------------------------------------------------------
 
@@ -8615,7 +8715,8 @@ def test_demo_translation_column_is_measured_for_every_class():
     heads, head_dim, n = 2, 8, 16
     q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
     # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
-    moves = {"fire", "liere", "tupe", "dual_chunk"}   # Dual Chunk: chunk boundaries sit at absolute positions
+    # Dual Chunk: chunk boundaries sit at absolute positions; FoPE: its noise mixes frequencies
+    moves = {"fire", "liere", "tupe", "dual_chunk", "fope"}
     for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
         column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
         assert "absolute positions" not in column, (name, column)

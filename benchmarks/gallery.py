@@ -105,6 +105,9 @@ def _gallery() -> dict:
     if has("PolarPositionalEmbedding"):
         entries.append(Entry("polar", "PolarPositionalEmbedding",
                              lambda: pe_lib.PolarPositionalEmbedding(Dh, H, phase_init="uniform"), learned=True))
+    if has("FoPEPositionalEmbedding"):
+        entries.append(Entry("fope", "FoPEPositionalEmbedding",
+                             lambda: pe_lib.FoPEPositionalEmbedding(Dh, H, train_length=SEQ_LEN)))
     if has("KerplePositionalEmbedding"):
         entries.append(Entry("kerple_log", "KerplePositionalEmbedding",
                              lambda: pe_lib.KerplePositionalEmbedding(H, kernel="log"), learned=True))
