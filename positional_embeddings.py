@@ -107,6 +107,7 @@ __all__ = [
     "SinusoidalPositionalEmbedding",
     "LearnedPositionalEmbedding",
     "RotaryPositionalEmbedding",
+    "HoPEPositionalEmbedding",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -2673,11 +2674,14 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
         self._init_buffers(self._buffer_device())
 
-    def _init_buffers(self, device) -> None:
+    def _spectrum(self) -> tuple:
+        """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
         if self.axis_spectrum == "per_axis":
-            inv_freq, self.attention_factor = torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
-        else:
-            inv_freq, self.attention_factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+            return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
+        return self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+
+    def _init_buffers(self, device) -> None:
+        inv_freq, self.attention_factor = self._spectrum()
         # construction-time frequencies [F] (float64) and their cos and sin for positions
         # 0 .. cache_len - 1, attention factor included: one [2, L, F] float32 tensor, so that
         # growing it swaps cos and sin together (a reader in another thread sees both or neither)
@@ -2851,6 +2855,69 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
+
+
+class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
+    """HoPE: RoPE with only the frequencies that turn within the training length (Chen et al. 2024).
+
+    Chen et al., "HoPE: A Novel Positional Encoding Without Long-Term Decay for Enhanced Context
+    Awareness and Extrapolation", arXiv:2410.21216 (ACL 2025; no code published). HoPE replaces
+    RoPE's low-frequency components by position-independent ones and keeps the high-frequency
+    rotations, so the logits have no long-term decay. The paper gives no formula for the boundary;
+    this class makes a pair position-independent (frequency 0, it passes unrotated) when its
+    period is longer than the training length, ``theta_i < 2 pi / train_length``: such a pair never
+    completes a turn in training, which is the paper's account of why those components learn no
+    position. Everything else is RoPE, with its fast path.
+
+    p-RoPE (``RotaryPositionalEmbedding(scaling={"rope_type": "proportional", ...})``) removes a
+    fixed fraction of the lowest frequencies instead; the two agree when that fraction is the one
+    this rule removes (``removed_pairs / (Dh / 2)``), and differ as soon as the training length or
+    the base changes.
+
+    Args:
+        dim (int): head dim ``Dh`` (even); also accepted as ``head_dim=``.
+        train_length (int): the training length that sets the boundary.
+        base (float): RoPE base. Default: 10000.0.
+        interleaved (bool): RoPE pairs ``(2i, 2i + 1)``. Default: False (half-split).
+
+    Shape:
+        - x: ``[..., N, Dh]``; positions ``[N]`` or ``[B, N]``.
+
+    Example:
+        >>> hope = HoPEPositionalEmbedding(64, train_length=512)
+        >>> hope.removed_pairs                      # pairs 16 .. 31 pass unrotated
+        16
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, hope, causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    arguments = {"train_length": _check_positive_int}
+
+    def __init__(self, dim: Optional[int] = None, train_length: int = 4096, *, base: float = 10000.0,
+                 interleaved: bool = False, head_dim: Optional[int] = None) -> None:
+        self.train_length = train_length    # read by _spectrum, which the base's constructor calls
+        super().__init__(dim, base=base, interleaved=interleaved, head_dim=head_dim)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        raise TypeError(f"{cls.__name__}: no Hugging Face model type uses HoPE; build it as "
+                        f"{cls.__name__}(head_dim, train_length=...)")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, train_length={self.train_length}, removed_pairs={self.removed_pairs}"
+
+    @RotaryPositionalEmbedding.scaling.setter
+    def scaling(self, value) -> None:
+        raise TypeError(f"{type(self).__name__}: HoPE takes no scaling (its spectrum is RoPE's, cut at the "
+                        f"training length), got scaling={value!r}")
+
+    def _spectrum(self) -> tuple:
+        inv_freq, factor = super()._spectrum()                                           # [F] float64, decreasing
+        floor = 2 * math.pi / self.train_length
+        self.removed_pairs = sum(self.base ** (-i / self.dim) < floor for i in range(0, self.dim, 2))
+        kept = inv_freq.shape[0] - self.removed_pairs                                    # the slowest pass unrotated
+        return torch.cat([inv_freq[:kept], torch.zeros_like(inv_freq[kept:])]), factor
 
 
 # ---------------------------------------------------------------------------
@@ -7428,6 +7495,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "xpos": XPosPositionalEmbedding(head_dim),
         "polar": PolarPositionalEmbedding(head_dim, num_heads, phase_init="uniform"),
         "fope": FoPEPositionalEmbedding(head_dim, num_heads, train_length=seq_len),
+        "hope": HoPEPositionalEmbedding(head_dim, train_length=seq_len),
         "kerple": KerplePositionalEmbedding(num_heads),
         "sandwich": SandwichPositionalEmbedding(num_heads, head_dim),
         "fire": FIREPositionalEmbedding(num_heads),

@@ -73,6 +73,7 @@ from positional_embeddings import (
     PositionalEmbedding,
     RelativePositionBias2D,
     RotaryPositionalEmbedding,
+    HoPEPositionalEmbedding,
     SandwichPositionalEmbedding,
     ShawPositionalEmbedding,
     SinusoidalPositionalEmbedding,
@@ -239,6 +240,8 @@ CASES = [
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
          has_offset=False),
+    Case("hope", lambda: HoPEPositionalEmbedding(DH, train_length=64)),
+    Case("hope_interleaved", lambda: HoPEPositionalEmbedding(DH, train_length=300, base=500.0, interleaved=True)),
     Case("rotary_from_llama3_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(LLAMA3_DICT))),
     Case("rotary_from_gptj_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(GPTJ_DICT))),
     PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
@@ -7032,6 +7035,15 @@ def rerope_oracle(q, k, positions_q, positions_k, window, base, leak=None, log_l
     return out
 
 
+def assert_decoding_matches_full_pass(pe, n, steps, **options):
+    """Decoding with raw keys in the cache: the query at t over keys 0..t equals row t of the full pass."""
+    q, k, v = qkv(n, n)
+    full = attention(q, k, v, pe, **options)
+    for t in steps:
+        step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, **options)
+        torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+
+
 class TestReRoPE:
     @pytest.mark.parametrize("leak, log_length", [(None, None), (4.0, None), (None, 8), (2.5, 6)])
     def test_matches_loop_oracle(self, leak, log_length):
@@ -7056,12 +7068,8 @@ class TestReRoPE:
             torch.testing.assert_close(logit(rerope, d), logit(rope, 6), rtol=1e-5, atol=1e-6)
 
     def test_decoding_with_raw_keys_matches_the_full_pass(self):
-        pe = ReRoPEPositionalEmbedding(DH, window=4, leak=3.0)
-        q, k, v = qkv(12, 12)
-        full = attention(q, k, v, pe, causal=True)
-        for t in (0, 5, 11):                                                            # new query t, keys 0..t
-            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
-            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+        assert_decoding_matches_full_pass(ReRoPEPositionalEmbedding(DH, window=4, leak=3.0), 12, (0, 5, 11),
+                                          causal=True)
 
     def test_bad_input_is_named(self):
         with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: leak"):
@@ -7149,11 +7157,7 @@ class TestSelfExtend:
     @pytest.mark.parametrize("shift", ["paper", "code"])
     def test_decoding_with_raw_keys_matches_the_full_pass(self, shift):
         pe = SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH), group_size=3, window=4, shift=shift)
-        q, k, v = qkv(14, 14)
-        full = attention(q, k, v, pe, causal=True)
-        for t in (0, 5, 13):                                                            # new query t, keys 0..t
-            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
-            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+        assert_decoding_matches_full_pass(pe, 14, (0, 5, 13), causal=True)
 
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
@@ -7256,11 +7260,7 @@ class TestDualChunk:
 
     def test_decoding_with_raw_keys_matches_the_full_pass(self):
         pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=5, local_size=2)
-        q, k, v = qkv(16, 16)
-        full = attention(q, k, v, pe, causal=True)
-        for t in (0, 4, 9, 15):                                                         # new query t, keys 0..t
-            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe, causal=True)
-            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
+        assert_decoding_matches_full_pass(pe, 16, (0, 4, 9, 15), causal=True)
 
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
@@ -7460,11 +7460,8 @@ class TestStickBreaking:
 
     def test_decoding_and_documents(self):
         pe = StickBreakingPositionalEmbedding(attend_current=True)
+        assert_decoding_matches_full_pass(pe, 12, (0, 5, 11))
         q, k, v = qkv(12, 12)
-        full = attention(q, k, v, pe)
-        for t in (0, 5, 11):
-            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe)
-            torch.testing.assert_close(step, full[..., t : t + 1, :], rtol=1e-5, atol=1e-6)
         ids = torch.tensor([0] * 5 + [1] * 7)                                           # two packed documents
         packed = attention(q, k, v, pe, document_ids=ids)
         torch.testing.assert_close(packed[..., 5:, :], attention(q[..., 5:, :], k[..., 5:, :], v[..., 5:, :], pe),
@@ -7586,6 +7583,61 @@ class TestFoPE:
             FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
             attention(*qkv(dh=DH + 2), FoPEPositionalEmbedding(DH, H, 512), causal=True)
+
+
+# ---------------------------------------------------------------------------
+# HoPE
+# ---------------------------------------------------------------------------
+
+
+class TestHoPE:
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_matches_loop_oracle(self, interleaved):
+        # RoPE with every frequency below 2 pi / L set to 0, rotation matrices built per position in float64
+        pe = HoPEPositionalEmbedding(16, train_length=100, base=100.0, interleaved=interleaved).double()
+        freqs = [w if w >= 2 * math.pi / 100 else 0.0 for w in plain_inv_freq(16, 100.0)]
+        assert pe.removed_pairs == sum(w == 0.0 for w in freqs) == 3                     # 100^(-i/8) < 0.0628: i >= 5
+        x = torch.randn(2, 3, 6, 16, dtype=torch.float64)
+        positions = [0, 1, 7, 99, 1000, 123456]
+        want = rope_oracle(x, positions, freqs, interleaved=interleaved)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    def test_p_rope_at_the_same_fraction_and_not_otherwise(self):
+        x = torch.randn(2, H, 40, 64)
+        hope = HoPEPositionalEmbedding(64, train_length=512)                             # removes 16 of 32 pairs
+        assert hope.removed_pairs == 16
+        p_rope = RotaryPositionalEmbedding(64, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5})
+        torch.testing.assert_close(hope(x), p_rope(x), rtol=0, atol=0)
+        longer = HoPEPositionalEmbedding(64, train_length=8192)                          # the boundary moves with L
+        assert longer.removed_pairs == 7                                                 # 10^4^(-i/32) < 7.7e-4: i >= 25
+        assert (longer(x) - p_rope(x)).abs().max() > 0.1
+
+    def test_fope_without_noise_is_hope(self):
+        x = torch.randn(2, H, 30, DH)
+        fope = FoPEPositionalEmbedding(DH, H, train_length=64, sigma=0.0)
+        torch.testing.assert_close(fope(x, torch.arange(30) * 7), HoPEPositionalEmbedding(DH, train_length=64)(
+            x, torch.arange(30) * 7), rtol=1e-5, atol=1e-6)
+
+    def test_no_long_term_decay_in_the_removed_pairs(self):
+        # A q/k living only in the removed pairs has the same logit at every distance.
+        pe = HoPEPositionalEmbedding(DH, train_length=64)
+        q, k = torch.zeros(2, 1, 1, 1, DH).unbind(0)
+        removed = [i for i in range(DH // 2) if pe.inv_freq[i] == 0]
+        for i in removed:
+            q[..., i], k[..., i + DH // 2] = 1.0, 1.0
+            q[..., i + DH // 2], k[..., i] = 0.5, -2.0
+        logits = [pe.forward_attn(q, k, torch.tensor([t]), torch.tensor([0])).item() for t in (0, 1, 100, 10**6)]
+        assert max(logits) - min(logits) < 1e-6 and removed
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: train_length"):
+            HoPEPositionalEmbedding(DH, train_length=0)
+        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: dim"):
+            HoPEPositionalEmbedding(DH + 1, train_length=64)
+        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: no Hugging Face model type uses HoPE"):
+            HoPEPositionalEmbedding.from_config(LLAMA3_DICT)
+        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: HoPE takes no scaling"):
+            HoPEPositionalEmbedding(DH, train_length=64).scaling = {"rope_type": "linear", "factor": 2.0}
 
 
 # ---------------------------------------------------------------------------

@@ -108,6 +108,8 @@ def _gallery() -> dict:
     if has("FoPEPositionalEmbedding"):
         entries.append(Entry("fope", "FoPEPositionalEmbedding",
                              lambda: pe_lib.FoPEPositionalEmbedding(Dh, H, train_length=SEQ_LEN)))
+    if has("HoPEPositionalEmbedding"):
+        entries.append(Entry("hope", "HoPEPositionalEmbedding", lambda: pe_lib.HoPEPositionalEmbedding(Dh, train_length=SEQ_LEN)))
     if has("KerplePositionalEmbedding"):
         entries.append(Entry("kerple_log", "KerplePositionalEmbedding",
                              lambda: pe_lib.KerplePositionalEmbedding(H, kernel="log"), learned=True))
