@@ -247,7 +247,7 @@ def attention_logits(pe, n: int, positions: Optional[Tensor]) -> Tensor:
         positions = None
     if pe.kind == "bias":
         return pe.attention_bias(n, n, positions, positions).reshape(-1, n, n)
-    heads = getattr(pe, "num_heads", NUM_HEADS)
+    heads = getattr(pe, "num_heads", None) or NUM_HEADS   # None: a wrapper of a head-free encoding
     q = k = torch.ones(1, heads, n, HEAD_DIM)
     return pe.forward_attn(q, k, positions, positions)[0]
 
