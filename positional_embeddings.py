@@ -3262,11 +3262,10 @@ class FoPEPositionalEmbedding(_QKTransform):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        with torch.no_grad():
-            eye = _step_eye(self.num_frequencies, self.num_pairs)
-            for coef in (self.sin_coef, self.cos_coef):   # the authors' order
-                nn.init.xavier_normal_(coef, gain=self.sigma)
-                coef += eye.to(coef)
+        eye = _step_eye(self.num_frequencies, self.num_pairs)
+        for coef in (self.sin_coef, self.cos_coef):   # the authors' order; full-size values (FSDP2 shards them)
+            noise = nn.init.xavier_normal_(torch.empty(coef.shape, device=coef.device), gain=self.sigma)
+            _copy_into(coef, noise + eye.to(noise))
         super().reset_parameters()
 
     def _init_buffers(self, device) -> None:
@@ -6563,7 +6562,8 @@ class StickBreakingPositionalEmbedding(_ExplicitLogits):
         if self.remainder == "drop":
             return weights
         q_len, k_len = logits.shape[-2], logits.shape[-1]
-        own = F.one_hot(torch.arange(q_len, device=logits.device) + _query_offset(q_len, k_len), k_len)
+        keys = torch.arange(k_len, device=logits.device)
+        own = keys == (torch.arange(q_len, device=logits.device) + _query_offset(q_len, k_len)).unsqueeze(-1)
         return weights + (1.0 - weights.sum(-1, keepdim=True)) * own.to(weights.dtype)
 
 
