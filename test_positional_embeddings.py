@@ -7017,22 +7017,29 @@ class TestCoPE:
 # ---------------------------------------------------------------------------
 
 
-def rerope_oracle(q, k, positions_q, positions_k, window, base, leak=None, log_length=None):
-    """ReRoPE's logits one pair at a time in float64: RoPE at the rectified distance d' (d below the window,
-    else window, or window + (d - window) / leak), queries scaled by max(1, log(t + 1) / log(log_length))."""
+def rope_distance_oracle(q, k, positions_q, positions_k, base, distance, log_length=None):
+    """RoPE logits one pair at a time in float64, each pair rotated by ``distance(t, s)`` (the encoding's rule;
+    keys after the query get -inf) and the query scaled by max(1, log(t + 1) / log(log_length)) if given."""
     dh = q.shape[-1]
     inv_freq = plain_inv_freq(dh, base)
     out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
     for i, t in enumerate(positions_q):
         growth = 1.0 if log_length is None else max(1.0, math.log(t + 1) / math.log(log_length))
         for j, s_ in enumerate(positions_k):
-            d = t - s_
-            if d < 0:
+            if t < s_:
                 continue
-            rectified = d if d < window else window + (d - window) / leak if leak else window
-            turned = rope_oracle(q[..., i : i + 1, :].double() * growth, [rectified], inv_freq)[..., 0, :]
+            turned = rope_oracle(q[..., i : i + 1, :].double() * growth, [distance(t, s_)], inv_freq)[..., 0, :]
             out[..., i, j] = (turned * k[..., j, :].double()).sum(-1) / math.sqrt(dh)
     return out
+
+
+def rerope_oracle(q, k, positions_q, positions_k, window, base, leak=None, log_length=None):
+    """ReRoPE: RoPE at the rectified distance d' (d below the window, else window, or window + (d - window) /
+    leak)."""
+    def rectified(t, s_):
+        d = t - s_
+        return d if d < window else window + (d - window) / leak if leak else window
+    return rope_distance_oracle(q, k, positions_q, positions_k, base, rectified, log_length)
 
 
 def assert_decoding_matches_full_pass(pe, n, steps, **options):
@@ -7090,20 +7097,11 @@ class TestReRoPE:
 
 
 def self_extend_oracle(q, k, positions_q, positions_k, group_size, window, base, shift, log_length=None):
-    """Self-Extend's logits one pair at a time in float64: RoPE at distance d = t - s below the window, else
-    at the grouped distance (t // G + shift) - s // G; -inf for keys after the query."""
-    dh = q.shape[-1]
-    inv_freq = plain_inv_freq(dh, base)
-    out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
-    for i, t in enumerate(positions_q):
-        growth = 1.0 if log_length is None else max(1.0, math.log(t + 1) / math.log(log_length))
-        for j, s_ in enumerate(positions_k):
-            if t < s_:
-                continue
-            d = t - s_ if t - s_ < window else (t // group_size + shift) - s_ // group_size
-            turned = rope_oracle(q[..., i : i + 1, :].double() * growth, [d], inv_freq)[..., 0, :]
-            out[..., i, j] = (turned * k[..., j, :].double()).sum(-1) / math.sqrt(dh)
-    return out
+    """Self-Extend: RoPE at distance d = t - s below the window, else at the grouped distance
+    (t // G + shift) - s // G."""
+    def grouped(t, s_):
+        return t - s_ if t - s_ < window else (t // group_size + shift) - s_ // group_size
+    return rope_distance_oracle(q, k, positions_q, positions_k, base, grouped, log_length)
 
 
 def authors_neighbour_mask(length, window):
@@ -7182,28 +7180,22 @@ class TestSelfExtend:
 
 
 def dual_chunk_oracle(q, k, positions_q, positions_k, chunk_size, local_size, base):
-    """Dual Chunk Attention's logits one pair at a time in float64, in the paper's terms (its Eqs. 2-8):
-    chunks of s = chunk_size - local_size tokens, keys at j mod s; the query at i mod s (same chunk),
-    at s + i mod s while i mod s < w = local_size + 1 and c - 1 = chunk_size after that (previous chunk),
-    and at c - 1 for earlier chunks (the code's min(2s - 1, c - 1), which is c - 1 unless local_size >= s)."""
-    dh = q.shape[-1]
-    inv_freq = plain_inv_freq(dh, base)
+    """Dual Chunk Attention in the paper's terms (its Eqs. 2-8): chunks of s = chunk_size - local_size tokens,
+    keys at j mod s; the query at i mod s (same chunk), at s + i mod s while i mod s < w = local_size + 1 and
+    c - 1 = chunk_size after that (previous chunk), and at c - 1 for earlier chunks (the code's
+    min(2s - 1, c - 1), which is c - 1 unless local_size >= s)."""
     s, w, c_minus_1 = chunk_size - local_size, local_size + 1, chunk_size
-    out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
-    for a, i in enumerate(positions_q):
-        for b, j in enumerate(positions_k):
-            if i < j:
-                continue
-            apart = i // s - j // s
-            if apart == 0:
-                query = i % s
-            elif apart == 1:
-                query = s + i % s if i % s < w else c_minus_1
-            else:
-                query = min(2 * s - 1, c_minus_1)
-            turned = rope_oracle(q[..., a : a + 1, :].double(), [query - j % s], inv_freq)[..., 0, :]
-            out[..., a, b] = (turned * k[..., b, :].double()).sum(-1) / math.sqrt(dh)
-    return out
+
+    def chunked(i, j):
+        apart = i // s - j // s
+        if apart == 0:
+            query = i % s
+        elif apart == 1:
+            query = s + i % s if i % s < w else c_minus_1
+        else:
+            query = min(2 * s - 1, c_minus_1)
+        return query - j % s
+    return rope_distance_oracle(q, k, positions_q, positions_k, base, chunked)
 
 
 class TestDualChunk:
