@@ -136,6 +136,7 @@ __all__ = [
     "DualChunkPositionalEmbedding",
     "RandomizedPositionalEmbedding",
     "StickBreakingPositionalEmbedding",
+    "PaTHPositionalEmbedding",
     "ForgettingPositionalEmbedding",
     "ShawPositionalEmbedding",
     "DebertaPositionalEmbedding",
@@ -4067,14 +4068,7 @@ class _PairwiseBias(PositionalEmbedding):
 
     def forward(self, q_len: int, k_len: Optional[int] = None, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None):
-        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N(, A)]`` positions), float32.
-
-        An encoding that reads the token states (``bound_inputs``: the forget gate) is bound to them
-        by ``pe(x)`` instead, which returns ``pe.bind(x)``."""
-        if isinstance(q_len, Tensor) and self.bound_inputs:
-            if k_len is not None or positions_q is not None or positions_k is not None:
-                raise ValueError(f"{type(self).__name__}: pe(x) takes the token states alone, got more arguments")
-            return self.bind(q_len)
+        """The bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for ``[B, N(, A)]`` positions), float32."""
         return self.attention_bias(q_len, k_len, *self._validated(q_len, k_len, positions_q, positions_k))
 
     def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
@@ -5285,7 +5279,56 @@ class ContinuousPositionBias(_WindowBias):
         return self
 
 
-class ForgettingPositionalEmbedding(_PairwiseBias):
+class _BoundTokens(PositionalEmbedding):
+    """An encoding that reads the token states: ``pe(x)`` binds them and returns the bound encoding.
+
+    A subclass declares ``bound_inputs`` (the buffers a bound encoding holds: the token states
+    first, then any precomputed alternative) and writes ``bind``. This base owns the rest:
+    ``pe(x)`` is ``pe.bind(x)``, an unbound encoding says how to bind it, and every call is
+    checked against the bound timeline: keys are the bound tokens (a call with ``Nk`` keys uses
+    the first ``Nk``, never more than bound), the ``Nq`` queries are the last ``Nq`` keys
+    (bottom-right), and q's batch is the bound batch (or the bound batch is 1, shared).
+    """
+
+    takes_positions = False
+    is_causal = True    # a token's encoding reads the tokens before it: keys after the query get -inf
+    token_axis: dict = {}   # bound input -> its token dim, where not -2 ([B, H, N] scalars: -1)
+
+    def forward(self, *args, **kwargs):
+        """``pe(x)`` with token states ``x`` alone: ``pe.bind(x)``; every other call is the kind's own."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            return self.bind(args[0])
+        return super().forward(*args, **kwargs)
+
+    def bind(self, x: Tensor) -> "_BoundTokens":
+        raise NotImplementedError
+
+    def _unbound(self):
+        raise ValueError(f"{type(self).__name__}: not bound to token states: the encoding depends on them, "
+                         f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
+                         f"e.g. attention(q, k, v, pe(x), causal=True)")
+
+    def _check_lengths(self, q_len: int, k_len: int, q_shape: Optional[tuple] = None) -> None:
+        name, bound = self._bound_input() or self._unbound()
+        if k_len > bound.shape[self.token_axis.get(name, -2)]:
+            raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
+                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound")
+        if q_len > k_len:
+            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
+                             f"Nq keys), got Nq={q_len} and Nk={k_len}")
+        if q_shape is not None and bound.shape[0] not in (1, q_shape[0]):
+            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {bound.shape[0]} "
+                             f"(or the encoding batch 1), got q {q_shape}")
+
+    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
+        super()._check_qk(q, k, positions_q, positions_k, grouped)
+        if q.dim() != 4:
+            raise ValueError(f"{type(self).__name__}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
+        self._check_lengths(q.shape[-2], k.shape[-2], tuple(q.shape))
+        return None, None
+
+
+class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     """The Forgetting Transformer's forget gate (Lin et al., arXiv:2503.02130).
 
     Forgetting Attention adds a data-dependent decay to softmax attention: each token ``l``
@@ -5336,10 +5379,10 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
         torch.Size([2, 8, 128, 64])
     """
 
-    takes_positions, order_from = False, "order comes from the forget gates of the bound tokens"
-    is_causal = True  # causal by construction: keys after the query get -inf
+    order_from = "order comes from the forget gates of the bound tokens"
     pointwise = False   # per batch row: score_mod (below) reads the cumulative sums per element
     bound_inputs = ("states", "log_forget_values")   # bound x [B, N, D] or log f [B, H, N]
+    token_axis = {"log_forget_values": -1}
 
     def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
                  init_std: float = 0.02) -> None:
@@ -5396,32 +5439,6 @@ class ForgettingPositionalEmbedding(_PairwiseBias):
         return F.logsigmoid(logits).transpose(-1, -2)                                   # [B, H, N]
 
     # -- the bias -----------------------------------------------------------------------
-
-    def _unbound(self):
-        raise ValueError(f"{type(self).__name__}: not bound to token states: the forget gates depend on them, "
-                         f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
-                         f"e.g. attention(q, k, v, pe(x), causal=True)")
-
-    def _check_lengths(self, q_len: int, k_len: int, q_shape: Optional[tuple] = None) -> None:
-        """Keys are the bound tokens (at most as many), queries the last ``Nq`` keys; a batch of q and k
-        matches the bound batch (or the bound batch is 1)."""
-        name, bound = self._bound_input() or self._unbound()
-        if k_len > bound.shape[-2 if name == "states" else -1]:
-            raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
-                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound")
-        if q_len > k_len:
-            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
-                             f"Nq keys), got Nq={q_len} and Nk={k_len}")
-        if q_shape is not None and bound.shape[0] not in (1, q_shape[0]):
-            raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {bound.shape[0]} "
-                             f"(or the encoding batch 1), got q {q_shape}")
-
-    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
-        super()._check_qk(q, k, positions_q, positions_k, grouped)
-        if q.dim() != 4:
-            raise ValueError(f"{type(self).__name__}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
-        self._check_lengths(q.shape[-2], k.shape[-2], tuple(q.shape))
-        return None, None
 
     def _cumulative(self, k_len: int) -> tuple:
         """``c = cumsum(log f)`` over the first ``k_len`` tokens as ``(hi, lo)``: [B, H, Nk] each."""
@@ -6567,6 +6584,283 @@ class StickBreakingPositionalEmbedding(_ExplicitLogits):
         return weights + (1.0 - weights.sum(-1, keepdim=True)) * own.to(weights.dtype)
 
 
+def _optional_size(owner: str, name: str, value) -> Optional[int]:
+    """A positive int, or None (the part it sizes left out)."""
+    return None if value is None else _check_positive_int(owner, name, value)
+
+
+def _householder_blocks(w: Tensor, beta: Tensor, k: Tensor) -> tuple:
+    """The UT form of each block's transformations ``H_t = I - beta_t w_t w_t^T`` (rows ``t`` of a block).
+
+    With ``T = (I + strict_tril(diag(beta) W W^T))^-1`` the block's product is
+    ``H_c ... H_1 = I - W^T T diag(beta) W``, and every partial product is a corner of it.
+    Returns ``w2 = T diag(beta) W`` ``[..., c, Dh]`` and ``m = T strict_tril(diag(beta) W K^T)``
+    ``[..., c, c]`` (``m[a, j]``: what key ``j`` loses along ``w_a`` on its way to the block end).
+    """
+    c = w.shape[-2]
+    bw = beta.unsqueeze(-1) * w                                                         # diag(beta) W: [..., c, Dh]
+    eye = torch.eye(c, dtype=w.dtype, device=w.device)
+    unit_lower = eye + torch.tril(bw @ w.transpose(-1, -2), -1)                         # I + strict_tril: [..., c, c]
+    right = torch.cat([bw, torch.tril(bw @ k.transpose(-1, -2), -1)], -1)               # [..., c, Dh + c]
+    solved = torch.linalg.solve_triangular(unit_lower, right, upper=False, unitriangular=True)
+    return solved[..., :w.shape[-1]], solved[..., w.shape[-1]:]
+
+
+def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int) -> Tensor:
+    """PaTH's logits ``s_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j`` (``j <= i``, the diagonal plain ``q_i . k_i``),
+    blockwise; ``-inf`` after the query. q ``[..., Nq, Dh]`` (the last ``Nq`` of the ``Nk`` tokens), k and w
+    ``[..., Nk, Dh]``, beta ``[..., Nk]`` -> ``[..., Nq, Nk]``.
+
+    Per block of ``c`` tokens (``_householder_blocks``): the logits within the block, each query carried
+    back to its block's start (``u_i = q_i^T H_i ... H_start``) and each key forward to its block's end.
+    Then, one block distance at a time for every query block at once, the carried queries meet the keys
+    of the block before them and are carried through that block's whole product ``I - W^T w2``.
+    """
+    q_len, k_len, c = q.shape[-2], k.shape[-2], block_size
+    w, beta = w.expand_as(k), beta.expand(k.shape[:-1])                                 # a shared batch of 1 too
+    pad = -k_len % c                                                                    # padded tokens: w = 0, H = I
+    k, w, beta = F.pad(k, (0, 0, 0, pad)), F.pad(w, (0, 0, 0, pad)), F.pad(beta, (0, pad))
+    blocks, first = (k_len + pad) // c, (k_len - q_len) // c                            # query blocks: first..blocks-1
+    rows = F.pad(q, (0, 0, k_len - q_len - first * c, pad))                             # queries on their blocks' rows
+    split = lambda t: t.unflatten(-2, (-1, c))                                          # [..., n, c, Dh]
+    k, w, rows = split(k), split(w), split(rows)
+    w2, m = _householder_blocks(w, beta.unflatten(-1, (-1, c)), k)                      # [..., nb, c, Dh], [..., nb, c, c]
+    k_end = k - m.transpose(-1, -2) @ w                                                 # H_end ... H_{j+1} k_j
+    qw = torch.tril(rows @ w[..., first:, :, :].transpose(-1, -2))                      # q_i . w_a, a <= i: [..., n, c, c]
+    # [..., query block, row, key block, column]; blocks after the query's stay unwritten (masked below)
+    out = rows.new_empty(*rows.shape[:-3], blocks - first, c, blocks, c)
+    put = lambda query_blocks, key_blocks, values: out.__setitem__(
+        (..., query_blocks, slice(None), key_blocks, slice(None)), values.movedim(-3, 0))
+    put(torch.arange(blocks - first), torch.arange(first, blocks),
+        torch.tril(rows @ k[..., first:, :, :].transpose(-1, -2)) - qw @ m[..., first:, :, :])
+    carried = rows - qw @ w2[..., first:, :, :]                                         # u_i = q_i^T H_i ... H_start
+    targets = torch.arange(first, blocks)                                               # query blocks still carried
+    for distance in range(1, blocks):
+        if distance - 1 >= first:  # query block `distance - 1` has met every key block before it
+            carried, targets = carried[..., 1:, :, :], targets[1:]
+        keys = targets - distance                                                       # the key block of each
+        put(targets - first, keys, carried @ k_end[..., keys, :, :].transpose(-1, -2))
+        carried = carried - (carried @ w[..., keys, :, :].transpose(-1, -2)) @ w2[..., keys, :, :]
+    start = k_len - q_len - first * c
+    logits = out.flatten(-4, -3).flatten(-2)[..., start:start + q_len, :k_len]         # [..., Nq, Nk]
+    own = torch.arange(q_len, device=q.device) + (k_len - q_len)
+    return logits.masked_fill_(torch.arange(k_len, device=q.device) > own.unsqueeze(-1), float("-inf"))
+
+
+class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
+    """PaTH attention: positions as accumulated data-dependent Householder transformations (Yang et al. 2025).
+
+    Yang, Shen, Wen, Tan, Mishra, Ren, Panda and Kim, "PaTH Attention: Position Encoding via
+    Accumulating Householder Transformations", arXiv:2505.16381 (code: flash-linear-attention's
+    ``PaTHAttention`` layer and ``path_attn`` ops). Every token ``t`` carries a transformation
+    ``H_t = I - beta_t w_t w_t^T`` made from its own state, and query ``i`` meets key ``j <= i``
+    through the ones between them:
+
+        ``s_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j``      (the diagonal ``j = i``: ``q_i . k_i``),
+
+    so what lies between two tokens decides how they see each other, where RoPE's ``R^(i-j)``
+    depends on the distance alone. As in the authors' layer, ``w_t`` is ``w_proj(x_t)`` (a rank-32
+    factorisation by default, ``w_rank``) through a causal depthwise convolution of ``conv_size``
+    taps and a SiLU (``w_conv1d``), split into heads and normalised to unit length per head
+    (``w / sqrt(|w|^2 + 1e-6)``); ``beta_t = 2 sigmoid(bt_proj(x_t))`` lies in ``(0, 2)``, so
+    ``H_t``'s eigenvalue along ``w_t`` is ``1 - beta_t``, negative allowed. ``w`` and ``beta`` are
+    per key head (``num_kv_heads``, shared by a group of query heads). The submodules carry the
+    layer's names, so its ``state_dict`` loads (the forget gate's ``g_proj`` as ``forget.fgate_proj``).
+
+    ``forget_gate=True`` is PaTH-FoX: a ``ForgettingPositionalEmbedding`` (``forget``) adds the
+    forget gate's ``c_i - c_j`` per query head. The authors' code adds it before the softmax scale
+    (``scale (s_ij + c_i - c_j)``), which is the default; ``gate_scaled=False`` adds it after, as
+    the Forgetting Transformer does (``scale s_ij + c_i - c_j``).
+
+    Computed blockwise, as the paper's algorithm: within a block of ``block_size`` tokens the
+    products come from one triangular solve (the UT transform); across blocks each query is carried
+    through one block's product at a time. Cost: about ``3 Nq Nk Dh / 2`` multiply-adds for the
+    logits (three ``c x c x Dh`` products per pair of blocks, against one for a plain causal
+    ``q k^T``), plus ``O(Nk c (Dh + c))`` per head for the blocks. ``attention()`` materialises the
+    float32 ``[B, H, Nq, Nk]`` logits and weights like every ``"logits"`` kind (the authors' Triton
+    kernel does not; it is not used). The result does not depend on ``block_size``.
+
+    Binding and decoding: ``path(x)`` binds the token states ``x`` ``[B, N, D]`` (``bind(w=, beta=,
+    log_forget=)`` binds precomputed ``[B, Hkv, N, Dh]``, ``[B, Hkv, N]`` and ``[B, H, N]``); keys
+    are the bound tokens and the queries the last ``Nq`` of them. To decode with a KV cache, bind
+    every token so far and pass the raw cached keys: a step costs a pass over the cache (the
+    authors' decoder instead keeps each cached key carried to the present, ``k <- H_t k``).
+
+    Args:
+        dim (int): token width ``D``.
+        num_heads (int): query heads ``H``.
+        head_dim (int, optional): ``Dh``. Default: ``dim // num_heads``.
+        num_kv_heads (int, optional): key heads, and heads of ``w`` and ``beta``. Default: ``num_heads``.
+        w_rank (int, optional): rank of ``w_proj``'s factorisation; None: one ``Linear``. Default: 32.
+        conv_size (int, optional): taps of the short convolution on ``w``; None: none. Default: 3.
+        conv_bias (bool): the convolution has a bias. Default: False.
+        forget_gate (bool): PaTH-FoX. Default: False.
+        gate_scaled (bool): the softmax scale multiplies the forget gate too. Default: True.
+        block_size (int): tokens per block of the blockwise algorithm. Default: 64.
+        layer (nn.Module, optional): a layer whose ``w_proj``, ``w_conv1d``, ``bt_proj`` (and
+            ``g_proj``, for the forget gate) to use by reference, never re-initialised: a
+            flash-linear-attention ``PaTHAttention``, for instance; ``w_rank``, ``conv_size`` and
+            ``conv_bias`` are then read from it. Default: None (new projections).
+
+    Shape:
+        - x: ``[B, N, D]``; q, k: ``[B, H, Nq or Nk, Dh]`` with ``Nq <= Nk <= N``, queries the last
+          ``Nq`` keys; a bound batch of 1 is shared. Output of ``forward``: logits ``[B, H, Nq, Nk]``.
+
+    Example:
+        >>> path = PaTHPositionalEmbedding(512, 8)
+        >>> x = torch.randn(2, 100, 512)
+        >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
+        >>> attention(q, k, v, path(x), causal=True).shape
+        torch.Size([2, 8, 100, 64])
+    """
+
+    order_from = "order comes from the Householder transformations of the bound tokens"
+    bound_inputs = ("states", "w", "beta")   # bound x [B, N, D], or w [B, Hkv, N, Dh] and beta [B, Hkv, N]
+    arguments = {"head_dim": _optional_size, "num_kv_heads": _optional_size, "w_rank": _optional_size,
+                 "conv_size": _optional_size, "block_size": _check_positive_int, "layer": _module_or_none,
+                 "conv_bias": _check_flag, "forget_gate": _check_flag, "gate_scaled": _check_flag}
+
+    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, *,
+                 num_kv_heads: Optional[int] = None, w_rank: Optional[int] = 32, conv_size: Optional[int] = 3,
+                 conv_bias: bool = False, forget_gate: bool = False, gate_scaled: bool = True,
+                 block_size: int = 64, layer: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{type(self).__name__}: num_heads must be a multiple of num_kv_heads, "
+                             f"got num_heads={num_heads} and num_kv_heads={num_kv_heads}")
+        self.dim, self.num_heads, self.num_kv_heads = dim, num_heads, num_kv_heads
+        self.head_dim = dim // num_heads if head_dim is None else head_dim
+        self.block_size, self.gate_scaled = block_size, gate_scaled
+        for name in self.bound_inputs:
+            self.register_buffer(name, None, persistent=False)
+        if layer is not None:
+            self._share(layer, forget_gate)
+            return
+        self.w_rank, self.conv_size = w_rank, conv_size
+        width = num_kv_heads * self.head_dim
+        self.w_proj = _uninitialised(nn.Linear, dim, width, bias=False) if w_rank is None else nn.Sequential(
+            _uninitialised(nn.Linear, dim, w_rank, bias=False), _uninitialised(nn.Linear, w_rank, width, bias=False))
+        self.w_conv1d = None if conv_size is None else _uninitialised(
+            nn.Conv1d, width, width, conv_size, groups=width, bias=conv_bias, padding=conv_size - 1)
+        self.bt_proj = _uninitialised(nn.Linear, dim, num_kv_heads)
+        self.forget = _uninitialised(ForgettingPositionalEmbedding, dim, num_heads) if forget_gate else None
+        self.reset_parameters()
+
+    def _share(self, layer: nn.Module, forget_gate: bool) -> None:
+        """Use ``layer``'s projections by reference (its w_rank and conv_size are read from them)."""
+        owner, width = type(self).__name__, self.num_kv_heads * self.head_dim
+        needs = ("w_proj", "w_conv1d", "bt_proj") + (("g_proj",) if forget_gate else ())
+        if not isinstance(layer, nn.Module) or not all(hasattr(layer, name) for name in needs):
+            raise TypeError(f"{owner}: layer must be an nn.Module with {', '.join(needs)} (flash-linear-attention's "
+                            f"PaTHAttention), got {type(layer).__name__}")
+        if getattr(layer.bt_proj, "out_features", None) != self.num_kv_heads or \
+                (layer.w_conv1d is not None and layer.w_conv1d.weight.shape[0] != width):
+            raise ValueError(f"{owner}: layer's projections must make num_kv_heads={self.num_kv_heads} heads of "
+                             f"head_dim={self.head_dim}, got bt_proj {layer.bt_proj} and w_conv1d {layer.w_conv1d}")
+        self.w_proj, self.w_conv1d, self.bt_proj = layer.w_proj, layer.w_conv1d, layer.bt_proj
+        self.w_rank = self.w_proj[0].out_features if isinstance(self.w_proj, nn.Sequential) else None
+        self.conv_size = None if self.w_conv1d is None else self.w_conv1d.weight.shape[-1]
+        self.forget = ForgettingPositionalEmbedding(self.dim, self.num_heads, fgate_proj=layer.g_proj) \
+            if forget_gate else None
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}, "
+                f"w_rank={self.w_rank}, conv_size={self.conv_size}, block_size={self.block_size}"
+                + ("" if self.forget is None else f", gate_scaled={self.gate_scaled}"))
+
+    def reset_parameters(self) -> None:
+        """PyTorch's default initialisation of every projection, as the authors' layer."""
+        for module in (self.w_proj, self.w_conv1d, self.bt_proj):
+            for part in ([] if module is None else module.modules()):
+                if isinstance(part, (nn.Linear, nn.Conv1d)):
+                    part.reset_parameters()
+        if self.forget is not None:
+            self.forget.reset_parameters()
+
+    # -- binding ------------------------------------------------------------------------
+
+    def bind(self, x: Optional[Tensor] = None, *, w: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+             log_forget: Optional[Tensor] = None) -> "PaTHPositionalEmbedding":
+        """A bound encoding sharing this one's modules: on token states ``x`` ``[B, N, D]``, or on
+        precomputed ``w`` ``[B, Hkv, N, Dh]`` and ``beta`` ``[B, Hkv, N]`` (and, with the forget gate,
+        ``log_forget`` ``[B, H, N]``)."""
+        owner = type(self).__name__
+        if (x is None) == (w is None and beta is None):
+            raise ValueError(f"{owner}: bind takes either x or w and beta")
+        if x is not None:
+            self._check_states(x)
+            inputs, gate = {"states": x}, None if self.forget is None else self.forget.bind(x)
+        else:
+            inputs, gate = self._check_transitions(w, beta), self._bound_gate(log_forget)
+        bound = type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
+                           gate_scaled=self.gate_scaled, block_size=self.block_size, layer=self)
+        for name, value in inputs.items():
+            bound.register_buffer(name, value, persistent=False)
+        bound.forget = gate
+        return bound
+
+    def _check_states(self, x: Tensor) -> None:
+        _check_tensor(type(self).__name__, "x", x, 3)
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
+
+    def _check_transitions(self, w: Optional[Tensor], beta: Optional[Tensor]) -> dict:
+        owner = type(self).__name__
+        _check_tensor(owner, "w", w, 4)
+        _check_tensor(owner, "beta", beta, 3)
+        heads, width = self.num_kv_heads, self.head_dim
+        if w.dim() != 4 or w.shape[1] != heads or w.shape[-1] != width or beta.shape != w.shape[:-1]:
+            raise ValueError(f"{owner}: w and beta must be [B, Hkv={heads}, N, Dh={width}] and [B, Hkv={heads}, N], "
+                             f"got {tuple(w.shape)} and {tuple(beta.shape)}")
+        return {"w": w, "beta": beta}
+
+    def _bound_gate(self, log_forget: Optional[Tensor]):
+        if (log_forget is None) != (self.forget is None):
+            raise ValueError(f"{type(self).__name__}: bind takes log_forget with w and beta exactly when "
+                             f"forget_gate=True, got forget_gate={self.forget is not None} and "
+                             f"log_forget={'None' if log_forget is None else 'a tensor'}")
+        return None if log_forget is None else self.forget.bind(log_forget=log_forget)
+
+    def transitions(self, x: Optional[Tensor] = None) -> tuple:
+        """``(w, beta)`` of the tokens ``x`` ``[B, N, D]`` (default: the bound ones): unit ``w``
+        ``[B, Hkv, N, Dh]`` and ``beta`` ``[B, Hkv, N]``. The projections run in their weights' dtype
+        (as the authors' layer), the normalisation and the sigmoid in float32 (float64 for float64
+        weights)."""
+        if x is None and self.w is not None:
+            return self.w, self.beta
+        if x is None:
+            x = self.states if self.states is not None else self._unbound()
+        self._check_states(x)
+        x = x.to(self.bt_proj.weight.dtype)                                             # the projections' dtype
+        dtype = _compute_dtype(x.dtype)
+        w = self.w_proj(x)                                                              # [B, N, Hkv Dh]
+        if self.w_conv1d is not None:  # causal depthwise: left-padded, the first N outputs
+            conv = self.w_conv1d
+            w = F.conv1d(w.transpose(-1, -2), conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1,
+                         groups=conv.weight.shape[0])[..., :x.shape[-2]]
+            w = F.silu(w).transpose(-1, -2)
+        w = w.unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2).to(dtype)  # [B, Hkv, N, Dh]
+        w = w * torch.rsqrt(w.square().sum(-1, keepdim=True) + 1e-6)
+        beta = 2 * torch.sigmoid(self.bt_proj(x).to(dtype)).transpose(-1, -2)           # [B, Hkv, N]
+        return w, beta
+
+    # -- the logits ---------------------------------------------------------------------
+
+    def logits(self, q, k, positions_q, positions_k, scale):
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        w, beta = self.transitions()
+        group = q.shape[-3] // w.shape[-3]                                              # query heads per w head
+        w = w[..., :k_len, :].to(q).repeat_interleave(group, -3)                        # [B, H, Nk, Dh]
+        beta = beta[..., :k_len].to(q).repeat_interleave(group, -2)                     # [B, H, Nk]
+        logits = _path_logits(q * scale, k, w, beta, self.block_size)                  # [B, H, Nq, Nk]
+        if self.forget is None:
+            return logits
+        keys = torch.arange(k_len, device=q.device)
+        gate = self.forget.dense_bias(keys[k_len - q_len:], keys).to(logits)           # c_i - c_j: [B, H, Nq, Nk]
+        return logits + (gate * scale if self.gate_scaled else gate)
+
+
 # ---------------------------------------------------------------------------
 # Wrappers: an encoding of any kind, with the positions it sees changed
 # ---------------------------------------------------------------------------
@@ -7509,6 +7803,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "dual_chunk": DualChunkPositionalEmbedding(RotaryPositionalEmbedding(head_dim), chunk_size=seq_len // 4,
                                                    local_size=seq_len // 16),
         "forgetting": ForgettingPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),   # bound
+        "path": PaTHPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),          # bound
         "shaw": ShawPositionalEmbedding(num_heads, head_dim),
         "deberta": DebertaPositionalEmbedding(dim, num_heads),
         "swin_bias": RelativePositionBias2D(num_heads, math.isqrt(seq_len)),                 # one window of N tokens

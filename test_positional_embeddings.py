@@ -56,6 +56,7 @@ from positional_embeddings import (
     DualChunkPositionalEmbedding,
     RandomizedPositionalEmbedding,
     StickBreakingPositionalEmbedding,
+    PaTHPositionalEmbedding,
     ContinuousPositionBias,
     ConvolutionalPositionalEmbedding,
     DebertaPositionalEmbedding,
@@ -173,6 +174,17 @@ class Case:
 
 
 @dataclass(repr=False)
+class BoundCase(Case):
+    """An encoding that reads the token states: ``unbound`` builds it, ``make`` binds it to ``FOX_STATES``."""
+
+    unbound: Callable[[], PositionalEmbedding] = None
+
+
+def bound_case(name: str, unbound: Callable[[], PositionalEmbedding]) -> BoundCase:
+    return BoundCase(name, lambda: unbound()(FOX_STATES), unbound=unbound, has_offset=False, takes_positions=False)
+
+
+@dataclass(repr=False)
 class PairCase(Case):
     """A "qk" class whose own call takes q and k together: ``forward(q, k, positions_q, positions_k)``."""
 
@@ -283,8 +295,7 @@ CASES = [
     Case("swinv2_cpb", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32), has_offset=False),
     Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
          has_offset=False),
-    Case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)(FOX_STATES), has_offset=False,
-         takes_positions=False),
+    bound_case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)),
     # logits kind
     Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
     Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
@@ -310,6 +321,9 @@ CASES = [
     Case("dual_chunk_interleaved", lambda: DualChunkPositionalEmbedding(
         RotaryPositionalEmbedding(DH, interleaved=True), chunk_size=6, local_size=1), has_offset=False),
     Case("stick_breaking", lambda: StickBreakingPositionalEmbedding(), has_offset=False, takes_positions=False),
+    bound_case("path", lambda: PaTHPositionalEmbedding(D, H, block_size=8)),
+    bound_case("path_fox_gqa", lambda: PaTHPositionalEmbedding(D, H, num_kv_heads=2, w_rank=None, conv_size=None,
+                                                                forget_gate=True, block_size=6)),
     Case("stick_breaking_current", lambda: StickBreakingPositionalEmbedding(attend_current=True, remainder="current"),
          has_offset=False, takes_positions=False),
     # wrappers, in eval mode (arange positions; training draws are tested in TestRandomized)
@@ -1247,7 +1261,7 @@ CAUSAL_MODE_EXTRA = {
 CAUSAL_MODE_CASES = {"t5_causal", "alibi", "kerple_log", "sandwich", "cope", "cope_per_head", "forgetting", "rerope_leaky",
                      "t5_from_decoder_config", "self_extend", "self_extend_code_shift", "dual_chunk",
                      "dual_chunk_interleaved", "randomized_alibi",
-                     "stick_breaking", "stick_breaking_current"}
+                     "stick_breaking", "stick_breaking_current", "path", "path_fox_gqa"}
 
 
 class TestCausalRule:
@@ -6192,8 +6206,8 @@ class TestForgetting:
             ForgettingPositionalEmbedding(D, "4")
         with pytest.raises(ValueError, match=owner + "init_std must be a finite number >= 0.0, got init_std=nan"):
             ForgettingPositionalEmbedding(D, H, init_std=float("nan"))
-        with pytest.raises(ValueError, match=owner + "pe\\(x\\) takes the token states alone"):
-            fox(torch.randn(B, N, D), 3)
+        with pytest.raises(TypeError, match=owner + "q_len must be an int .*forward\\(q_len, k_len\\).*got a tensor"):
+            fox(torch.randn(B, N, D), 3)   # pe(x) binds the states alone
 
 
 # ===========================================================================
@@ -7403,16 +7417,21 @@ def stick_breaking_oracle(q, k, v, attend_current=False, remainder="drop"):
     return weights @ v, weights
 
 
-def fla_stick_breaking():
-    """flash-linear-attention's reference function, loaded from its file alone (the package imports Triton)."""
+def fla_reference(ops_file: str, name: str):
+    """A reference function of flash-linear-attention, loaded from its file under ``fla/ops`` alone (the
+    package imports Triton)."""
     spec = importlib.util.find_spec("fla")
     if spec is None or sys.version_info < (3, 10):
         pytest.skip("fla-core (flash-linear-attention) is not installed (Python >= 3.10)")
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / "stickbreaking_attn" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_stickbreaking_naive", path)
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "ops" / ops_file
+    module_spec = importlib.util.spec_from_file_location("fla_" + ops_file.replace("/", "_")[:-3], path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.naive_stickbreaking_attn
+    return getattr(module, name)
+
+
+def fla_stick_breaking():
+    return fla_reference("stickbreaking_attn/naive.py", "naive_stickbreaking_attn")
 
 
 class TestStickBreaking:
@@ -7478,6 +7497,180 @@ class TestStickBreaking:
             attention(*qkv(), StickBreakingPositionalEmbedding(), positions_q=torch.arange(N), positions_k=torch.arange(N))
         with pytest.raises(ValueError, match="causal=False with StickBreakingPositionalEmbedding"):
             attention(*qkv(), StickBreakingPositionalEmbedding(), causal=False)
+
+
+# ---------------------------------------------------------------------------
+# PaTH attention
+# ---------------------------------------------------------------------------
+
+
+def path_oracle(q, k, v, w, beta, log_forget=None, gate_scaled=True):
+    """PaTH attention in float64, one query at a time, carried back key by key: u = q_i, the logit of key i is
+    u . k_i, then u <- H_{j+1} u = u - beta_{j+1} (u . w_{j+1}) w_{j+1} gives key j's. q [B, H, Nq, Dh] (the last
+    Nq keys), k, v [B, H, Nk, Dh], w [B, Hkv, Nk, Dh], beta [B, Hkv, Nk] (query head h reads w head
+    h // (H / Hkv)); log_forget [B, H, Nk] adds scale (c_i - c_j) (c_i - c_j after the scale: gate_scaled=False).
+    Returns the output and the logits (-inf after the query)."""
+    q, k, v, w, beta = (t.double() for t in (q, k, v, w, beta))
+    (batch, heads, q_len, dh), k_len = q.shape, k.shape[-2]
+    group, scale = heads // w.shape[1], dh ** -0.5
+    logits = torch.full((batch, heads, q_len, k_len), float("-inf"), dtype=torch.float64)
+    for b, h, r in itertools.product(range(batch), range(heads), range(q_len)):
+        i, u, g = k_len - q_len + r, q[b, h, r].clone(), h // group
+        for j in range(i, -1, -1):
+            if j < i:
+                u = u - beta[b, g, j + 1] * (u @ w[b, g, j + 1]) * w[b, g, j + 1]
+            logits[b, h, r, j] = scale * (u @ k[b, h, j])
+            if log_forget is not None:
+                gate = log_forget[b, h, j + 1:i + 1].double().sum()
+                logits[b, h, r, j] += gate * scale if gate_scaled else gate
+    return torch.softmax(logits, -1) @ v, logits
+
+
+def path_layer_transitions(path, x):
+    """w and beta of flash-linear-attention's PaTHAttention layer from the module's weights, in float64 with
+    the short convolution as a loop over its taps: w_proj, causal depthwise conv (tap conv_size - 1 on the
+    token itself), SiLU, per head w / sqrt(|w|^2 + 1e-6); beta = 2 sigmoid(bt_proj(x))."""
+    x = x.double()
+    w = x
+    for layer in (path.w_proj if isinstance(path.w_proj, nn.Sequential) else [path.w_proj]):
+        w = w @ layer.weight.double().T
+    taps = path.w_conv1d.weight.double()[:, 0, :]                              # [width, K]
+    conv = torch.zeros_like(w)
+    for t in range(x.shape[1]):
+        for tap in range(taps.shape[1]):
+            source = t - (taps.shape[1] - 1 - tap)
+            if source >= 0:
+                conv[:, t] += taps[:, tap] * w[:, source]
+    w = F.silu(conv).unflatten(-1, (path.num_kv_heads, path.head_dim)).transpose(1, 2)
+    w = w / torch.sqrt((w * w).sum(-1, keepdim=True) + 1e-6)
+    beta = 2 * torch.sigmoid(x @ path.bt_proj.weight.double().T + path.bt_proj.bias.double())
+    return w, beta.transpose(1, 2)
+
+
+def random_transitions(batch, heads, n, dh, dtype=torch.float64):
+    w = F.normalize(torch.randn(batch, heads, n, dh, dtype=dtype), dim=-1)
+    return w, 2 * torch.rand(batch, heads, n, dtype=dtype)
+
+
+class TestPaTH:
+    @pytest.mark.parametrize("q_len, k_len, block_size", [(N, N, 5), (N, N, 1), (N, N, 64), (3, N, 4), (1, N, 4),
+                                                          (7, 11, 3)])
+    def test_matches_loop_oracle(self, q_len, k_len, block_size):
+        path = PaTHPositionalEmbedding(D, H, block_size=block_size).double()
+        w, beta = random_transitions(B, H, k_len, DH)
+        q, k, v = (t.double() for t in qkv(q_len, k_len))
+        want_out, want_logits = path_oracle(q, k, v, w, beta)
+        bound = path.bind(w=w, beta=beta)
+        torch.testing.assert_close(bound(q, k), want_logits, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(attention(q, k, v, bound, causal=True), want_out, rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("gate_scaled", [True, False])
+    def test_forget_gate_and_grouped_heads_match_oracle(self, gate_scaled):
+        path = PaTHPositionalEmbedding(D, H, num_kv_heads=2, forget_gate=True, gate_scaled=gate_scaled,
+                                       block_size=4).double()
+        w, beta = random_transitions(B, 2, N, DH)
+        log_forget = F.logsigmoid(torch.randn(B, H, N, dtype=torch.float64) + 2)
+        q, k, v = (t.double() for t in qkv(N - 3, N))
+        want, _ = path_oracle(q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), w, beta,
+                              log_forget, gate_scaled)
+        got = attention(q, k[:, :2], v[:, :2], path.bind(w=w, beta=beta, log_forget=log_forget), causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    def test_states_give_the_authors_layer_transitions(self):
+        path = PaTHPositionalEmbedding(D, H, num_kv_heads=2).double()
+        x = torch.randn(B, N, D, dtype=torch.float64)
+        want_w, want_beta = path_layer_transitions(path, x)
+        got_w, got_beta = path.transitions(x)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_beta, want_beta, rtol=1e-12, atol=1e-12)
+        q, k, v = (t.double() for t in qkv())
+        torch.testing.assert_close(attention(q, k, v, path(x), causal=True),
+                                   path_oracle(q, k, v, want_w, want_beta)[0], rtol=1e-12, atol=1e-12)
+
+    def test_state_dict_names_are_the_authors_layer(self):
+        # flash-linear-attention's PaTHAttention (fla/layers/path_attn.py) names its w, beta and gate parts so
+        path = PaTHPositionalEmbedding(D, H, forget_gate=True)
+        assert set(path.state_dict()) == {"w_proj.0.weight", "w_proj.1.weight", "w_conv1d.weight", "bt_proj.weight",
+                                          "bt_proj.bias", "forget.fgate_proj.weight", "forget.fgate_proj.bias"}
+        assert path.w_conv1d.weight.shape == (D, 1, 3) and path.w_proj[0].weight.shape == (32, D)
+
+    @pytest.mark.parametrize("num_kv_heads, forget_gate", [(H, False), (2, True)])
+    def test_matches_authors_naive_function(self, num_kv_heads, forget_gate):
+        reference = fla_reference("path_attn/naive.py", "naive_path_attn")
+        pytest.importorskip("einops")
+        w, beta = random_transitions(B, num_kv_heads, N, DH, torch.float32)
+        log_forget = F.logsigmoid(torch.randn(B, H, N) + 2) if forget_gate else torch.zeros(B, H, N)
+        q, k, v = qkv()
+        k, v = k[:, :num_kv_heads], v[:, :num_kv_heads]
+        path = PaTHPositionalEmbedding(D, H, num_kv_heads=num_kv_heads, forget_gate=forget_gate, block_size=4)
+        bound = path.bind(w=w, beta=beta, log_forget=log_forget if forget_gate else None)
+        layout = lambda t: t.transpose(1, 2).contiguous()                               # [B, T, H, ...]
+        want = reference(layout(q), layout(k), layout(v), layout(w), beta.transpose(1, 2), log_forget.transpose(1, 2),
+                         scale=DH ** -0.5, chunk_size=8)
+        # the reference computes in float32 throughout (its own rounding, about 1e-6)
+        torch.testing.assert_close(attention(q, k, v, bound, causal=True), layout(want), rtol=0, atol=2e-5)
+
+    def test_no_reflection_is_plain_causal_attention(self):
+        q, k, v = qkv()
+        bound = PaTHPositionalEmbedding(D, H).bind(w=torch.randn(B, H, N, DH), beta=torch.zeros(B, H, N))
+        torch.testing.assert_close(attention(q, k, v, bound, causal=True), attention(q, k, v, causal=True))
+
+    def test_decoding_equals_the_full_pass(self):
+        path = PaTHPositionalEmbedding(D, H, forget_gate=True, block_size=4)
+        x = torch.randn(B, N, D)
+        q, k, v = qkv()
+        full = attention(q, k, v, path(x), causal=True)
+        for t in (1, 5, N):
+            step = attention(q[..., t - 1:t, :], k[..., :t, :], v[..., :t, :], path(x[:, :t]), causal=True)
+            torch.testing.assert_close(step, full[..., t - 1:t, :], rtol=1e-5, atol=1e-6)
+
+    def test_gradients_match_the_oracle(self):
+        path = PaTHPositionalEmbedding(D, H, block_size=3).double()
+        x = torch.randn(1, 7, D, dtype=torch.float64, requires_grad=True)
+        q, k, v = (t.double()[:1, :, :7].requires_grad_() for t in qkv())
+        weights = torch.randn(1, H, 7, DH, dtype=torch.float64)
+        parameters = (x, q, k, path.w_proj[0].weight, path.w_conv1d.weight, path.bt_proj.bias)
+        got = torch.autograd.grad((attention(q, k, v, path(x), causal=True) * weights).sum(), parameters)
+        want = torch.autograd.grad((path_oracle(q, k, v, *path_layer_transitions(path, x))[0]
+                                    * weights).sum(), parameters)
+        for g, w_ in zip(got, want):
+            torch.testing.assert_close(g, w_, rtol=1e-9, atol=1e-11)
+
+    def test_bfloat16_stays_near_the_float64_oracle(self):
+        path = PaTHPositionalEmbedding(D, H, block_size=4)
+        w, beta = random_transitions(B, H, N, DH, torch.float32)
+        q, k, v = qkv()
+        want, _ = path_oracle(q, k, v, w, beta)
+        got = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), path.bind(w=w, beta=beta), causal=True)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=0.03)
+
+    def test_bad_inputs(self):
+        owner = "PaTHPositionalEmbedding: "
+        path = PaTHPositionalEmbedding(D, H)
+        w, beta = random_transitions(B, H, N, DH, torch.float32)
+        with pytest.raises(ValueError, match=owner + "num_heads must be a multiple of num_kv_heads.*=4 and .*=3"):
+            PaTHPositionalEmbedding(D, H, num_kv_heads=3)
+        with pytest.raises(ValueError, match=owner + "w_rank must be a positive int, got w_rank=0"):
+            PaTHPositionalEmbedding(D, H, w_rank=0)
+        with pytest.raises(TypeError, match=owner + "gate_scaled must be a bool"):
+            PaTHPositionalEmbedding(D, H, gate_scaled="yes")
+        with pytest.raises(ValueError, match=owner + "bind takes either x or w and beta"):
+            path.bind()
+        with pytest.raises(ValueError, match=owner + "x must be \\[B, N, D=128\\], got \\(2, 16, 127\\)"):
+            path(torch.randn(B, N, D - 1))
+        with pytest.raises(ValueError, match=owner + "w and beta must be \\[B, Hkv=4, N, Dh=32\\].*got \\(2, 4, 16, 31\\)"):
+            path.bind(w=w[..., :-1], beta=beta)
+        with pytest.raises(ValueError, match=owner + "bind takes log_forget with w and beta exactly when forget_gate"):
+            path.bind(w=w, beta=beta, log_forget=torch.zeros(B, H, N))
+        with pytest.raises(ValueError, match=owner + "not bound to token states.*call pe\\(x\\)"):
+            attention(*qkv(), path, causal=True)
+        with pytest.raises(ValueError, match=owner + "positions_q must be None: order comes from the Householder"):
+            path.bind(w=w, beta=beta).forward_attn(*qkv()[:2], torch.arange(N))
+        with pytest.raises(ValueError, match=owner + "k has more tokens than the bound encoding.*Nk=20"):
+            path.bind(w=w, beta=beta).forward_attn(*qkv(20, 20)[:2])
+        with pytest.raises(ValueError, match="causal=False with PaTHPositionalEmbedding"):
+            attention(*qkv(), path.bind(w=w, beta=beta), causal=False)
 
 
 # ---------------------------------------------------------------------------
@@ -7764,7 +7957,7 @@ class QuickStartBlock(torch.nn.Module):
     def forward(self, x, positions=None):
         x = self.pe.forward_input(x, positions)
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)   # [B, H, N, Dh] each
-        pe = self.pe(x) if isinstance(self.pe, ForgettingPositionalEmbedding) else self.pe
+        pe = self.pe(x) if isinstance(self.pe, pe_lib._BoundTokens) else self.pe
         attend_positions = None if pe.kind == "input" else positions
         y = attention(q, k, v, pe, causal=True, positions_q=attend_positions, positions_k=attend_positions)
         return self.out(y.transpose(1, 2).flatten(2))
@@ -7778,6 +7971,13 @@ QUICK_COMPILE_CASES = {"sinusoidal", "rotary", "t5_causal", "cope", "forgetting"
 # Cases that trace fullgraph at every length but recompile once between 16 and 40 tokens (found by the
 # PE_SLOW run; the guard that fails is not identified yet: an open item, see the README limitations).
 RECOMPILE_ONCE_CASES = {"heinsen", "fourier_octave"}
+# PaTH's blockwise algorithm loops over its blocks in Python: a graph per number of blocks, ceil(N / block_size),
+# and per whether N fills its last block (dynamo specialises the zero padding)
+BLOCK_LOOP_CASES = {"path", "path_fox_gqa"}
+
+
+def block_graphs(lengths, block_size: int) -> int:
+    return len({(-(-n // block_size), n % block_size == 0) for n in lengths})
 # dynamo before torch 2.7 recompiles Heinsen's block once more (3 graphs; measured on torch 2.6.0, outputs equal)
 HEINSEN_GRAPHS = 3 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 7) else 2
 COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES])
@@ -7815,18 +8015,21 @@ class TestCompile:
         torch._dynamo.reset()
         compiled = torch.compile(lambda q, k, pq, pk: pe.forward_attn(q, k, pq, pk), backend=counting_backend,
                                  fullgraph=True)
-        for n in (16, 12, 10, 14):
+        lengths = (16, 12, 10, 14)
+        for n in lengths:
             q, k, _ = qkv(n, n)
             want = case.attn(pe, q, k)
             torch.testing.assert_close(compiled(q, k, *case.positions(n, n)), want)
-        assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 lengths"
+        # the first graph is static; the dynamic ones that follow are one per number of blocks for PaTH
+        most = 1 + block_graphs(lengths, pe.block_size) if case.name in BLOCK_LOOP_CASES else 2
+        assert len(graphs) <= most, f"{len(graphs)} graphs for 4 lengths"
 
     @pytest.mark.parametrize("case", COMPILE_CASES)
     def test_quick_start_block_compiles_fullgraph_dynamic(self, case):
         """Issue 22.1: torch.compile(block, dynamic=True, fullgraph=True) at 16, 24 and 40 tokens, one graph."""
         pe = case.make()
-        if isinstance(pe, ForgettingPositionalEmbedding):
-            pe = ForgettingPositionalEmbedding(D, H)                     # unbound: the block binds its own tokens
+        if isinstance(case, BoundCase):
+            pe = case.unbound()                                          # the block binds its own tokens
         dim = case.token_dim if pe.kind == "input" else D
         block = QuickStartBlock(dim, H, pe)
         lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
@@ -7843,6 +8046,8 @@ class TestCompile:
             positions = None if case.required_positions is None else case.required_positions(n)
             torch.testing.assert_close(compiled(x, positions), block(x, positions), rtol=1e-4, atol=1e-5)
         expected = HEINSEN_GRAPHS if case.name == "heinsen" else 2 if case.name in RECOMPILE_ONCE_CASES else 1
+        if case.name in BLOCK_LOOP_CASES:
+            expected = block_graphs(lengths, pe.block_size)
         assert len(graphs) == expected, f"{len(graphs)} graphs for lengths {lengths}"
 
     def test_finite_number_check_traces_under_dynamic_shapes(self):

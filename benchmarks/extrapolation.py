@@ -255,6 +255,9 @@ def _registry() -> dict:
         Encoding("forgetting", "ForgettingPositionalEmbedding",
                  lambda L, M: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS),
                  "gate reads each block's normalised token states"),
+        Encoding("path", "PaTHPositionalEmbedding",
+                 lambda L, M: pe_lib.PaTHPositionalEmbedding(D_MODEL, NUM_HEADS),
+                 "Householder transitions read each block's normalised token states"),
         Encoding("shaw", "ShawPositionalEmbedding",
                  lambda L, M: pe_lib.ShawPositionalEmbedding(NUM_HEADS, HEAD_DIM), "distances clipped at 16"),
         Encoding("deberta", "DebertaPositionalEmbedding",
@@ -290,8 +293,9 @@ def uncovered_classes() -> list:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, pe, states: Tensor) -> Tensor:
-    """Causal ``attention()``; the forget gate is bound to the block's token states first."""
-    if isinstance(pe, pe_lib.ForgettingPositionalEmbedding):
+    """Causal ``attention()``; an encoding that reads the token states (the forget gate, PaTH) is bound to the
+    block's first."""
+    if isinstance(pe, (pe_lib.ForgettingPositionalEmbedding, getattr(pe_lib, "PaTHPositionalEmbedding", ()))):
         pe = pe(states)
     return pe_lib.attention(q, k, v, pe, causal=True)
 

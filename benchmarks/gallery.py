@@ -138,6 +138,8 @@ def _gallery() -> dict:
     if has("ForgettingPositionalEmbedding"):
         entries.append(Entry("forgetting", "ForgettingPositionalEmbedding",
                              lambda: pe_lib.ForgettingPositionalEmbedding(D, H), learned=True))
+    if has("PaTHPositionalEmbedding"):
+        entries.append(Entry("path", "PaTHPositionalEmbedding", lambda: pe_lib.PaTHPositionalEmbedding(D, H), learned=True))
     if has("ShawPositionalEmbedding"):
         entries.append(Entry("shaw", "ShawPositionalEmbedding", lambda: pe_lib.ShawPositionalEmbedding(H, Dh), learned=True))
     if has("DebertaPositionalEmbedding"):
@@ -230,8 +232,9 @@ def input_codes(pe, n: int, positions: Optional[Tensor], grid_shape: Optional[tu
 
 
 def _bind_states(pe, n: int):
-    """Data-dependent encodings (the forget gate) bound to a constant token sequence x = 1."""
-    if hasattr(pe_lib, "ForgettingPositionalEmbedding") and isinstance(pe, pe_lib.ForgettingPositionalEmbedding):
+    """Data-dependent encodings (the forget gate, PaTH) bound to a constant token sequence x = 1."""
+    if isinstance(pe, getattr(pe_lib, "_BoundTokens", ())) or \
+            isinstance(pe, getattr(pe_lib, "ForgettingPositionalEmbedding", ())):
         return pe(torch.ones(1, n, DIM))
     return pe
 
