@@ -6715,7 +6715,7 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     """
 
     order_from = "order comes from the Householder transformations of the bound tokens"
-    bound_inputs = ("states", "w", "beta")   # bound x [B, N, D], or w [B, Hkv, N, Dh] and beta [B, Hkv, N]
+    bound_inputs = ("states", "w", "beta", "log_forget_values")   # x [B, N, D], or w, beta (and log f [B, H, N])
     arguments = {"head_dim": _optional_size, "num_kv_heads": _optional_size, "w_rank": _optional_size,
                  "conv_size": _optional_size, "block_size": _check_positive_int, "layer": _module_or_none,
                  "conv_bias": _check_flag, "forget_gate": _check_flag, "gate_scaled": _check_flag}
@@ -6750,8 +6750,10 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     def _share(self, layer: nn.Module, forget_gate: bool) -> None:
         """Use ``layer``'s projections by reference (its w_rank and conv_size are read from them)."""
         owner, width = type(self).__name__, self.num_kv_heads * self.head_dim
+        gate = getattr(layer, "forget", None) or getattr(layer, "g_proj", None) if forget_gate else None
         needs = ("w_proj", "w_conv1d", "bt_proj") + (("g_proj",) if forget_gate else ())
-        if not isinstance(layer, nn.Module) or not all(hasattr(layer, name) for name in needs):
+        if not isinstance(layer, nn.Module) or not all(hasattr(layer, name) for name in needs[:3]) or \
+                (forget_gate and gate is None):
             raise TypeError(f"{owner}: layer must be an nn.Module with {', '.join(needs)} (flash-linear-attention's "
                             f"PaTHAttention), got {type(layer).__name__}")
         if getattr(layer.bt_proj, "out_features", None) != self.num_kv_heads or \
@@ -6761,8 +6763,9 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         self.w_proj, self.w_conv1d, self.bt_proj = layer.w_proj, layer.w_conv1d, layer.bt_proj
         self.w_rank = self.w_proj[0].out_features if isinstance(self.w_proj, nn.Sequential) else None
         self.conv_size = None if self.w_conv1d is None else self.w_conv1d.weight.shape[-1]
-        self.forget = ForgettingPositionalEmbedding(self.dim, self.num_heads, fgate_proj=layer.g_proj) \
-            if forget_gate else None
+        if gate is not None and not isinstance(gate, ForgettingPositionalEmbedding):   # the layer's g_proj
+            gate = ForgettingPositionalEmbedding(self.dim, self.num_heads, fgate_proj=gate)
+        self.forget = gate   # shared with this encoding's bound copies, which hand it their tokens
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}, "
@@ -6790,14 +6793,14 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
             raise ValueError(f"{owner}: bind takes either x or w and beta")
         if x is not None:
             self._check_states(x)
-            inputs, gate = {"states": x}, None if self.forget is None else self.forget.bind(x)
+            inputs = {"states": x}
         else:
-            inputs, gate = self._check_transitions(w, beta), self._bound_gate(log_forget)
+            inputs = {**self._check_transitions(w, beta), **self._check_log_forget(log_forget)}
         bound = type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
-                           gate_scaled=self.gate_scaled, block_size=self.block_size, layer=self)
+                           forget_gate=self.forget is not None, gate_scaled=self.gate_scaled,
+                           block_size=self.block_size, layer=self)
         for name, value in inputs.items():
             bound.register_buffer(name, value, persistent=False)
-        bound.forget = gate
         return bound
 
     def _check_states(self, x: Tensor) -> None:
@@ -6815,12 +6818,15 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
                              f"got {tuple(w.shape)} and {tuple(beta.shape)}")
         return {"w": w, "beta": beta}
 
-    def _bound_gate(self, log_forget: Optional[Tensor]):
+    def _check_log_forget(self, log_forget: Optional[Tensor]) -> dict:
         if (log_forget is None) != (self.forget is None):
             raise ValueError(f"{type(self).__name__}: bind takes log_forget with w and beta exactly when "
                              f"forget_gate=True, got forget_gate={self.forget is not None} and "
                              f"log_forget={'None' if log_forget is None else 'a tensor'}")
-        return None if log_forget is None else self.forget.bind(log_forget=log_forget)
+        if log_forget is None:
+            return {}
+        self.forget.bind(log_forget=log_forget)                                         # its checks
+        return {"log_forget_values": log_forget}
 
     def transitions(self, x: Optional[Tensor] = None) -> tuple:
         """``(w, beta)`` of the tokens ``x`` ``[B, N, D]`` (default: the bound ones): unit ``w``
@@ -6857,7 +6863,9 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         if self.forget is None:
             return logits
         keys = torch.arange(k_len, device=q.device)
-        gate = self.forget.dense_bias(keys[k_len - q_len:], keys).to(logits)           # c_i - c_j: [B, H, Nq, Nk]
+        forget = self.forget.bind(self.states) if self.states is not None else \
+            self.forget.bind(log_forget=self.log_forget_values)
+        gate = forget.dense_bias(keys[k_len - q_len:], keys).to(logits)                # c_i - c_j: [B, H, Nq, Nk]
         return logits + (gate * scale if self.gate_scaled else gate)
 
 

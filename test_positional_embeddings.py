@@ -7594,6 +7594,26 @@ class TestPaTH:
                                           "bt_proj.bias", "forget.fgate_proj.weight", "forget.fgate_proj.bias"}
         assert path.w_conv1d.weight.shape == (D, 1, 3) and path.w_proj[0].weight.shape == (32, D)
 
+    def test_a_layers_projections_are_used_by_reference(self):
+        class LayerLike(nn.Module):   # the parts of flash-linear-attention's PaTHAttention, by their names
+            def __init__(self):
+                super().__init__()
+                self.w_proj = nn.Sequential(nn.Linear(D, 32, bias=False), nn.Linear(32, D, bias=False))
+                self.w_conv1d = nn.Conv1d(D, D, 3, groups=D, bias=False, padding=2)   # ShortConvolution's base
+                self.bt_proj, self.g_proj = nn.Linear(D, H), nn.Linear(D, H)
+
+        layer = LayerLike()
+        shared = PaTHPositionalEmbedding(D, H, forget_gate=True, layer=layer)
+        assert shared.w_proj is layer.w_proj and shared.forget.fgate_proj is layer.g_proj
+        assert (shared.w_rank, shared.conv_size) == (32, 3)
+        loaded = PaTHPositionalEmbedding(D, H, forget_gate=True)
+        loaded.load_state_dict({name.replace("g_proj", "forget.fgate_proj"): t for name, t in layer.state_dict().items()})
+        x, (q, k, v) = torch.randn(B, N, D), qkv()
+        torch.testing.assert_close(attention(q, k, v, shared(x), causal=True), attention(q, k, v, loaded(x), causal=True))
+        with pytest.raises(TypeError, match="PaTHPositionalEmbedding: layer must be an nn.Module with w_proj, w_conv1d, "
+                                            "bt_proj, g_proj"):
+            PaTHPositionalEmbedding(D, H, forget_gate=True, layer=nn.Linear(2, 2))
+
     @pytest.mark.parametrize("num_kv_heads, forget_gate", [(H, False), (2, True)])
     def test_matches_authors_naive_function(self, num_kv_heads, forget_gate):
         reference = fla_reference("path_attn/naive.py", "naive_path_attn")
