@@ -7616,8 +7616,8 @@ class TestPaTH:
 
     @pytest.mark.parametrize("num_kv_heads, forget_gate", [(H, False), (2, True)])
     def test_matches_authors_naive_function(self, num_kv_heads, forget_gate):
+        pytest.importorskip("einops")                                                   # the reference's import
         reference = fla_reference("path_attn/naive.py", "naive_path_attn")
-        pytest.importorskip("einops")
         w, beta = random_transitions(B, num_kv_heads, N, DH, torch.float32)
         log_forget = F.logsigmoid(torch.randn(B, H, N) + 2) if forget_gate else torch.zeros(B, H, N)
         q, k, v = qkv()
