@@ -6631,10 +6631,11 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
     out = rows.new_empty(*rows.shape[:-3], blocks - first, c, blocks, c)
     put = lambda query_blocks, key_blocks, values: out.__setitem__(
         (..., query_blocks, slice(None), key_blocks, slice(None)), values.movedim(-3, 0))
-    put(torch.arange(blocks - first), torch.arange(first, blocks),
+    index = lambda start, stop: torch.arange(start, stop, device=q.device)               # block indices
+    put(index(0, blocks - first), index(first, blocks),
         torch.tril(rows @ k[..., first:, :, :].transpose(-1, -2)) - qw @ m[..., first:, :, :])
     carried = rows - qw @ w2[..., first:, :, :]                                         # u_i = q_i^T H_i ... H_start
-    targets = torch.arange(first, blocks)                                               # query blocks still carried
+    targets = index(first, blocks)                                                      # query blocks still carried
     for distance in range(1, blocks):
         if distance - 1 >= first:  # query block `distance - 1` has met every key block before it
             carried, targets = carried[..., 1:, :, :], targets[1:]
