@@ -76,6 +76,13 @@ Images, video and coordinates:
 * ``FourierFeaturePositionalEmbedding``: Mildenhall et al., "NeRF", arXiv:2003.08934; Tancik et al.,
   "Fourier Features Let Networks Learn High Frequency Functions in Low Dimensional Domains",
   arXiv:2006.10739.
+* ``LearnableFourierPositionalEmbedding``: Li et al., "Learnable Fourier Features for
+  Multi-Dimensional Spatial Positional Encoding", arXiv:2106.02795.
+
+Time:
+
+* ``Time2VecPositionalEmbedding``: Kazemi et al., "Time2Vec: Learning a Vector Representation of
+  Time", arXiv:1907.05321.
 
 Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
 rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
@@ -148,6 +155,8 @@ __all__ = [
     "LieREPositionalEmbedding",
     "ConvolutionalPositionalEmbedding",
     "FourierFeaturePositionalEmbedding",
+    "LearnableFourierPositionalEmbedding",
+    "Time2VecPositionalEmbedding",
     "rope_coordinates",
     "shard_positions",
     "sharded_log_linear_scan",
@@ -512,6 +521,22 @@ def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
     """Float positions must be finite (a NaN would give NaN features silently); skipped while tracing."""
     if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
         raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
+
+
+def _coordinates(owner: str, positions: Tensor, num_axes: int) -> tuple:
+    """Validated continuous coordinates for an ``embed``: ``(p, dtype)`` with ``p`` float64
+    ``[..., N, A]`` (``[..., N]`` gets its axis when ``A = 1``) and ``dtype`` the result's
+    (float64 for float64 positions, else float32)."""
+    if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"{owner}: positions must be an integer or float tensor, got "
+                        f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
+    if num_axes == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
+        positions = positions.unsqueeze(-1)
+    if positions.dim() < 2 or positions.shape[-1] != num_axes:
+        raise ValueError(f"{owner}: positions must have shape [..., N, {num_axes}], got {tuple(positions.shape)}")
+    _check_finite_positions(owner, "positions", positions)
+    dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
+    return positions.to(torch.float64), dtype
 
 
 def _skip_value_checks(tensor: Tensor) -> bool:
@@ -1217,7 +1242,8 @@ def _document_mask(q: Tensor, ids: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Input kind (added to the tokens): sinusoidal, learned, NoPE, convolutional, Fourier features
+# Input kind (added to the tokens): sinusoidal, learned, NoPE, convolutional, Fourier features,
+# learnable Fourier features, Time2Vec
 # ---------------------------------------------------------------------------
 
 class _AddedInput(PositionalEmbedding):
@@ -1738,18 +1764,7 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
     def embed(self, positions: Tensor) -> Tensor:
         """Features of ``positions`` ``[..., N, A]`` (``[..., N]`` for one axis): float32 ``[..., N, D]``
         (float64 for float64 positions)."""
-        owner = type(self).__name__
-        if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
-            raise TypeError(f"{owner}: positions must be an integer or float tensor, got "
-                            f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
-        if self.num_axes == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
-            positions = positions.unsqueeze(-1)
-        if positions.dim() < 2 or positions.shape[-1] != self.num_axes:
-            raise ValueError(f"{owner}: positions must have shape [..., N, {self.num_axes}], "
-                             f"got {tuple(positions.shape)}")
-        _check_finite_positions(owner, "positions", positions)
-        dtype = torch.float64 if positions.dtype == torch.float64 else torch.float32
-        p = positions.to(torch.float64)                                                         # [..., N, A]
+        p, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                  # [..., N, A]
         if self.sampling == "octave":
             octaves = self.dim // (2 * self.num_axes)
             bands = math.pi * self.scale * 2.0 ** torch.arange(octaves, dtype=torch.float64, device=p.device)   # [L]
@@ -1757,6 +1772,140 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
             return torch.stack([angles.sin(), angles.cos()], dim=-2).flatten(-3).to(dtype)      # [..., N, D]
         angles = 2 * math.pi * torch.matmul(p, self.B.to(device=p.device, dtype=torch.float64).T)   # [..., N, D/2]
         return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)                        # [..., N, D]
+
+
+class LearnableFourierPositionalEmbedding(_AddedInput):
+    """Learnable Fourier features of multi-dimensional positions, then an MLP, added to the tokens
+    (Li et al., "Learnable Fourier Features for Multi-Dimensional Spatial Positional Encoding",
+    arXiv:2106.02795, Algorithm 1).
+
+    The ``A`` position columns form ``G = groups`` groups of ``M = A / G`` coordinates (a pixel:
+    one group of 2; a box: two corners of 2). Each group ``X_g`` ``[M]`` becomes
+
+        F_g = [cos(X_g W_r^T), sin(X_g W_r^T)] / sqrt(F)                  [F]
+        Y_g = GELU(F_g W_1 + B_1) W_2 + B_2                               [D / G]
+
+    with ``W_r`` ``[F/2, M]`` learned and shared by the groups, and the groups' ``Y_g``
+    concatenated into ``[D]``. GELU is the exact (erf) one. ``W_r`` starts normal with standard
+    deviation ``1 / gamma`` (``init="paper"``: the paper's ``N(0, gamma^-2)`` is a variance);
+    ``init="port"`` uses ``gamma ** -2`` as the standard deviation, as the widely copied PyTorch
+    port does. Submodule names are the port's (``Wr``, ``mlp.0``, ``mlp.2``), so its state dicts
+    load. Angles are computed in float64; the MLP runs in float32 (float64 for float64 positions).
+
+    Args:
+        num_axes (int): position columns ``A = G * M``.
+        dim (int): output width ``D``, a multiple of ``groups``.
+        fourier_dim (int): Fourier features ``F`` per group, even. Default: ``dim``.
+        hidden_dim (int): MLP hidden width. Default: ``dim``.
+        groups (int): position groups ``G``, dividing ``num_axes`` and ``dim``. Default: 1.
+        gamma (float): scale of ``W_r``'s initialisation. Default: 1.0.
+        init (str): ``"paper"`` (std ``1 / gamma``) or ``"port"`` (std ``gamma ** -2``). Default: ``"paper"``.
+
+    Shape:
+        - positions: ``[..., N, A]`` (``[..., N]`` for one axis), group ``g`` in columns
+          ``g M .. (g + 1) M - 1``; ``embed`` -> ``[..., N, D]``.
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``; one axis
+          defaults to ``arange(N) + offset``.
+
+    Example:
+        >>> lff = LearnableFourierPositionalEmbedding(2, 64, gamma=10.0)
+        >>> rows, cols = torch.meshgrid(torch.arange(14), torch.arange(14), indexing="ij")
+        >>> pixels = torch.stack([rows, cols], -1).reshape(196, 2) / 14.0
+        >>> lff(torch.randn(2, 196, 64), pixels).shape
+        torch.Size([2, 196, 64])
+    """
+
+    arguments = {"fourier_dim": _even_int, "groups": _check_positive_int, "gamma": _positive_float,
+                 "init": functools.partial(_check_choice, choices=("paper", "port"))}
+
+    def __init__(self, num_axes: int, dim: int, *, fourier_dim: Optional[int] = None, hidden_dim: Optional[int] = None,
+                 groups: int = 1, gamma: float = 1.0, init: Literal["paper", "port"] = "paper") -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if num_axes % groups or dim % groups:
+            raise ValueError(f"{owner}: groups must divide num_axes and dim, got groups={groups}, "
+                             f"num_axes={num_axes}, dim={dim}")
+        fourier_dim = dim + dim % 2 if fourier_dim is None else fourier_dim
+        hidden_dim = dim if hidden_dim is None else hidden_dim
+        self.num_axes, self.dim, self.groups, self.gamma, self.init = num_axes, dim, groups, gamma, init
+        self.Wr = _uninitialised(nn.Linear, num_axes // groups, fourier_dim // 2, bias=False)           # [F/2, M]
+        self.mlp = nn.Sequential(_uninitialised(nn.Linear, fourier_dim, hidden_dim), nn.GELU(),
+                                 _uninitialised(nn.Linear, hidden_dim, dim // groups))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.Wr.weight, std=1 / self.gamma if self.init == "paper" else self.gamma ** -2)
+        for layer in (self.mlp[0], self.mlp[2]):
+            layer.reset_parameters()
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """Features of ``positions`` ``[..., N, A]``: float32 ``[..., N, D]`` (float64 for float64 positions
+        or a float64 module)."""
+        p, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                  # [..., N, A]
+        dtype = torch.promote_types(dtype, self.Wr.weight.dtype)
+        groups = p.unflatten(-1, (self.groups, -1))                                             # [..., N, G, M]
+        angles = torch.matmul(groups, self.Wr.weight.to(device=p.device, dtype=torch.float64).T)   # [..., N, G, F/2]
+        features = torch.cat([angles.cos(), angles.sin()], dim=-1) / math.sqrt(2 * angles.shape[-1])   # [..., N, G, F]
+        return _run_mlp(self.mlp, features.to(dtype)).flatten(-2)                               # [..., N, D]
+
+
+class Time2VecPositionalEmbedding(_AddedInput):
+    """Time2Vec: one linear and ``D - 1`` periodic learned functions of a real-valued time, added
+    to the tokens (Kazemi et al., "Time2Vec: Learning a Vector Representation of Time",
+    arXiv:1907.05321), for irregularly sampled series whose positions are timestamps:
+
+        t2v(tau)[0] = omega_0 . tau + phi_0
+        t2v(tau)[i] = sin(omega_i . tau + phi_i)        1 <= i < D
+
+    ``tau`` is one time (or ``A`` time features, ``num_axes``: each ``omega_i`` is then a vector);
+    ``activation="cos"`` swaps the sine for a cosine (the paper's other choice). ``omega``
+    ``[A, D]`` and ``phi`` ``[D]`` hold every component, the linear one in column 0 as in the
+    paper; they start standard normal. To concatenate rather than add, use ``embed(times)``
+    (``torch.cat([x, t2v.embed(times)], -1)``). Angles are computed in float64 from the stored
+    parameters, so times of 1e6 keep float32 accuracy; scale raw timestamps (seconds since an
+    epoch) to the periods you expect, since ``omega`` starts near 1 radian per unit.
+
+    Args:
+        dim (int): output width ``D = k + 1`` (at least 2).
+        num_axes (int): time features ``A``. Default: 1.
+        activation (str): ``"sin"`` or ``"cos"``. Default: ``"sin"``.
+
+    Shape:
+        - positions: times ``[..., N]`` (or ``[..., N, A]``), integer or float; ``embed`` -> ``[..., N, D]``.
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``; one axis
+          defaults to ``arange(N) + offset``.
+
+    Example:
+        >>> t2v = Time2VecPositionalEmbedding(64)
+        >>> times = torch.tensor([[0.0, 0.7, 3.2, 3.3, 9.5]])     # irregular sampling
+        >>> t2v(torch.randn(1, 5, 64), times).shape
+        torch.Size([1, 5, 64])
+    """
+
+    arguments = {"activation": functools.partial(_check_choice, choices=("sin", "cos"))}
+
+    def __init__(self, dim: int, *, num_axes: int = 1, activation: Literal["sin", "cos"] = "sin") -> None:
+        super().__init__()
+        if dim < 2:
+            raise ValueError(f"{type(self).__name__}: dim must be at least 2 (one linear and one periodic "
+                             f"component), got dim={dim}")
+        self.dim, self.num_axes, self.activation = dim, num_axes, activation
+        self.omega = nn.Parameter(torch.empty(num_axes, dim))                                   # [A, D]
+        self.phi = nn.Parameter(torch.empty(dim))                                               # [D]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.omega)
+        nn.init.normal_(self.phi)
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """``t2v`` of the times ``positions`` ``[..., N]`` (``[..., N, A]``): float32 ``[..., N, D]``
+        (float64 for float64 times or a float64 module)."""
+        tau, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                # [..., N, A]
+        dtype = torch.promote_types(dtype, self.omega.dtype)
+        z = torch.matmul(tau, self.omega.to(torch.float64)) + self.phi.to(torch.float64)        # [..., N, D]
+        periodic = torch.sin(z[..., 1:]) if self.activation == "sin" else torch.cos(z[..., 1:])
+        return torch.cat([z[..., :1], periodic], dim=-1).to(dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -7825,6 +7974,8 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "wav2vec2_conv": ConvolutionalPositionalEmbedding(dim, kernel_size=128, num_axes=1, groups=16,
                                                           weight_norm=True, activation="gelu"),
         "fourier": FourierFeaturePositionalEmbedding(1, dim, sampling="gaussian", scale=0.01),
+        "learnable_fourier": LearnableFourierPositionalEmbedding(2, dim, fourier_dim=64, hidden_dim=64),
+        "time2vec": Time2VecPositionalEmbedding(dim),
         "sinusoidal_fairseq": SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=1),
     }
 
@@ -7872,7 +8023,7 @@ def _demo() -> None:
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
         positions = _demo_positions(pe, seq_len)
         start = time.perf_counter()
-        tokens = pe.forward_input(x) if pe.kind == "input" else x
+        tokens = pe.forward_input(x, positions) if pe.kind == "input" else x
         out = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=pe.num_axes == 1)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())

@@ -65,6 +65,8 @@ from positional_embeddings import (
     FIREPositionalEmbedding,
     ForgettingPositionalEmbedding,
     FourierFeaturePositionalEmbedding,
+    LearnableFourierPositionalEmbedding,
+    Time2VecPositionalEmbedding,
     HeinsenPositionalEmbedding,
     KerplePositionalEmbedding,
     LearnedPositionalEmbedding,
@@ -242,6 +244,9 @@ CASES = [
          has_offset=False, takes_positions=False),
     Case("fourier_octave", lambda: FourierFeaturePositionalEmbedding(1, 16, scale=0.01), token_dim=16),
     Case("fourier_gaussian", lambda: FourierFeaturePositionalEmbedding(1, D, sampling="gaussian", scale=0.1)),
+    Case("learnable_fourier", lambda: LearnableFourierPositionalEmbedding(1, D, fourier_dim=16, hidden_dim=8, gamma=8.0)),
+    Case("time2vec", lambda: Time2VecPositionalEmbedding(D)),
+    Case("time2vec_cos", lambda: Time2VecPositionalEmbedding(D, activation="cos")),
     Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
     # q/k rotation kind
     Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
@@ -807,6 +812,16 @@ NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
      "seed", 1.5, TypeError, "an int, got float 1.5"),
     ("FourierFeaturePositionalEmbedding", lambda **kw: FourierFeaturePositionalEmbedding(1, 4, **kw),
      "scale", "1", TypeError, "a real number, got str '1'"),
+    ("LearnableFourierPositionalEmbedding", lambda **kw: LearnableFourierPositionalEmbedding(2, 4, **kw),
+     "fourier_dim", 5, ValueError, "a positive even int, got fourier_dim=5"),
+    ("LearnableFourierPositionalEmbedding", lambda **kw: LearnableFourierPositionalEmbedding(2, 4, **kw),
+     "init", "xavier", ValueError, "one of 'paper', 'port', got init='xavier'"),
+    ("LearnableFourierPositionalEmbedding", lambda **kw: LearnableFourierPositionalEmbedding(2, 4, **kw),
+     "gamma", -1.0, ValueError, "a finite number > 0.0, got gamma=-1.0"),
+    ("Time2VecPositionalEmbedding", lambda **kw: Time2VecPositionalEmbedding(4, **kw),
+     "activation", "tanh", ValueError, "one of 'sin', 'cos', got activation='tanh'"),
+    ("Time2VecPositionalEmbedding", lambda **kw: Time2VecPositionalEmbedding(4, **kw),
+     "num_axes", 0, ValueError, "a positive int, got num_axes=0"),
     ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
      "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
     ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
@@ -845,6 +860,10 @@ NUMPY_BUILDS = [
                                                  num_prefix_tokens=num.int64(1), groups=num.int64(2)),
     lambda num: FourierFeaturePositionalEmbedding(num.int64(1), num.int64(4), sampling="gaussian",
                                                   scale=num.float32(0.5), seed=num.int64(3)),
+    lambda num: LearnableFourierPositionalEmbedding(num.int64(4), num.int64(6), fourier_dim=num.int64(4),
+                                                    hidden_dim=num.int64(3), groups=num.int64(2),
+                                                    gamma=num.float32(2.0)),
+    lambda num: Time2VecPositionalEmbedding(num.int64(4), num_axes=num.int64(2)),
     lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
     lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
 ]
@@ -916,7 +935,7 @@ class TestArgumentChecks:
 
     @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
                                                          "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
-                                                         "liere", "heinsen"])
+                                                         "learnable_fourier", "time2vec", "liere", "heinsen"])
     def test_numpy_numbers_build_the_same_module(self, build):
         numpy = pytest.importorskip("numpy")
         python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
@@ -2164,6 +2183,154 @@ class TestFourierFeatures:
             pe.embed(bad)
         with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must be finite"):
             pe(torch.randn(1, 16), bad)
+
+
+# ---------------------------------------------------------------------------
+# Learnable Fourier features
+# ---------------------------------------------------------------------------
+
+
+def learnable_fourier_oracle(pe: LearnableFourierPositionalEmbedding, positions: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 of Li et al. 2021, token by token and group by group, in float64: ``[N, A]`` -> ``[N, D]``."""
+    wr = pe.Wr.weight.detach().double()                                     # [F/2, M]
+    w1, b1, w2, b2 = (t.detach().double() for t in (pe.mlp[0].weight, pe.mlp[0].bias, pe.mlp[2].weight, pe.mlp[2].bias))
+    half, m = wr.shape
+    rows = []
+    for point in positions.double():
+        row = []
+        for g in range(pe.groups):
+            x = point[g * m:(g + 1) * m]
+            angles = [sum(float(wr[f, a]) * float(x[a]) for a in range(m)) for f in range(half)]
+            features = torch.tensor([math.cos(t) for t in angles] + [math.sin(t) for t in angles],
+                                    dtype=torch.float64) / math.sqrt(2 * half)
+            hidden = w1 @ features + b1
+            hidden = 0.5 * hidden * (1 + torch.erf(hidden / math.sqrt(2)))   # exact GELU
+            row.append(w2 @ hidden + b2)
+        rows.append(torch.cat(row))
+    return torch.stack(rows)
+
+
+class TestLearnableFourier:
+    @pytest.mark.parametrize("groups,num_axes", [(1, 1), (1, 3), (2, 4), (3, 3)])
+    def test_matches_algorithm_1(self, groups, num_axes):
+        torch.manual_seed(0)
+        pe = LearnableFourierPositionalEmbedding(num_axes, 6 * groups, fourier_dim=10, hidden_dim=5, groups=groups,
+                                                 gamma=0.5)
+        positions = torch.randn(7, num_axes, dtype=torch.float64) * 3
+        torch.testing.assert_close(pe.embed(positions), learnable_fourier_oracle(pe, positions), rtol=0, atol=1e-12)
+        x = torch.randn(2, 7, 6 * groups)
+        one_axis = positions.squeeze(-1) if num_axes == 1 else positions           # forward takes [N] for one axis
+        torch.testing.assert_close(pe(x, one_axis.float()), x + learnable_fourier_oracle(pe, positions).float(),
+                                   rtol=1e-5, atol=1e-5)
+
+    def test_groups_are_independent(self):
+        pe = LearnableFourierPositionalEmbedding(4, 8, groups=2)
+        p = torch.rand(5, 4)
+        moved = p.clone()
+        moved[:, 2:] += 1.0                                                 # only the second group
+        a, b = pe.embed(p), pe.embed(moved)
+        assert torch.equal(a[:, :4], b[:, :4]) and not torch.allclose(a[:, 4:], b[:, 4:])
+
+    def test_matches_the_pypi_port_with_the_same_weights(self):
+        port = pytest.importorskip("learnable_fourier_positional_encoding")
+        torch.manual_seed(0)
+        ref = port.LearnableFourierPositionalEncoding(3, 17, 128, 32, 96, 10.0)   # G, M, F, H, D, gamma
+        ours = LearnableFourierPositionalEmbedding(51, 96, fourier_dim=128, hidden_dim=32, groups=3, gamma=10.0)
+        ours.load_state_dict(ref.state_dict())                              # the port's names: Wr, mlp.0, mlp.2
+        x = torch.randn(97, 3, 17)
+        torch.testing.assert_close(ours.embed(x.flatten(-2)), ref(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.embed(x.flatten(-2).double()),
+                                   learnable_fourier_oracle(ours, x.flatten(-2)), rtol=0, atol=1e-12)
+
+    def test_init_conventions(self):
+        # the paper draws W_r from N(0, gamma^-2) (a variance: std 1/gamma); the port uses std gamma^-2
+        torch.manual_seed(0)
+        paper = LearnableFourierPositionalEmbedding(1, 4, fourier_dim=40000, hidden_dim=2, gamma=2.0)
+        port = LearnableFourierPositionalEmbedding(1, 4, fourier_dim=40000, hidden_dim=2, gamma=2.0, init="port")
+        assert paper.Wr.weight.std().item() == pytest.approx(0.5, rel=0.03)
+        assert port.Wr.weight.std().item() == pytest.approx(0.25, rel=0.03)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: groups must divide num_axes and "
+                                             "dim, got groups=2, num_axes=3, dim=8"):
+            LearnableFourierPositionalEmbedding(3, 8, groups=2)
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: positions must have shape "
+                                             "\\[..., N, 2\\], got \\(5, 3\\)"):
+            LearnableFourierPositionalEmbedding(2, 8).embed(torch.rand(5, 3))
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: positions is required for 2 axes"):
+            LearnableFourierPositionalEmbedding(2, 8)(torch.randn(1, 5, 8))
+
+
+# ---------------------------------------------------------------------------
+# Time2Vec
+# ---------------------------------------------------------------------------
+
+
+def time2vec_oracle(pe: Time2VecPositionalEmbedding, times: torch.Tensor) -> torch.Tensor:
+    """The paper's t2v, component by component in float64: times ``[N, A]`` -> ``[N, D]``."""
+    periodic = math.sin if pe.activation == "sin" else math.cos
+    omega, phi = pe.omega.detach().double(), pe.phi.detach().double()
+    rows = []
+    for tau in times.double():
+        z = [sum(float(omega[a, i]) * float(tau[a]) for a in range(len(tau))) + float(phi[i]) for i in range(pe.dim)]
+        rows.append([z[0]] + [periodic(v) for v in z[1:]])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+class TestTime2Vec:
+    @pytest.mark.parametrize("activation,num_axes", [("sin", 1), ("cos", 1), ("sin", 3)])
+    def test_matches_the_paper_formula(self, activation, num_axes):
+        torch.manual_seed(0)
+        pe = Time2VecPositionalEmbedding(9, num_axes=num_axes, activation=activation)
+        times = torch.rand(6, num_axes, dtype=torch.float64) * 50
+        torch.testing.assert_close(pe.embed(times), time2vec_oracle(pe, times), rtol=0, atol=1e-12)
+
+    def test_irregular_times_and_batches(self):
+        pe = Time2VecPositionalEmbedding(8)
+        times = torch.tensor([[0.0, 0.7, 3.2, 3.3], [1.0, 1.5, 2.0, 9.5]])
+        x = torch.randn(2, 4, 8)
+        want = torch.stack([time2vec_oracle(pe, t.unsqueeze(-1)) for t in times]).float()
+        torch.testing.assert_close(pe(x, times), x + want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pe(x), x + time2vec_oracle(pe, torch.arange(4.0).unsqueeze(-1)).float(),
+                                   rtol=1e-6, atol=1e-6)                   # default: arange(N)
+
+    def test_linear_component_is_linear_and_the_rest_periodic(self):
+        pe = Time2VecPositionalEmbedding(6)
+        period = 2 * math.pi / pe.omega[0, 3].double().item()
+        t = torch.tensor([0.3, 1.3, 2.3], dtype=torch.float64)
+        z = pe.embed(t)
+        assert (z[2, 0] - 2 * z[1, 0] + z[0, 0]).abs().item() < 1e-12
+        assert (z[:, 1:].abs() <= 1).all()
+        shifted = pe.embed(t + period)
+        torch.testing.assert_close(shifted[:, 3], z[:, 3], rtol=0, atol=1e-9)
+
+    def test_large_times_keep_float32_accuracy(self):
+        pe = Time2VecPositionalEmbedding(16)
+        times = torch.tensor([1e6, 1e6 + 0.5, 3.25e6])
+        want = time2vec_oracle(pe, times.unsqueeze(-1))
+        got = pe.embed(times)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got[:, 1:].double(), want[:, 1:], rtol=0, atol=1e-7)
+        torch.testing.assert_close(got[:, 0].double(), want[:, 0], rtol=1e-7, atol=0)
+
+    def test_gradients_match_the_derivative(self):
+        pe = Time2VecPositionalEmbedding(5)
+        t = torch.tensor([0.5, 2.0, 7.25])
+        pe.embed(t).sum().backward()
+        z = (t.double().unsqueeze(-1) * pe.omega.double() + pe.phi.double()).detach()   # [N, D]
+        want_omega = torch.cat([t.double().sum().view(1), (t.double().unsqueeze(-1) * z[:, 1:].cos()).sum(0)])
+        want_phi = torch.cat([torch.tensor([3.0], dtype=torch.float64), z[:, 1:].cos().sum(0)])
+        torch.testing.assert_close(pe.omega.grad[0].double(), want_omega, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pe.phi.grad.double(), want_phi, rtol=1e-6, atol=1e-6)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="Time2VecPositionalEmbedding: dim must be at least 2 \\(one linear and "
+                                             "one periodic component\\), got dim=1"):
+            Time2VecPositionalEmbedding(1)
+        with pytest.raises(ValueError, match="Time2VecPositionalEmbedding: positions must be finite"):
+            Time2VecPositionalEmbedding(4).embed(torch.tensor([0.0, float("nan")]))
+        with pytest.raises(TypeError, match="Time2VecPositionalEmbedding: positions must be an integer or float tensor"):
+            Time2VecPositionalEmbedding(4).embed(torch.tensor([True]))
 
 
 # ---------------------------------------------------------------------------

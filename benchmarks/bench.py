@@ -406,7 +406,8 @@ def bench_all(reps: int, compile: bool) -> None:
     for name, pe in _demo_entries(h, d, n).items():
         positions = pe_lib._demo_positions(pe, n)
         if pe.kind == "input":
-            calls[f"{name} (forward_input + SDPA)"] = lambda q, k, v, x, pe=pe: (pe.forward_input(x), sdpa(q, k, v, is_causal=True))
+            calls[f"{name} (forward_input + SDPA)"] = lambda q, k, v, x, pe=pe, p=positions: (
+                pe.forward_input(x, p), sdpa(q, k, v, is_causal=True))
         else:
             calls[name] = lambda q, k, v, x, pe=pe, p=positions: pe_lib.attention(
                 q, k, v, pe, positions_q=p, positions_k=p, causal=p is None)

@@ -269,8 +269,8 @@ def _registry() -> dict:
 
 ENCODINGS = _registry()
 QUICK_ENCODINGS = ["nope", "sinusoidal", "rotary", "alibi"]
-# 1-D classes deliberately not in the registry (not sequence encodings)
-NOT_1D = {"AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
+# Classes deliberately not in the registry: grids, trees, coordinates and timestamps, not token order
+NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
           "ContinuousPositionBias", "DynamicPositionBias", "MixedRotaryPositionalEmbedding",
           "LieREPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
           "PositionalEmbedding", "EmbedPosition"}

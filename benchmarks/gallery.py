@@ -168,6 +168,13 @@ def _gallery() -> dict:
     if has("FourierFeaturePositionalEmbedding"):
         entries.append(Entry("fourier_features", "FourierFeaturePositionalEmbedding",
                              lambda: pe_lib.FourierFeaturePositionalEmbedding(2, D), "grid", unit_coordinates=True))
+    if has("LearnableFourierPositionalEmbedding"):
+        entries.append(Entry("learnable_fourier", "LearnableFourierPositionalEmbedding",
+                             lambda: pe_lib.LearnableFourierPositionalEmbedding(2, D, gamma=0.5), "grid",
+                             learned=True, unit_coordinates=True))
+    if has("Time2VecPositionalEmbedding"):
+        entries.append(Entry("time2vec", "Time2VecPositionalEmbedding",
+                             lambda: pe_lib.Time2VecPositionalEmbedding(D), learned=True))
     return {entry.name: entry for entry in entries}
 
 
