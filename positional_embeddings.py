@@ -84,6 +84,14 @@ Time:
 * ``Time2VecPositionalEmbedding``: Kazemi et al., "Time2Vec: Learning a Vector Representation of
   Time", arXiv:1907.05321.
 
+Graphs:
+
+* ``LaplacianPositionalEmbedding``: Dwivedi et al., "Benchmarking Graph Neural Networks",
+  arXiv:2003.00982; SignNet: Lim et al., "Sign and Basis Invariant Networks for Spectral Graph
+  Representation Learning", arXiv:2202.13013.
+* ``RandomWalkPositionalEmbedding``: Dwivedi et al., "Graph Neural Networks with Learnable
+  Structural and Positional Representations", arXiv:2110.07875.
+
 Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
 rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
 ``sharded_log_linear_scan`` and ``heinsen_forward_sharded`` (sequence shards over ranks).
@@ -157,6 +165,8 @@ __all__ = [
     "FourierFeaturePositionalEmbedding",
     "LearnableFourierPositionalEmbedding",
     "Time2VecPositionalEmbedding",
+    "LaplacianPositionalEmbedding",
+    "RandomWalkPositionalEmbedding",
     "rope_coordinates",
     "shard_positions",
     "sharded_log_linear_scan",
@@ -1906,6 +1916,233 @@ class Time2VecPositionalEmbedding(_AddedInput):
         z = torch.matmul(tau, self.omega.to(torch.float64)) + self.phi.to(torch.float64)        # [..., N, D]
         periodic = torch.sin(z[..., 1:]) if self.activation == "sin" else torch.cos(z[..., 1:])
         return torch.cat([z[..., :1], periodic], dim=-1).to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Input kind, graphs: node coordinates from the graph's structure (Laplacian eigenvectors, random walks)
+# ---------------------------------------------------------------------------
+
+def _dense_adjacency(owner: str, adjacency: Optional[Tensor], edge_index: Optional[Tensor],
+                     num_nodes: Optional[int], edge_weight: Optional[Tensor]) -> Tensor:
+    """The graph given either way, as a float64 adjacency ``[..., N, N]`` (``A[i, j]``: the weight of
+    the edge ``i -> j``; ``edge_index`` ``[2, E]`` holds PyG's (source, target) rows, repeated
+    edges add their weights)."""
+    if (adjacency is None) == (edge_index is None):
+        raise ValueError(f"{owner}: give the graph as adjacency ([..., N, N]) or as edge_index ([2, E]) with "
+                         f"num_nodes, got {'both' if adjacency is not None else 'neither'}")
+    if adjacency is not None:
+        if not isinstance(adjacency, Tensor) or adjacency.is_complex():
+            raise TypeError(f"{owner}: adjacency must be a real or bool tensor, got "
+                            f"{adjacency.dtype if isinstance(adjacency, Tensor) else type(adjacency).__name__}")
+        if adjacency.dim() < 2 or adjacency.shape[-1] != adjacency.shape[-2]:
+            raise ValueError(f"{owner}: adjacency must have shape [..., N, N], got {tuple(adjacency.shape)}")
+        weights = adjacency.to(torch.float64)
+    else:
+        if not isinstance(edge_index, Tensor) or edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+            raise TypeError(f"{owner}: edge_index must be an integer tensor, got "
+                            f"{edge_index.dtype if isinstance(edge_index, Tensor) else type(edge_index).__name__}")
+        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"{owner}: edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+        n = _check_positive_int(owner, "num_nodes", num_nodes)
+        if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
+            raise ValueError(f"{owner}: edge_index must hold node ids in [0, {n}) for num_nodes={n}, "
+                             f"got ids from {edge_index.min().item()} to {edge_index.max().item()}")
+        values = torch.ones(edge_index.shape[1], dtype=torch.float64, device=edge_index.device)
+        if edge_weight is not None:
+            _check_tensor(owner, "edge_weight", edge_weight, 1)
+            if edge_weight.shape != values.shape:
+                raise ValueError(f"{owner}: edge_weight must have shape [{values.shape[0]}] (one per edge), "
+                                 f"got {tuple(edge_weight.shape)}")
+            values = edge_weight.to(torch.float64)
+        weights = torch.zeros(n, n, dtype=torch.float64, device=edge_index.device)
+        weights = weights.index_put((edge_index[0], edge_index[1]), values, accumulate=True)   # [N, N]
+    if not _skip_value_checks(weights) and not (torch.isfinite(weights).all() and (weights >= 0).all()):
+        raise ValueError(f"{owner}: edge weights must be finite and >= 0")
+    return weights
+
+
+class _GraphInput(_AddedInput):
+    """The ``"input"`` kind on graphs. A node's position is a vector the graph's structure gives it:
+    a subclass writes ``structure(adjacency) -> [..., N, A]`` (float64 in and out, the maths) and
+    ``embed``; this base turns a graph given as a dense adjacency or as PyG's ``edge_index`` into
+    that adjacency (``graph_positions``), and its ``forward`` requires the positions (there is no
+    default graph)."""
+
+    def structure(self, adjacency: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def graph_positions(self, adjacency: Optional[Tensor] = None, *, edge_index: Optional[Tensor] = None,
+                        num_nodes: Optional[int] = None, edge_weight: Optional[Tensor] = None) -> Tensor:
+        """The nodes' positions ``[..., N, A]`` (float32; float64 for a float64 adjacency) of the graph
+        given as ``adjacency`` ``[..., N, N]`` or as ``edge_index`` ``[2, E]`` with ``num_nodes``."""
+        weights = _dense_adjacency(type(self).__name__, adjacency, edge_index, num_nodes, edge_weight)
+        dtype = torch.float64 if adjacency is not None and adjacency.dtype == torch.float64 else torch.float32
+        return self.structure(weights).to(dtype)
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``x + embed(positions)`` for ``positions = graph_positions(graph)`` ``[..., N, A]`` (required)."""
+        if positions is None:
+            raise ValueError(f"{type(self).__name__}: positions is required: the nodes' positions "
+                             f"graph_positions(adjacency) or graph_positions(edge_index=..., num_nodes=N), "
+                             f"shape [..., N, {self.num_axes}], got None")
+        return super().forward(x, positions, offset=offset)
+
+
+class LaplacianPositionalEmbedding(_GraphInput):
+    """Laplacian eigenvector positions of graph nodes, projected and added to the node states
+    (Dwivedi et al., "Benchmarking Graph Neural Networks", arXiv:2003.00982).
+
+    ``graph_positions(graph)``: the eigenvectors of the ``k`` smallest eigenvalues after the first
+    of the symmetric normalised Laplacian ``L = I - D^-1/2 A D^-1/2`` (an isolated node has
+    ``D^-1/2 = 0``), computed in float64 by ``torch.linalg.eigh`` (dense, ``O(N^3)``: compute them
+    once per graph, in the data pipeline, as PyG's ``AddLaplacianEigenvectorPE`` does). A graph
+    with fewer than ``k + 1`` nodes gets zero columns. The graph must be undirected (a symmetric
+    adjacency). Eigenvectors are defined up to sign (and, for repeated eigenvalues, up to a
+    rotation within their eigenspace), so:
+
+    * ``sign_flip=True`` (the paper's): in training mode each eigenvector of each graph is
+      multiplied by a random sign on every call (``generator`` seeds the draws); none in eval.
+    * ``sign_invariant=True``: SignNet (Lim et al., "Sign and Basis Invariant Networks for
+      Spectral Graph Representation Learning", arXiv:2202.13013) in its pointwise form,
+      ``rho([phi(v_i) + phi(-v_i)]_i)`` with ``phi`` an MLP (``1 -> hidden -> hidden``, ReLU)
+      applied to each node's entry of each eigenvector and ``rho`` a linear map of the ``k``
+      concatenated results; no flips are needed then. The GNN form of ``phi`` is not built.
+
+    Otherwise ``embed(v) = proj(v)``, one ``nn.Linear(k, dim)``.
+
+    Args:
+        dim (int): node state width ``D``.
+        k (int): eigenvectors per node (the position axes ``A``).
+        sign_flip (bool): random sign flips in training. Default: True.
+        sign_invariant (bool): SignNet instead of a linear map. Default: False.
+        hidden_dim (int): SignNet's ``phi`` width. Default: 16.
+        generator (torch.Generator, optional): the source of the sign flips. Default: torch's global one.
+
+    Shape:
+        - positions: ``[..., N, k]`` from ``graph_positions``; ``embed`` -> ``[..., N, D]``.
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``.
+
+    Example:
+        >>> lap = LaplacianPositionalEmbedding(32, k=4).eval()
+        >>> ring = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 0], [1, 2, 3, 4, 5, 0, 0, 1, 2, 3, 4, 5]])
+        >>> nodes = lap.graph_positions(edge_index=ring, num_nodes=6)     # [6, 4], once per graph
+        >>> lap(torch.randn(6, 32), nodes).shape
+        torch.Size([6, 32])
+    """
+
+    arguments = {"k": _check_positive_int, "sign_flip": _check_flag, "sign_invariant": _check_flag}
+
+    def __init__(self, dim: int, k: int, *, sign_flip: bool = True, sign_invariant: bool = False,
+                 hidden_dim: int = 16, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"{type(self).__name__}: generator must be a torch.Generator or None, "
+                            f"got {type(generator).__name__}")
+        self.dim, self.num_axes, self.k = dim, k, k
+        self.sign_flip, self.sign_invariant, self.generator = sign_flip, sign_invariant, generator
+        if sign_invariant:
+            self.phi = nn.Sequential(_uninitialised(nn.Linear, 1, hidden_dim), nn.ReLU(),
+                                     _uninitialised(nn.Linear, hidden_dim, hidden_dim))
+            self.rho = _uninitialised(nn.Linear, k * hidden_dim, dim)
+        else:
+            self.proj = _uninitialised(nn.Linear, k, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for layer in self.modules():
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+
+    def structure(self, adjacency: Tensor) -> Tensor:
+        """The ``k`` smallest non-trivial eigenvectors of the normalised Laplacian: ``[..., N, N]`` ->
+        ``[..., N, k]`` (float64)."""
+        if not _skip_value_checks(adjacency) and not torch.equal(adjacency, adjacency.transpose(-1, -2)):
+            raise ValueError(f"{type(self).__name__}: the graph must be undirected (a symmetric adjacency, or "
+                             f"edge_index holding both directions of every edge)")
+        n = adjacency.shape[-1]
+        degree = adjacency.sum(-1)                                                              # [..., N]
+        scale = torch.where(degree > 0, degree.clamp(min=1e-300).rsqrt(), torch.zeros_like(degree))
+        laplacian = torch.eye(n, dtype=adjacency.dtype, device=adjacency.device) \
+            - scale.unsqueeze(-1) * adjacency * scale.unsqueeze(-2)                             # [..., N, N]
+        _, vectors = torch.linalg.eigh(laplacian)                                               # ascending
+        vectors = vectors[..., 1:self.k + 1]                                                    # [..., N, <= k]
+        return F.pad(vectors, (0, self.k - vectors.shape[-1]))                                  # [..., N, k]
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """Node codes of the eigenvectors ``positions`` ``[..., N, k]``: float32 ``[..., N, D]``
+        (float64 for float64 positions or a float64 module)."""
+        v, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                 # [..., N, k]
+        weight = (self.rho if self.sign_invariant else self.proj).weight
+        v = v.to(torch.promote_types(dtype, weight.dtype))
+        if self.training and self.sign_flip and not self.sign_invariant:
+            flips = torch.randint(0, 2, (*v.shape[:-2], 1, self.k), generator=self.generator, device="cpu")
+            v = v * (2 * flips - 1).to(device=v.device, dtype=v.dtype)                          # one sign per graph
+        if not self.sign_invariant:
+            return _run_mlp(self.proj, v)
+        entries = v.unsqueeze(-1)                                                               # [..., N, k, 1]
+        invariant = _run_mlp(self.phi, entries) + _run_mlp(self.phi, -entries)                  # [..., N, k, h]
+        return _run_mlp(self.rho, invariant.flatten(-2))                                        # [..., N, D]
+
+
+class RandomWalkPositionalEmbedding(_GraphInput):
+    """Random-walk positions of graph nodes, projected and added to the node states (Dwivedi et al.,
+    "Graph Neural Networks with Learnable Structural and Positional Representations",
+    arXiv:2110.07875).
+
+    ``graph_positions(graph)``: node ``i``'s probabilities of returning to itself after
+    ``1, ..., k`` steps of the random walk ``P = D^-1 A`` (``[P_ii, (P^2)_ii, ..., (P^k)_ii]``,
+    ``D`` the weighted out-degree; a node with no out-edge has a zero row), by dense matrix powers
+    in float64 (``O(k N^3)``: compute them once per graph). Directed graphs walk along their
+    edges; weighted edges are taken with probability ``w / D``. ``embed(p) = proj(p)``, one
+    ``nn.Linear(k, dim)``. Unlike eigenvectors, these need no sign handling.
+
+    PyG 2.8.1's ``AddRandomWalkPE`` gives the same numbers on unweighted graphs. With
+    ``edge_weight`` it puts ``1 / D`` on every edge (the weight is dropped, so rows need not sum
+    to 1) and clamps ``D`` at 1, and its dense path keeps one copy of a repeated edge (pyg-team
+    issue #10098, pull request #10825); this class follows the paper's ``D^-1 A``.
+
+    Args:
+        dim (int): node state width ``D``.
+        walk_length (int): steps ``k`` (the position axes ``A``).
+
+    Shape:
+        - positions: ``[..., N, k]`` from ``graph_positions``; ``embed`` -> ``[..., N, D]``.
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``.
+
+    Example:
+        >>> rw = RandomWalkPositionalEmbedding(32, walk_length=8)
+        >>> triangle_and_tail = torch.tensor([[0, 1, 1, 2, 2, 0, 2, 3], [1, 0, 2, 1, 0, 2, 3, 2]])
+        >>> nodes = rw.graph_positions(edge_index=triangle_and_tail, num_nodes=4)   # [4, 8]
+        >>> rw(torch.randn(4, 32), nodes).shape
+        torch.Size([4, 32])
+    """
+
+    arguments = {"walk_length": _check_positive_int}
+
+    def __init__(self, dim: int, walk_length: int) -> None:
+        super().__init__()
+        self.dim, self.num_axes, self.walk_length = dim, walk_length, walk_length
+        self.proj = _uninitialised(nn.Linear, walk_length, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+
+    def structure(self, adjacency: Tensor) -> Tensor:
+        """Return probabilities ``[..., N, N]`` -> ``[..., N, k]`` (float64)."""
+        degree = adjacency.sum(-1, keepdim=True)                                                # [..., N, 1]
+        step = adjacency / torch.where(degree > 0, degree, torch.ones_like(degree))            # P = D^-1 A
+        walk, returns = step, []
+        for _ in range(self.walk_length):
+            returns.append(walk.diagonal(dim1=-2, dim2=-1))                                     # [..., N]
+            walk = walk @ step
+        return torch.stack(returns, dim=-1)                                                     # [..., N, k]
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """Node codes of the return probabilities ``positions`` ``[..., N, k]``: float32 ``[..., N, D]``
+        (float64 for float64 positions or a float64 module)."""
+        p, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                 # [..., N, k]
+        return _run_mlp(self.proj, p.to(torch.promote_types(dtype, self.proj.weight.dtype)))
 
 
 # ---------------------------------------------------------------------------
@@ -7976,17 +8213,24 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "fourier": FourierFeaturePositionalEmbedding(1, dim, sampling="gaussian", scale=0.01),
         "learnable_fourier": LearnableFourierPositionalEmbedding(2, dim, fourier_dim=64, hidden_dim=64),
         "time2vec": Time2VecPositionalEmbedding(dim),
+        "laplacian": LaplacianPositionalEmbedding(dim, 8).eval(),
+        "random_walk": RandomWalkPositionalEmbedding(dim, 8),
         "sinusoidal_fairseq": SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=1),
     }
 
 
 def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
-    """Positions for encodings that need them: a square grid for multi-axis ones."""
+    """Positions for encodings that need them: a square grid for multi-axis ones (for graph encodings,
+    the nodes of the grid's lattice graph)."""
     if pe.num_axes == 1 or not pe.takes_positions:   # the convolution reads its grid from the token order
         return None
     side = math.isqrt(seq_len)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    return torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)
+    grid = torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)                                # [N, 2]
+    if hasattr(pe, "graph_positions"):   # a graph encoding (of this file, or of a vendored copy of it)
+        lattice = (grid.unsqueeze(1) - grid.unsqueeze(0)).abs().sum(-1) == 1                    # [N, N] neighbours
+        return pe.graph_positions(lattice)
+    return grid
 
 
 def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> str:

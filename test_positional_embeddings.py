@@ -67,6 +67,8 @@ from positional_embeddings import (
     FourierFeaturePositionalEmbedding,
     LearnableFourierPositionalEmbedding,
     Time2VecPositionalEmbedding,
+    LaplacianPositionalEmbedding,
+    RandomWalkPositionalEmbedding,
     HeinsenPositionalEmbedding,
     KerplePositionalEmbedding,
     LearnedPositionalEmbedding,
@@ -163,10 +165,16 @@ class Case:
     def attn(self, pe, q, k):
         return pe.forward_attn(q, k, *self.positions(q.shape[-2], k.shape[-2]))
 
+    def forward_input(self, pe, x):
+        """``pe.forward_input(x)``, with the positions an input kind requires (graph nodes)."""
+        if pe.kind != "input" or self.required_positions is None:
+            return pe.forward_input(x)
+        return pe.forward_input(x, self.required_positions(x.shape[-2]).to(x.device))
+
     def own_call_args(self, pe, q, k, x):
         """Arguments of the class's own forward: tokens, one of q/k, lengths, or q and k."""
         if pe.kind == "input":
-            return (x,)
+            return (x,) if self.required_positions is None else (x, self.required_positions(x.shape[-2]))
         if pe.kind == "bias":
             return (q.shape[-2], k.shape[-2])
         positions_q, positions_k = self.positions(q.shape[-2], k.shape[-2])
@@ -247,6 +255,12 @@ CASES = [
     Case("learnable_fourier", lambda: LearnableFourierPositionalEmbedding(1, D, fourier_dim=16, hidden_dim=8, gamma=8.0)),
     Case("time2vec", lambda: Time2VecPositionalEmbedding(D)),
     Case("time2vec_cos", lambda: Time2VecPositionalEmbedding(D, activation="cos")),
+    Case("laplacian", lambda: LaplacianPositionalEmbedding(D, 4).eval(),
+         required_positions=lambda n: graph_nodes(LaplacianPositionalEmbedding(D, 4), n), has_offset=False),
+    Case("laplacian_signnet", lambda: LaplacianPositionalEmbedding(D, 3, sign_invariant=True, hidden_dim=4),
+         required_positions=lambda n: graph_nodes(LaplacianPositionalEmbedding(D, 3), n), has_offset=False),
+    Case("random_walk", lambda: RandomWalkPositionalEmbedding(D, 5),
+         required_positions=lambda n: graph_nodes(RandomWalkPositionalEmbedding(D, 5), n), has_offset=False),
     Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
     # q/k rotation kind
     Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
@@ -353,6 +367,21 @@ def qkv(nq=N, nk=N, dtype=torch.float32, dh=DH):
     return q, k, v
 
 
+def ring_with_chords(n: int) -> torch.Tensor:
+    """A connected undirected test graph on n nodes: a ring plus the chords i -- 3i + 1 (mod n), [n, n]."""
+    adjacency = torch.zeros(n, n)
+    for i in range(n):
+        for j in ((i + 1) % n, (3 * i + 1) % n):
+            if j != i:
+                adjacency[i, j] = adjacency[j, i] = 1.0
+    return adjacency
+
+
+def graph_nodes(pe, n: int) -> torch.Tensor:
+    """Node positions of ``ring_with_chords(n)`` for a graph encoding: ``[n, A]``."""
+    return pe.graph_positions(ring_with_chords(n))
+
+
 def tokens(case, n=N, dtype=torch.float32):
     return torch.randn(B, n, case.token_dim, dtype=dtype)
 
@@ -385,7 +414,7 @@ class TestEveryClass:
     def test_shape_and_dtype_kept(self, case, dtype):
         pe = case.make().to(dtype)
         x = tokens(case, dtype=dtype)
-        y = pe.forward_input(x)
+        y = case.forward_input(pe, x)
         assert y.shape == x.shape and y.dtype == dtype
         q, k, _ = qkv(N - 3, N, dtype=dtype)
         logits = case.attn(pe, q, k)
@@ -432,7 +461,7 @@ class TestEveryClass:
         q, k, _ = qkv()
         torch.testing.assert_close(case.attn(meta, q, k), case.attn(normal, q, k))
         x = tokens(case)
-        torch.testing.assert_close(meta.forward_input(x), normal.forward_input(x))
+        torch.testing.assert_close(case.forward_input(meta, x), case.forward_input(normal, x))
 
     def test_moves_to_meta(self, case):
         pe = case.make()
@@ -499,7 +528,7 @@ class TestEveryClass:
         q.requires_grad_(True)
         logits = case.attn(pe, q, k)
         logits = logits.masked_fill(logits == float("-inf"), 0.0)   # causal ALiBi
-        loss = logits.square().sum() + pe.forward_input(tokens(case)).square().sum()
+        loss = logits.square().sum() + case.forward_input(pe, tokens(case)).square().sum()
         if pe.kind != "input":
             positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
             loss = loss + attention(q, k, v, pe, **positions).square().sum()
@@ -522,7 +551,7 @@ class TestEveryClass:
             assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, pe, **named), (q, k, v.requires_grad_()),
                                             fast_mode=True)
         if pe.kind == "input":
-            assert torch.autograd.gradcheck(pe.forward_input, (x.requires_grad_(),), fast_mode=True)
+            assert torch.autograd.gradcheck(lambda x: case.forward_input(pe, x), (x.requires_grad_(),), fast_mode=True)
         params = [p for p in pe.parameters() if p.requires_grad]
         if not params:
             return
@@ -533,7 +562,7 @@ class TestEveryClass:
             total = (finite(pe.forward_attn(q, k, *positions)) * weights).sum()
             if pe.kind != "input":
                 total = total + (attention(q, k, v, pe, **named) * out_weights).sum()
-            return total + (pe.forward_input(x) * x).sum() if pe.kind == "input" else total
+            return total + (case.forward_input(pe, x) * x).sum() if pe.kind == "input" else total
 
         grads = torch.autograd.grad(loss(), params)
         direction = [torch.randn_like(p) for p in params]
@@ -664,9 +693,9 @@ class TestEveryClass:
         if pe.kind != "input":
             pytest.skip("identity on tokens")
         with pytest.raises(ValueError, match=type(pe).__name__ + ".*x"):
-            pe.forward_input(torch.randn(B, N, case.token_dim + 1))
+            case.forward_input(pe, torch.randn(B, N, case.token_dim + 1))
         with pytest.raises(TypeError, match=type(pe).__name__ + ".*x"):
-            pe.forward_input(torch.zeros(B, N, case.token_dim, dtype=torch.long))
+            case.forward_input(pe, torch.zeros(B, N, case.token_dim, dtype=torch.long))
 
     def test_attention_rejects_a_wrong_head_count_or_head_dim(self, case):
         """A wrong (or swapped) constructor argument must not run: every attention-side class built for a head
@@ -822,6 +851,12 @@ NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
      "activation", "tanh", ValueError, "one of 'sin', 'cos', got activation='tanh'"),
     ("Time2VecPositionalEmbedding", lambda **kw: Time2VecPositionalEmbedding(4, **kw),
      "num_axes", 0, ValueError, "a positive int, got num_axes=0"),
+    ("LaplacianPositionalEmbedding", lambda **kw: LaplacianPositionalEmbedding(4, **kw),
+     "k", 0, ValueError, "a positive int, got k=0"),
+    ("LaplacianPositionalEmbedding", lambda **kw: LaplacianPositionalEmbedding(4, 2, **kw),
+     "hidden_dim", 1.5, TypeError, "an int, got float 1.5"),
+    ("RandomWalkPositionalEmbedding", lambda **kw: RandomWalkPositionalEmbedding(4, **kw),
+     "walk_length", -2, ValueError, "a positive int, got walk_length=-2"),
     ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
      "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
     ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
@@ -864,6 +899,8 @@ NUMPY_BUILDS = [
                                                     hidden_dim=num.int64(3), groups=num.int64(2),
                                                     gamma=num.float32(2.0)),
     lambda num: Time2VecPositionalEmbedding(num.int64(4), num_axes=num.int64(2)),
+    lambda num: LaplacianPositionalEmbedding(num.int64(4), num.int64(3), sign_invariant=True, hidden_dim=num.int64(2)),
+    lambda num: RandomWalkPositionalEmbedding(num.int64(4), num.int64(3)),
     lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
     lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
 ]
@@ -935,7 +972,8 @@ class TestArgumentChecks:
 
     @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
                                                          "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
-                                                         "learnable_fourier", "time2vec", "liere", "heinsen"])
+                                                         "learnable_fourier", "time2vec", "laplacian",
+                                                         "random_walk", "liere", "heinsen"])
     def test_numpy_numbers_build_the_same_module(self, build):
         numpy = pytest.importorskip("numpy")
         python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
@@ -2331,6 +2369,202 @@ class TestTime2Vec:
             Time2VecPositionalEmbedding(4).embed(torch.tensor([0.0, float("nan")]))
         with pytest.raises(TypeError, match="Time2VecPositionalEmbedding: positions must be an integer or float tensor"):
             Time2VecPositionalEmbedding(4).embed(torch.tensor([True]))
+
+
+# ---------------------------------------------------------------------------
+# Graphs: Laplacian eigenvectors, random walks
+# ---------------------------------------------------------------------------
+
+
+def random_graph(n: int, p: float, seed: int, weighted: bool = False, directed: bool = False) -> torch.Tensor:
+    """A random graph's adjacency [n, n] (float64) with a ring inside, so it is connected."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.rand(n, n, generator=g) < p).double()
+    if weighted:
+        a = a * (0.5 + torch.rand(n, n, generator=g, dtype=torch.float64))
+    a.fill_diagonal_(0)
+    for i in range(n):
+        a[i, (i + 1) % n] = 1.0
+    return a if directed else torch.triu(a, 1) + torch.triu(a, 1).T
+
+
+def random_walk_oracle(adjacency: torch.Tensor, k: int) -> torch.Tensor:
+    """[P_ii, (P^2)_ii, ...] with P[i, j] = A[i, j] / sum_j A[i, j] (a zero row stays zero), by plain loops
+    in float64."""
+    n = adjacency.shape[0]
+    a = adjacency.tolist()
+    p = [[a[i][j] / sum(a[i]) if sum(a[i]) > 0 else 0.0 for j in range(n)] for i in range(n)]
+    walk, out = [row[:] for row in p], []
+    for _ in range(k):
+        out.append([walk[i][i] for i in range(n)])
+        walk = [[sum(walk[i][m] * p[m][j] for m in range(n)) for j in range(n)] for i in range(n)]
+    return torch.tensor(out, dtype=torch.float64).T                                  # [n, k]
+
+
+def normalised_laplacian_oracle(adjacency: torch.Tensor) -> torch.Tensor:
+    """I - D^-1/2 A D^-1/2 entry by entry (an isolated node's row is e_i), float64."""
+    n = adjacency.shape[0]
+    degree = [float(adjacency[i].sum()) for i in range(n)]
+    out = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            scale = 0.0 if degree[i] == 0 or degree[j] == 0 else 1 / math.sqrt(degree[i] * degree[j])
+            out[i, j] = (1.0 if i == j else 0.0) - float(adjacency[i, j]) * scale
+    return out
+
+
+def jacobi_eigh(matrix: torch.Tensor, sweeps: int = 30) -> tuple:
+    """Eigenvalues (ascending, a list) and eigenvectors (columns, float64) of a symmetric matrix by
+    cyclic Jacobi rotations in plain Python: an oracle independent of LAPACK."""
+    n = matrix.shape[0]
+    a, v = matrix.tolist(), [[float(i == j) for j in range(n)] for i in range(n)]
+    for _ in range(sweeps):
+        if sum(a[i][j] ** 2 for i in range(n) for j in range(n) if i != j) < 1e-30:
+            break
+        for p in range(n):
+            for q in range(p + 1, n):
+                if abs(a[p][q]) < 1e-300:
+                    continue
+                theta = (a[q][q] - a[p][p]) / (2 * a[p][q])
+                t = math.copysign(1.0, theta) / (abs(theta) + math.sqrt(theta * theta + 1))
+                c = 1 / math.sqrt(t * t + 1)
+                s = t * c
+                for k in range(n):                                                          # A <- A J
+                    akp, akq = a[k][p], a[k][q]
+                    a[k][p], a[k][q] = c * akp - s * akq, s * akp + c * akq
+                for k in range(n):                                                          # A <- J^T A
+                    apk, aqk = a[p][k], a[q][k]
+                    a[p][k], a[q][k] = c * apk - s * aqk, s * apk + c * aqk
+                for k in range(n):                                                          # V <- V J
+                    vkp, vkq = v[k][p], v[k][q]
+                    v[k][p], v[k][q] = c * vkp - s * vkq, s * vkp + c * vkq
+    order = sorted(range(n), key=lambda i: a[i][i])
+    vectors = torch.tensor(v, dtype=torch.float64)[:, order]
+    return [a[i][i] for i in order], vectors
+
+
+def same_up_to_sign(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
+    """Columns of a equal those of b, each up to its sign."""
+    signs = torch.where((a * b).sum(0) < 0, -1.0, 1.0).to(a.dtype)
+    torch.testing.assert_close(a * signs, b.to(a.dtype), rtol=0, atol=atol)
+
+
+class TestGraphEncodings:
+    def test_random_walk_matches_the_loop_oracle(self):
+        light = random_graph(9, 0.3, 1, weighted=True, directed=True) * 0.1               # weighted degrees below 1
+        for adjacency in (random_graph(9, 0.3, 0), random_graph(9, 0.3, 1, weighted=True, directed=True), light):
+            got = RandomWalkPositionalEmbedding(8, 5).graph_positions(adjacency)
+            torch.testing.assert_close(got, random_walk_oracle(adjacency, 5), rtol=0, atol=1e-12)
+        doubled = torch.tensor([[0, 0, 1, 2], [1, 1, 0, 0]])                               # 0 -> 1 twice: weight 2
+        torch.testing.assert_close(
+            RandomWalkPositionalEmbedding(8, 3).graph_positions(edge_index=doubled, num_nodes=3).double(),
+            random_walk_oracle(torch.tensor([[0.0, 2, 0], [1, 0, 0], [1, 0, 0]]), 3))
+
+    def test_random_walk_matches_pyg_on_unweighted_graphs(self):
+        # PyG 2.8.1 drops edge weights (pyg-team #10098), so only unweighted graphs are compared
+        pyg = pytest.importorskip("torch_geometric.transforms")
+        data_cls = pytest.importorskip("torch_geometric.data").Data
+        for seed, directed in ((0, True), (1, False)):
+            edge_index = random_graph(15, 0.25, seed, directed=directed).nonzero().T
+            want = pyg.AddRandomWalkPE(6)(data_cls(edge_index=edge_index, num_nodes=15)).random_walk_pe
+            got = RandomWalkPositionalEmbedding(8, 6).graph_positions(edge_index=edge_index, num_nodes=15)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    def test_laplacian_eigenvectors_against_the_oracle_laplacian(self):
+        adjacency = random_graph(10, 0.3, 2)
+        laplacian = normalised_laplacian_oracle(adjacency)
+        values, reference = jacobi_eigh(laplacian)
+        vectors = LaplacianPositionalEmbedding(8, 4).graph_positions(adjacency)             # [10, 4]
+        assert vectors.dtype == torch.float64
+        torch.testing.assert_close(vectors.T @ vectors, torch.eye(4, dtype=torch.float64), rtol=0, atol=1e-12)
+        for j in range(4):                                                                  # L v = lambda v
+            torch.testing.assert_close(laplacian @ vectors[:, j], values[j + 1] * vectors[:, j], rtol=0, atol=1e-12)
+        same_up_to_sign(vectors, reference[:, 1:5], atol=1e-10)
+
+    def test_laplacian_of_a_cycle_has_the_closed_form_spectrum(self):
+        # the cycle C_n: L = I - A / 2, eigenvalues 1 - cos(2 pi j / n)
+        n = 12
+        ring = torch.zeros(n, n, dtype=torch.float64)
+        for i in range(n):
+            ring[i, (i + 1) % n] = ring[(i + 1) % n, i] = 1.0
+        vectors = LaplacianPositionalEmbedding(8, 5).graph_positions(ring)
+        rayleigh = ((vectors * (normalised_laplacian_oracle(ring) @ vectors)).sum(0)).tolist()
+        want = [1 - math.cos(2 * math.pi * j / n) for j in (1, 1, 2, 2, 3)]
+        assert rayleigh == pytest.approx(want, abs=1e-12)
+
+    def test_laplacian_matches_pyg_up_to_sign(self):
+        pyg = pytest.importorskip("torch_geometric.transforms")
+        data_cls = pytest.importorskip("torch_geometric.data").Data
+        adjacency = random_graph(20, 0.2, 3)
+        values, _ = jacobi_eigh(normalised_laplacian_oracle(adjacency))
+        assert min(b - a for a, b in zip(values[:6], values[1:7])) > 1e-3                    # distinct: sign is the only freedom
+        edge_index = adjacency.nonzero().T
+        torch.manual_seed(0)
+        want = pyg.AddLaplacianEigenvectorPE(5, is_undirected=True)(data_cls(edge_index=edge_index, num_nodes=20))
+        got = LaplacianPositionalEmbedding(8, 5).graph_positions(edge_index=edge_index, num_nodes=20)
+        same_up_to_sign(got.double(), want.laplacian_eigenvector_pe, atol=1e-5)
+
+    def test_small_graphs_pad_and_isolated_nodes(self):
+        path = torch.tensor([[0.0, 1, 0], [1, 0, 0], [0, 0, 0]])                           # node 2 isolated
+        vectors = LaplacianPositionalEmbedding(4, 4).graph_positions(path)
+        assert vectors.shape == (3, 4) and torch.equal(vectors[:, 2:], torch.zeros(3, 2))
+        torch.testing.assert_close(normalised_laplacian_oracle(path)[2], torch.tensor([0.0, 0, 1], dtype=torch.float64))
+        returns = RandomWalkPositionalEmbedding(4, 3).graph_positions(path)
+        torch.testing.assert_close(returns[2], torch.zeros(3))                              # no walk from an isolated node
+        torch.testing.assert_close(returns[0], torch.tensor([0.0, 1, 0]))
+
+    def test_edge_index_dense_and_batched_agree(self):
+        adjacency = torch.stack([random_graph(7, 0.4, seed) for seed in (4, 5)])
+        for pe in (LaplacianPositionalEmbedding(8, 3), RandomWalkPositionalEmbedding(8, 4)):
+            batched = pe.graph_positions(adjacency)                                         # [2, 7, A]
+            for b in range(2):
+                edges = adjacency[b].nonzero().T
+                torch.testing.assert_close(pe.graph_positions(edge_index=edges, num_nodes=7).double(), batched[b])
+            x = torch.randn(2, 7, 8)
+            torch.testing.assert_close(pe.eval()(x, batched.float()), x + pe.embed(batched.float()))
+
+    def test_sign_flips_in_training_only(self):
+        nodes = LaplacianPositionalEmbedding(8, 3).graph_positions(random_graph(9, 0.3, 6)).float()
+        pe = LaplacianPositionalEmbedding(8, 3, generator=torch.Generator().manual_seed(0))
+        plain = lambda v: F.linear(v, pe.proj.weight, pe.proj.bias)                           # noqa: E731
+        patterns = list(itertools.product((1.0, -1.0), repeat=3))
+        seen = []
+        for _ in range(60):
+            codes = pe.embed(nodes)
+            match = [s for s in patterns if torch.allclose(codes, plain(nodes * torch.tensor(s)), atol=1e-6)]
+            assert len(match) == 1
+            seen.append(match[0])
+        assert set(seen) == set(patterns)                                                   # one sign per eigenvector
+        torch.testing.assert_close(pe.eval().embed(nodes), plain(nodes))                    # none in eval
+        twin = LaplacianPositionalEmbedding(8, 3, generator=torch.Generator().manual_seed(0))
+        twin.load_state_dict(pe.state_dict())
+        pe.train().generator.manual_seed(0)
+        assert all(torch.equal(pe.embed(nodes), twin.embed(nodes)) for _ in range(5))      # the generator decides
+
+    def test_signnet_is_sign_invariant(self):
+        pe = LaplacianPositionalEmbedding(8, 3, sign_invariant=True)
+        nodes = pe.graph_positions(random_graph(9, 0.3, 7)).float()
+        flipped = nodes * torch.tensor([-1.0, 1.0, -1.0])
+        assert torch.equal(pe.embed(nodes), pe.embed(flipped))
+        assert not torch.allclose(pe.embed(nodes), pe.embed(nodes.roll(1, 0)))             # still reads the vectors
+
+    def test_bad_input(self):
+        lap = LaplacianPositionalEmbedding(8, 2)
+        with pytest.raises(ValueError, match="LaplacianPositionalEmbedding: give the graph as adjacency .* got neither"):
+            lap.graph_positions()
+        with pytest.raises(ValueError, match="LaplacianPositionalEmbedding: the graph must be undirected"):
+            lap.graph_positions(torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
+        with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: edge_index must hold node ids in "
+                                             "\\[0, 3\\) for num_nodes=3, got ids from 0 to 3"):
+            RandomWalkPositionalEmbedding(8, 2).graph_positions(edge_index=torch.tensor([[0, 1], [1, 3]]), num_nodes=3)
+        with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: edge weights must be finite and >= 0"):
+            RandomWalkPositionalEmbedding(8, 2).graph_positions(torch.tensor([[0.0, -1.0], [1.0, 0.0]]))
+        with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: adjacency must have shape \\[..., N, N\\]"):
+            RandomWalkPositionalEmbedding(8, 2).graph_positions(torch.ones(3, 4))
+        with pytest.raises(ValueError, match="LaplacianPositionalEmbedding: positions is required"):
+            lap(torch.randn(3, 8))
+        with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
+            RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
 
 
 # ---------------------------------------------------------------------------
@@ -8179,9 +8413,10 @@ class TestCompile:
         q, k, v = qkv()
         x = tokens(case)
         positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
+        node_positions = () if pe.kind != "input" or case.required_positions is None else (case.required_positions(N),)
         entry_points = {
             "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
-            "forward_input": (pe.forward_input, lambda: (x,)),
+            "forward_input": (pe.forward_input, lambda: (x, *node_positions)),
             "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
             "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
         }
@@ -8944,7 +9179,7 @@ def run(module, pe, use_flex=None):
     x = torch.randn(2, n, heads * dh, requires_grad=True)
     q, k, v = (torch.randn(2, heads, n, dh, requires_grad=True) for _ in range(3))
     positions = None if pe is None else lib._demo_positions(pe, n)
-    tokens = pe.forward_input(x) if pe is not None and pe.kind == "input" else x
+    tokens = pe.forward_input(x, positions) if pe is not None and pe.kind == "input" else x
     out = module.attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=use_flex,
                            causal=pe is None or pe.num_axes == 1)
     params = [] if pe is None else [p for p in pe.parameters() if p.requires_grad]
@@ -8967,8 +9202,8 @@ for index, (path, names, lean) in enumerate(json.loads(sys.argv[1])):
     assert all(same(a, b) for a, b in zip(run(mod, None), run(lib, None))), f"{path}: attention() differs"
     for key, value in entries.items():
         head = value
-        while isinstance(head, ast.Call):   # the class the entry builds (a bound one: the class it binds)
-            head = head.func
+        while isinstance(head, (ast.Call, ast.Attribute)):   # the class the entry builds (bound: the class it binds;
+            head = head.func if isinstance(head, ast.Call) else head.value   # .eval(): the class before it)
         if head.id not in held:
             continue
         ours = build(key, {**vars(lib), **held})

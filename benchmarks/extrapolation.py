@@ -270,7 +270,8 @@ def _registry() -> dict:
 ENCODINGS = _registry()
 QUICK_ENCODINGS = ["nope", "sinusoidal", "rotary", "alibi"]
 # Classes deliberately not in the registry: grids, trees, coordinates and timestamps, not token order
-NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
+NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", "LaplacianPositionalEmbedding",
+          "RandomWalkPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
           "ContinuousPositionBias", "DynamicPositionBias", "MixedRotaryPositionalEmbedding",
           "LieREPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
           "PositionalEmbedding", "EmbedPosition"}

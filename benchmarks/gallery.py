@@ -172,6 +172,12 @@ def _gallery() -> dict:
         entries.append(Entry("learnable_fourier", "LearnableFourierPositionalEmbedding",
                              lambda: pe_lib.LearnableFourierPositionalEmbedding(2, D, gamma=0.5), "grid",
                              learned=True, unit_coordinates=True))
+    if has("LaplacianPositionalEmbedding"):
+        entries.append(Entry("laplacian", "LaplacianPositionalEmbedding",
+                             lambda: pe_lib.LaplacianPositionalEmbedding(D, 8).eval(), "grid", learned=True))
+    if has("RandomWalkPositionalEmbedding"):
+        entries.append(Entry("random_walk", "RandomWalkPositionalEmbedding",
+                             lambda: pe_lib.RandomWalkPositionalEmbedding(D, 8), "grid", learned=True))
     if has("Time2VecPositionalEmbedding"):
         entries.append(Entry("time2vec", "Time2VecPositionalEmbedding",
                              lambda: pe_lib.Time2VecPositionalEmbedding(D), learned=True))
@@ -283,6 +289,8 @@ def picture(entry: Entry, pe) -> Picture:
             positions = grid_positions()
             if entry.unit_coordinates:   # NeRF-style octaves are degenerate on integers: sin(pi 2^k p) = 0
                 positions = 2 * positions / torch.tensor([GRID[0] - 1, GRID[1] - 1]) - 1
+            if hasattr(pe, "graph_positions"):   # graph encodings: the grid's lattice graph, node by node
+                positions = pe.graph_positions((positions.unsqueeze(1) - positions.unsqueeze(0)).abs().sum(-1) == 1)
             n, centre = positions.shape[0], CENTRE[0] * GRID[1] + CENTRE[1]
             if pe.kind == "input":
                 row = _cosine(input_codes(pe, n, positions, GRID))[centre]
