@@ -92,6 +92,13 @@ Graphs:
 * ``RandomWalkPositionalEmbedding``: Dwivedi et al., "Graph Neural Networks with Learnable
   Structural and Positional Representations", arXiv:2110.07875.
 
+Numbers:
+
+* ``AbacusPositionalEmbedding``: McLeish et al., "Transformers Can Do Arithmetic with the Right
+  Embeddings", arXiv:2405.17399; ``digit_positions`` also gives the positions of position
+  coupling: Cho et al., "Position Coupling: Improving Length Generalization of Arithmetic
+  Transformers Using Task Structure", arXiv:2405.20671.
+
 Model parity and scale: ``document_positions`` (packed sequences), ``from_config`` on the
 rotary, T5 and ALiBi classes (Hugging Face configs), ``shard_positions``,
 ``sharded_log_linear_scan`` and ``heinsen_forward_sharded`` (sequence shards over ranks).
@@ -167,6 +174,8 @@ __all__ = [
     "Time2VecPositionalEmbedding",
     "LaplacianPositionalEmbedding",
     "RandomWalkPositionalEmbedding",
+    "AbacusPositionalEmbedding",
+    "digit_positions",
     "rope_coordinates",
     "shard_positions",
     "sharded_log_linear_scan",
@@ -217,6 +226,12 @@ def _check_tensor(owner: str, name: str, value, min_dim: int) -> None:
         raise ValueError(
             f"{owner}: {name} must have at least {min_dim} dims, got shape {tuple(value.shape)}"
         )
+
+
+def _check_generator(owner: str, generator) -> None:
+    """A ``generator=`` argument: a ``torch.Generator`` or None."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
 def _describe(value) -> str:
@@ -1259,17 +1274,25 @@ def _document_mask(q: Tensor, ids: Tensor) -> Tensor:
 class _AddedInput(PositionalEmbedding):
     """The ``"input"`` kind: ``x + embed(positions)``. A subclass writes ``embed(positions) -> [..., N, D]``
     (float32, public: it validates what it is given); this base owns ``forward(x, positions=None, *,
-    offset=0)``, its checks and the default positions ``arange(N) + offset``."""
+    offset=0)``, its checks and the default positions ``arange(N) + offset``. A class whose positions
+    are not token indices (graph nodes, digit places) names where they come from in ``positions_from``,
+    and then has no default."""
 
     kind = "input"
+    positions_from: str = ""
 
     def embed(self, positions: Tensor) -> Tensor:
         raise NotImplementedError
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         """``x + embed(positions)``; default positions ``arange(N) + offset`` (required for several axes)."""
-        _check_tensor(type(self).__name__, "x", x, 2)
-        _check_last_dim(type(self).__name__, "x", x, self.dim)
+        owner = type(self).__name__
+        _check_tensor(owner, "x", x, 2)
+        _check_last_dim(owner, "x", x, self.dim)
+        if positions is None and self.positions_from:
+            shape = f"[..., N{'' if self.num_axes == 1 else f', {self.num_axes}'}]"
+            raise ValueError(f"{owner}: positions is required (no default): {self.positions_from}, shape {shape}, "
+                             f"got None")
         return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
 
 
@@ -1831,9 +1854,8 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
     def __init__(self, num_axes: int, dim: int, *, fourier_dim: Optional[int] = None, hidden_dim: Optional[int] = None,
                  groups: int = 1, gamma: float = 1.0, init: Literal["paper", "port"] = "paper") -> None:
         super().__init__()
-        owner = type(self).__name__
         if num_axes % groups or dim % groups:
-            raise ValueError(f"{owner}: groups must divide num_axes and dim, got groups={groups}, "
+            raise ValueError(f"{type(self).__name__}: groups must divide num_axes and dim, got groups={groups}, "
                              f"num_axes={num_axes}, dim={dim}")
         fourier_dim = dim + dim % 2 if fourier_dim is None else fourier_dim
         hidden_dim = dim if hidden_dim is None else hidden_dim
@@ -1919,6 +1941,120 @@ class Time2VecPositionalEmbedding(_AddedInput):
 
 
 # ---------------------------------------------------------------------------
+# Input kind, numbers: a digit's place in its number
+# ---------------------------------------------------------------------------
+
+def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start", "end"] = "start") -> Tensor:
+    """Each digit token's place in its run of consecutive digits, counted from 1; 0 for every other token.
+
+    The positions of Abacus embeddings (``count_from="start"``: McLeish et al. write numbers least
+    significant digit first, so 1 is the ones digit of every number) and of position coupling
+    (Cho et al., "Position Coupling: Improving Length Generalization of Arithmetic Transformers
+    Using Task Structure", arXiv:2405.20671): with numbers written most significant digit first,
+    ``count_from="end"`` gives every digit its significance (1 for the ones digit), so the digits
+    of equal significance in the operands and the result share a position.
+
+    Args:
+        token_ids (Tensor): integer token ids ``[..., N]``.
+        digit_ids: the ids of the digit tokens (a sequence of ints or an integer tensor).
+        count_from (str): ``"start"`` or ``"end"`` of each run. Default: ``"start"``.
+
+    Returns:
+        int64 ``[..., N]``.
+
+    Example:
+        >>> digits = list(range(10))                      # token ids 0..9 are "0".."9"; 10 is "+", 11 is "="
+        >>> digit_positions(torch.tensor([3, 5, 6, 10, 9, 4, 11, 2, 0, 7]), digits)
+        tensor([1, 2, 3, 0, 1, 2, 0, 1, 2, 3])
+        >>> digit_positions(torch.tensor([3, 5, 6, 10, 9, 4, 11]), digits, count_from="end")
+        tensor([3, 2, 1, 0, 2, 1, 0])
+    """
+    owner = "digit_positions"
+    if not isinstance(token_ids, Tensor) or token_ids.is_floating_point() or token_ids.is_complex() \
+            or token_ids.dtype == torch.bool or token_ids.dim() < 1:
+        raise TypeError(f"{owner}: token_ids must be an integer tensor [..., N], got "
+                        f"{token_ids.dtype if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
+    _check_choice(owner, "count_from", count_from, ("start", "end"))
+    digits = torch.as_tensor(digit_ids, device=token_ids.device)
+    if digits.is_floating_point() or digits.dtype == torch.bool or digits.dim() != 1 or not digits.numel():
+        raise TypeError(f"{owner}: digit_ids must be a non-empty sequence of ints, got {_describe(digit_ids)}")
+    is_digit = torch.isin(token_ids, digits)                                                # [..., N]
+    if count_from == "end":
+        is_digit = is_digit.flip(-1)
+    index = torch.arange(token_ids.shape[-1], device=token_ids.device).expand(token_ids.shape)
+    after_other = F.pad(~is_digit[..., :-1], (1, 0), value=True)                            # token before is no digit
+    run_start = torch.where(is_digit & after_other, index, 0).cummax(-1).values             # [..., N]
+    places = (index - run_start + 1) * is_digit
+    return places.flip(-1) if count_from == "end" else places
+
+
+class AbacusPositionalEmbedding(_AddedInput):
+    """Abacus embeddings: a learned vector per digit place, added to digit tokens (McLeish et al.,
+    "Transformers Can Do Arithmetic with the Right Embeddings", arXiv:2405.17399).
+
+    A digit's position is its place in its number, counted from the number's first digit
+    (``digit_positions``; the paper writes numbers least significant digit first, so place 1 is
+    the ones digit); every other token has position 0. ``embed(p)`` is row ``p + k`` of a learned
+    ``[max_len, D]`` table for digits and row 0 for the rest, where in training mode one offset
+    ``k``, drawn uniformly from ``0 .. max_k`` per call (``generator`` seeds it), moves every digit,
+    so the places seen in training cover longer numbers than the training data holds; ``k = 0``
+    in eval. As in the reference code, the table starts ``N(0, 1)`` (``nn.Embedding``'s default)
+    and row 0 is a learned vector added to every non-digit token.
+
+    Args:
+        dim (int): token width ``D``.
+        digit_ids: the token ids of the ten digits (for ``digit_positions``).
+        max_len (int): rows of the table; places plus ``k`` must stay below it. Default: 1024.
+        max_k (int): the largest training offset. Default: 99.
+        generator (torch.Generator, optional): the source of ``k``. Default: torch's global one.
+
+    Shape:
+        - positions: integer ``[..., N]`` from ``digit_positions(token_ids)`` (required: no default).
+        - x: ``[..., N, D]``; ``forward(x, positions)`` -> ``x + embed(positions)``.
+
+    Example:
+        >>> abacus = AbacusPositionalEmbedding(64, digit_ids=range(10), max_len=128, max_k=20)
+        >>> tokens = torch.tensor([[3, 5, 6, 10, 9, 4, 11, 2, 0, 7]])   # "653+49=207": digits reversed
+        >>> places = abacus.digit_positions(tokens)                     # [[1, 2, 3, 0, 1, 2, 0, 1, 2, 3]]
+        >>> abacus(torch.randn(1, 10, 64), places).shape                # training: one random k per call
+        torch.Size([1, 10, 64])
+    """
+
+    integer_positions = True
+    positions_from = "digit_positions(token_ids)"
+    arguments = {"max_k": functools.partial(_as_int, minimum=0)}
+
+    def __init__(self, dim: int, digit_ids, *, max_len: int = 1024, max_k: int = 99,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        _check_generator(type(self).__name__, generator)
+        if max_k >= max_len - 1:
+            raise ValueError(f"{type(self).__name__}: max_k must be below max_len - 1 (room for place 1), got "
+                             f"max_k={max_k}, max_len={max_len}")
+        self.dim, self.max_len, self.max_k, self.generator = dim, max_len, max_k, generator
+        self.digit_ids = tuple(int(i) for i in digit_ids)
+        self.embedding = _uninitialised(nn.Embedding, max_len, dim)                            # [max_len, D]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.embedding.reset_parameters()
+
+    def digit_positions(self, token_ids: Tensor) -> Tensor:
+        """``digit_positions(token_ids, digit_ids)``: the places of this module's digits, ``[..., N]``."""
+        return digit_positions(token_ids, self.digit_ids)
+
+    def embed(self, positions: Tensor) -> Tensor:
+        """Rows of the table for ``positions`` ``[..., N]`` (training: digits moved by one random ``k``)."""
+        owner = type(self).__name__
+        _check_table_range(owner, "positions", positions, self.max_len)
+        if self.training and self.max_k:
+            k = torch.randint(0, self.max_k + 1, (), generator=self.generator, device="cpu")   # one k per call
+            positions = torch.where(positions > 0, positions + k.to(positions.device), positions)
+            _check_table_range(owner, "positions + the training offset k", positions, self.max_len)
+        return F.embedding(positions.long(), self.embedding.weight)                            # [..., N, D]
+
+
+# ---------------------------------------------------------------------------
 # Input kind, graphs: node coordinates from the graph's structure (Laplacian eigenvectors, random walks)
 # ---------------------------------------------------------------------------
 
@@ -1965,8 +2101,9 @@ class _GraphInput(_AddedInput):
     """The ``"input"`` kind on graphs. A node's position is a vector the graph's structure gives it:
     a subclass writes ``structure(adjacency) -> [..., N, A]`` (float64 in and out, the maths) and
     ``embed``; this base turns a graph given as a dense adjacency or as PyG's ``edge_index`` into
-    that adjacency (``graph_positions``), and its ``forward`` requires the positions (there is no
-    default graph)."""
+    that adjacency (``graph_positions``); ``forward`` requires the positions (there is no default graph)."""
+
+    positions_from = "the nodes' graph_positions(adjacency) or graph_positions(edge_index=..., num_nodes=N)"
 
     def structure(self, adjacency: Tensor) -> Tensor:
         raise NotImplementedError
@@ -1979,13 +2116,6 @@ class _GraphInput(_AddedInput):
         dtype = torch.float64 if adjacency is not None and adjacency.dtype == torch.float64 else torch.float32
         return self.structure(weights).to(dtype)
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """``x + embed(positions)`` for ``positions = graph_positions(graph)`` ``[..., N, A]`` (required)."""
-        if positions is None:
-            raise ValueError(f"{type(self).__name__}: positions is required: the nodes' positions "
-                             f"graph_positions(adjacency) or graph_positions(edge_index=..., num_nodes=N), "
-                             f"shape [..., N, {self.num_axes}], got None")
-        return super().forward(x, positions, offset=offset)
 
 
 class LaplacianPositionalEmbedding(_GraphInput):
@@ -2035,9 +2165,7 @@ class LaplacianPositionalEmbedding(_GraphInput):
     def __init__(self, dim: int, k: int, *, sign_flip: bool = True, sign_invariant: bool = False,
                  hidden_dim: int = 16, generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"{type(self).__name__}: generator must be a torch.Generator or None, "
-                            f"got {type(generator).__name__}")
+        _check_generator(type(self).__name__, generator)
         self.dim, self.num_axes, self.k = dim, k, k
         self.sign_flip, self.sign_invariant, self.generator = sign_flip, sign_invariant, generator
         if sign_invariant:
@@ -4136,8 +4264,7 @@ def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"]
     _check_choice(owner, "normalize", normalize, ("separate", "max", "min"))
     shift, jitter, rescale = (None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low
                               in (("shift", shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    _check_generator(owner, generator)
     count = len(sizes)
     spans = {"separate": sizes, "max": (max(sizes),) * count, "min": (min(sizes),) * count}[normalize]
     axes = [(torch.arange(size, dtype=torch.float64) + 0.5) / span for size, span in zip(sizes, spans)]
@@ -7317,9 +7444,7 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     def __init__(self, encoding: PositionalEmbedding, max_len: int, *,
                  generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"{type(self).__name__}: generator must be a torch.Generator or None, "
-                            f"got {type(generator).__name__}")
+        _check_generator(type(self).__name__, generator)
         self.encoding, self.max_len, self.generator = encoding, max_len, generator
         self.kind, self.integer_positions = encoding.kind, encoding.integer_positions
         self.translation_invariant = encoding.translation_invariant
@@ -8215,13 +8340,16 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "time2vec": Time2VecPositionalEmbedding(dim),
         "laplacian": LaplacianPositionalEmbedding(dim, 8).eval(),
         "random_walk": RandomWalkPositionalEmbedding(dim, 8),
+        "abacus": AbacusPositionalEmbedding(dim, range(10), max_len=seq_len + 100, max_k=99),
         "sinusoidal_fairseq": SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=1),
     }
 
 
 def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
     """Positions for encodings that need them: a square grid for multi-axis ones (for graph encodings,
-    the nodes of the grid's lattice graph)."""
+    the nodes of the grid's lattice graph; for digit places, runs of ten digits between three other tokens)."""
+    if hasattr(pe, "digit_positions"):
+        return pe.digit_positions(torch.arange(seq_len) % 13)
     if pe.num_axes == 1 or not pe.takes_positions:   # the convolution reads its grid from the token order
         return None
     side = math.isqrt(seq_len)

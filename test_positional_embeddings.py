@@ -69,6 +69,8 @@ from positional_embeddings import (
     Time2VecPositionalEmbedding,
     LaplacianPositionalEmbedding,
     RandomWalkPositionalEmbedding,
+    AbacusPositionalEmbedding,
+    digit_positions,
     HeinsenPositionalEmbedding,
     KerplePositionalEmbedding,
     LearnedPositionalEmbedding,
@@ -261,6 +263,8 @@ CASES = [
          required_positions=lambda n: graph_nodes(LaplacianPositionalEmbedding(D, 3), n), has_offset=False),
     Case("random_walk", lambda: RandomWalkPositionalEmbedding(D, 5),
          required_positions=lambda n: graph_nodes(RandomWalkPositionalEmbedding(D, 5), n), has_offset=False),
+    Case("abacus", lambda: AbacusPositionalEmbedding(D, range(10), max_len=64, max_k=8).eval(),
+         required_positions=lambda n: digit_positions(torch.arange(n) % 13, range(10)), has_offset=False),
     Case("heinsen", lambda: HeinsenPositionalEmbedding(D, 16), has_offset=False, takes_positions=False),
     # q/k rotation kind
     Case("rotary", lambda: RotaryPositionalEmbedding(DH)),
@@ -857,6 +861,10 @@ NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
      "hidden_dim", 1.5, TypeError, "an int, got float 1.5"),
     ("RandomWalkPositionalEmbedding", lambda **kw: RandomWalkPositionalEmbedding(4, **kw),
      "walk_length", -2, ValueError, "a positive int, got walk_length=-2"),
+    ("AbacusPositionalEmbedding", lambda **kw: AbacusPositionalEmbedding(4, range(10), **kw),
+     "max_k", -1, ValueError, "a non-negative int, got max_k=-1"),
+    ("AbacusPositionalEmbedding", lambda **kw: AbacusPositionalEmbedding(4, range(10), **kw),
+     "max_len", 0, ValueError, "a positive int, got max_len=0"),
     ("rope_coordinates", lambda **kw: rope_coordinates((2, 2), **kw),
      "shift", -1.0, ValueError, "a finite number >= 0.0, got shift=-1.0"),
     ("HeinsenPositionalEmbedding", lambda **kw: HeinsenPositionalEmbedding(4, **kw),
@@ -901,6 +909,8 @@ NUMPY_BUILDS = [
     lambda num: Time2VecPositionalEmbedding(num.int64(4), num_axes=num.int64(2)),
     lambda num: LaplacianPositionalEmbedding(num.int64(4), num.int64(3), sign_invariant=True, hidden_dim=num.int64(2)),
     lambda num: RandomWalkPositionalEmbedding(num.int64(4), num.int64(3)),
+    lambda num: AbacusPositionalEmbedding(num.int64(4), [num.int64(d) for d in range(10)], max_len=num.int64(16),
+                                          max_k=num.int32(3)),
     lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
     lambda num: HeinsenPositionalEmbedding(num.int64(4), num.int64(2)),
 ]
@@ -973,7 +983,7 @@ class TestArgumentChecks:
     @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
                                                          "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
                                                          "learnable_fourier", "time2vec", "laplacian",
-                                                         "random_walk", "liere", "heinsen"])
+                                                         "random_walk", "abacus", "liere", "heinsen"])
     def test_numpy_numbers_build_the_same_module(self, build):
         numpy = pytest.importorskip("numpy")
         python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
@@ -2565,6 +2575,84 @@ class TestGraphEncodings:
             lap(torch.randn(3, 8))
         with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
             RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
+
+
+# ---------------------------------------------------------------------------
+# Numbers: Abacus embeddings, digit places for position coupling
+# ---------------------------------------------------------------------------
+
+
+def digit_places_oracle(tokens: list, digits: set, count_from: str = "start") -> list:
+    """Each token's place in its run of digits (1, 2, ...), 0 elsewhere, by walking the list."""
+    order = tokens if count_from == "start" else tokens[::-1]
+    places, run = [], 0
+    for token in order:
+        run = run + 1 if token in digits else 0
+        places.append(run)
+    return places if count_from == "start" else places[::-1]
+
+
+class TestAbacus:
+    @pytest.mark.parametrize("count_from", ["start", "end"])
+    def test_digit_positions_match_the_oracle(self, count_from):
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 14, (3, 40), generator=g)                                 # 0..9 digits, 10..13 others
+        got = digit_positions(tokens, range(10), count_from=count_from)
+        want = [digit_places_oracle(row, set(range(10)), count_from) for row in tokens.tolist()]
+        assert got.tolist() == want and got.dtype == torch.int64
+        assert digit_positions(tokens[0], torch.arange(10), count_from=count_from).tolist() == want[0]
+
+    def test_position_coupling_aligns_significance(self):
+        # "0653+0049=0702", most significant digit first: digits of equal significance share a place
+        plus, equals = 10, 11
+        tokens = torch.tensor([0, 6, 5, 3, plus, 0, 0, 4, 9, equals, 0, 7, 0, 2])
+        assert digit_positions(tokens, range(10), count_from="end").tolist() == \
+            [4, 3, 2, 1, 0, 4, 3, 2, 1, 0, 4, 3, 2, 1]
+
+    def test_embed_eval_and_training_offsets(self):
+        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        places = digit_positions(torch.tensor([[3, 5, 6, 10, 9, 4, 11, 2]]), range(10))      # [[1, 2, 3, 0, 1, 2, 0, 1]]
+        table = pe.embedding.weight
+        torch.testing.assert_close(pe.eval().embed(places), table[places], rtol=0, atol=0)
+        pe.train()
+        offsets = set()
+        for _ in range(60):
+            codes = pe.embed(places)
+            ks = [k for k in range(6) if torch.equal(codes, table[torch.where(places > 0, places + k, places)])]
+            assert len(ks) == 1                                                             # one k moves every digit
+            offsets.add(ks[0])
+        assert offsets == set(range(6))                                                     # k is uniform on 0..max_k
+        x = torch.randn(1, 8, 6)
+        pe.eval()
+        torch.testing.assert_close(pe(x, places), x + table[places])
+
+    def test_reference_state_dict_loads(self):
+        # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
+        reference = {"embedding.weight": torch.randn(40, 8)}
+        pe = AbacusPositionalEmbedding(8, range(10), max_len=40, max_k=9)
+        pe.load_state_dict(reference)
+        assert torch.equal(pe.eval().embed(torch.tensor([0, 1, 2])), reference["embedding.weight"][:3])
+
+    def test_bad_input(self):
+        pe = AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=3)
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions is required \\(no default\\): "
+                                             "digit_positions\\(token_ids\\)"):
+            pe(torch.randn(1, 5, 4))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions must lie in \\[0, max_len=8\\), "
+                                             "got position 8"):
+            pe.eval().embed(torch.tensor([1, 8]))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
+            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=6).embed(torch.tensor([7] * 50))
+        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: positions must be an integer tensor"):
+            pe.embed(torch.tensor([1.0]))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: max_k must be below max_len - 1"):
+            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=7)
+        with pytest.raises(TypeError, match="digit_positions: token_ids must be an integer tensor"):
+            digit_positions(torch.tensor([1.0, 2.0]), range(10))
+        with pytest.raises(TypeError, match="digit_positions: digit_ids must be a non-empty sequence of ints"):
+            digit_positions(torch.tensor([1, 2]), [])
+        with pytest.raises(ValueError, match="digit_positions: count_from must be one of 'start', 'end'"):
+            digit_positions(torch.tensor([1, 2]), range(10), count_from="left")
 
 
 # ---------------------------------------------------------------------------

@@ -178,6 +178,10 @@ def _gallery() -> dict:
     if has("RandomWalkPositionalEmbedding"):
         entries.append(Entry("random_walk", "RandomWalkPositionalEmbedding",
                              lambda: pe_lib.RandomWalkPositionalEmbedding(D, 8), "grid", learned=True))
+    if has("AbacusPositionalEmbedding"):
+        entries.append(Entry("abacus", "AbacusPositionalEmbedding",
+                             lambda: pe_lib.AbacusPositionalEmbedding(D, range(10), max_len=SEQ_LEN + 1).eval(),
+                             learned=True))
     if has("Time2VecPositionalEmbedding"):
         entries.append(Entry("time2vec", "Time2VecPositionalEmbedding",
                              lambda: pe_lib.Time2VecPositionalEmbedding(D), learned=True))
