@@ -180,7 +180,7 @@ def _gallery() -> dict:
                              lambda: pe_lib.RandomWalkPositionalEmbedding(D, 8), "grid", learned=True))
     if has("AbacusPositionalEmbedding"):
         entries.append(Entry("abacus", "AbacusPositionalEmbedding",
-                             lambda: pe_lib.AbacusPositionalEmbedding(D, range(10), max_len=SEQ_LEN + 1).eval(),
+                             lambda: pe_lib.AbacusPositionalEmbedding(D, range(10), max_len=SEQ_LEN + 100).eval(),
                              learned=True))
     if has("Time2VecPositionalEmbedding"):
         entries.append(Entry("time2vec", "Time2VecPositionalEmbedding",
