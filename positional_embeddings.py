@@ -976,12 +976,13 @@ def attention(
         scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)`` (the encoding's own
             default where it has one).
         dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
-        use_flex (bool, optional): run ``"bias"`` encodings through FlexAttention with
-            their ``score_mod`` (no dense bias; needs no ``attn_mask`` and no dropout).
-            None: where it runs fused, i.e. on CUDA (traced when ``torch.compile`` traces
-            the call, else through a ``flex_attention`` the library compiles once); the
-            dense bias through SDPA on the CPU. True: also on the CPU (unfused, for
-            testing). False: never. Default: None.
+        use_flex (bool, optional): True runs ``"bias"`` encodings through FlexAttention with
+            their ``score_mod``: no dense bias, O(N) memory (needs no ``attn_mask`` and no
+            dropout). On CUDA it runs fused (traced when ``torch.compile`` traces the call,
+            else through a ``flex_attention`` the library compiles once); on the CPU it is
+            unfused, for testing. None or False: the dense bias through SDPA, faster at
+            moderate lengths (on an H100, torch 2.11, N = 4096, fp32: 3.1x plain SDPA
+            against 7.4x) and the only path that compiled in bfloat16 there. Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
 
@@ -1003,7 +1004,7 @@ def attention(
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
     flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-        and (use_flex or (use_flex is None and _flex_is_fused(q)))
+        and bool(use_flex)
     if document_ids is not None:
         document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
         if not flex:  # the flex path masks documents block-wise instead
@@ -1036,23 +1037,17 @@ def _causal_for(pe: Optional[PositionalEmbedding], causal) -> bool:
     return causal
 
 
-def _flex_is_fused(q: Tensor) -> bool:
-    """attention()'s default for ``"bias"`` kinds: FlexAttention where it runs fused and has a
-    backward, i.e. on CUDA (traced by ``torch.compile``, else ``_compiled_flex_attention``).
-
-    Not on the CPU (torch 2.13): there FlexAttention has no backward, inductor lowers it only
-    when its ``score_mod`` reads tensors made outside the compiled graph (so not inside a
-    user's ``torch.compile``), and compiling it in eager mode would need a C++ compiler at run
-    time. The dense bias through SDPA runs there instead."""
-    return q.is_cuda
-
-
 _COMPILED_FLEX = []   # [torch.compile(flex_attention)], built on first use
 
 
 def _compiled_flex_attention():
     """``flex_attention`` compiled once and reused (torch recompiles it for new shapes, then
-    dynamically): the fused kernel in eager mode."""
+    dynamically): the fused kernel in eager mode.
+
+    Every bias class's ``score_mod``, and each grad mode, is another compilation of this one
+    function: past ``torch._dynamo.config.recompile_limit`` (8 by default) torch runs the unfused
+    kernel instead, with a warning (``bench.py gpu``, timing 11 classes in one process, saw 13x
+    plain SDPA and 3.7 GiB until it raised the limit)."""
     if not _COMPILED_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         _COMPILED_FLEX.append(torch.compile(flex_attention))
@@ -5312,20 +5307,21 @@ class FIREPositionalEmbedding(_PairwiseBias):
         top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
 
-    def _weights(self) -> tuple:
-        dtype = _compute_dtype(self.c.dtype)
-        first, second = self.mlp[0], self.mlp[2]
-        return (first.weight[:, 0].to(dtype), first.bias.to(dtype),                     # [hidden], [hidden]
-                second.weight.to(dtype), second.bias.to(dtype))                         # [H, hidden], [H]
+    def _first_layer(self, dtype) -> tuple:
+        return self.mlp[0].weight[:, 0].to(dtype), self.mlp[0].bias.to(dtype)          # [hidden], [hidden]
 
     def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
         """``f_h(u)``, the MLP written out over its hidden units: pointwise operations only, which
         inductor lowers inside a FlexAttention ``score_mod`` (a reduction there does not compile)."""
         u = self._inputs(pos_q, pos_k)
-        w1, b1, w2, b2 = self._weights()
-        out = b2[head]
-        for unit in range(self.hidden_dim):  # w2[:, unit][head]: an int beside a tensor index fails in torch <= 2.8
-            out = out + w2[:, unit][head] * torch.relu(u * w1[unit] + b1[unit])
+        w1, b1 = self._first_layer(u.dtype)
+        # FlexAttention's backward (CUDA, torch 2.11) takes one int/tensor index per tensor that needs a
+        # gradient, and none of a tensor made inside the score_mod: the parameters w2 and b2 are indexed
+        # once each before any cast, and the units are read with [..., unit] (a view, not an index)
+        second = self.mlp[2]
+        rows, out = second.weight[head].to(u.dtype), second.bias[head].to(u.dtype)      # [..., hidden], [...]
+        for unit in range(self.hidden_dim):
+            out = out + rows[..., unit] * torch.relu(u * w1[..., unit] + b1[..., unit])
         return out
 
     def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
@@ -5333,8 +5329,9 @@ class FIREPositionalEmbedding(_PairwiseBias):
         u = self._inputs(pos_q.unsqueeze(-1), pos_k.unsqueeze(-2))                      # [(B, 1.., 1,) Nq, Nk]
         if u.dim() > 2:
             u = u.squeeze(-3)                                                           # drop the head slot
-        w1, b1, w2, b2 = self._weights()
+        w1, b1 = self._first_layer(u.dtype)
         hidden = torch.relu(u.unsqueeze(-1) * w1 + b1)                                  # [..., Nq, Nk, hidden]
+        w2, b2 = self.mlp[2].weight.to(u.dtype), self.mlp[2].bias.to(u.dtype)          # [H, hidden], [H]
         return torch.movedim(torch.matmul(hidden, w2.T) + b2, -1, -3)                   # [..., H, Nq, Nk]
 
 
@@ -5541,7 +5538,9 @@ class _WindowBias(_PairwiseBias):
         return (2 * self.window_size[0] - 1) * (2 * self.window_size[1] - 1) + 3 * self.num_prefix_tokens
 
     def table(self) -> Tensor:
-        """The per-head value of every table row: float32 (float64) ``[R, H]``."""
+        """The per-head value of every table row ``[R, H]``, in any float dtype (``pair_bias`` casts the rows
+        it reads to the compute dtype: a learned table is then indexed before its cast, which
+        FlexAttention's backward needs)."""
         raise NotImplementedError
 
     def _init_buffers(self, device) -> None:
@@ -5549,7 +5548,8 @@ class _WindowBias(_PairwiseBias):
         self.register_buffer("relative_position_index", index, persistent=False)        # [T, T]
 
     def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
-        return self.table()[self.relative_position_index[pos_q, pos_k], head]
+        table = self.table()
+        return table[self.relative_position_index[pos_q, pos_k], head].to(_compute_dtype(table.dtype))
 
     def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
                    device) -> tuple:
@@ -5661,8 +5661,7 @@ class RelativePositionBias2D(_WindowBias):
         self._init_buffers(self.relative_position_bias_table.device)
 
     def table(self) -> Tensor:
-        weight = self.relative_position_bias_table
-        return weight.to(_compute_dtype(weight.dtype))
+        return self.relative_position_bias_table
 
     @torch.no_grad()
     def resize(self, new_window_size: Union[int, tuple], *,
@@ -5984,10 +5983,13 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
             pick = lambda t, b, h, idx: t[h, idx]
         else:
             pick = lambda t, b, h, idx: t[b, h, idx]
+        # FlexAttention's backward (CUDA, torch 2.11) takes one index per tensor that needs a gradient:
+        # the keys read copies of the O(B H N) sums
+        hi_k, lo_k = hi.clone(), lo.clone()
 
         def add_bias(score, b, h, q_idx, kv_idx):
             i = q_idx + offset
-            d = (pick(hi, b, h, i) - pick(hi, b, h, kv_idx)) + (pick(lo, b, h, i) - pick(lo, b, h, kv_idx))
+            d = (pick(hi, b, h, i) - pick(hi_k, b, h, kv_idx)) + (pick(lo, b, h, i) - pick(lo_k, b, h, kv_idx))
             return torch.where(kv_idx > i, float("-inf"), score + d.to(score.dtype))
         return add_bias
 

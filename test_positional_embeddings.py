@@ -1496,6 +1496,38 @@ class TestPackedDocuments:
 # ---------------------------------------------------------------------------
 
 
+class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
+    """What FlexAttention's backward refuses in a ``score_mod`` (seen on CUDA, torch 2.11: "multiple
+    indexing operations on the same tensor that requires gradients"), found on the CPU.
+
+    Inside a ``score_mod`` torch turns ``t[ints or tensors]`` into an op whose gradient must flow
+    straight into ``t``'s own gradient. So a tensor that needs a gradient may be indexed so at most
+    once, and never one made inside the ``score_mod`` (its gradient would pass through another op).
+    ``t[..., i]`` and slices stay views and are allowed."""
+
+    def __init__(self):
+        super().__init__()
+        self.indexed, self.made, self.problems = {}, {}, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func is torch.Tensor.__getitem__ and isinstance(target, torch.Tensor) and target.requires_grad:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if all(isinstance(i, (torch.Tensor, int)) for i in index):
+                if id(target) in self.indexed:
+                    self.problems.append(f"a {tuple(target.shape)} tensor indexed twice")
+                if id(target) in self.made:
+                    self.problems.append(f"a {tuple(target.shape)} tensor made inside the score_mod is indexed")
+                self.indexed[id(target)] = target                                       # kept alive: ids stay unique
+        out = func(*args, **kwargs)
+        inputs = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and id(o) not in inputs:
+                self.made[id(o)] = o
+        return out
+
+
 class TestFlexAttention:
     @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
                                       lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
@@ -1576,6 +1608,33 @@ class TestFlexAttention:
             compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
             torch.testing.assert_close(compiled(q, k, v), want)
 
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_score_mod_has_a_flex_backward(self, case):
+        """Every bias's ``score_mod`` (default and explicit positions) indexes each tensor that needs a
+        gradient at most once, and none it makes itself: what the CUDA kernel's backward takes (also with
+        bfloat16 parameters, whose casts must come after the index)."""
+        scalars = [torch.tensor(i) for i in (0, 1, N - 4, 2)]                           # b, h, q_idx, kv_idx
+        for pe, positions in itertools.product((case.make(), case.make().bfloat16()),
+                                               {(None, None), case.positions(N - 3, N)}):
+            if positions == (None, None) and case.required_positions is not None:
+                continue
+            mod = pe.score_mod(N - 3, N, *positions)
+            with _ScoreModIndexRecorder() as recorder:
+                mod(torch.tensor(0.5), *scalars)
+            assert recorder.problems == [], recorder.problems
+
+    def test_score_mod_recorder_finds_a_double_index(self):
+        weight = torch.randn(4, requires_grad=True)
+        with _ScoreModIndexRecorder() as recorder:
+            weight[torch.tensor(1)] - weight[torch.tensor(2)]
+        assert recorder.problems == ["a (4,) tensor indexed twice"]
+        with _ScoreModIndexRecorder() as recorder:
+            (weight * 2)[torch.tensor(1)]
+        assert recorder.problems == ["a (4,) tensor made inside the score_mod is indexed"]
+        with _ScoreModIndexRecorder() as recorder:
+            weight[..., 1] + weight[..., 2] + weight[torch.tensor(0)]
+        assert recorder.problems == []
+
     def test_causal_flex_skips_blocks_above_the_diagonal(self):
         mask = pe_lib._block_mask(None, True, 384, 384, torch.device("cpu")).to_dense().reshape(3, 3)
         assert mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
@@ -1584,20 +1643,36 @@ class TestFlexAttention:
         assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
-                                      lambda: KerplePositionalEmbedding(H), lambda: FIREPositionalEmbedding(H)])
-    def test_cuda_default_is_compiled_flex(self, make):
-        pe = make().cuda()
-        q, k, v = (t.cuda() for t in qkv(N - 3, N))
-        want = attention(q, k, v, pe, causal=True, use_flex=False)
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_cuda_flex_is_compiled(self, case):
+        """On CUDA ``use_flex=True`` runs every bias through the compiled FlexAttention kernel: fused (eager
+        flex warns that it is unfused; that warning fails here), with the dense path's output and gradients
+        (q, k, v and every parameter). A per-head constant has gradient 0 in exact arithmetic (softmax
+        ignores it), so parameter gradients are compared to 1e-3 absolute: two summation orders of N^2 terms."""
         import warnings
+
+        torch._dynamo.reset()                    # a fresh process: no other class's score_mod in the cache
+        pe = case.make().cuda()
+        positions = [None if p is None else p.cuda() for p in case.positions(N - 3, N)]
+        q, k, v = (t.cuda().requires_grad_() for t in qkv(N - 3, N))
+        leaves = [q, k, v, *pe.parameters()]
+
+        def output_and_grads(use_flex):
+            for t in leaves:
+                t.grad = None
+            out = attention(q, k, v, pe, positions_q=positions[0], positions_k=positions[1], causal=True,
+                            use_flex=use_flex)
+            out.square().sum().backward()
+            return [out.detach()] + [t.grad for t in leaves]
+
+        want = output_and_grads(False)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")                               # eager flex warns that it is unfused
-            got = attention(q, k, v, pe, causal=True)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        q.requires_grad_(True)
-        attention(q, k, v, pe, causal=True).sum().backward()
-        assert torch.isfinite(q.grad).all()
+            warnings.filterwarnings("error", message=".*without torch.compile")
+            got = output_and_grads(True)
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert (g is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 if index < 4 else 1e-3)
 
 
 # ===========================================================================

@@ -125,7 +125,7 @@ def bench_rope(reps: int, compile: bool) -> None:
     llama = optional("transformers.models.llama.modeling_llama")
     if llama is not None:
         config = optional("transformers").LlamaConfig(hidden_size=h * d, num_attention_heads=h, head_dim=d)
-        cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(n)[None])
+        cos, sin = llama.LlamaRotaryEmbedding(config).to(device)(q, torch.arange(n, device=device)[None])
         fns["Hugging Face apply_rotary_pos_emb"] = lambda: llama.apply_rotary_pos_emb(q, k, cos, sin)
     tune = optional("torchtune", "modules/position_embeddings.py")
     if tune is not None:
@@ -134,7 +134,7 @@ def bench_rope(reps: int, compile: bool) -> None:
         fns["torchtune RotaryPositionalEmbeddings"] = lambda: (tune_rope(qt), tune_rope(kt))
     ret = optional("rotary_embedding_torch")
     if ret is not None:
-        rotary = ret.RotaryEmbedding(d)
+        rotary = ret.RotaryEmbedding(d).to(device)
         fns["rotary-embedding-torch rotate_queries_or_keys"] = lambda: (rotary.rotate_queries_or_keys(q),
                                                                         rotary.rotate_queries_or_keys(k))
     report(f"RoPE: rotate q and k [{b}, {h}, {n}, {d}] fp32", medians(fns, reps), baseline=next(iter(fns)))
@@ -298,7 +298,7 @@ def naive_algebraic(primitives: torch.Tensor, q: torch.Tensor, k: torch.Tensor) 
     maps = primitives.unsqueeze(0)                                                    # [1, H, Dh, Dh]
     while maps.shape[0] < n:
         maps = torch.cat([maps, maps @ maps[-1]], dim=0)                                # W^1 .. W^(2m)
-    eye = torch.eye(primitives.shape[-1], dtype=primitives.dtype).expand_as(primitives)
+    eye = torch.eye(primitives.shape[-1], dtype=primitives.dtype, device=primitives.device).expand_as(primitives)
     maps = torch.cat([eye[None], maps[: n - 1]], dim=0)                                 # W^0 .. W^(n-1): [N, H, Dh, Dh]
     gathered = maps[torch.arange(n).expand(b, n)]                                       # [B, N, H, Dh, Dh]
     apply = lambda x: torch.einsum("bnhij,bhnj->bhni", gathered, x)
@@ -324,7 +324,7 @@ def reference_rope_like_init(dim: int, steps: int = 10_000) -> torch.Tensor:
 
 def bench_algebraic(reps: int, compile: bool) -> None:
     b, h, n, d = 4, 8, 1024, 64
-    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h)
+    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h).to(device)
     with torch.no_grad():
         ape.set_primitives(torch.matrix_exp((lambda p: p - p.mT)(torch.randn(h, d, d) * 0.1)))
         primitives = ape.primitives
@@ -358,33 +358,34 @@ def bench_algebraic(reps: int, compile: bool) -> None:
 def _peer_attentions(q, k, v, x, h: int, d: int, n: int) -> dict:
     """Peer implementations of the same attention, where installed: name -> (q, k, v, x) -> out."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    device = q.device
     peers = {}
     llama = optional("transformers.models.llama.modeling_llama")
     if llama is not None:
         config = optional("transformers").LlamaConfig(hidden_size=h * d, num_attention_heads=h, head_dim=d)
-        cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(n)[None])
+        cos, sin = llama.LlamaRotaryEmbedding(config).to(device)(q, torch.arange(n, device=device)[None])
         peers["Hugging Face RoPE + SDPA"] = lambda q, k, v, x: sdpa(*llama.apply_rotary_pos_emb(q, k, cos, sin), v,
                                                                    is_causal=True)
     tune = optional("torchtune", "modules/position_embeddings.py")
     if tune is not None:
-        rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=n)
+        rope = tune.RotaryPositionalEmbeddings(d, max_seq_len=n).to(device)
         turn = lambda t: rope(t.transpose(1, 2)).transpose(1, 2)                          # torchtune: [b, s, h, d]
         peers["torchtune RoPE + SDPA"] = lambda q, k, v, x: sdpa(turn(q), turn(k), v, is_causal=True)
     ret = optional("rotary_embedding_torch")
     if ret is not None:
-        rotary = ret.RotaryEmbedding(d)
+        rotary = ret.RotaryEmbedding(d).to(device)
         peers["rotary-embedding-torch + SDPA"] = lambda q, k, v, x: sdpa(rotary.rotate_queries_or_keys(q),
                                                                         rotary.rotate_queries_or_keys(k), v, is_causal=True)
     xt = optional("x_transformers.x_transformers")
     if xt is not None:
-        t5_bias, alibi = xt.RelativePositionBias(scale=1.0, heads=h), xt.AlibiPositionalBias(heads=h)
-        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        t5_bias, alibi = xt.RelativePositionBias(scale=1.0, heads=h).to(device), xt.AlibiPositionalBias(heads=h).to(device)
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
         peers["x-transformers T5 bias + SDPA"] = lambda q, k, v, x: sdpa(q, k, v, attn_mask=t5_bias(n, n))
         peers["x-transformers ALiBi + SDPA"] = lambda q, k, v, x: sdpa(
             q, k, v, attn_mask=alibi(n, n).masked_fill(causal, float("-inf")))
-    heinsen = pe_lib.HeinsenPositionalEmbedding(h * d, h * d)
+    heinsen = pe_lib.HeinsenPositionalEmbedding(h * d, h * d).to(device)
     peers["Heinsen reference algorithm + SDPA"] = lambda q, k, v, x: (heinsen_reference(heinsen, x), sdpa(q, k, v))
-    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h)
+    ape = pe_lib.AlgebraicSequencePositionalEmbedding(d, h).to(device)
     peers["APE naive W^p + SDPA"] = lambda q, k, v, x: sdpa(*naive_algebraic(ape.primitives, q, k), v, is_causal=True)
     return peers
 
@@ -508,12 +509,16 @@ def bench_bias_paths(reps: int, compile: bool) -> None:
 
 def bench_gpu(reps: int, compile: bool) -> None:
     """Every encoding on the GPU: forward and forward + backward through attention()'s default path
-    (bias kinds: FlexAttention compiled once) and, for biases, the dense path; ratios to SDPA and
-    to the peers. Prints "no GPU" and returns on a machine without CUDA."""
+    and, for biases, FlexAttention (compiled once); ratios to SDPA and to the peers. Prints "no GPU"
+    and returns on a machine without CUDA."""
     if not torch.cuda.is_available():
         print("\nbench.py gpu: no GPU (torch.cuda.is_available() is False); nothing measured")
         return
     device = torch.device("cuda")
+    # every bias class is a new score_mod for the one compiled flex_attention, and grad mode doubles them:
+    # past dynamo's limit (8 by default) torch would time the unfused eager kernel instead
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 256)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     b, h, n, d = 2, 8, 4096, 64
     q, k, v = (torch.randn(b, h, n, d, device=device, requires_grad=True) for _ in range(3))
@@ -525,14 +530,14 @@ def bench_gpu(reps: int, compile: bool) -> None:
         positions = None if positions is None else positions.to(device)
         if pe.kind == "input":
             calls[f"{name} (forward_input + SDPA)"] = \
-                lambda q, k, v, x, pe=pe: (pe.forward_input(x), sdpa(q, k, v, is_causal=True))
+                lambda q, k, v, x, pe=pe, p=positions: (pe.forward_input(x, p), sdpa(q, k, v, is_causal=True))
             continue
         causal = positions is None or pe.is_causal
         calls[name] = lambda q, k, v, x, pe=pe, p=positions, c=causal: pe_lib.attention(
             q, k, v, pe, positions_q=p, positions_k=p, causal=c)
         if pe.kind == "bias":
-            calls[f"{name}, dense bias (use_flex=False)"] = lambda q, k, v, x, pe=pe, p=positions, c=causal: \
-                pe_lib.attention(q, k, v, pe, positions_q=p, positions_k=p, causal=c, use_flex=False)
+            calls[f"{name}, FlexAttention (use_flex=True)"] = lambda q, k, v, x, pe=pe, p=positions, c=causal: \
+                pe_lib.attention(q, k, v, pe, positions_q=p, positions_k=p, causal=c, use_flex=True)
     if not ONLY:   # --only times the named entries against the floor, no peers
         calls.update(_peer_attentions(q, k, v, x, h, d, n))
     working = {}
