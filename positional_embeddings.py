@@ -110,6 +110,7 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``A`` position axes, ``F`` frequencies (``D / 2``).
 """
 
+import copy
 import functools
 import inspect
 import itertools
@@ -174,6 +175,7 @@ __all__ = [
     "Time2VecPositionalEmbedding",
     "LaplacianPositionalEmbedding",
     "RandomWalkPositionalEmbedding",
+    "GraphormerPositionalEmbedding",
     "AbacusPositionalEmbedding",
     "digit_positions",
     "rope_coordinates",
@@ -5995,6 +5997,200 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
 
 
 # ---------------------------------------------------------------------------
+# Bias kind, graphs: shortest-path distances between nodes (Graphormer)
+# ---------------------------------------------------------------------------
+
+_UNREACHABLE = 2 ** 40   # the hop count of a pair with no path: past every table row
+
+
+def _hop_distances(edges: Tensor) -> Tensor:
+    """Shortest-path hop counts of the boolean graphs ``edges`` ``[B, N, N]`` (``edges[b, i, j]``: an edge
+    ``i -> j``): int64 ``[B, N, N]``, 0 on the diagonal, ``_UNREACHABLE`` where no path exists.
+    Breadth-first from every node at once: step ``s`` reaches the nodes one edge past step ``s - 1``'s."""
+    n = edges.shape[-1]
+    step_matrix = edges.to(torch.float32)                                               # counts < 2^24: exact
+    seen = torch.eye(n, dtype=torch.bool, device=edges.device).expand_as(edges).clone()
+    frontier, distances = seen, torch.where(seen, 0, _UNREACHABLE)
+    for step in range(1, n):
+        frontier = (frontier.to(torch.float32) @ step_matrix > 0) & ~seen
+        if not _skip_value_checks(frontier) and not frontier.any():   # meta / compiled: every step runs
+            break
+        distances = distances.masked_fill(frontier, step)
+        seen = seen | frontier
+    return distances
+
+
+class GraphormerPositionalEmbedding(_PairwiseBias):
+    """Graphormer's spatial encoding: a learned bias per head and shortest-path distance between
+    two nodes, with its centrality encoding as an option (Ying et al., "Do Transformers Really
+    Perform Badly for Graph Representation?", arXiv:2106.05234).
+
+    Node ``i`` attends to node ``j`` with the bias ``b_h(phi(i, j))``, ``phi`` the number of edges
+    on a shortest path from ``i`` to ``j``, read from ``spatial_pos_encoder`` (the authors' name and
+    layout, ``nn.Embedding(num_spatial, H)``): distance ``d`` reads row ``min(d, S - 2) + 1``, so
+    row 0 is their padding row (never read), and the last row ``S - 1`` is shared by every pair
+    that is ``S - 2`` or more edges apart or not connected at all (their code stores unreachable
+    pairs as 510 and reads row 511 with ``S = 512``). With ``graph_token=True``, token 0 is their
+    virtual [VNode] (the graph token): every pair with it reads one learned value per head,
+    ``graph_token_virtual_distance``. ``attend_within=K`` masks (``-inf``) node pairs ``K`` or more
+    edges apart or unconnected, as their data collator does with ``spatial_pos_max`` (20 there);
+    the paper does not mention it. Their multi-hop edge encoding is not built.
+
+    The bias depends on the graph, so the module binds one first: ``pe.bind(adjacency)`` (or
+    ``pe.bind(edge_index=..., num_nodes=N)`` in PyG's form) returns a bound
+    encoding sharing the parameters, whose tokens are the graph's ``N`` nodes (``N + 1`` with the
+    graph token first). Distances are hop counts of the directed graph ``adjacency != 0`` (edge
+    ``i -> j``; weights are ignored, as in the authors' boolean adjacency), found breadth-first
+    (``O(N^3)`` per step on dense matrices: bind once per graph and reuse the bound encoding in
+    every layer). A batch ``[B, N, N]`` of graphs gives a ``[B, H, T, T]`` bias (pad smaller graphs
+    with isolated nodes and mask them with ``attn_mask``); ``attention()`` then needs q's batch ``B``.
+    No positions: a node's place is its row of the bound graph.
+
+    Centrality encoding (``dim=D``): ``bound.centrality(x)`` adds ``z_in[deg_in(v)] +
+    z_out[deg_out(v)]`` to the node states ``x`` ``[(B,) N, D]`` (before the graph token is
+    prepended), read from ``in_degree_encoder`` / ``out_degree_encoder`` at row ``min(deg, S_deg - 2)
+    + 1`` like the distances. ``deg_in`` counts the edges into a node and ``deg_out`` those out of
+    it, as in the paper; the authors' code uses the out-degree for both ("for undirected graph"),
+    which is the same on an undirected graph. Self-loops count, as in their code.
+
+    Args:
+        num_heads (int): heads ``H``.
+        num_spatial (int): rows ``S`` of the distance table (at least 3). Default: 512 (theirs).
+        graph_token (bool): token 0 is the graph's virtual node. Default: False.
+        attend_within (int, optional): mask node pairs this many edges apart or more. Default: None.
+        dim (int, optional): node state width for the centrality encoding. Default: None (none).
+        num_degree (int): rows ``S_deg`` of each degree table (at least 3). Default: 512 (theirs).
+        init_std (float): std of the normal init of every table (theirs). Default: 0.02.
+
+    Shape:
+        - adjacency: ``[N, N]`` or ``[B, N, N]`` (bool or real); edge_index: ``[2, E]``.
+        - Output of ``bound(T, T)``: ``[H, T, T]`` float32 (``[B, H, T, T]`` for a batch), ``T = N``
+          (``N + 1`` with the graph token).
+
+    Example:
+        >>> graphormer = GraphormerPositionalEmbedding(4, dim=32)
+        >>> ring = torch.eye(6).roll(1, 0) + torch.eye(6).roll(-1, 0)   # 6 nodes in a cycle
+        >>> bound = graphormer.bind(ring)
+        >>> x = bound.centrality(torch.randn(6, 32))
+        >>> q = k = v = torch.randn(1, 4, 6, 8)
+        >>> attention(q, k, v, bound).shape
+        torch.Size([1, 4, 6, 8])
+    """
+
+    order_from = "a node's place comes from the bound graph (pe.bind(adjacency))"
+    takes_positions = False
+    bound_inputs = ("distances", "in_degrees", "out_degrees")   # [(B,) T, T] hop counts; [(B,) N] degrees
+
+    arguments = {"num_spatial": functools.partial(_as_int, minimum=3), "num_degree": functools.partial(_as_int, minimum=3),
+                 "graph_token": _check_flag, "attend_within": _check_positive_int}
+
+    def __init__(self, num_heads: int, *, num_spatial: int = 512, graph_token: bool = False,
+                 attend_within: Optional[int] = None, dim: Optional[int] = None, num_degree: int = 512,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        self.num_heads, self.num_spatial, self.graph_token, self.attend_within = \
+            num_heads, num_spatial, graph_token, attend_within
+        self.dim, self.num_degree, self.init_std = dim, num_degree, init_std
+        self.spatial_pos_encoder = _uninitialised(nn.Embedding, num_spatial, num_heads, padding_idx=0)
+        self.graph_token_virtual_distance = _uninitialised(nn.Embedding, 1, num_heads) if graph_token else None
+        degrees = (lambda: _uninitialised(nn.Embedding, num_degree, dim, padding_idx=0)) if dim else (lambda: None)
+        self.in_degree_encoder, self.out_degree_encoder = degrees(), degrees()
+        for name in self.bound_inputs:
+            self.register_buffer(name, None, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for table in (self.spatial_pos_encoder, self.graph_token_virtual_distance, self.in_degree_encoder,
+                      self.out_degree_encoder):
+            if table is not None:
+                nn.init.normal_(table.weight, std=self.init_std)
+                if table.padding_idx is not None:
+                    with torch.no_grad():
+                        table.weight[table.padding_idx].zero_()
+
+    # -- binding ------------------------------------------------------------------------
+
+    def bind(self, adjacency: Optional[Tensor] = None, *, edge_index: Optional[Tensor] = None,
+             num_nodes: Optional[int] = None) -> "GraphormerPositionalEmbedding":
+        """The encoding bound to the graph ``adjacency`` ``[N, N]`` / ``[B, N, N]`` (or ``edge_index``
+        ``[2, E]`` with ``num_nodes``), sharing this module's parameters."""
+        owner = type(self).__name__
+        weights = _dense_adjacency(owner, adjacency, edge_index, num_nodes, None)      # [(B,) N, N] float64
+        if weights.dim() > 3:
+            raise ValueError(f"{owner}: adjacency must be [N, N] or [B, N, N], got {tuple(weights.shape)}")
+        edges = (weights > 0).reshape(-1, *weights.shape[-2:])                         # [B, N, N] bool
+        distances = _hop_distances(edges)                                               # [B, N, N]
+        if self.graph_token:  # the virtual node is token 0: -1 marks its row and column
+            distances = F.pad(distances, (1, 0, 1, 0), value=-1)                        # [B, T, T]
+        bound = copy.copy(self)  # the same parameters and submodules; buffers of its own
+        bound._parameters, bound._modules, bound._buffers = \
+            dict(self._parameters), dict(self._modules), dict(self._buffers)
+        shape = weights.shape[:-1]                                                      # [(B,) N]
+        bound.distances = distances.reshape(*shape[:-1], *distances.shape[-2:])         # [(B,) T, T]
+        bound.in_degrees, bound.out_degrees = edges.sum(-2).reshape(shape), edges.sum(-1).reshape(shape)
+        return bound
+
+    def _bound_distances(self) -> Tensor:
+        if self.distances is None:
+            raise ValueError(f"{type(self).__name__}: not bound to a graph: the bias depends on it, so call "
+                             f"pe.bind(adjacency) or pe.bind(edge_index=..., num_nodes=N) and use the result, "
+                             f"e.g. attention(q, k, v, pe.bind(adjacency))")
+        return self.distances
+
+    def _check_attention_shapes(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        super()._check_attention_shapes(q, k, v)
+        distances = self._bound_distances()
+        if distances.dim() == 3 and (q.dim() != 4 or q.shape[0] != distances.shape[0]):
+            raise ValueError(f"{type(self).__name__}: q must be [B={distances.shape[0]}, H, T, Dh] for the "
+                             f"{distances.shape[0]} bound graphs, got {tuple(q.shape)}")
+
+    # -- the bias -----------------------------------------------------------------------
+
+    def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                   device) -> tuple:
+        """Token ``i`` of graph ``b`` is row ``b T + i`` of the distances: keys are the first ``Nk`` tokens of
+        each graph and queries the last ``Nq`` of them (bottom-right, as everywhere here)."""
+        distances = self._bound_distances()
+        tokens = distances.shape[-1]
+        if k_len > tokens or q_len > k_len:
+            raise ValueError(f"{type(self).__name__}: k must have at most the bound graph's {tokens} tokens "
+                             f"({'nodes + the graph token' if self.graph_token else 'nodes'}) and q at most as "
+                             f"many as k, got Nq={q_len}, Nk={k_len}")
+        rows = torch.arange(distances.numel() // tokens, device=device).reshape(-1, tokens)     # [B, T]
+        rows = rows[:, :k_len].reshape(-1, 1, k_len) if distances.dim() == 3 else rows[0, :k_len]  # [B, 1, Nk] or [Nk]
+        return rows[..., k_len - q_len:], rows
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+        tokens = self.distances.shape[-1]
+        distance = self.distances.reshape(-1, tokens)[pos_q, pos_k % tokens]            # hops; -1: graph token
+        table = self.spatial_pos_encoder.weight
+        bias = table[distance.clamp(0, self.num_spatial - 2) + 1, head].to(_compute_dtype(table.dtype))
+        if self.graph_token:
+            virtual = self.graph_token_virtual_distance.weight                          # [1, H]
+            bias = torch.where(distance < 0, virtual[torch.zeros_like(head), head].to(bias.dtype), bias)
+        if self.attend_within is not None:
+            bias = torch.where(distance >= self.attend_within, float("-inf"), bias)
+        return bias
+
+    # -- centrality ---------------------------------------------------------------------
+
+    def centrality(self, x: Tensor) -> Tensor:
+        """Node states ``x`` ``[(B,) N, D]`` plus the bound graph's in- and out-degree embeddings."""
+        owner = type(self).__name__
+        if self.in_degree_encoder is None:
+            raise ValueError(f"{owner}: centrality needs the degree tables: build with dim=D")
+        self._bound_distances()
+        _check_tensor(owner, "x", x, 2)
+        want = (*self.in_degrees.shape, self.dim)
+        if tuple(x.shape[-len(want):]) != want:
+            raise ValueError(f"{owner}: x must be [{', '.join(map(str, want))}] (the bound graph's nodes), "
+                             f"got {tuple(x.shape)}")
+        rows = lambda degrees: degrees.clamp_max(self.num_degree - 2) + 1
+        added = self.in_degree_encoder(rows(self.in_degrees)) + self.out_degree_encoder(rows(self.out_degrees))
+        return x + added.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
 # Logits kind: the base (_ExplicitLogits) and its encodings
 # ---------------------------------------------------------------------------
 
@@ -8342,6 +8538,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "time2vec": Time2VecPositionalEmbedding(dim),
         "laplacian": LaplacianPositionalEmbedding(dim, 8).eval(),
         "random_walk": RandomWalkPositionalEmbedding(dim, 8),
+        "graphormer": GraphormerPositionalEmbedding(num_heads, dim=dim).bind(_demo_lattice(seq_len)),
         "abacus": AbacusPositionalEmbedding(dim, range(10), max_len=seq_len + 100, max_k=99),
         "sinusoidal_fairseq": SinusoidalPositionalEmbedding(dim, spectrum="fairseq", layout="concat", padding_idx=1),
     }
@@ -8354,13 +8551,22 @@ def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
         return pe.digit_positions(torch.arange(seq_len) % 13)
     if pe.num_axes == 1 or not pe.takes_positions:   # the convolution reads its grid from the token order
         return None
+    if hasattr(pe, "graph_positions"):   # a graph encoding (of this file, or of a vendored copy of it)
+        return pe.graph_positions(_demo_lattice(seq_len))
+    return _demo_grid(seq_len)
+
+
+def _demo_grid(seq_len: int) -> Tensor:
+    """The demo's square grid: ``[N, 2]`` (row, column), row-major."""
     side = math.isqrt(seq_len)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    grid = torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)                                # [N, 2]
-    if hasattr(pe, "graph_positions"):   # a graph encoding (of this file, or of a vendored copy of it)
-        lattice = (grid.unsqueeze(1) - grid.unsqueeze(0)).abs().sum(-1) == 1                    # [N, N] neighbours
-        return pe.graph_positions(lattice)
-    return grid
+    return torch.stack([rows, cols], dim=-1).reshape(seq_len, 2)                        # [N, 2]
+
+
+def _demo_lattice(seq_len: int) -> Tensor:
+    """The grid's lattice graph: ``[N, N]`` bool, neighbours one step apart."""
+    grid = _demo_grid(seq_len)
+    return (grid.unsqueeze(1) - grid.unsqueeze(0)).abs().sum(-1) == 1                   # [N, N]
 
 
 def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> str:
@@ -8368,7 +8574,7 @@ def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: 
     if pe.kind == "input":
         return "n/a (acts on the tokens)"
     if not pe.takes_positions:
-        return "n/a (takes no positions: counts them from the content)"
+        return f"n/a (takes no positions: {pe.order_from})"
     if isinstance(pe, AlgebraicTreePositionalEmbedding):
         return "n/a (node ids: depends on tree paths)"
     n = q.shape[-2]

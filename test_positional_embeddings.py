@@ -68,6 +68,7 @@ from positional_embeddings import (
     LearnableFourierPositionalEmbedding,
     Time2VecPositionalEmbedding,
     LaplacianPositionalEmbedding,
+    GraphormerPositionalEmbedding,
     RandomWalkPositionalEmbedding,
     AbacusPositionalEmbedding,
     digit_positions,
@@ -319,6 +320,9 @@ CASES = [
     Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
          has_offset=False),
     bound_case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)),
+    Case("graphormer", lambda: GraphormerPositionalEmbedding(H).bind(GRAPH), has_offset=False, takes_positions=False),
+    Case("graphormer_token", lambda: GraphormerPositionalEmbedding(H, num_spatial=4, graph_token=True, attend_within=3).bind(
+        GRAPH[:-1, :-1]), has_offset=False, takes_positions=False),
     # logits kind
     Case("transformer_xl", lambda: TransformerXLPositionalEmbedding(H, DH), has_offset=False),
     Case("enformer", lambda: EnformerPositionalEmbedding(H, DH, num_features=12, length_scale=64),
@@ -379,6 +383,9 @@ def ring_with_chords(n: int) -> torch.Tensor:
             if j != i:
                 adjacency[i, j] = adjacency[j, i] = 1.0
     return adjacency
+
+
+GRAPH = ring_with_chords(N)   # the graph Graphormer's cases bind (made here: a case may be built on the meta device)
 
 
 def graph_nodes(pe, n: int) -> torch.Tensor:
@@ -861,6 +868,12 @@ NUMERIC_ARGS = [_tiny_numeric(*row) for row in [
      "hidden_dim", 1.5, TypeError, "an int, got float 1.5"),
     ("RandomWalkPositionalEmbedding", lambda **kw: RandomWalkPositionalEmbedding(4, **kw),
      "walk_length", -2, ValueError, "a positive int, got walk_length=-2"),
+    ("GraphormerPositionalEmbedding", lambda **kw: GraphormerPositionalEmbedding(4, **kw),
+     "num_spatial", 2, ValueError, "an int >= 3, got num_spatial=2"),
+    ("GraphormerPositionalEmbedding", lambda **kw: GraphormerPositionalEmbedding(4, **kw),
+     "attend_within", 0, ValueError, "a positive int, got attend_within=0"),
+    ("GraphormerPositionalEmbedding", lambda **kw: GraphormerPositionalEmbedding(4, **kw),
+     "dim", 2.0, TypeError, "an int, got float 2.0"),
     ("AbacusPositionalEmbedding", lambda **kw: AbacusPositionalEmbedding(4, range(10), **kw),
      "max_k", -1, ValueError, "a non-negative int, got max_k=-1"),
     ("AbacusPositionalEmbedding", lambda **kw: AbacusPositionalEmbedding(4, range(10), **kw),
@@ -909,6 +922,8 @@ NUMPY_BUILDS = [
     lambda num: Time2VecPositionalEmbedding(num.int64(4), num_axes=num.int64(2)),
     lambda num: LaplacianPositionalEmbedding(num.int64(4), num.int64(3), sign_invariant=True, hidden_dim=num.int64(2)),
     lambda num: RandomWalkPositionalEmbedding(num.int64(4), num.int64(3)),
+    lambda num: GraphormerPositionalEmbedding(num.int64(4), num_spatial=num.int64(8), attend_within=num.int32(3),
+                                              dim=num.int64(6), num_degree=num.int64(5), init_std=num.float32(0.5)),
     lambda num: AbacusPositionalEmbedding(num.int64(4), [num.int64(d) for d in range(10)], max_len=num.int64(16),
                                           max_k=num.int32(3)),
     lambda num: LieREPositionalEmbedding(num.int64(8), num.int64(2), block_size=num.int64(4)),
@@ -983,7 +998,7 @@ class TestArgumentChecks:
     @pytest.mark.parametrize("build", NUMPY_BUILDS, ids=["tupe", "transformer_xl", "enformer", "cope", "forgetting",
                                                          "deberta", "algebraic_tree", "relpos2d", "conv", "fourier",
                                                          "learnable_fourier", "time2vec", "laplacian",
-                                                         "random_walk", "abacus", "liere", "heinsen"])
+                                                         "random_walk", "graphormer", "abacus", "liere", "heinsen"])
     def test_numpy_numbers_build_the_same_module(self, build):
         numpy = pytest.importorskip("numpy")
         python = type("PythonNumbers", (), {"int64": int, "int32": int, "float32": float, "float64": float})
@@ -2650,6 +2665,168 @@ class TestGraphEncodings:
             lap(torch.randn(3, 8))
         with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
             RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
+
+
+# ---------------------------------------------------------------------------
+# Graphormer: shortest-path-distance bias and centrality
+# ---------------------------------------------------------------------------
+
+
+def hop_distances_oracle(adjacency: torch.Tensor) -> list:
+    """Hop counts of the directed graph ``adjacency != 0`` by a breadth-first search from each node (a queue
+    of plain ints): ``[N][N]``, None where no path exists."""
+    n = adjacency.shape[-1]
+    out = []
+    for source in range(n):
+        found = [None] * n
+        found[source] = 0
+        queue = collections.deque([source])
+        while queue:
+            node = queue.popleft()
+            for nxt in range(n):
+                if adjacency[node, nxt] != 0 and found[nxt] is None:
+                    found[nxt] = found[node] + 1
+                    queue.append(nxt)
+        out.append(found)
+    return out
+
+
+def graphormer_bias_oracle(pe, adjacency: torch.Tensor) -> torch.Tensor:
+    """The bias of one graph, entry by entry in float64: ``[H, T, T]``."""
+    table = pe.spatial_pos_encoder.weight.detach().double()
+    hops = hop_distances_oracle(adjacency)
+    first = int(pe.graph_token)
+    tokens = len(hops) + first
+    bias = torch.empty(pe.num_heads, tokens, tokens, dtype=torch.float64)
+    for h in range(pe.num_heads):
+        for i in range(tokens):
+            for j in range(tokens):
+                if min(i, j) < first:
+                    bias[h, i, j] = pe.graph_token_virtual_distance.weight[0, h].item()
+                    continue
+                d = hops[i - first][j - first]
+                row = pe.num_spatial - 1 if d is None else min(d, pe.num_spatial - 2) + 1
+                far = pe.attend_within is not None and (d is None or d >= pe.attend_within)
+                bias[h, i, j] = float("-inf") if far else table[row, h].item()
+    return bias
+
+
+class TestGraphormer:
+    def test_distances_are_breadth_first_hop_counts(self):
+        split = torch.zeros(7, 7)
+        split[0, 1] = split[1, 2] = split[3, 4] = split[4, 3] = split[5, 5] = 1.0       # pieces, a self-loop
+        graphs = [random_graph(11, 0.2, seed, directed=True) for seed in range(3)] + [split]
+        for adjacency in graphs:
+            got = GraphormerPositionalEmbedding(2).bind(adjacency).distances
+            want = hop_distances_oracle(adjacency)
+            assert got.tolist() == [[pe_lib._UNREACHABLE if d is None else d for d in row] for row in want]
+        batch = torch.stack(graphs[:3])
+        got = GraphormerPositionalEmbedding(2).bind(batch).distances
+        assert got.shape == (3, 11, 11)
+        assert all(got[b].tolist() == GraphormerPositionalEmbedding(2).bind(graphs[b]).distances.tolist()
+                   for b in range(3))
+        twice = torch.tensor([[0, 0, 1, 2], [1, 1, 2, 0]])                              # 0 -> 1 twice
+        dense = torch.tensor([[0.0, 1, 0], [0, 0, 1], [1, 0, 0]])
+        assert GraphormerPositionalEmbedding(2).bind(edge_index=twice, num_nodes=3).distances.tolist() == \
+            GraphormerPositionalEmbedding(2).bind(dense).distances.tolist() == [[0, 1, 2], [2, 0, 1], [1, 2, 0]]
+
+    @pytest.mark.parametrize("graph_token, attend_within, num_spatial", [(False, None, 512), (True, None, 4),
+                                                                         (True, 2, 5), (False, 3, 3)])
+    def test_bias_matches_the_loop_oracle(self, graph_token, attend_within, num_spatial):
+        torch.manual_seed(0)
+        pe = GraphormerPositionalEmbedding(3, num_spatial=num_spatial, graph_token=graph_token,
+                                           attend_within=attend_within, init_std=1.0)
+        split = random_graph(9, 0.15, 4, directed=True)
+        split[:, 7:] = split[7:, :] = 0.0                                               # nodes 7, 8 unreachable
+        graphs = torch.stack([random_graph(9, 0.2, 5, directed=True), split])
+        bound = pe.bind(graphs)
+        tokens = 9 + graph_token
+        want = torch.stack([graphormer_bias_oracle(pe, g) for g in graphs])             # [2, H, T, T]
+        torch.testing.assert_close(bound(tokens, tokens).double(), want, rtol=0, atol=1e-7)
+        torch.testing.assert_close(bound(4, tokens).double(), want[..., -4:, :], rtol=0, atol=1e-7)
+        q, k, v = (torch.randn(2, 3, tokens, 8, dtype=torch.float64) for _ in range(3))
+        dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + want, dim=-1) @ v
+        torch.testing.assert_close(attention(q, k, v, bound.double()), dense)
+        torch.testing.assert_close(attention(q, k, v, bound.double(), use_flex=True), dense)
+
+    def test_the_authors_table_rows(self):
+        # their code: distance d reads row d + 1, unreachable pairs are 510 and read row 511 (num_spatial 512)
+        pe = GraphormerPositionalEmbedding(1)
+        with torch.no_grad():
+            pe.spatial_pos_encoder.weight[:, 0] = torch.arange(512.0)                  # row r holds r
+            pe.spatial_pos_encoder.weight[0, 0] = float("nan")                          # the padding row: never read
+        path = torch.diag(torch.ones(11), 1)                                            # 0 -> 1 -> ... -> 11
+        got = pe.bind(path)(12, 12)[0]
+        assert got[0].tolist() == [float(d + 1) for d in range(12)]
+        assert got[11, 0] == 511.0 and torch.isfinite(got).all()
+        assert pe.spatial_pos_encoder.padding_idx == 0 and "spatial_pos_encoder.weight" in pe.state_dict()
+
+    def test_matches_attention_gym_score_mod(self):
+        gym = pytest.importorskip("attn_gym.mods.graphormer")
+        from torch.nn.attention.flex_attention import flex_attention
+
+        max_distance, heads = 3, 4
+        adjacency = torch.stack([random_graph(12, 0.15, seed, directed=True) for seed in (6, 7)]).bool()
+        adjacency[1, :, 10:] = adjacency[1, 10:, :] = False                             # unreachable pairs
+        table = torch.randn(heads, max_distance + 2, generator=torch.Generator().manual_seed(0))
+        distances = gym.shortest_path_distances(adjacency, max_distance)                # [2, 12, 12]
+        pe = GraphormerPositionalEmbedding(heads, num_spatial=max_distance + 3)
+        with torch.no_grad():
+            pe.spatial_pos_encoder.weight[1:] = table.T                                 # their bucket d is our row d + 1
+        bound = pe.bind(adjacency)
+        assert bound.distances.clamp_max(max_distance + 1).tolist() == distances.tolist()
+        q, k, v = (torch.randn(2, heads, 12, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+        want = flex_attention(q, k, v, score_mod=gym.generate_graphormer_spatial_bias(table, distances))
+        torch.testing.assert_close(attention(q, k, v, bound), want, rtol=0, atol=1e-6)
+
+    def test_centrality_adds_in_and_out_degree_rows(self):
+        torch.manual_seed(0)
+        pe = GraphormerPositionalEmbedding(2, dim=6, num_degree=4, init_std=1.0)
+        graphs = torch.stack([random_graph(8, 0.3, 8, directed=True), random_graph(8, 0.2, 9)])
+        graphs[0, 3, 3] = 1.0                                                           # a self-loop counts
+        x = torch.randn(2, 8, 6, dtype=torch.float64)
+        got = pe.bind(graphs).centrality(x)
+        for b in range(2):
+            for v in range(8):
+                into = sum(int(graphs[b, u, v] != 0) for u in range(8))
+                out = sum(int(graphs[b, v, u] != 0) for u in range(8))
+                want = x[b, v] + pe.in_degree_encoder.weight[min(into, 2) + 1].double() \
+                    + pe.out_degree_encoder.weight[min(out, 2) + 1].double()
+                torch.testing.assert_close(got[b, v], want)
+        one = pe.bind(graphs[1])                                                        # undirected: in = out
+        assert one.in_degrees.tolist() == one.out_degrees.tolist()
+        assert one.centrality(x[1]).shape == (8, 6)
+
+    def test_bound_encodings_share_the_parameters(self):
+        pe = GraphormerPositionalEmbedding(2, graph_token=True, dim=4)
+        bound = pe.bind(ring_with_chords(5))
+        assert dict(bound.named_parameters()).keys() == dict(pe.named_parameters()).keys()
+        assert all(a is b for a, b in zip(bound.parameters(), pe.parameters()))
+        assert pe.distances is None and bound.distances.shape == (6, 6)
+        q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+        attention(q, k, v, bound).square().sum().backward()
+        grad = pe.spatial_pos_encoder.weight.grad
+        assert grad[0].abs().sum() == 0 and grad[1:4].abs().sum() > 0 and grad[4:].abs().sum() == 0   # rows 1..3 read
+        assert pe.graph_token_virtual_distance.weight.grad.abs().sum() > 0
+
+    def test_errors_name_the_fix(self):
+        pe = GraphormerPositionalEmbedding(2)
+        q = k = v = torch.randn(1, 2, 5, 4)
+        with pytest.raises(ValueError, match=r"^GraphormerPositionalEmbedding: not bound to a graph: .*pe\.bind\(adjacency\)"):
+            attention(q, k, v, pe)
+        bound = pe.bind(ring_with_chords(4))
+        with pytest.raises(ValueError, match="k must have at most the bound graph's 4 tokens"):
+            attention(q, k, v, bound)
+        with pytest.raises(ValueError, match=r"q must be \[B=2, H, T, Dh\] for the 2 bound graphs"):
+            attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], pe.bind(torch.stack([ring_with_chords(4)] * 2)))
+        with pytest.raises(ValueError, match="centrality needs the degree tables: build with dim=D"):
+            bound.centrality(torch.randn(4, 3))
+        with pytest.raises(ValueError, match=r"x must be \[4, 3\] \(the bound graph's nodes\), got \(5, 3\)"):
+            GraphormerPositionalEmbedding(2, dim=3).bind(ring_with_chords(4)).centrality(torch.randn(5, 3))
+        with pytest.raises(ValueError, match=r"adjacency must be \[N, N\] or \[B, N, N\], got \(1, 1, 3, 3\)"):
+            pe.bind(torch.zeros(1, 1, 3, 3))
+        with pytest.raises(ValueError, match="positions_q must be None: a node's place comes from the bound graph"):
+            bound(4, 4, positions_q=torch.arange(4))
 
 
 # ---------------------------------------------------------------------------

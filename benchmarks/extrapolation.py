@@ -271,7 +271,7 @@ ENCODINGS = _registry()
 QUICK_ENCODINGS = ["nope", "sinusoidal", "rotary", "alibi"]
 # Classes deliberately not in the registry: grids, trees, coordinates and timestamps, not token order
 NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", "LaplacianPositionalEmbedding",
-          "RandomWalkPositionalEmbedding", "AbacusPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
+          "RandomWalkPositionalEmbedding", "GraphormerPositionalEmbedding", "AbacusPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
           "ContinuousPositionBias", "DynamicPositionBias", "MixedRotaryPositionalEmbedding",
           "LieREPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
           "PositionalEmbedding", "EmbedPosition"}

@@ -178,6 +178,10 @@ def _gallery() -> dict:
     if has("RandomWalkPositionalEmbedding"):
         entries.append(Entry("random_walk", "RandomWalkPositionalEmbedding",
                              lambda: pe_lib.RandomWalkPositionalEmbedding(D, 8), "grid", learned=True))
+    if has("GraphormerPositionalEmbedding"):   # bound to the grid's lattice graph: the bias of hop distances
+        lattice = lambda: (grid_positions().unsqueeze(1) - grid_positions().unsqueeze(0)).abs().sum(-1) == 1
+        entries.append(Entry("graphormer", "GraphormerPositionalEmbedding",
+                             lambda: pe_lib.GraphormerPositionalEmbedding(H).bind(lattice()), "grid", learned=True))
     if has("AbacusPositionalEmbedding"):
         entries.append(Entry("abacus", "AbacusPositionalEmbedding",
                              lambda: pe_lib.AbacusPositionalEmbedding(D, range(10), max_len=SEQ_LEN + 100).eval(),
