@@ -179,6 +179,7 @@ __all__ = [
     "AbacusPositionalEmbedding",
     "digit_positions",
     "rope_coordinates",
+    "augment_positions",
     "shard_positions",
     "sharded_log_linear_scan",
     "heinsen_forward_sharded",
@@ -4259,21 +4260,84 @@ def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"]
     owner = "rope_coordinates"
     sizes = _as_sizes(owner, "grid_shape", grid_shape)
     _check_choice(owner, "normalize", normalize, ("separate", "max", "min"))
-    shift, jitter, rescale = (None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low
-                              in (("shift", shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
-    _check_generator(owner, generator)
     count = len(sizes)
     spans = {"separate": sizes, "max": (max(sizes),) * count, "min": (min(sizes),) * count}[normalize]
     axes = [(torch.arange(size, dtype=torch.float64) + 0.5) / span for size, span in zip(sizes, spans)]
     coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, count) * 2 - 1   # [N, A]
-    draw = lambda n, low, high: torch.empty(n).uniform_(low, high, generator=generator)              # float32
-    if shift is not None:
-        coords = coords + draw(count, -shift, shift).double()
-    if jitter is not None:
-        coords = coords * draw(count, -math.log(jitter), math.log(jitter)).exp().double()
-    if rescale is not None:
-        coords = coords * draw(1, -math.log(rescale), math.log(rescale)).exp().double()
+    try:
+        coords = augment_positions(coords, num_axes=count, shift=shift, jitter=jitter, rescale=rescale,
+                                   generator=generator)
+    except (TypeError, ValueError) as error:   # the same argument checks, named for this function
+        raise type(error)(str(error).replace("augment_positions: ", owner + ": ", 1)) from None
     return coords.to(device)
+
+
+def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[float] = None,
+                      local_shift: Optional[float] = None, jitter: Optional[float] = None,
+                      rescale: Optional[float] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Train-time augmentations of positions: CAPE's and DINOv3's, ``lambda * j * (p + delta + eps)``.
+
+    CAPE (Likhomanenko et al., "CAPE: Encoding Relative Positions with Continuous Augmented
+    Positional Embeddings", arXiv:2106.03143) trains on positions moved at random, so that
+    absolute encodings (sinusoidal, a rotary's angles) learn what stays true under the move:
+    relative positions. DINOv3 (arXiv:2508.10104) does the same to RoPE's patch coordinates.
+    In this order, each only when given:
+
+    * ``shift``: add ``delta ~ U(-shift, shift)``, one draw per sequence and axis (CAPE's and
+      DINOv3's global shift);
+    * ``local_shift``: add ``eps ~ U(-local_shift, local_shift)``, one draw per position and axis
+      (CAPE's local shift; ``local_shift < spacing / 2`` keeps the order);
+    * ``jitter``: multiply by ``exp(U(-log jitter, log jitter))``, one draw per sequence and axis
+      (DINOv3);
+    * ``rescale``: multiply by ``lambda = exp(U(-log rescale, log rescale))``, one draw per
+      sequence (CAPE's global scaling, DINOv3's rescale).
+
+    A sequence is a row of ``positions``' leading dims: ``[B, N]`` gets ``B`` independent draws.
+    Draws are float32 from ``generator`` (the global one by default) in the order above, as
+    DINOv3 draws them. Augment in training only: in eval the positions are used as they are
+    (CAPE's and DINOv3's rule). The PyTorch port of CAPE (gcambara/cape) draws its local shift from
+    ``U(-m s / 2, m s / 2)`` (``m`` its ``max_local_shift``, ``s`` the spacing): ``local_shift = m s / 2``.
+    The result feeds any encoding that takes float positions (sinusoidal, RoPE, RoPE-Mixed,
+    LieRE, the Fourier features).
+
+    Args:
+        positions (Tensor): ``[..., N]`` (one axis) or ``[..., N, A]`` (``num_axes = A > 1``), real.
+        num_axes (int): position axes ``A``. Default: 1.
+        shift, local_shift (float, optional): shift bounds, ``>= 0``. Default: None.
+        jitter, rescale (float, optional): scale bounds, ``>= 1``. Default: None.
+        generator (torch.Generator, optional): source of the draws. Default: None.
+
+    Returns:
+        float64 positions of the same shape.
+
+    Example:
+        >>> positions = augment_positions(torch.arange(100.0).expand(8, 100), shift=5.0, local_shift=0.5,
+        ...                               rescale=1.03)                  # CAPE for text: [8, 100]
+    """
+    owner = "augment_positions"
+    num_axes = _check_positive_int(owner, "num_axes", num_axes)
+    shift, local_shift, jitter, rescale = (
+        None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low in
+        (("shift", shift, 0.0), ("local_shift", local_shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
+    _check_generator(owner, generator)
+    _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
+    if num_axes > 1 and positions.shape[-1] != num_axes:
+        raise ValueError(f"{owner}: positions must be [..., N, A={num_axes}], got {tuple(positions.shape)}")
+    p = positions.to(torch.float64) if num_axes > 1 else positions.to(torch.float64).unsqueeze(-1)   # [..., N, A]
+    rows, axes = p.shape[:-2], p.shape[-1]
+
+    def draw(shape, bound):  # U(-bound, bound), float32 as DINOv3 draws, then float64
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator).double().to(p.device)
+
+    if shift is not None:
+        p = p + draw((*rows, 1, axes), shift)
+    if local_shift is not None:
+        p = p + draw(p.shape, local_shift)
+    if jitter is not None:
+        p = p * draw((*rows, 1, axes), math.log(jitter)).exp()
+    if rescale is not None:
+        p = p * draw((*rows, 1, 1), math.log(rescale)).exp()
+    return p if num_axes > 1 else p.squeeze(-1)
 
 
 class _TokenRotation(_QKTransform):

@@ -97,6 +97,7 @@ from positional_embeddings import (
     heinsen_forward_sharded,
     permute_rotary_weight,
     rope_coordinates,
+    augment_positions,
     shard_positions,
     sharded_log_linear_scan,
     t5_relative_position_bucket,
@@ -5128,6 +5129,66 @@ def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
     if rescale is not None:
         coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
     return coords
+
+
+def cape_oracle(positions: torch.Tensor, seed: int, shift: float, local_shift: float, scaling: float) -> torch.Tensor:
+    """CAPE on one-axis positions ``[B, N]``, entry by entry in float64: ``lambda_b (p_bi + delta_b + eps_bi)``, the
+    draws taken as the PyTorch port of CAPE takes them (float32, in this order: delta ``[B, 1]`` from
+    ``U(-shift, shift)``, eps ``[B, N]`` from ``U(-local_shift, local_shift)``, log lambda ``[B, 1]``)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, n = positions.shape
+    delta = torch.empty(rows, 1).uniform_(-shift, shift, generator=g).tolist()
+    eps = torch.empty(rows, n).uniform_(-local_shift, local_shift, generator=g).tolist()
+    log_scale = torch.empty(rows, 1).uniform_(-math.log(scaling), math.log(scaling), generator=g).tolist()
+    return torch.tensor([[math.exp(log_scale[b][0]) * (float(positions[b, i]) + delta[b][0] + eps[b][i])
+                          for i in range(n)] for b in range(rows)], dtype=torch.float64)
+
+
+class TestAugmentPositions:
+    def test_cape_matches_the_entry_by_entry_oracle(self):
+        positions = torch.arange(12.0).expand(3, 12)
+        got = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
+                                generator=torch.Generator().manual_seed(4))
+        assert got.dtype == torch.float64 and got.shape == (3, 12)
+        torch.testing.assert_close(got, cape_oracle(positions, 4, 5.0, 0.5, 1.03), rtol=0, atol=1e-12)
+        again = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
+                                  generator=torch.Generator().manual_seed(4))
+        torch.testing.assert_close(again, got, rtol=0, atol=0)                          # seeded: reproducible
+
+    def test_each_augmentation_keeps_what_it_should(self):
+        g = torch.Generator().manual_seed(0)
+        p = torch.arange(10.0).expand(4, 10)
+        shifted = augment_positions(p, shift=3.0, generator=g)
+        torch.testing.assert_close(shifted.diff(dim=-1), torch.ones(4, 9, dtype=torch.float64))   # distances kept
+        assert len({round(row[0], 9) for row in shifted.tolist()}) == 4                            # one shift per row
+        scaled = augment_positions(p + 1, rescale=2.0, generator=g)
+        ratios = scaled / (p + 1)
+        torch.testing.assert_close(ratios, ratios[:, :1].expand(4, 10))                             # one scale per row
+        assert ((ratios >= 0.5) & (ratios <= 2.0)).all()
+        jiggled = augment_positions(p, local_shift=0.4, generator=g)
+        assert ((jiggled - p).abs() <= 0.4).all() and (jiggled.diff(dim=-1) > 0).all()             # order kept
+        grid = rope_coordinates((4, 4))                                                 # no coordinate is 0
+        per_axis = augment_positions(grid, num_axes=2, jitter=1.5, generator=g) / grid
+        assert torch.allclose(per_axis, per_axis[:1]) and not torch.allclose(per_axis[0, 0], per_axis[0, 1])
+
+    def test_feeds_absolute_and_rotary_encodings(self):
+        q, k, v = qkv(dtype=torch.float64)
+        p = augment_positions(torch.arange(float(N)), shift=2.0, local_shift=0.3, rescale=1.1,
+                              generator=torch.Generator().manual_seed(1))
+        x = torch.randn(B, N, D, dtype=torch.float64)
+        assert SinusoidalPositionalEmbedding(D)(x, p).shape == x.shape
+        out = attention(q, k, v, RotaryPositionalEmbedding(DH).double(), positions_q=p, positions_k=p)
+        assert out.shape == v.shape and torch.isfinite(out).all()
+
+    def test_errors_name_the_argument(self):
+        with pytest.raises(ValueError, match="augment_positions: local_shift must be a finite number >= 0.0"):
+            augment_positions(torch.arange(3.0), local_shift=-1.0)
+        with pytest.raises(ValueError, match="augment_positions: rescale must be a finite number >= 1.0"):
+            augment_positions(torch.arange(3.0), rescale=0.5)
+        with pytest.raises(ValueError, match=r"augment_positions: positions must be \[\.\.\., N, A=2\], got \(4, 3\)"):
+            augment_positions(torch.zeros(4, 3), num_axes=2)
+        with pytest.raises(TypeError, match="augment_positions: positions must be a torch.Tensor, got list"):
+            augment_positions([1.0, 2.0])
 
 
 class TestRopeCoordinates:
