@@ -8857,7 +8857,7 @@ class TestCompile:
         block = QuickStartBlock(dim, H, pe)
         lengths = (8, 12, 20) if isinstance(pe, pe_lib._WindowBias) else (16, 24, 40)   # windows hold 20 tokens
         if isinstance(pe, GraphormerPositionalEmbedding):
-            lengths = (8, 12, 16)                                        # the bound graph holds 16 tokens
+            lengths = (8, 12, 14)                                        # inside the bound graph's 16 tokens
         graphs = []
 
         def counting_backend(gm, example_inputs):
