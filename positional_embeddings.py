@@ -66,11 +66,17 @@ Images, video and coordinates:
   Resolution", arXiv:2111.09883.
 * ``DynamicPositionBias``: Wang et al., "CrossFormer: A Versatile Vision Transformer Hinging on
   Cross-scale Attention", arXiv:2108.00154 (x-transformers' layout).
+* ``VideoRotaryPositionalEmbedding``: Wei et al., "VideoRoPE: What Makes for Good Video Rotary
+  Position Embedding?", arXiv:2502.05173.
 * ``MixedRotaryPositionalEmbedding``: Heo et al., "Rotary Position Embedding for Vision
   Transformer", arXiv:2403.13298 (RoPE-Mixed); ``rope_coordinates``: DINOv3's normalised
   and augmented patch coordinates (Simeoni et al., arXiv:2508.10104).
 * ``LieREPositionalEmbedding``: Ostmeier et al., "LieRE: Generalizing Rotary Position Encodings",
   arXiv:2406.10322.
+* ``STRINGPositionalEmbedding``: Schenck et al., "Learning the RoPE: Better 2D and 3D Position
+  Encodings with STRING", arXiv:2502.02562.
+* ``ComRoPEPositionalEmbedding``: Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding
+  Parameterized by Trainable Commuting Angle Matrices", arXiv:2506.03737.
 * ``ConvolutionalPositionalEmbedding``: Chu et al., "Conditional Positional Encodings for Vision
   Transformers" (CPVT's PEG), arXiv:2102.10882; Baevski et al., "wav2vec 2.0", arXiv:2006.11477.
 * ``FourierFeaturePositionalEmbedding``: Mildenhall et al., "NeRF", arXiv:2003.08934; Tancik et al.,
@@ -131,6 +137,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "RotaryPositionalEmbedding",
     "HoPEPositionalEmbedding",
+    "VideoRotaryPositionalEmbedding",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -169,6 +176,8 @@ __all__ = [
     "DynamicPositionBias",
     "MixedRotaryPositionalEmbedding",
     "LieREPositionalEmbedding",
+    "STRINGPositionalEmbedding",
+    "ComRoPEPositionalEmbedding",
     "ConvolutionalPositionalEmbedding",
     "FourierFeaturePositionalEmbedding",
     "LearnableFourierPositionalEmbedding",
@@ -3433,6 +3442,104 @@ class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
         return torch.cat([inv_freq[:kept], torch.zeros_like(inv_freq[kept:])]), factor
 
 
+class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
+    """VideoRoPE: 3-D RoPE for video with the lowest frequencies on time and a diagonal spatial layout.
+
+    Wei et al., "VideoRoPE: What Makes for Good Video Rotary Position Embedding?", ICML 2025,
+    arXiv:2502.05173. Tokens carry ``(t, h, w)`` positions ``[N, 3]`` as in M-RoPE, with three changes:
+
+    * **Low-frequency temporal allocation:** time turns the *last* (slowest) ``sections[0]`` pairs;
+      the fast pairs before them alternate ``h, w, h, w, ...`` (pair 0 is h). M-RoPE
+      (``RotaryPositionalEmbedding(sections=...)``) gives time the *fastest* pairs and h, w
+      contiguous slices after it; Qwen3-VL's interleaved sections cycle ``t, h, w`` from pair 0.
+    * **Diagonal layout** (``positions``): a visual token's h and w are its time plus its centred row
+      and column, so frames lie along the diagonal of text positions.
+    * **Adjustable temporal spacing** ``delta``: frame ``f`` sits at ``start + delta * f``.
+
+    Following the reference code (Wiselnn570/VideoRoPE, ``modeling_videorope.py``:
+    ``apply_m_modify_multimodal_rotary_pos_emb`` and ``get_t_scale_rope_index``), only
+    ``sections[1] + sections[2]`` counts (the h/w alternation ignores their split), the centring
+    offset is ``(H - 1) // 2`` (floor, so an even grid is off centre by half a row), and text after
+    a visual block resumes at the temporal row's maximum + 1 (M-RoPE resumes after the maximum of
+    all three rows). The reference hard-codes ``delta = 2.0`` in its transformers model; its vLLM
+    port defaults to 1.0. Pairs are half-split (``rotate_half``) as in Qwen2-VL, whose base is
+    ``1e6`` (this class's default base is RoPE's 10000). Positions are floats for non-integer
+    ``delta``; the angles are float64 as in ``RotaryPositionalEmbedding``.
+
+    Args:
+        dim (int): head dim ``Dh`` (even); also accepted as ``head_dim=``.
+        sections (list of int, optional): pairs for ``(t, h, w)``, summing to ``Dh / 2``.
+            Default: ``[Dh/8, 3Dh/16, 3Dh/16]`` rounded (``[16, 24, 24]`` for ``Dh = 128``).
+        temporal_spacing (float): ``delta``, used by ``positions``. Default: 2.0.
+        base (float): RoPE base. Default: 10000.0.
+        interleaved (bool): pairs ``(2i, 2i + 1)``. Default: False (half-split, as the reference).
+
+    Shape:
+        - x: ``[..., N, Dh]``; positions ``[N, 3]`` or ``[B, N, 3]``.
+
+    Example:
+        >>> video_rope = VideoRotaryPositionalEmbedding(64)
+        >>> tthw = video_rope.positions([5, (4, 6, 6), 3])        # 5 text tokens, 4 frames of 6 x 6, 3 text
+        >>> tthw.shape
+        torch.Size([152, 3])
+        >>> q = k = v = torch.randn(1, 8, 152, 64)
+        >>> out = attention(q, k, v, video_rope, positions_q=tthw, positions_k=tthw, causal=True)
+    """
+
+    arguments = {"temporal_spacing": _positive_float}
+
+    def __init__(self, dim: Optional[int] = None, *, sections: Optional[list] = None, temporal_spacing: float = 2.0,
+                 base: float = 10000.0, interleaved: bool = False, head_dim: Optional[int] = None) -> None:
+        owner = type(self).__name__
+        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
+        if sections is None and dim % 2 == 0:
+            temporal = max(1, dim // 8)
+            sections = [temporal, (dim // 2 - temporal + 1) // 2, (dim // 2 - temporal) // 2]
+        if sections is not None and len(_as_list(owner, "sections", sections)) != 3:
+            raise ValueError(f"{owner}: sections must be three pair counts (t, h, w), got sections={sections}")
+        self.temporal_spacing = temporal_spacing
+        super().__init__(dim, base=base, interleaved=interleaved, sections=sections)
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        raise TypeError(f"{cls.__name__}: no Hugging Face model type uses VideoRoPE; build it as "
+                        f"{cls.__name__}(head_dim, sections=..., temporal_spacing=...)")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, temporal_spacing={self.temporal_spacing}"
+
+    def _axis_of_pair(self) -> list:
+        """``h, w, h, w, ...`` over the fast ``sections[1] + sections[2]`` pairs, then ``t``."""
+        spatial = self.sections[1] + self.sections[2]
+        return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
+
+    def positions(self, segments: Sequence, *, start: float = 0) -> Tensor:
+        """The ``(t, h, w)`` positions ``[N, 3]`` (float64) of a sequence of text runs and visual grids.
+
+        ``segments`` lists, in order, ints (a run of that many text tokens, vision start/end tokens
+        included) and ``(T, H, W)`` tuples (a video of ``T`` frames, or an image with ``T = 1``, of
+        ``H x W`` tokens after any patch merging, in raster order ``frame, row, column``). A text token
+        at ``s`` gets ``(s, s, s)``; a visual token of frame ``f``, row ``y``, column ``x`` gets
+        ``t = s + delta f``, ``h = t + y - (H - 1) // 2``, ``w = t + x - (W - 1) // 2``; the next
+        segment starts at ``s + delta (T - 1) + 1``. Decoding continues as text after the last row's
+        ``t``.
+        """
+        owner = type(self).__name__
+        rows, start = [], _as_float(owner, "start", start)
+        for segment in _as_list(owner, "segments", segments):
+            if isinstance(segment, (tuple, list)):
+                frames, height, width = _as_sizes(owner, "segments", segment, 3)
+                f, y, x = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
+                t = start + self.temporal_spacing * f.flatten().double()
+                rows.append(torch.stack([t, t + y.flatten() - (height - 1) // 2, t + x.flatten() - (width - 1) // 2], -1))
+                start += self.temporal_spacing * (frames - 1) + 1
+            else:
+                count = _as_int(owner, "segments", segment, minimum=0)
+                rows.append((start + torch.arange(count, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
+                start += count
+        return torch.cat(rows) if rows else torch.empty(0, 3, dtype=torch.float64)
+
+
 # ---------------------------------------------------------------------------
 # Q/K kind: the base (_QKTransform) and its encodings: xPos, algebraic rotations, RoPE-Mixed, LieRE
 # ---------------------------------------------------------------------------
@@ -4364,6 +4471,36 @@ class _TokenRotation(_QKTransform):
         return positions if positions.dim() == 2 else positions.squeeze(-3)
 
 
+def _mixed_frequencies(head_dim: int, num_heads: int, num_axes: int, base: float) -> Tensor:
+    """RoPE-Mixed's initial frequencies ``[A, H, F]`` (float64, drawn on the CPU): magnitudes
+    ``base ** (-2A i / Dh)`` along a random frame per head (rope-vit's ``init_random_2d_freqs`` for
+    two axes: an angle ``phi_h``, then ``phi_h + pi/2``; a QR-orthonormal frame for other counts)."""
+    per_vector = head_dim // (2 * num_axes)
+    magnitude = base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * num_axes / head_dim)  # [F/A]
+    if num_axes == 2:
+        phi = torch.rand(num_heads, device="cpu").double() * 2 * math.pi                          # [H]
+        frame = torch.stack([torch.stack([phi.cos(), (phi + math.pi / 2).cos()], -1),
+                             torch.stack([phi.sin(), (phi + math.pi / 2).sin()], -1)])           # [A, H, A]
+    else:
+        frame = torch.linalg.qr(torch.randn(num_heads, num_axes, num_axes, dtype=torch.float64, device="cpu"))[0]
+        frame = frame.permute(1, 0, 2)                                                             # [A, H, A]
+    return (frame.unsqueeze(-1) * magnitude).flatten(-2)                                         # [A, H, F]
+
+
+def _mixed_angles(positions: Tensor, freqs: Tensor) -> Tensor:
+    """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A], freqs [A, H, F] -> [..., H, N, F]."""
+    positions = positions.to(torch.float64)
+    if positions.dim() == 2:
+        positions = positions.unsqueeze(0)                                                     # [1, N, A]
+    return torch.matmul(positions, freqs.to(torch.float64).transpose(0, 1))                    # [..., H, N, F]
+
+
+def _rotate_mixed(x: Tensor, angles: Tensor) -> Tensor:
+    """x [..., H, N, Dh] with pairs (2f, 2f + 1) turned by angles [..., H, N, F] (float64)."""
+    dtype = _compute_dtype(x.dtype)
+    return _rotate(x, angles.cos().to(dtype), angles.sin().to(dtype), True, x.shape[-1])
+
+
 class MixedRotaryPositionalEmbedding(_TokenRotation):
     """RoPE-Mixed: rotary embedding with learned frequencies that mix the position axes.
 
@@ -4424,34 +4561,85 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        if self.freqs.is_meta:   # no storage to fill, and the CPU draws below would advance the global
-            return               # generator: a meta build + reset_parameters() would then differ
-        heads, axes, per_vector = self.num_heads, self.num_axes, self.head_dim // (2 * self.num_axes)
-        magnitude = self.base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * axes / self.head_dim)  # [F/A]
-        if axes == 2:   # rope-vit: a random angle per head, frame (cos, sin), (cos, sin)(phi + pi/2)
-            phi = torch.rand(heads, device="cpu").double() * 2 * math.pi                         # [H]
-            frame = torch.stack([torch.stack([phi.cos(), (phi + math.pi / 2).cos()], -1),
-                                 torch.stack([phi.sin(), (phi + math.pi / 2).sin()], -1)])       # [A, H, A]
-        else:           # a random orthonormal frame per head
-            frame = torch.linalg.qr(torch.randn(heads, axes, axes, dtype=torch.float64, device="cpu"))[0]
-            frame = frame.permute(1, 0, 2)                                                         # [A, H, A]
-        freqs = (frame.unsqueeze(-1) * magnitude).flatten(-2)                                    # [A, H, F]
-        _copy_into(self.freqs, freqs)
+        if not self.freqs.is_meta:   # no storage to fill (and no draw from the global generator)
+            _copy_into(self.freqs, _mixed_frequencies(self.head_dim, self.num_heads, self.num_axes, self.base))
 
     def angles(self, positions: Tensor) -> Tensor:
         """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A] -> [..., H, N, F]."""
-        positions = positions.to(torch.float64)
-        if positions.dim() == 2:
-            positions = positions.unsqueeze(0)                                                 # [1, N, A]
-        return torch.matmul(positions, self.freqs.to(torch.float64).transpose(0, 1))           # [..., H, N, F]
+        return _mixed_angles(positions, self.freqs)
 
     def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
-        angles = self.angles(positions)                                                         # [..., H, N, F]
+        return _rotate_mixed(x, self.angles(positions))
+
+
+class _BlockRotation(_TokenRotation):
+    """q and k each turned by ``exp(sum_a p_a A_a)``, the generators ``A_a`` block diagonal with
+    ``Dh // g`` skew-symmetric ``g x g`` blocks (channels past ``g * (Dh // g)`` pass unrotated).
+
+    A subclass defines the ``generators`` property, ``[A, H, Dh/g, g, g]`` float64, and calls
+    ``_set_blocks(head_dim, num_heads, num_axes, block_size)``. This base exponentiates them once per
+    *distinct* position of a call (``matrix_exp`` in float64; q, k and batch pooled) and applies the
+    blocks, ``O(B H N Dh g)``. Under ``torch.compile``, and for positions that require grad, every
+    token is exponentiated (``torch.unique`` has a data-dependent size and no backward).
+    """
+
+    def _set_blocks(self, head_dim: int, num_heads: int, num_axes: int, block_size: Optional[int]) -> None:
+        self.head_dim, self.num_heads, self.num_axes = head_dim, num_heads, num_axes
+        block = head_dim if block_size is None else block_size
+        if not 2 <= block <= head_dim:
+            raise ValueError(f"{type(self).__name__}: block_size must be an int in [2, head_dim={self.head_dim}], "
+                             f"got block_size={block_size!r}")
+        self.block_size, self.num_blocks = block, self.head_dim // block
+
+    @property
+    def generators(self) -> Tensor:
+        raise NotImplementedError
+
+    def rotations(self, positions: Tensor) -> Tensor:
+        """``exp(sum_a p_a A_a)`` for positions [M, A]: [M, H, Dh/g, g, g] (float64), one
+        ``matrix_exp`` per distinct position (eager)."""
+        positions = positions.to(torch.float64)
+        inverse = None
+        if not _is_compiling() and not positions.requires_grad and positions.shape[0] > 1:
+            positions, inverse = torch.unique(positions, dim=0, return_inverse=True)           # [U, A]
+        generator = torch.tensordot(positions, self.generators, dims=([1], [0]))               # [U, H, Dh/g, g, g]
+        rotation = torch.matrix_exp(generator)
+        return rotation if inverse is None else rotation[inverse]                               # [M, H, Dh/g, g, g]
+
+    def _rotate_both(self, q, positions_q, k, positions_k):
+        tokens_q, tokens_k = self._token_axes(positions_q), self._token_axes(positions_k)
+        if positions_q is positions_k:
+            rotation = self._token_rotations(tokens_k)
+            return self._apply_rotation(q, rotation), self._apply_rotation(k, rotation)
+        flat_q, flat_k = tokens_q.reshape(-1, self.num_axes), tokens_k.reshape(-1, self.num_axes)
+        both = self.rotations(torch.cat([flat_q.to(torch.float64), flat_k.to(torch.float64)]))
+        rotation_q = self._unflatten(both[: flat_q.shape[0]], tokens_q)
+        rotation_k = self._unflatten(both[flat_q.shape[0]:], tokens_k)
+        return self._apply_rotation(q, rotation_q), self._apply_rotation(k, rotation_k)
+
+    def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self._apply_rotation(x, self._token_rotations(self._token_axes(positions)))
+
+    def _token_rotations(self, tokens: Tensor) -> Tensor:
+        """tokens [..., N, A] -> rotations [..., H, N, Dh/g, g, g]."""
+        return self._unflatten(self.rotations(tokens.reshape(-1, self.num_axes)), tokens)
+
+    def _unflatten(self, rotation: Tensor, tokens: Tensor) -> Tensor:
+        rotation = rotation.reshape(*tokens.shape[:-1], *rotation.shape[1:])                  # [..., N, H, Dh/g, g, g]
+        return rotation.movedim(-4, -5)                                                         # [..., H, N, Dh/g, g, g]
+
+    def _apply_rotation(self, x: Tensor, rotation: Tensor) -> Tensor:
+        """``R x`` per block: x [..., H, N, Dh], rotation [..., H, N, Dh/g, g, g] -> [..., H, N, Dh]."""
         dtype = _compute_dtype(x.dtype)
-        return _rotate(x, angles.cos().to(dtype), angles.sin().to(dtype), True, self.head_dim)
+        width = self.num_blocks * self.block_size
+        blocks = x[..., :width].to(dtype).unflatten(-1, (self.num_blocks, self.block_size))      # [..., H, N, Dh/g, g]
+        rotated = torch.matmul(rotation.to(dtype), blocks.unsqueeze(-1)).squeeze(-1).flatten(-2)   # [..., H, N, width]
+        if width < x.shape[-1]:
+            rotated = torch.cat([rotated, x[..., width:].to(dtype).expand(*rotated.shape[:-1], -1)], dim=-1)
+        return rotated.to(x.dtype)
 
 
-class LieREPositionalEmbedding(_TokenRotation):
+class LieREPositionalEmbedding(_BlockRotation):
     """LieRE: rotations ``R(p) = exp(sum_a p_a A_a)`` with learned skew-symmetric generators.
 
     Ostmeier et al., "LieRE: Lie Rotational Positional Encodings", arXiv:2406.10322. Each
@@ -4500,14 +4688,10 @@ class LieREPositionalEmbedding(_TokenRotation):
 
     def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, block_size: Optional[int] = None) -> None:
         super().__init__()
-        self.head_dim, self.num_heads, self.num_axes = head_dim, num_heads, num_axes
-        block = head_dim if block_size is None else block_size
-        if not 2 <= block <= head_dim:
-            raise ValueError(f"{type(self).__name__}: block_size must be an int in [2, head_dim={self.head_dim}], "
-                             f"got block_size={block_size!r}")
-        self.block_size, self.num_blocks = block, self.head_dim // block
+        self._set_blocks(head_dim, num_heads, num_axes, block_size)
+        g = self.block_size
         self.generator_raw_params = nn.Parameter(
-            torch.empty(self.num_axes, self.num_heads, self.num_blocks, block, block))   # [A, H, Dh/g, g, g]
+            torch.empty(self.num_axes, self.num_heads, self.num_blocks, g, g))                  # [A, H, Dh/g, g, g]
         self.reset_parameters()
 
     @torch.no_grad()
@@ -4520,50 +4704,202 @@ class LieREPositionalEmbedding(_TokenRotation):
         upper = torch.triu(self.generator_raw_params.to(torch.float64), diagonal=1)
         return upper - upper.mT
 
-    def rotations(self, positions: Tensor) -> Tensor:
-        """``exp(sum_a p_a A_a)`` for positions [M, A]: [M, H, Dh/g, g, g] (float64), one
-        ``matrix_exp`` per distinct position (eager)."""
-        positions = positions.to(torch.float64)
-        inverse = None
-        # every token while tracing (data-dependent sizes) and for positions that require grad (no
-        # backward for torch.unique; each token's gradient must reach its own position)
-        if not _is_compiling() and not positions.requires_grad and positions.shape[0] > 1:
-            positions, inverse = torch.unique(positions, dim=0, return_inverse=True)           # [U, A]
-        generator = torch.tensordot(positions, self.generators, dims=([1], [0]))               # [U, H, Dh/g, g, g]
-        rotation = torch.matrix_exp(generator)
-        return rotation if inverse is None else rotation[inverse]                               # [M, H, Dh/g, g, g]
 
-    def _rotate_both(self, q, positions_q, k, positions_k):
-        tokens_q, tokens_k = self._token_axes(positions_q), self._token_axes(positions_k)
-        if positions_q is positions_k:
-            rotation = self._token_rotations(tokens_k)
-            return self._apply_rotation(q, rotation), self._apply_rotation(k, rotation)
-        flat_q, flat_k = tokens_q.reshape(-1, self.num_axes), tokens_k.reshape(-1, self.num_axes)
-        both = self.rotations(torch.cat([flat_q.to(torch.float64), flat_k.to(torch.float64)]))
-        rotation_q = self._unflatten(both[: flat_q.shape[0]], tokens_q)
-        rotation_k = self._unflatten(both[flat_q.shape[0]:], tokens_k)
-        return self._apply_rotation(q, rotation_q), self._apply_rotation(k, rotation_k)
+class ComRoPEPositionalEmbedding(_BlockRotation):
+    """ComRoPE: rotations ``exp(sum_a p_a A_a)`` whose trainable block generators commute by construction.
+
+    Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable
+    Commuting Angle Matrices", CVPR 2025, arXiv:2506.03737. The logit ``q^T R(p)^T R(r) k`` depends on
+    ``r - p`` alone exactly when the generators ``A_a`` commute (the paper's Theorem 1); ComRoPE keeps
+    LieRE's learned block-diagonal skew-symmetric generators (``g x g`` blocks, ``freqs - freqs^T``
+    per block and head) and makes them commute in one of two ways:
+
+    * ``variant="ap"`` (axial partition): block ``j`` turns with axis ``j mod A`` alone (the blocks of
+      the other axes are 0 there), so generators of different axes touch disjoint channels.
+    * ``variant="ld"`` (linearly dependent): every axis shares block ``j``'s matrix, scaled by a
+      learned ``multiplier[a, j]``: ``A_a[j] = multiplier[a, j] (freqs_j - freqs_j^T)``.
+
+    The reference (Longin-Yu/ComRoPE, ``model.py``) differs from the paper's text in two places
+    that this class follows the code on: LD's ``multiplier`` is one per axis *and block* (the
+    README's equation has one per axis), shared by the heads (the paper's appendix gives it a head
+    axis too); and AP assigns blocks to axes interleaved, ``j mod A``. Initialisation is the
+    code's: ``freqs ~ N(0, init_std^2)`` (its default ``init_std=1.0``; the paper's detection and
+    CLIP runs start from 0, the identity), ``multiplier ~ N(0, 1)``. The paper uses ``g = 8``.
+
+    Relations: LieRE is the same rotation with unconstrained generators (not translation invariant);
+    STRING (``STRINGPositionalEmbedding``) is the general commuting family, RoPE-Mixed in a learned
+    basis; ComRoPE-AP and -LD with ``g = 2`` are RoPE-Mixed with frequencies
+    ``-multiplier[a, j] * (freqs - freqs^T)[h, j, 0, 1]`` (AP: multiplier 1 on block ``j``'s axis, 0 elsewhere).
+
+    Loading the reference's weights (its ``freqs`` ``[H, 1, Dh/g, g, g]``, LD's ``multiplier``
+    ``[1, A, Dh/g, 1, 1]``): ``pe.freqs.copy_(ref.freqs[:, 0])``,
+    ``pe.multiplier.copy_(ref.multiplier[0, :, :, 0, 0])``. Its positions are patch centres scaled
+    into (0, 1), ``(index + 0.5) / P`` per axis (``(row, col)``), the ``[CLS]`` token at 0.5 on every
+    axis. Cost as ``LieREPositionalEmbedding``'s (one ``matrix_exp`` per distinct position).
+
+    Args:
+        head_dim (int): head dim ``Dh``.
+        num_heads (int): heads ``H``.
+        num_axes (int): position axes ``A``. Default: 2.
+        variant (str): ``"ap"`` or ``"ld"``. Default: ``"ap"``.
+        block_size (int): block ``g`` (2 .. Dh; channels past ``g * (Dh // g)`` pass unrotated). Default: 8.
+        init_std (float): std of the initial ``freqs``. Default: 1.0.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions ``[N, A]`` or ``[B, N, A]`` (``[N]`` for one axis, default
+          ``arange(N) + offset``); ``freqs`` ``[H, Dh/g, g, g]``, ``multiplier`` ``[A, Dh/g]`` (LD).
+
+    Example:
+        >>> comrope = ComRoPEPositionalEmbedding(64, 8, variant="ld")
+        >>> centres = (torch.cartesian_prod(torch.arange(14), torch.arange(14)) + 0.5) / 14   # [196, 2]
+        >>> q = k = v = torch.randn(2, 8, 196, 64)
+        >>> out = attention(q, k, v, comrope, positions_q=centres, positions_k=centres)
+    """
+
+    translation_invariant = True
+    arguments = {"variant": functools.partial(_check_choice, choices=("ap", "ld")), "block_size": _check_positive_int}
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, variant: Literal["ap", "ld"] = "ap",
+                 block_size: int = 8, init_std: float = 1.0) -> None:
+        super().__init__()
+        self._set_blocks(head_dim, num_heads, num_axes, block_size)
+        self.variant, self.init_std, g = variant, init_std, self.block_size
+        self.freqs = nn.Parameter(torch.empty(self.num_heads, self.num_blocks, g, g))              # [H, Dh/g, g, g]
+        if variant == "ld":
+            self.multiplier = nn.Parameter(torch.empty(self.num_axes, self.num_blocks))            # [A, Dh/g]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, num_heads={self.num_heads}, num_axes={self.num_axes}, "
+                f"variant={self.variant!r}, block_size={self.block_size}")
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.freqs, std=self.init_std)
+        if self.variant == "ld":
+            nn.init.normal_(self.multiplier)
+
+    @property
+    def generators(self) -> Tensor:
+        """The commuting skew-symmetric blocks ``A_a``: [A, H, Dh/g, g, g] (float64)."""
+        skew = self.freqs.to(torch.float64) - self.freqs.to(torch.float64).mT                   # [H, Dh/g, g, g]
+        if self.variant == "ld":
+            weight = self.multiplier.to(torch.float64)                                           # [A, Dh/g]
+        else:   # block j belongs to axis j mod A
+            blocks = torch.arange(self.num_blocks, device=skew.device)
+            weight = (blocks % self.num_axes == torch.arange(self.num_axes, device=skew.device)[:, None])
+            weight = weight.to(torch.float64)                                                    # [A, Dh/g]
+        return weight[:, None, :, None, None] * skew                                            # [A, H, Dh/g, g, g]
+
+
+class STRINGPositionalEmbedding(_TokenRotation):
+    """STRING: rotations ``exp(sum_a p_a L_a)`` with learned commuting generators, as RoPE in a learned basis.
+
+    Schenck et al., "Learning the RoPE: Better 2D and 3D Position Encodings with STRING", ICML 2025,
+    arXiv:2502.02562. A token at coordinates ``p`` (``A`` of them: 2-D patches, 3-D points) maps to
+    ``R(p) x`` with ``R(p) = exp(sum_a p_a L_a)``, the ``L_a`` skew-symmetric and commuting, so
+    ``R(p)^T R(r) = R(r - p)`` and every logit depends on ``r - p`` only (exactly, not to rounding of
+    an approximation). The paper shows every such ``R`` is ``P^T RoPE(p) P`` for an orthogonal ``P``
+    and a RoPE-Mixed ``RoPE(p)`` (one plane per pair, turned by ``sum_a p_a theta[a, f]``); the ``P^T``
+    on the left cancels between q and k, so, like the paper, this class applies ``RoPE(p) P``.
+    ``variant`` picks the paper's two parametrisations:
+
+    * ``"cayley"`` (Cayley-STRING, the default): ``P = (I - S)(I + S)^-1`` with ``S`` a learned
+      skew-symmetric ``Dh x Dh`` matrix per head (``skew_params``; its strict upper triangle is
+      ``S``'s), and RoPE-Mixed frequencies ``freqs`` ``[A, H, Dh/2]`` on interleaved pairs. ``S``
+      starts at 0, so a new module *is* ``MixedRotaryPositionalEmbedding`` with the same frequencies
+      (``P = I``); with ``freqs`` set to RoPE's axial frequencies it is axial RoPE (the paper's
+      "RoPE is the special case ``P = I``"). ``P x`` is a linear solve (``O(Dh^3)`` per head per
+      call, in float64, then ``O(B H N Dh^2)`` to apply).
+    * ``"circulant"`` (Circulant-STRING): ``L_a = C_a - C_a^T`` with ``C_a`` circulant of first
+      column ``circulant[a, h]`` (``C[j, k] = c[(j - k) mod Dh]``), applied by FFT in
+      ``O(Dh log Dh)`` per token: ``R(p) x = irfft(exp(i sum_a p_a w_a) * rfft(x))`` with
+      ``w_a = 2 Im(rfft(c_a))``. Here ``R(p)`` itself is returned (its basis is the fixed real DFT);
+      the modes 0 and ``Dh/2`` never turn. The paper gives no initialisation: ``c ~ N(0, init_std^2)``
+      (a circulant of zeros would encode no position).
+
+    The paper published no code; these follow its equations (10) and (11). Angles are float64; the
+    rotation runs in float32 (float64 for float64 inputs). For 3-D coordinates (the paper's depth per
+    patch) pass ``num_axes=3`` and positions ``[N, 3]``.
+
+    Args:
+        head_dim (int): head dim ``Dh`` (even; divisible by ``2 * num_axes`` for ``"cayley"``).
+        num_heads (int): heads ``H``.
+        num_axes (int): coordinate axes ``A``. Default: 2.
+        variant (str): ``"cayley"`` or ``"circulant"``. Default: ``"cayley"``.
+        base (float): base of the initial RoPE-Mixed magnitudes (``"cayley"``). Default: 100.0.
+        init_std (float): std of the initial circulant columns (``"circulant"``). Default: 0.01.
+
+    Shape:
+        - x: ``[..., H, N, Dh]``; positions ``[N, A]`` or ``[B, N, A]``, integer or float (``[N]`` for
+          one axis, default ``arange(N) + offset``); ``freqs`` ``[A, H, Dh/2]``, ``skew_params``
+          ``[H, Dh, Dh]``; or ``circulant`` ``[A, H, Dh]``.
+
+    Example:
+        >>> string = STRINGPositionalEmbedding(64, 8)
+        >>> xy = torch.cartesian_prod(torch.arange(14), torch.arange(14))                    # [196, 2]
+        >>> q = k = v = torch.randn(2, 8, 196, 64)
+        >>> out = attention(q, k, v, string, positions_q=xy, positions_k=xy)
+        >>> depth = STRINGPositionalEmbedding(64, 8, num_axes=3, variant="circulant")
+        >>> xyz = torch.rand(196, 3) * 14
+        >>> out = attention(q, k, v, depth, positions_q=xyz, positions_k=xyz)
+    """
+
+    translation_invariant = True
+    arguments = {"variant": functools.partial(_check_choice, choices=("cayley", "circulant"))}
+
+    def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *,
+                 variant: Literal["cayley", "circulant"] = "cayley", base: float = 100.0,
+                 init_std: float = 0.01) -> None:
+        super().__init__()
+        divisor = 2 * num_axes if variant == "cayley" else 2
+        if head_dim % divisor:
+            raise ValueError(f"{type(self).__name__}: head_dim must be divisible by {divisor} for "
+                             f"variant={variant!r}, got head_dim={head_dim}")
+        self.head_dim, self.num_heads, self.num_axes, self.variant = head_dim, num_heads, num_axes, variant
+        self.base, self.init_std = base, init_std
+        if variant == "cayley":
+            self.freqs = nn.Parameter(torch.empty(num_axes, num_heads, head_dim // 2))          # [A, H, F]
+            self.skew_params = nn.Parameter(torch.empty(num_heads, head_dim, head_dim))         # [H, Dh, Dh]
+        else:
+            self.circulant = nn.Parameter(torch.empty(num_axes, num_heads, head_dim))           # [A, H, Dh]
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_heads={self.num_heads}, num_axes={self.num_axes}, variant={self.variant!r}"
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.variant == "circulant":
+            nn.init.normal_(self.circulant, std=self.init_std)
+        elif not self.freqs.is_meta:
+            _copy_into(self.freqs, _mixed_frequencies(self.head_dim, self.num_heads, self.num_axes, self.base))
+            nn.init.zeros_(self.skew_params)
+
+    @property
+    def basis(self) -> Tensor:
+        """Cayley-STRING's ``P = (I - S)(I + S)^-1``: [H, Dh, Dh] (float64, orthogonal)."""
+        upper = torch.triu(self.skew_params.to(torch.float64), diagonal=1)
+        skew = upper - upper.mT                                                                # S, [H, Dh, Dh]
+        eye = torch.eye(self.head_dim, dtype=torch.float64, device=skew.device)
+        return torch.linalg.solve(eye + skew, eye - skew)          # (I + S)^-1 (I - S): the factors commute
 
     def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
-        return self._apply_rotation(x, self._token_rotations(self._token_axes(positions)))
+        if self.variant == "circulant":
+            return self._rotate_circulant(x, positions)
+        turned = torch.matmul(x.to(_compute_dtype(x.dtype)), self.basis.to(_compute_dtype(x.dtype)).mT)   # P x
+        return _rotate_mixed(turned, _mixed_angles(positions, self.freqs)).to(x.dtype)
 
-    def _token_rotations(self, tokens: Tensor) -> Tensor:
-        """tokens [..., N, A] -> rotations [..., H, N, Dh/g, g, g]."""
-        return self._unflatten(self.rotations(tokens.reshape(-1, self.num_axes)), tokens)
-
-    def _unflatten(self, rotation: Tensor, tokens: Tensor) -> Tensor:
-        rotation = rotation.reshape(*tokens.shape[:-1], *rotation.shape[1:])                  # [..., N, H, Dh/g, g, g]
-        return rotation.movedim(-4, -5)                                                         # [..., H, N, Dh/g, g, g]
-
-    def _apply_rotation(self, x: Tensor, rotation: Tensor) -> Tensor:
-        """``R x`` per block: x [..., H, N, Dh], rotation [..., H, N, Dh/g, g, g] -> [..., H, N, Dh]."""
+    def _rotate_circulant(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``R(p) x`` by FFT: x [..., H, N, Dh] -> [..., H, N, Dh]."""
+        if x.numel() == 0:   # MKL's FFT rejects empty batches
+            return x.clone()
+        speeds = 2 * torch.fft.rfft(self.circulant.to(torch.float64)).imag                     # [A, H, Dh/2 + 1]
+        angles = _mixed_angles(positions, speeds)                                               # [..., H, N, Dh/2 + 1]
         dtype = _compute_dtype(x.dtype)
-        width = self.num_blocks * self.block_size
-        blocks = x[..., :width].to(dtype).unflatten(-1, (self.num_blocks, self.block_size))      # [..., H, N, Dh/g, g]
-        rotated = torch.matmul(rotation.to(dtype), blocks.unsqueeze(-1)).squeeze(-1).flatten(-2)   # [..., H, N, width]
-        if width < x.shape[-1]:
-            rotated = torch.cat([rotated, x[..., width:].to(dtype).expand(*rotated.shape[:-1], -1)], dim=-1)
-        return rotated.to(x.dtype)
+        turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex128 if dtype == torch.float64
+                                                                else torch.complex64)
+        return torch.fft.irfft(torch.fft.rfft(x.to(dtype)) * turn, n=self.head_dim).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -8594,6 +8930,9 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "dynamic_bias_2d": DynamicPositionBias(num_heads, num_axes=2),
         "mixed_rope": MixedRotaryPositionalEmbedding(head_dim, num_heads, base=10.0),
         "liere": LieREPositionalEmbedding(head_dim, num_heads, block_size=8),
+        "comrope": ComRoPEPositionalEmbedding(head_dim, num_heads, block_size=8),
+        "string": STRINGPositionalEmbedding(head_dim, num_heads),
+        "video_rope": VideoRotaryPositionalEmbedding(head_dim),
         "conv_peg": ConvolutionalPositionalEmbedding(dim, grid_shape=(math.isqrt(seq_len),) * 2),
         "wav2vec2_conv": ConvolutionalPositionalEmbedding(dim, kernel_size=128, num_axes=1, groups=16,
                                                           weight_norm=True, activation="gelu"),
@@ -8610,11 +8949,14 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
 
 def _demo_positions(pe: PositionalEmbedding, seq_len: int) -> Optional[Tensor]:
     """Positions for encodings that need them: a square grid for multi-axis ones (for graph encodings,
-    the nodes of the grid's lattice graph; for digit places, runs of ten digits between three other tokens)."""
+    the nodes of the grid's lattice graph; for video, one frame; for digit places, runs of ten digits
+    between three other tokens)."""
     if hasattr(pe, "digit_positions"):
         return pe.digit_positions(torch.arange(seq_len) % 13)
     if pe.num_axes == 1 or not pe.takes_positions:   # the convolution reads its grid from the token order
         return None
+    if hasattr(pe, "temporal_spacing"):   # VideoRoPE: the grid as one frame, in its diagonal layout
+        return pe.positions([(1, math.isqrt(seq_len), math.isqrt(seq_len))])
     if hasattr(pe, "graph_positions"):   # a graph encoding (of this file, or of a vendored copy of it)
         return pe.graph_positions(_demo_lattice(seq_len))
     return _demo_grid(seq_len)

@@ -76,6 +76,9 @@ from positional_embeddings import (
     KerplePositionalEmbedding,
     LearnedPositionalEmbedding,
     LieREPositionalEmbedding,
+    STRINGPositionalEmbedding,
+    ComRoPEPositionalEmbedding,
+    VideoRotaryPositionalEmbedding,
     MixedRotaryPositionalEmbedding,
     NoPositionalEmbedding,
     PositionalEmbedding,
@@ -217,6 +220,12 @@ def grid_positions(n, width=4):
     return torch.stack([torch.arange(n) // width, torch.arange(n) % width], -1)
 
 
+def video_tthw(n, spacing=2.0):
+    """VideoRoPE positions of the first n tokens of 2 text tokens, 3 frames of 2 x 3, then text (a prefix of
+    a longer sequence is the shorter one's positions)."""
+    return VideoRotaryPositionalEmbedding(DH, temporal_spacing=spacing).positions([2, (3, 2, 3), max(n, 20)])[:n]
+
+
 def grid_rc(n, cols=4):
     """(row, col) integer positions of n tokens on a grid with `cols` columns: [n, 2]."""
     return torch.stack([torch.arange(n) // cols, torch.arange(n) % cols], -1)
@@ -279,6 +288,8 @@ CASES = [
          has_offset=False),
     Case("hope", lambda: HoPEPositionalEmbedding(DH, train_length=64)),
     Case("hope_interleaved", lambda: HoPEPositionalEmbedding(DH, train_length=300, base=500.0, interleaved=True)),
+    Case("video_rope", lambda: VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6]), required_positions=video_tthw,
+         has_offset=False),
     Case("rotary_from_llama3_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(LLAMA3_DICT))),
     Case("rotary_from_gptj_config", lambda: RotaryPositionalEmbedding(**_rotary_kwargs_from_config(GPTJ_DICT))),
     PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
@@ -291,6 +302,11 @@ CASES = [
     Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
          has_offset=False),
     Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
+    Case("comrope_ap", lambda: ComRoPEPositionalEmbedding(DH, H, block_size=8), required_positions=grid_rc,
+         has_offset=False),
+    Case("comrope_ld_one_axis", lambda: ComRoPEPositionalEmbedding(DH, H, 1, variant="ld", block_size=4)),
+    Case("string_cayley", lambda: STRINGPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
+    Case("string_circulant_one_axis", lambda: STRINGPositionalEmbedding(DH, H, 1, variant="circulant", init_std=0.1)),
     Case("algebraic_sequence", lambda: AlgebraicSequencePositionalEmbedding(DH, H)),
     Case("algebraic_grid", lambda: AlgebraicGridPositionalEmbedding(DH, H),
          required_positions=lambda n: torch.stack([torch.arange(n) // 4, torch.arange(n) % 4], -1), has_offset=False),
@@ -954,6 +970,9 @@ KEYWORD_BUILDS = [
     (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
     (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
     (LieREPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (ComRoPEPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (STRINGPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
+    (VideoRotaryPositionalEmbedding, dict(head_dim=DH)),
     (TransformerXLPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
     (EnformerPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
     (CoPEPositionalEmbedding, dict(num_heads=H, head_dim=DH)),
@@ -5107,6 +5126,183 @@ class TestLieRE:
 
 
 # ---------------------------------------------------------------------------
+# ComRoPE
+# ---------------------------------------------------------------------------
+
+
+def comrope_generators_oracle(pe):
+    """Full ``[A, H, Dh, Dh]`` float64 generators built entry by entry from the reference's rule:
+    block j of axis a is ``w (P_j - P_j^T)``, w = multiplier[a, j] (LD) or [j mod A == a] (AP)."""
+    freqs = pe.freqs.detach().double()
+    axes, heads, g = pe.num_axes, pe.num_heads, pe.block_size
+    out = torch.zeros(axes, heads, pe.head_dim, pe.head_dim, dtype=torch.float64)
+    for a in range(axes):
+        for h in range(heads):
+            for j in range(pe.num_blocks):
+                w = float(pe.multiplier.detach()[a, j]) if pe.variant == "ld" else float(j % axes == a)
+                for r in range(g):
+                    for c in range(g):
+                        out[a, h, j * g + r, j * g + c] = w * (float(freqs[h, j, r, c]) - float(freqs[h, j, c, r]))
+    return out
+
+
+class TestComRoPE:
+    @pytest.mark.parametrize("variant", ["ap", "ld"])
+    def test_matches_expm_of_commuting_generators(self, variant):
+        pe = ComRoPEPositionalEmbedding(8, 2, 2, variant=variant, block_size=4).double()
+        generators = comrope_generators_oracle(pe)                                         # [A, H, Dh, Dh]
+        for h in range(2):                                                                   # they commute
+            product = generators[0, h] @ generators[1, h]
+            torch.testing.assert_close(product, generators[1, h] @ generators[0, h], rtol=0, atol=1e-12)
+        x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0], [0.25, 0.75], [-0.4, 1.3]], dtype=torch.float64)
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(3):
+                g = sum(float(positions[n, a]) * generators[a, h] for a in range(2))
+                torch.testing.assert_close(got[0, h, n], expm_oracle(g) @ x[0, h, n], rtol=0, atol=1e-10)
+
+    def test_axial_partition_gives_block_j_to_axis_j_mod_a(self):
+        pe = ComRoPEPositionalEmbedding(24, 1, 3, block_size=4)                                # 6 blocks, 3 axes
+        touched = pe.generators.abs().amax((1, 3, 4)) > 0                                   # [A, Dh/g]
+        assert touched.tolist() == [[j % 3 == a for j in range(6)] for a in range(3)]
+
+    @pytest.mark.parametrize("variant", ["ap", "ld"])
+    def test_blocks_of_two_are_rope_mixed(self, variant):
+        comrope = ComRoPEPositionalEmbedding(DH, H, variant=variant, block_size=2).double()
+        mixed = MixedRotaryPositionalEmbedding(DH, H).double()
+        with torch.no_grad():   # exp(s [[0, w], [-w, 0]]) turns by -s w
+            mixed.freqs.copy_(-comrope.generators[..., 0, 1])
+        q, k, _ = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4))
+        torch.testing.assert_close(comrope.forward_attn(q, k, p, p), mixed.forward_attn(q, k, p, p))
+
+    @pytest.mark.parametrize("variant", ["ap", "ld"])
+    def test_translation_invariant_in_float32(self, variant):
+        pe = ComRoPEPositionalEmbedding(DH, H, 3, variant=variant, block_size=8)
+        q, k, _ = qkv()
+        p = torch.rand(N, 3, dtype=torch.float64)
+        shifted = p + torch.tensor([12.5, -3.25, 40.0], dtype=torch.float64)
+        torch.testing.assert_close(pe.forward_attn(q, k, p, p), pe.forward_attn(q, k, shifted, shifted),
+                                   rtol=0, atol=2e-5)
+
+    def test_reference_parameter_layout_loads(self):
+        # Longin-Yu/ComRoPE model.py keeps freqs [H, 1, Dh/g, g, g] and LD's multiplier [1, A, Dh/g, 1, 1]
+        pe = ComRoPEPositionalEmbedding(64, 12, variant="ld", block_size=8)
+        ref_freqs, ref_multiplier = torch.randn(12, 1, 8, 8, 8), torch.randn(1, 2, 8, 1, 1)
+        with torch.no_grad():
+            pe.freqs.copy_(ref_freqs[:, 0])
+            pe.multiplier.copy_(ref_multiplier[0, :, :, 0, 0])
+        skew = ref_freqs - ref_freqs.transpose(-1, -2)
+        torch.testing.assert_close(pe.generators, (skew * ref_multiplier).transpose(0, 1).double())
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="^ComRoPEPositionalEmbedding: variant must be one of 'ap', 'ld', got variant='mixed'"):
+            ComRoPEPositionalEmbedding(16, 2, variant="mixed")
+        with pytest.raises(ValueError, match="ComRoPEPositionalEmbedding: block_size must be an int in \\[2, head_dim=6\\], got block_size=8"):
+            ComRoPEPositionalEmbedding(6, 2)
+        with pytest.raises(ValueError, match="^ComRoPEPositionalEmbedding: init_std must be a finite number >= 0.0"):
+            ComRoPEPositionalEmbedding(16, 2, init_std=-1.0)
+
+
+# ---------------------------------------------------------------------------
+# STRING
+# ---------------------------------------------------------------------------
+
+
+def plane_generator(angles):
+    """Dh x Dh float64 generator turning pair (2f, 2f + 1) at rate angles[f]: block [[0, -w], [w, 0]]."""
+    out = torch.zeros(2 * len(angles), 2 * len(angles), dtype=torch.float64)
+    for f, w in enumerate(angles):
+        out[2 * f + 1, 2 * f], out[2 * f, 2 * f + 1] = float(w), -float(w)
+    return out
+
+
+class TestSTRING:
+    def test_cayley_logits_are_expm_of_commuting_generators(self):
+        pe = STRINGPositionalEmbedding(8, 2, 2).double()
+        with torch.no_grad():
+            pe.skew_params.normal_(std=0.5)
+        q, k = torch.randn(2, 1, 2, 3, 8, dtype=torch.float64).unbind(0)
+        positions = torch.tensor([[0.0, 0.0], [1.5, -2.0], [3.0, 0.25]], dtype=torch.float64)
+        got = pe.forward_attn(q, k, positions, positions, scale=1.0)
+        for h in range(2):
+            upper = torch.triu(pe.skew_params[h].detach().double(), 1)
+            s = upper - upper.T
+            eye = torch.eye(8, dtype=torch.float64)
+            basis = (eye - s) @ torch.linalg.inv(eye + s)                                   # P, orthogonal
+            torch.testing.assert_close(basis.T @ basis, eye, rtol=0, atol=1e-12)
+            generators = [basis.T @ plane_generator(pe.freqs[a, h].detach()) @ basis for a in range(2)]
+            torch.testing.assert_close(generators[0] @ generators[1], generators[1] @ generators[0],
+                                       rtol=0, atol=1e-12)
+            for i in range(3):
+                for j in range(3):
+                    g = sum(float(positions[j, a] - positions[i, a]) * generators[a] for a in range(2))
+                    want = q[0, h, i] @ expm_oracle(g) @ k[0, h, j]
+                    torch.testing.assert_close(got[0, h, i, j], want, rtol=0, atol=1e-10)
+
+    def test_circulant_is_expm_of_circulant_generators(self):
+        pe = STRINGPositionalEmbedding(8, 2, 3, variant="circulant", init_std=0.3).double()
+        x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [2.5, 0.75, -1.0]], dtype=torch.float64)
+        got = pe(x, positions)
+        for h in range(2):
+            generators = []
+            for a in range(3):
+                c = pe.circulant[a, h].detach()
+                circulant = torch.tensor([[float(c[(j - i) % 8]) for i in range(8)] for j in range(8)],
+                                         dtype=torch.float64)                               # C[j, i] = c[(j - i) mod d]
+                generators.append(circulant - circulant.T)
+            for n in range(3):
+                g = sum(float(positions[n, a]) * generators[a] for a in range(3))
+                torch.testing.assert_close(got[0, h, n], expm_oracle(g) @ x[0, h, n], rtol=0, atol=1e-10)
+
+    def test_new_cayley_module_is_rope_mixed(self):
+        string = STRINGPositionalEmbedding(DH, H)
+        mixed = MixedRotaryPositionalEmbedding(DH, H)
+        with torch.no_grad():
+            mixed.freqs.copy_(string.freqs)
+        q, k, _ = qkv()
+        p = grid_rc(N)
+        assert string.skew_params.abs().max() == 0
+        torch.testing.assert_close(string.forward_attn(q, k, p, p), mixed.forward_attn(q, k, p, p))
+
+    def test_identity_basis_with_axial_frequencies_is_axial_rope(self):
+        # the paper's special case: P = I and RoPE's frequencies, axis 0 on the first half of the pairs
+        string = STRINGPositionalEmbedding(DH, H).double()
+        rope = RotaryPositionalEmbedding(DH, interleaved=True, sections=[DH // 4, DH // 4], axis_spectrum="per_axis",
+                                         base=100.0)
+        spectrum = 100.0 ** -(torch.arange(0, DH // 2, 2, dtype=torch.float64) / (DH // 2))   # [Dh/4]
+        with torch.no_grad():
+            string.freqs.zero_()
+            string.freqs[0, :, : DH // 4] = spectrum
+            string.freqs[1, :, DH // 4 :] = spectrum
+        q, k, _ = qkv(dtype=torch.float64)
+        p = grid_rc(N)
+        torch.testing.assert_close(string.forward_attn(q, k, p, p), rope.forward_attn(q, k, p, p))
+
+    @pytest.mark.parametrize("variant", ["cayley", "circulant"])
+    def test_translation_invariant_in_float32(self, variant):
+        pe = STRINGPositionalEmbedding(48, H, 3, variant=variant)                          # 3 axes: Dh % 6 == 0
+        with torch.no_grad():
+            for p in pe.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        q, k, _ = qkv(dh=48)
+        p = torch.rand(N, 3, dtype=torch.float64) * 8
+        shifted = p + torch.tensor([100.5, -37.25, 1000.0], dtype=torch.float64)
+        torch.testing.assert_close(pe.forward_attn(q, k, p, p), pe.forward_attn(q, k, shifted, shifted),
+                                   rtol=0, atol=2e-5)
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="^STRINGPositionalEmbedding: variant must be one of 'cayley', 'circulant', got variant='fft'"):
+            STRINGPositionalEmbedding(16, 2, variant="fft")
+        with pytest.raises(ValueError, match="^STRINGPositionalEmbedding: head_dim must be divisible by 6 for variant='cayley', got head_dim=16"):
+            STRINGPositionalEmbedding(16, 2, 3)
+        with pytest.raises(ValueError, match="^STRINGPositionalEmbedding: head_dim must be divisible by 2 for variant='circulant', got head_dim=15"):
+            STRINGPositionalEmbedding(15, 2, 3, variant="circulant")
+
+
+# ---------------------------------------------------------------------------
 # rope_coordinates (DINOv3)
 # ---------------------------------------------------------------------------
 
@@ -8645,6 +8841,126 @@ class TestHoPE:
             HoPEPositionalEmbedding.from_config(LLAMA3_DICT)
         with pytest.raises(TypeError, match="HoPEPositionalEmbedding: HoPE takes no scaling"):
             HoPEPositionalEmbedding(DH, train_length=64).scaling = {"rope_type": "linear", "factor": 2.0}
+
+
+# ---------------------------------------------------------------------------
+# VideoRoPE
+# ---------------------------------------------------------------------------
+
+
+def video_positions_oracle(segments, spacing):
+    """The diagonal layout by plain loops: rows (t, h, w) per token."""
+    rows, start = [], 0.0
+    for segment in segments:
+        if isinstance(segment, int):
+            rows += [(start + i,) * 3 for i in range(segment)]
+            start += segment
+            continue
+        frames, height, width = segment
+        for f in range(frames):
+            for y in range(height):
+                for x in range(width):
+                    t = start + spacing * f
+                    rows.append((t, t + y - math.floor((height - 1) / 2), t + x - math.floor((width - 1) / 2)))
+        start += spacing * (frames - 1) + 1
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+class TestVideoRoPE:
+    def test_time_takes_the_slowest_pairs_and_h_w_alternate(self):
+        video = VideoRotaryPositionalEmbedding(128)                                          # sections [16, 24, 24]
+        axes = video.axis_of_pair.tolist()
+        assert video.sections == [16, 24, 24]
+        assert axes == [1 if k % 2 == 0 else 2 for k in range(48)] + [0] * 16
+        slowest = video.inv_freq.argsort()[:16].sort().values.tolist()                     # the 16 lowest frequencies
+        assert [k for k in range(64) if axes[k] == 0] == slowest
+        # M-RoPE gives time the fastest pairs, Qwen3-VL cycles t, h, w from pair 0
+        mrope = RotaryPositionalEmbedding(128, sections=[16, 24, 24]).axis_of_pair.tolist()
+        qwen3 = RotaryPositionalEmbedding(128, sections=[24, 20, 20], section_layout="interleaved").axis_of_pair.tolist()
+        assert mrope[:16] == [0] * 16 and qwen3[:3] == [0, 1, 2]
+        assert len({tuple(axes), tuple(mrope), tuple(qwen3)}) == 3
+
+    def test_only_the_sum_of_the_spatial_sections_counts(self):
+        # the reference alternates h and w over sections[1] + sections[2] pairs whatever their split
+        a = VideoRotaryPositionalEmbedding(64, sections=[8, 12, 12]).axis_of_pair
+        b = VideoRotaryPositionalEmbedding(64, sections=[8, 20, 4]).axis_of_pair
+        assert torch.equal(a, b)
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+    def test_rotation_matches_loop_oracle(self, dtype):
+        video = VideoRotaryPositionalEmbedding(16, sections=[2, 3, 3], base=100.0)
+        positions = video.positions([2, (2, 2, 2), 1])                                      # [11, 3]
+        x = torch.randn(1, 2, 11, 16, dtype=torch.float64)
+        got = video(x.to(dtype), positions)
+        want = torch.empty_like(x)
+        for n in range(11):
+            for k in range(8):                                                               # pair (k, k + 8)
+                axis = 0 if k >= 6 else 1 + k % 2
+                angle = float(positions[n, axis]) * 100.0 ** (-2 * k / 16)
+                a, b = x[..., n, k], x[..., n, k + 8]
+                want[..., n, k] = a * math.cos(angle) - b * math.sin(angle)
+                want[..., n, k + 8] = b * math.cos(angle) + a * math.sin(angle)
+        tol = 1e-12 if dtype == torch.float64 else 2e-6
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+
+    @pytest.mark.parametrize("spacing", [2.0, 0.5, 1.0, 3.0])
+    def test_positions_match_loop_oracle(self, spacing):
+        segments = [3, (2, 3, 4), 1, (1, 4, 5), (3, 2, 1), 2]
+        got = VideoRotaryPositionalEmbedding(DH, temporal_spacing=spacing).positions(segments, start=0)
+        torch.testing.assert_close(got, video_positions_oracle(segments, spacing), rtol=0, atol=0)
+
+    def test_positions_match_the_reference(self):
+        # get_t_scale_rope_index of Wiselnn570/VideoRoPE (videorope-transformer/modeling_videorope.py,
+        # HEAD 7712ca3) run on this machine for these prompts (vision start/end tokens counted as text;
+        # merged grids): ids copied from its output
+        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=2.0)
+        got = video.positions([4, (2, 3, 4), 3])
+        want = [[0, 1, 2, 3] + [4] * 12 + [6] * 12 + [7, 8, 9],
+                [0, 1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 8, 9],
+                [0, 1, 2, 3] + [3, 4, 5, 6] * 3 + [5, 6, 7, 8] * 3 + [7, 8, 9]]
+        assert got.T.tolist() == want
+        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=0.5)
+        got = video.positions([2, (1, 2, 2), 3, (3, 2, 3), 3])
+        want = [[0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6.5, 6.5, 6.5, 6.5, 6.5, 6.5, 7, 7, 7, 7, 7, 7, 8, 9, 10],
+                [0, 1, 2, 2, 3, 3, 3, 4, 5, 6, 6, 6, 7, 7, 7, 6.5, 6.5, 6.5, 7.5, 7.5, 7.5, 7, 7, 7, 8, 8, 8, 8, 9, 10],
+                [0, 1, 2, 3, 2, 3, 3, 4, 5, 5, 6, 7, 5, 6, 7, 5.5, 6.5, 7.5, 5.5, 6.5, 7.5, 6, 7, 8, 6, 7, 8, 8, 9, 10]]
+        assert got.T.tolist() == want
+
+    def test_text_after_a_video_resumes_from_the_time_row(self):
+        positions = VideoRotaryPositionalEmbedding(DH, temporal_spacing=1.0).positions([1, (2, 5, 5), 1])
+        last_frame = positions[1:-1]
+        assert positions[-1, 0] == last_frame[:, 0].max() + 1 == 3
+        assert last_frame[:, 1:].max() == 4                                 # M-RoPE would resume at 4 + 1 = 5
+
+    def test_text_alone_is_plain_rope(self):
+        video = VideoRotaryPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        p = video.positions([N])
+        torch.testing.assert_close(video.forward_attn(q, k, p, p), RotaryPositionalEmbedding(DH).forward_attn(q, k))
+
+    def test_differs_from_mrope_on_video(self):
+        video = VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        mrope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        q, k, _ = qkv()
+        p = video_tthw(N)
+        assert (video.forward_attn(q, k, p, p) - mrope.forward_attn(q, k, p, p)).abs().max() > 0.1
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be three pair counts"):
+            VideoRotaryPositionalEmbedding(32, sections=[8, 8])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be positive and sum to"):
+            VideoRotaryPositionalEmbedding(32, sections=[4, 4, 4])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: temporal_spacing must be a finite number > 0"):
+            VideoRotaryPositionalEmbedding(32, temporal_spacing=0.0)
+        video = VideoRotaryPositionalEmbedding(32)
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a sequence of 3 positive ints, got segments=\\(2, 3\\)"):
+            video.positions([3, (2, 3)])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a non-negative int, got segments=-1"):
+            video.positions([-1])
+        with pytest.raises(TypeError, match="^VideoRotaryPositionalEmbedding: no Hugging Face model type uses VideoRoPE"):
+            VideoRotaryPositionalEmbedding.from_config({"model_type": "qwen2_vl"})
+        with pytest.raises(ValueError, match="VideoRotaryPositionalEmbedding: positions"):
+            video(torch.randn(1, 2, 5, 32), torch.zeros(5, 2))
 
 
 # ---------------------------------------------------------------------------

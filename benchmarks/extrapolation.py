@@ -273,7 +273,8 @@ QUICK_ENCODINGS = ["nope", "sinusoidal", "rotary", "alibi"]
 NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", "LaplacianPositionalEmbedding",
           "RandomWalkPositionalEmbedding", "GraphormerPositionalEmbedding", "AbacusPositionalEmbedding", "AlgebraicGridPositionalEmbedding", "AlgebraicTreePositionalEmbedding", "RelativePositionBias2D",
           "ContinuousPositionBias", "DynamicPositionBias", "MixedRotaryPositionalEmbedding",
-          "LieREPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
+          "LieREPositionalEmbedding", "ComRoPEPositionalEmbedding", "STRINGPositionalEmbedding",
+          "VideoRotaryPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
           "PositionalEmbedding", "EmbedPosition"}
 
 

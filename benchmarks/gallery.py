@@ -161,6 +161,15 @@ def _gallery() -> dict:
     if has("LieREPositionalEmbedding"):
         entries.append(Entry("liere", "LieREPositionalEmbedding",
                              lambda: pe_lib.LieREPositionalEmbedding(Dh, H, 2), "grid", learned=True))
+    if has("ComRoPEPositionalEmbedding"):
+        entries.append(Entry("comrope", "ComRoPEPositionalEmbedding",
+                             lambda: pe_lib.ComRoPEPositionalEmbedding(Dh, H, init_std=0.3), "grid", learned=True))
+    if has("STRINGPositionalEmbedding"):
+        entries.append(Entry("string", "STRINGPositionalEmbedding",
+                             lambda: pe_lib.STRINGPositionalEmbedding(Dh, H), "grid", learned=True))
+    if has("VideoRotaryPositionalEmbedding"):   # one frame of the grid, in the diagonal layout
+        entries.append(Entry("video_rope", "VideoRotaryPositionalEmbedding",
+                             lambda: pe_lib.VideoRotaryPositionalEmbedding(Dh), "grid"))
     if has("ConvolutionalPositionalEmbedding"):
         entries.append(Entry("conv_peg", "ConvolutionalPositionalEmbedding",
                              lambda: pe_lib.ConvolutionalPositionalEmbedding(D, kernel_size=3, num_axes=2), "grid",
@@ -297,6 +306,8 @@ def picture(entry: Entry, pe) -> Picture:
             positions = grid_positions()
             if entry.unit_coordinates:   # NeRF-style octaves are degenerate on integers: sin(pi 2^k p) = 0
                 positions = 2 * positions / torch.tensor([GRID[0] - 1, GRID[1] - 1]) - 1
+            if hasattr(pe, "temporal_spacing"):   # VideoRoPE: the grid as one frame, (t, t + row, t + column) centred
+                positions = pe.positions([(1, *GRID)])
             if hasattr(pe, "graph_positions"):   # graph encodings: the grid's lattice graph, node by node
                 positions = pe.graph_positions((positions.unsqueeze(1) - positions.unsqueeze(0)).abs().sum(-1) == 1)
             n, centre = positions.shape[0], CENTRE[0] * GRID[1] + CENTRE[1]
