@@ -2688,7 +2688,7 @@ EmbedPosition = HeinsenPositionalEmbedding
 
 
 # ---------------------------------------------------------------------------
-# Q/K kind, rotary: RoPE and its scalings (the fast rotation beside the plain one)
+# Q/K kind, rotary: RoPE and its scalings (the fast rotation beside the plain one), HoPE, VideoRoPE
 # ---------------------------------------------------------------------------
 
 # Every scaling function has one signature,
@@ -3093,6 +3093,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     kind = "qk"
     translation_invariant = True
+    no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
@@ -3151,6 +3152,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         ``interleaved=`` (and ``section_layout=`` when the config has ``mrope_section``). The keywords
         override the config's values; with them you take responsibility for the layout.
         """
+        if cls.no_model_type:   # a variant no Hugging Face model uses (HoPE, VideoRoPE)
+            method, build = cls.no_model_type
+            raise TypeError(f"{cls.__name__}: no Hugging Face model type uses {method}; build it as "
+                            f"{cls.__name__}({build})")
         return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
                                                 rotary_dim=rotary_dim, sections=sections,
                                                 section_layout=section_layout))
@@ -3415,16 +3420,12 @@ class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
     """
 
     arguments = {"train_length": _check_positive_int}
+    no_model_type = ("HoPE", "head_dim, train_length=...")
 
     def __init__(self, dim: Optional[int] = None, train_length: int = 4096, *, base: float = 10000.0,
                  interleaved: bool = False, head_dim: Optional[int] = None) -> None:
         self.train_length = train_length    # read by _spectrum, which the base's constructor calls
         super().__init__(dim, base=base, interleaved=interleaved, head_dim=head_dim)
-
-    @classmethod
-    def from_config(cls, config, **kwargs):
-        raise TypeError(f"{cls.__name__}: no Hugging Face model type uses HoPE; build it as "
-                        f"{cls.__name__}(head_dim, train_length=...)")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, train_length={self.train_length}, removed_pairs={self.removed_pairs}"
@@ -3487,29 +3488,25 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
     """
 
     arguments = {"temporal_spacing": _positive_float}
+    no_model_type = ("VideoRoPE", "head_dim, sections=..., temporal_spacing=...")
 
     def __init__(self, dim: Optional[int] = None, *, sections: Optional[list] = None, temporal_spacing: float = 2.0,
                  base: float = 10000.0, interleaved: bool = False, head_dim: Optional[int] = None) -> None:
-        owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
-        if sections is None and dim % 2 == 0:
-            temporal = max(1, dim // 8)
-            sections = [temporal, (dim // 2 - temporal + 1) // 2, (dim // 2 - temporal) // 2]
-        if sections is not None and len(_as_list(owner, "sections", sections)) != 3:
-            raise ValueError(f"{owner}: sections must be three pair counts (t, h, w), got sections={sections}")
+        width = dim if dim is not None else head_dim   # checked ints (or None: the base says so)
+        if sections is None and width is not None:     # [Dh/8, 3Dh/16, 3Dh/16]: [16, 24, 24] for Dh = 128
+            temporal = max(1, width // 8)
+            sections = [temporal, (width // 2 - temporal + 1) // 2, (width // 2 - temporal) // 2]
         self.temporal_spacing = temporal_spacing
-        super().__init__(dim, base=base, interleaved=interleaved, sections=sections)
-
-    @classmethod
-    def from_config(cls, config, **kwargs):
-        raise TypeError(f"{cls.__name__}: no Hugging Face model type uses VideoRoPE; build it as "
-                        f"{cls.__name__}(head_dim, sections=..., temporal_spacing=...)")
+        super().__init__(dim, base=base, interleaved=interleaved, sections=sections, head_dim=head_dim)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, temporal_spacing={self.temporal_spacing}"
 
     def _axis_of_pair(self) -> list:
         """``h, w, h, w, ...`` over the fast ``sections[1] + sections[2]`` pairs, then ``t``."""
+        if len(self.sections) != 3:   # called by the base's constructor, once the sections are checked
+            raise ValueError(f"{type(self).__name__}: sections must be three pair counts (t, h, w), "
+                             f"got sections={self.sections}")
         spatial = self.sections[1] + self.sections[2]
         return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
 
@@ -3524,24 +3521,28 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
         segment starts at ``s + delta (T - 1) + 1``. Decoding continues as text after the last row's
         ``t``.
         """
-        owner = type(self).__name__
-        rows, start = [], _as_float(owner, "start", start)
-        for segment in _as_list(owner, "segments", segments):
-            if isinstance(segment, (tuple, list)):
-                frames, height, width = _as_sizes(owner, "segments", segment, 3)
-                f, y, x = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
-                t = start + self.temporal_spacing * f.flatten().double()
-                rows.append(torch.stack([t, t + y.flatten() - (height - 1) // 2, t + x.flatten() - (width - 1) // 2], -1))
-                start += self.temporal_spacing * (frames - 1) + 1
-            else:
-                count = _as_int(owner, "segments", segment, minimum=0)
-                rows.append((start + torch.arange(count, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
-                start += count
-        return torch.cat(rows) if rows else torch.empty(0, 3, dtype=torch.float64)
+        return _diagonal_layout(type(self).__name__, segments, self.temporal_spacing, start)
+
+
+def _diagonal_layout(owner: str, segments: Sequence, spacing: float, start) -> Tensor:
+    """VideoRoPE's positions ``[N, 3]`` (float64) of text runs and ``(T, H, W)`` grids from ``start``."""
+    rows, start = [], _as_float(owner, "start", start)
+    for segment in _as_list(owner, "segments", segments):
+        if isinstance(segment, (tuple, list)):
+            frames, height, width = _as_sizes(owner, "segments", segment, 3)
+            f, y, x = torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij")
+            t = start + spacing * f.flatten().double()                                          # [T H W]
+            rows.append(torch.stack([t, t + y.flatten() - (height - 1) // 2, t + x.flatten() - (width - 1) // 2], -1))
+            start += spacing * (frames - 1) + 1
+        else:
+            count = _as_int(owner, "segments", segment, minimum=0)
+            rows.append((start + torch.arange(count, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
+            start += count
+    return torch.cat(rows) if rows else torch.empty(0, 3, dtype=torch.float64)                    # [N, 3]
 
 
 # ---------------------------------------------------------------------------
-# Q/K kind: the base (_QKTransform) and its encodings: xPos, algebraic rotations, RoPE-Mixed, LieRE
+# Q/K kind: the base (_QKTransform) and its encodings: xPos, algebraic rotations, RoPE-Mixed, LieRE, ComRoPE, STRING
 # ---------------------------------------------------------------------------
 
 class _QKTransform(PositionalEmbedding):
@@ -4659,12 +4660,10 @@ class LieREPositionalEmbedding(_BlockRotation):
     Their positions are ``linspace(0, 1, steps)`` per axis (``torch.cartesian_prod``, first axis
     slowest) with the ``[CLS]`` token at the identity (give it position 0).
 
-    Cost: the rotations are one batched ``matrix_exp`` over the *distinct* positions of the
-    call (q, k and batch pooled; a grid shared by q and k counts once), ``O(U H Dh g^2)``
-    time for ``U`` distinct positions (``O(U H Dh^3)`` with full generators), in float64
+    Cost (the base's): one batched ``matrix_exp`` over the *distinct* positions of the call,
+    ``O(U H Dh g^2)`` for ``U`` of them (``O(U H Dh^3)`` with full generators), in float64
     (float32 loses ~1e-5 relative on generators of norm ~100); applying them costs
-    ``O(B H N Dh g)``. Under ``torch.compile`` the de-duplication is skipped (``torch.unique``
-    has a data-dependent size) and every token is exponentiated.
+    ``O(B H N Dh g)``.
 
     Args:
         head_dim (int): head dim ``Dh``.
