@@ -10270,6 +10270,21 @@ def test_compare_quick_runs_end_to_end():
         assert 0.0 <= float(row[2]) <= 1.0 and 0.0 <= float(row[3]) <= 1.0, row
 
 
+def test_abacus_addition_script_runs():
+    """benchmarks/abacus_addition.py trains both models (2 steps) and prints an exact-match and a
+    per-digit accuracy for every test length (the docs' under-a-minute run is the same script)."""
+    import subprocess
+
+    command = [sys.executable, "benchmarks/abacus_addition.py", "--steps", "2", "--max-k", "3"]
+    result = subprocess.run(command, cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert set(rows) == {"abacus", "nope"}, result.stdout
+    for line in rows.values():
+        values = [float(v) for v in re.findall(r"digit(?:s|s, per digit): ([0-9.]+)", line)]
+        assert len(values) == 6 and all(0.0 <= v <= 1.0 for v in values), line
+
+
 @slow
 def test_compare_every_encoding_two_seeds(tmp_path):
     """Every (task, encoding) pair of compare.py builds, trains one step and evaluates, over two
