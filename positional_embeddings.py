@@ -4811,11 +4811,14 @@ class STRINGPositionalEmbedding(_TokenRotation):
       "RoPE is the special case ``P = I``"). ``P x`` is a linear solve (``O(Dh^3)`` per head per
       call, in float64, then ``O(B H N Dh^2)`` to apply).
     * ``"circulant"`` (Circulant-STRING): ``L_a = C_a - C_a^T`` with ``C_a`` circulant of first
-      column ``circulant[a, h]`` (``C[j, k] = c[(j - k) mod Dh]``), applied by FFT in
-      ``O(Dh log Dh)`` per token: ``R(p) x = irfft(exp(i sum_a p_a w_a) * rfft(x))`` with
-      ``w_a = 2 Im(rfft(c_a))``. Here ``R(p)`` itself is returned (its basis is the fixed real DFT);
-      the modes 0 and ``Dh/2`` never turn. The paper gives no initialisation: ``c ~ N(0, init_std^2)``
-      (a circulant of zeros would encode no position).
+      column ``circulant[a, h]`` (``C[j, k] = c[(j - k) mod Dh]``). The paper applies it by FFT,
+      ``R(p) x = irfft(exp(i sum_a p_a w_a) * rfft(x))`` with ``w_a = 2 Im(rfft(c_a))``; the same
+      map is RoPE in the fixed real Fourier basis (``P`` has rows ``cos``, ``sin`` of each mode, then
+      the constant and alternating vectors, which never turn), turning mode ``m`` by
+      ``-sum_a p_a w_a[m]``. This class applies it that way, a ``Dh x Dh`` matmul per token: as fast
+      as the FFT at head sizes, and it compiles (``torch.compile`` of torch 2.6 has no FFT with
+      dynamic shapes). The paper gives no initialisation: ``c ~ N(0, init_std^2)`` (a circulant of
+      zeros would encode no position).
 
     The paper published no code; these follow its equations (10) and (11). Angles are float64; the
     rotation runs in float32 (float64 for float64 inputs). For 3-D coordinates (the paper's depth per
@@ -4877,28 +4880,38 @@ class STRINGPositionalEmbedding(_TokenRotation):
 
     @property
     def basis(self) -> Tensor:
-        """Cayley-STRING's ``P = (I - S)(I + S)^-1``: [H, Dh, Dh] (float64, orthogonal)."""
+        """``P``: [H, Dh, Dh] (Cayley, ``(I - S)(I + S)^-1``) or [Dh, Dh] (circulant, the real Fourier
+        basis), float64 and orthogonal."""
+        if self.variant == "circulant":
+            return _fourier_basis(self.head_dim, self.circulant.device)
         upper = torch.triu(self.skew_params.to(torch.float64), diagonal=1)
         skew = upper - upper.mT                                                                # S, [H, Dh, Dh]
         eye = torch.eye(self.head_dim, dtype=torch.float64, device=skew.device)
         return torch.linalg.solve(eye + skew, eye - skew)          # (I + S)^-1 (I - S): the factors commute
 
-    def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
-        if self.variant == "circulant":
-            return self._rotate_circulant(x, positions)
-        turned = torch.matmul(x.to(_compute_dtype(x.dtype)), self.basis.to(_compute_dtype(x.dtype)).mT)   # P x
-        return _rotate_mixed(turned, _mixed_angles(positions, self.freqs)).to(x.dtype)
-
-    def _rotate_circulant(self, x: Tensor, positions: Tensor) -> Tensor:
-        """``R(p) x`` by FFT: x [..., H, N, Dh] -> [..., H, N, Dh]."""
-        if x.numel() == 0:   # MKL's FFT rejects empty batches
-            return x.clone()
+    @property
+    def frequencies(self) -> Tensor:
+        """The RoPE-Mixed frequencies in ``P``'s basis: [A, H, Dh/2] (float64). Circulant: pair ``f``
+        is Fourier mode ``f + 1``, turned by ``-2 Im(rfft(c))``; the last pair (modes 0 and ``Dh/2``) by 0."""
+        if self.variant == "cayley":
+            return self.freqs.to(torch.float64)
         speeds = 2 * torch.fft.rfft(self.circulant.to(torch.float64)).imag                     # [A, H, Dh/2 + 1]
-        angles = _mixed_angles(positions, speeds)                                               # [..., H, N, Dh/2 + 1]
+        return torch.cat([-speeds[..., 1:-1], torch.zeros_like(speeds[..., :1])], dim=-1)       # [A, H, Dh/2]
+
+    def _rotate_tokens(self, x: Tensor, positions: Tensor) -> Tensor:
         dtype = _compute_dtype(x.dtype)
-        turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex128 if dtype == torch.float64
-                                                                else torch.complex64)
-        return torch.fft.irfft(torch.fft.rfft(x.to(dtype)) * turn, n=self.head_dim).to(x.dtype)
+        turned = torch.matmul(x.to(dtype), self.basis.to(dtype).mT)                             # P x, [..., H, N, Dh]
+        return _rotate_mixed(turned, _mixed_angles(positions, self.frequencies)).to(x.dtype)
+
+
+def _fourier_basis(dim: int, device) -> Tensor:
+    """The real orthonormal Fourier basis as rows ``[Dh, Dh]`` (float64): ``cos`` and ``sin`` of modes
+    ``1 .. Dh/2 - 1`` interleaved, then the constant and the alternating vectors."""
+    j = torch.arange(dim, dtype=torch.float64, device=device)
+    phase = 2 * math.pi * torch.arange(1, dim // 2, dtype=torch.float64, device=device)[:, None] * j / dim  # [Dh/2 - 1, Dh]
+    waves = torch.stack([phase.cos(), phase.sin()], dim=1).flatten(0, 1) * math.sqrt(2 / dim)           # [Dh - 2, Dh]
+    ends = torch.stack([torch.ones_like(j), torch.cos(math.pi * j)]) / math.sqrt(dim)                   # [2, Dh]
+    return torch.cat([waves, ends])
 
 
 # ---------------------------------------------------------------------------

@@ -5242,10 +5242,12 @@ class TestSTRING:
                     torch.testing.assert_close(got[0, h, i, j], want, rtol=0, atol=1e-10)
 
     def test_circulant_is_expm_of_circulant_generators(self):
+        # the class applies RoPE(p) P (P^T cancels in the logits); P^T brings back the paper's R(p) x
         pe = STRINGPositionalEmbedding(8, 2, 3, variant="circulant", init_std=0.3).double()
         x = torch.randn(1, 2, 3, 8, dtype=torch.float64)
         positions = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [2.5, 0.75, -1.0]], dtype=torch.float64)
-        got = pe(x, positions)
+        got = pe.basis.T @ pe(x, positions).unsqueeze(-1)                   # P^T RoPE(p) P x = R(p) x
+        got = got.squeeze(-1)
         for h in range(2):
             generators = []
             for a in range(3):
