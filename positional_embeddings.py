@@ -116,7 +116,6 @@ Shape legend used in every docstring and comment: ``B`` batch, ``H`` heads,
 ``A`` position axes, ``F`` frequencies (``D / 2``).
 """
 
-import copy
 import functools
 import inspect
 import itertools
@@ -298,6 +297,11 @@ def _check_positive_int(owner: str, name: str, value, maximum: Optional[int] = N
     return number
 
 
+def _optional_size(owner: str, name: str, value) -> Optional[int]:
+    """A positive int, or None (the part it sizes left out)."""
+    return None if value is None else _check_positive_int(owner, name, value)
+
+
 def _as_float(owner: str, name: str, value, *, minimum: Optional[float] = None, maximum: Optional[float] = None,
               exclusive: bool = False) -> float:
     """A finite real number in ``[minimum, maximum]`` (``(minimum, ...]`` when ``exclusive``)."""
@@ -425,8 +429,10 @@ def _signature(init) -> inspect.Signature:
     return inspect.signature(init)
 
 
-def _checking_arguments(init):
-    """``init`` with its declared arguments checked and normalised first (see ``_ARGUMENTS``)."""
+def _checking_arguments(init, rules: tuple = ()):
+    """``init`` with its declared arguments checked and normalised first (see ``_ARGUMENTS``), then the
+    ``rules`` of its class run on all of them: ``rule(owner, arguments)``, ``arguments`` a dict of every
+    parameter (defaults filled in), for what relates several arguments."""
 
     @functools.wraps(init)
     def checked(self, *args, **kwargs):
@@ -439,6 +445,9 @@ def _checking_arguments(init):
             check = _declared_check(type(self), name)
             if check is not None and not (value is None and signature.parameters[name].default is None):
                 bound.arguments[name] = check(owner, name, value)
+        for rule in rules:
+            rule(owner, {name: bound.arguments.get(name, parameter.default)
+                         for name, parameter in signature.parameters.items()})
         init(*bound.args, **bound.kwargs)
     checked._checks_arguments = True
     return checked
@@ -693,13 +702,15 @@ class PositionalEmbedding(nn.Module):
     takes_positions: bool = True     # False: order comes from the content (contextual, recurrent, gated)
     order_from: str = ""             # where the order comes from instead (the error for explicit positions)
     bound_inputs: tuple = ()         # buffers a data-dependent encoding binds token-side inputs to (pe(x))
+    queries_within_keys: bool = False  # default positions need Nq <= Nk (queries are the last Nq keys)
     arguments: dict = {}             # constructor checks by argument name, beyond the shared _ARGUMENTS
+    argument_rules: tuple = ()       # constructor checks relating several arguments: rule(owner, arguments)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         init = vars(cls).get("__init__")
         if init is not None and not getattr(init, "_checks_arguments", False):
-            cls.__init__ = _checking_arguments(init)
+            cls.__init__ = _checking_arguments(init, vars(cls).get("argument_rules", ()))
 
     @property
     def is_causal(self) -> bool:
@@ -789,6 +800,10 @@ class PositionalEmbedding(nn.Module):
         if self.num_axes > 1 and self.kind != "input" and (positions_q is None or positions_k is None):
             raise ValueError(f"{owner}: positions_q and positions_k are required for {self.num_axes} axes "
                              f"(shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
+        if self.queries_within_keys and positions_q is None and positions_k is None and q.shape[-2] > k.shape[-2]:
+            explicit = "; pass positions_q and positions_k explicitly" if self.takes_positions else ""
+            raise ValueError(f"{owner}: q must not have more tokens than k (queries are the last Nq keys), "
+                             f"got Nq={q.shape[-2]} and Nk={k.shape[-2]}{explicit}")
         batched = any(p is not None and p.dim() > (1 if self.num_axes == 1 else 2) for p in (positions_q, positions_k))
         if batched and getattr(self, "num_heads", None) and q.dim() < 4:
             raise ValueError(f"{owner}: [B, N] positions need q and k of shape [B, ..., H, N, Dh], "
@@ -826,6 +841,18 @@ class PositionalEmbedding(nn.Module):
             if self._buffers.get(name) is not None:
                 return name, self._buffers[name]
         return None
+
+    def _bound_copy(self, **inputs: Tensor) -> "PositionalEmbedding":
+        """This encoding bound to token-side ``inputs`` (what a data-dependent encoding's ``bind`` returns): a
+        shallow copy sharing the parameters and submodules, its ``bound_inputs`` buffers set to ``inputs``
+        (the others None)."""
+        bound = type(self).__new__(type(self))   # not copy.copy: dynamo traces this, inside a compiled model too
+        bound.__dict__.update(self.__dict__)
+        bound._parameters, bound._modules, bound._buffers = \
+            dict(self._parameters), dict(self._modules), dict(self._buffers)
+        for name in self.bound_inputs:
+            bound._buffers[name] = inputs.get(name)
+        return bound
 
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
@@ -1281,18 +1308,22 @@ def _document_mask(q: Tensor, ids: Tensor) -> Tensor:
 class _AddedInput(PositionalEmbedding):
     """The ``"input"`` kind: ``x + embed(positions)``. A subclass writes ``embed(positions) -> [..., N, D]``
     (float32, public: it validates what it is given); this base owns ``forward(x, positions=None, *,
-    offset=0)``, its checks and the default positions ``arange(N) + offset``. A class whose positions
-    are not token indices (graph nodes, digit places) names where they come from in ``positions_from``,
-    and then has no default."""
+    offset=0)``, its checks, the ``num_prefix_tokens`` leading tokens (``[CLS]``) it passes through
+    unchanged, and the default positions ``first_position + arange(N) + offset``. A class whose
+    positions are not token indices (graph nodes, digit places) names where they come from in
+    ``positions_from``, and then has no default."""
 
     kind = "input"
     positions_from: str = ""
+    num_prefix_tokens: int = 0
+    first_position: int = 0   # the first default position (fairseq's padding_idx + 1)
 
     def embed(self, positions: Tensor) -> Tensor:
         raise NotImplementedError
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """``x + embed(positions)``; default positions ``arange(N) + offset`` (required for several axes)."""
+        """``x + embed(positions)`` past the prefix tokens; default positions ``first_position + arange(N) +
+        offset`` (required for several axes)."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
@@ -1300,7 +1331,17 @@ class _AddedInput(PositionalEmbedding):
             shape = f"[..., N{'' if self.num_axes == 1 else f', {self.num_axes}'}]"
             raise ValueError(f"{owner}: positions is required (no default): {self.positions_from}, shape {shape}, "
                              f"got None")
-        return x + self.embed(_token_positions(self, positions, x, offset)).to(x.dtype)
+        prefix = self.num_prefix_tokens
+        if x.shape[-2] < prefix:
+            raise ValueError(f"{owner}: x must have at least num_prefix_tokens={prefix} tokens, got shape "
+                             f"{tuple(x.shape)}")
+        if positions is None and self.first_position:
+            if not isinstance(offset, int) or isinstance(offset, bool):
+                raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
+            offset = offset + self.first_position
+        tokens = x[..., prefix:, :]
+        encoded = tokens + self.embed(_token_positions(self, positions, tokens, offset)).to(x.dtype)
+        return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
 
 
 class SinusoidalPositionalEmbedding(_AddedInput):
@@ -1411,23 +1452,10 @@ class SinusoidalPositionalEmbedding(_AddedInput):
             table = table.masked_fill((positions == self.padding_idx).unsqueeze(-1), 0.0)
         return table
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
-        """``x + embed(positions)`` (prefix tokens unchanged); default positions ``arange(N) + offset``
-        (``padding_idx + 1 + arange(N) + offset`` with ``padding_idx``)."""
-        owner = type(self).__name__
-        _check_tensor(owner, "x", x, 2)
-        _check_last_dim(owner, "x", x, self.dim)
-        prefix = self.num_prefix_tokens
-        if x.shape[-2] < prefix:
-            raise ValueError(f"{owner}: x must have at least num_prefix_tokens={prefix} tokens, got shape "
-                             f"{tuple(x.shape)}")
-        tokens = x[..., prefix:, :]
-        if positions is None and self.padding_idx is not None:
-            if not isinstance(offset, int) or isinstance(offset, bool):
-                raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
-            offset = offset + self.padding_idx + 1
-        encoded = tokens + self.embed(_token_positions(self, positions, tokens, offset)).to(x.dtype)
-        return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
+    @property
+    def first_position(self) -> int:
+        """The first default position: ``padding_idx + 1`` with ``padding_idx`` (fairseq's), else 0."""
+        return 0 if self.padding_idx is None else self.padding_idx + 1
 
     def _encode_axis(self, positions: Tensor, width: int) -> Tensor:
         """One axis: positions [..., N] -> [..., N, width]."""
@@ -2588,7 +2616,8 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
             self.prev_context = context.to(fn(torch.empty(0, device=context.device)).device)
         return self
 
-    def _check_call(self, x: Tensor, using_prev_context, state: Optional[Tensor], return_state) -> tuple:
+    def _check_call(self, x: Tensor, using_prev_context, state: Optional[Tensor], return_state,
+                    positions: Optional[Tensor] = None) -> tuple:
         """``forward``'s (and ``heinsen_forward_sharded``'s) arguments; returns the two flags as bools."""
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
@@ -2596,18 +2625,17 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
         if using_prev_context and state is not None:
             raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
+        if positions is not None and (using_prev_context or state is not None):
+            raise ValueError(f"{owner}: positions start a new document at the first token, so no state is "
+                             f"continued: pass positions or using_prev_context / state, not both")
         return using_prev_context, _check_flag(owner, "return_state", return_state)
 
     def forward(self, x: Tensor, using_prev_context: bool = False, *, state: Optional[Tensor] = None,
                 return_state: bool = False, positions: Optional[Tensor] = None):
         """``x + R(s)``; with ``return_state=True`` also the final log-state ``[..., 1, d_hid]``.
         ``positions``: within-document positions of packed sequences (the state restarts at each 0)."""
-        owner = type(self).__name__
-        using_prev_context, return_state = self._check_call(x, using_prev_context, state, return_state)
+        using_prev_context, return_state = self._check_call(x, using_prev_context, state, return_state, positions)
         restart = self._restarts(positions, x)                                          # [(B, 1..,) N, 1] or None
-        if restart is not None and (using_prev_context or state is not None):
-            raise ValueError(f"{owner}: positions start a new document at the first token, so no state is "
-                             f"continued: pass positions or using_prev_context / state, not both")
         state = self._continued(using_prev_context, state)
         logits = self.H(x)                                                              # [..., N, 2 * d_hid]
         self._check_width("H", logits, 2 * self.d_hid, "2 * d_hid")
@@ -4976,17 +5004,23 @@ class _PairwiseBias(PositionalEmbedding):
         """The bias at key - query ``distance`` for head ``head`` (broadcasting): ``distance_only`` biases."""
         raise NotImplementedError
 
-    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, *inputs: Tensor) -> Tensor:
         """The bias of query position ``pos_q``, key position ``pos_k`` and head ``head`` (broadcasting;
-        several position axes come last, ``[..., A]``)."""
+        several position axes come last, ``[..., A]``), reading the call's ``bias_inputs``."""
         return self.bias_at(pos_k - pos_q, head)
+
+    def bias_inputs(self, k_len: int, device) -> tuple:
+        """Tensors the bias reads beside the positions, made once per call and passed to ``pair_bias``
+        after the head: none, except for a data-dependent bias (the forget gate's cumulative sums)."""
+        return ()
 
     def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """``pair_bias`` over the grid of ``pos_q`` ``[(R, 1..,) Nq(, A)]`` and ``pos_k`` ``[(R, 1..,) Nk(, A)]``
         (a batch row's positions keep a slot for the heads): ``[(R, 1..,) H, Nq, Nk]``."""
         axes = int(self.num_axes > 1)
         heads = torch.arange(self.num_heads, device=pos_q.device)[:, None, None]       # [H, 1, 1]
-        return self.pair_bias(pos_q.unsqueeze(-1 - axes), pos_k.unsqueeze(-2 - axes), heads)
+        inputs = self.bias_inputs(pos_k.shape[-1 - axes], pos_q.device)
+        return self.pair_bias(pos_q.unsqueeze(-1 - axes), pos_k.unsqueeze(-2 - axes), heads, *inputs)
 
     def forward(self, q_len: int, k_len: Optional[int] = None, positions_q: Optional[Tensor] = None,
                 positions_k: Optional[Tensor] = None):
@@ -5019,9 +5053,10 @@ class _PairwiseBias(PositionalEmbedding):
         if not (self.pointwise and self.num_axes == 1):
             return _dense_score_mod(self.dense_bias(pos_q, pos_k))
         pick_q, pick_k = _row_lookup(pos_q), _row_lookup(pos_k)
+        inputs = self.bias_inputs(k_len, device)
 
         def add_bias(score, b, h, q_idx, kv_idx):
-            return score + self.pair_bias(pick_q(b, q_idx), pick_k(b, kv_idx), h).to(score.dtype)
+            return score + self.pair_bias(pick_q(b, q_idx), pick_k(b, kv_idx), h, *inputs).to(score.dtype)
         return add_bias
 
     def _per_distance(self, q_len: int, k_len: int, device) -> Tensor:
@@ -5236,6 +5271,25 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list:
     return geometric(lower) + alibi_slopes(2 * lower, max_bias)[0::2][: num_heads - lower]
 
 
+def _slope_list(owner: str, name: str, value) -> list:
+    """Explicit ALiBi slopes: a list of non-negative reals."""
+    return [_as_float(owner, name, slope, minimum=0.0) for slope in _as_list(owner, name, value)]
+
+
+def _check_alibi_heads(owner: str, arguments: dict) -> None:
+    """ALiBi's heads: at most ``num_heads`` with a slope, one explicit slope for each; several axes
+    (Euclidean distance) have no causal order."""
+    heads, alibi, slopes = arguments["num_heads"], arguments["num_alibi_heads"], arguments["slopes"]
+    alibi = heads if alibi is None else alibi
+    if alibi > heads:
+        raise ValueError(f"{owner}: num_alibi_heads must be <= num_heads={heads}, got num_alibi_heads={alibi}")
+    if slopes is not None and len(slopes) != alibi:
+        raise ValueError(f"{owner}: slopes must have num_alibi_heads={alibi} entries, got {len(slopes)}")
+    if arguments["num_axes"] > 1 and not arguments["bidirectional"]:
+        raise ValueError(f"{owner}: num_axes={arguments['num_axes']} (Euclidean distance) has no causal order; "
+                         f"pass bidirectional=True")
+
+
 class ALiBiPositionalEmbedding(_PairwiseBias):
     """Attention with Linear Biases (Press et al., arXiv:2108.12409).
 
@@ -5270,26 +5324,15 @@ class ALiBiPositionalEmbedding(_PairwiseBias):
 
     distance_only = translation_invariant = True
     arguments = {"num_heads": functools.partial(_check_positive_int, maximum=_MAX_HEADS),
-                 "max_bias": _positive_float, "num_alibi_heads": _check_positive_int}
+                 "max_bias": _positive_float, "num_alibi_heads": _check_positive_int, "slopes": _slope_list}
+    argument_rules = (_check_alibi_heads,)
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False, slopes: Optional[list] = None,
                  max_bias: float = 8.0, num_alibi_heads: Optional[int] = None, num_axes: int = 1) -> None:
         super().__init__()
-        owner = type(self).__name__
         self.num_heads, self.bidirectional, self.max_bias, self.num_axes = num_heads, bidirectional, max_bias, num_axes
         self.num_alibi_heads = num_heads if num_alibi_heads is None else num_alibi_heads
-        if self.num_alibi_heads > num_heads:
-            raise ValueError(f"{owner}: num_alibi_heads must be <= num_heads={num_heads}, "
-                             f"got num_alibi_heads={self.num_alibi_heads}")
-        if slopes is not None:
-            slopes = [_as_float(owner, "slopes", slope, minimum=0.0) for slope in _as_list(owner, "slopes", slopes)]
-            if len(slopes) != self.num_alibi_heads:
-                raise ValueError(f"{owner}: slopes must have num_alibi_heads={self.num_alibi_heads} entries, "
-                                 f"got {len(slopes)}")
         self.explicit_slopes = slopes
-        if num_axes > 1 and not bidirectional:
-            raise ValueError(f"{owner}: num_axes={num_axes} (Euclidean distance) has no causal order; "
-                             f"pass bidirectional=True")
         self._init_buffers(None)
 
     @classmethod
@@ -6205,6 +6248,15 @@ class ContinuousPositionBias(_WindowBias):
         return self
 
 
+def _bound_rows(batch: Optional[int], tokens: int, q_len: int, k_len: int, device) -> tuple:
+    """The positions of a bound encoding's pairs: token ``i`` of batch row ``b`` is row ``b * tokens + i`` of
+    its flattened tables; keys are the first ``Nk`` tokens and queries the last ``Nq`` of those. ``[B, 1, Nq]``
+    and ``[B, 1, Nk]`` (a slot for the heads), or ``[Nq]`` and ``[Nk]`` for ``batch=None`` (shared)."""
+    rows = torch.arange((batch or 1) * tokens, device=device).reshape(-1, tokens)[:, :k_len]   # [B, Nk]
+    rows = rows[0] if batch is None else rows[:, None]
+    return rows[..., k_len - q_len:], rows
+
+
 class _BoundTokens(PositionalEmbedding):
     """An encoding that reads the token states: ``pe(x)`` binds them and returns the bound encoding.
 
@@ -6252,6 +6304,14 @@ class _BoundTokens(PositionalEmbedding):
             raise ValueError(f"{type(self).__name__}: q and k must be [B, H, N, Dh], got q {tuple(q.shape)}")
         self._check_lengths(q.shape[-2], k.shape[-2], tuple(q.shape))
         return None, None
+
+
+def _check_gate_projection(owner: str, arguments: dict) -> None:
+    """A given forget-gate projection maps the ``dim`` token channels to ``num_heads`` gates."""
+    dim, heads, linear = arguments["dim"], arguments["num_heads"], arguments["fgate_proj"]
+    if linear is not None and (not isinstance(linear, nn.Linear) or (linear.in_features, linear.out_features)
+                               != (dim, heads)):
+        raise ValueError(f"{owner}: fgate_proj must be an nn.Linear({dim}, {heads}), got {linear!r}")
 
 
 class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
@@ -6306,17 +6366,14 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     """
 
     order_from = "order comes from the forget gates of the bound tokens"
-    pointwise = False   # per batch row: score_mod (below) reads the cumulative sums per element
     bound_inputs = ("states", "log_forget_values")   # bound x [B, N, D] or log f [B, H, N]
     token_axis = {"log_forget_values": -1}
+
+    argument_rules = (_check_gate_projection,)
 
     def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
                  init_std: float = 0.02) -> None:
         super().__init__()
-        if fgate_proj is not None and (not isinstance(fgate_proj, nn.Linear) or fgate_proj.in_features != dim
-                                       or fgate_proj.out_features != num_heads):
-            raise ValueError(f"{type(self).__name__}: fgate_proj must be an nn.Linear({dim}, {num_heads}), "
-                             f"got {fgate_proj!r}")
         self.dim, self.num_heads, self.init_std = dim, num_heads, init_std
         owns = fgate_proj is None
         self.fgate_proj = _uninitialised(nn.Linear, dim, num_heads) if owns else fgate_proj   # w_h, b_h (authors' name)
@@ -6345,9 +6402,7 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         if value.dim() != 3 or value.shape[-1 if x is not None else 1] != width:
             raise ValueError(f"{owner}: {'x' if x is not None else 'log_forget'} must be {shape}, "
                              f"got {tuple(value.shape)}")
-        bound = type(self)(self.dim, self.num_heads, fgate_proj=self.fgate_proj, init_std=self.init_std)
-        bound.register_buffer(name, value, persistent=False)
-        return bound
+        return self._bound_copy(**{name: value})
 
     def log_forget(self, x: Optional[Tensor] = None) -> Tensor:
         """``log f = logsigmoid(fgate_proj(x))``: ``[B, N, D] -> [B, H, N]``, float32 (float64 for
@@ -6376,36 +6431,22 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         hi = c.float()
         return hi, (c - hi.double()).float()                                            # c = hi + lo
 
-    def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
-        """``D_ij = c_i - c_j`` of query tokens ``pos_q`` and key tokens ``pos_k``, ``-inf`` after the query:
-        [B, H, Nq, Nk]."""
-        self._check_lengths(pos_q.shape[-1], pos_k.shape[-1])
-        hi, lo = self._cumulative(pos_k.shape[-1])
-        hi, lo = hi.to(pos_q.device), lo.to(pos_q.device)
-        bias = (hi[..., pos_q, None] - hi[..., None, pos_k]).add_(lo[..., pos_q, None] - lo[..., None, pos_k])
-        return bias.masked_fill_(pos_k > pos_q[:, None], float("-inf"))                # [B, H, Nq, Nk]
-
-    def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
-                  positions_k: Optional[Tensor] = None):
-        """A FlexAttention ``score_mod`` adding ``D_ij`` (``-inf`` after the query); O(B H N) closed over."""
-        self._validated(q_len, k_len, positions_q, positions_k)
+    def _positions(self, q_len: int, k_len: int, positions_q, positions_k, device) -> tuple:
+        """Token ``i`` of batch row ``b`` is entry ``b Nk + i`` of the cumulative sums (``bias_inputs``)."""
         self._check_lengths(q_len, k_len)
-        hi, lo = self._cumulative(k_len)
-        offset = _query_offset(q_len, k_len)
-        if hi.shape[0] == 1:  # one row for every batch
-            hi, lo = hi[0], lo[0]
-            pick = lambda t, b, h, idx: t[h, idx]
-        else:
-            pick = lambda t, b, h, idx: t[b, h, idx]
-        # FlexAttention's backward (CUDA, torch 2.11) takes one index per tensor that needs a gradient:
-        # the keys read copies of the O(B H N) sums
-        hi_k, lo_k = hi.clone(), lo.clone()
+        return _bound_rows(self._bound_input()[1].shape[0], k_len, q_len, k_len, device)
 
-        def add_bias(score, b, h, q_idx, kv_idx):
-            i = q_idx + offset
-            d = (pick(hi, b, h, i) - pick(hi_k, b, h, kv_idx)) + (pick(lo, b, h, i) - pick(lo_k, b, h, kv_idx))
-            return torch.where(kv_idx > i, float("-inf"), score + d.to(score.dtype))
-        return add_bias
+    def bias_inputs(self, k_len: int, device) -> tuple:
+        """``(hi, lo)`` of ``c`` over the first ``k_len`` tokens, ``[H, B Nk]`` each, and their copies for the
+        keys: FlexAttention's backward (CUDA, torch 2.11) takes one index per tensor that needs a gradient."""
+        hi, lo = (part.to(device).transpose(0, 1).flatten(1) for part in self._cumulative(k_len))
+        return hi, lo, hi.clone(), lo.clone()
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, hi: Tensor, lo: Tensor, hi_k: Tensor,
+                  lo_k: Tensor) -> Tensor:
+        """``D_ij = c_i - c_j = (hi_i - hi_j) + (lo_i - lo_j)``, ``-inf`` after the query."""
+        bias = (hi[head, pos_q] - hi_k[head, pos_k]) + (lo[head, pos_q] - lo_k[head, pos_k])
+        return torch.where(pos_k > pos_q, float("-inf"), bias)
 
 
 # ---------------------------------------------------------------------------
@@ -6534,13 +6575,9 @@ class GraphormerPositionalEmbedding(_PairwiseBias):
         distances = _hop_distances(edges)                                               # [B, N, N]
         if self.graph_token:  # the virtual node is token 0: -1 marks its row and column
             distances = F.pad(distances, (1, 0, 1, 0), value=-1)                        # [B, T, T]
-        bound = copy.copy(self)  # the same parameters and submodules; buffers of its own
-        bound._parameters, bound._modules, bound._buffers = \
-            dict(self._parameters), dict(self._modules), dict(self._buffers)
         shape = weights.shape[:-1]                                                      # [(B,) N]
-        bound.distances = distances.reshape(*shape[:-1], *distances.shape[-2:])         # [(B,) T, T]
-        bound.in_degrees, bound.out_degrees = edges.sum(-2).reshape(shape), edges.sum(-1).reshape(shape)
-        return bound
+        return self._bound_copy(distances=distances.reshape(*shape[:-1], *distances.shape[-2:]),   # [(B,) T, T]
+                                in_degrees=edges.sum(-2).reshape(shape), out_degrees=edges.sum(-1).reshape(shape))
 
     def _bound_distances(self) -> Tensor:
         if self.distances is None:
@@ -6568,9 +6605,7 @@ class GraphormerPositionalEmbedding(_PairwiseBias):
             raise ValueError(f"{type(self).__name__}: k must have at most the bound graph's {tokens} tokens "
                              f"({'nodes + the graph token' if self.graph_token else 'nodes'}) and q at most as "
                              f"many as k, got Nq={q_len}, Nk={k_len}")
-        rows = torch.arange(distances.numel() // tokens, device=device).reshape(-1, tokens)     # [B, T]
-        rows = rows[:, :k_len].reshape(-1, 1, k_len) if distances.dim() == 3 else rows[0, :k_len]  # [B, 1, Nk] or [Nk]
-        return rows[..., k_len - q_len:], rows
+        return _bound_rows(distances.shape[0] if distances.dim() == 3 else None, tokens, q_len, k_len, device)
 
     def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
         tokens = self.distances.shape[-1]
@@ -6714,13 +6749,8 @@ class _RelativeLogits(_ExplicitLogits):
     def relative_keys(self, distance: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def _check_lengths(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                       positions_k: Optional[Tensor]) -> None:
-        """Subclass hook: reject query/key lengths the encoding does not define."""
-
     def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]
-        self._check_lengths(q_len, k_len, positions_q, positions_k)
         q_content, q_position = self.biased_queries(q, scale)                           # [B, H, Nq, Dh] each
         logits = torch.matmul(q_content, k.transpose(-1, -2))                           # [B, H, Nq, Nk]
         if q_len == 0 or k_len == 0:
@@ -6783,6 +6813,7 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
     """
 
     arguments = {"clamp_len": _check_positive_int}
+    queries_within_keys = True   # by default, keys are the memory plus the current segment
 
     def __init__(self, num_heads: int, head_dim: int, *, d_model: Optional[int] = None, base: float = 10000.0,
                  clamp_len: Optional[int] = None, init_std: float = 0.02) -> None:
@@ -6799,13 +6830,6 @@ class TransformerXLPositionalEmbedding(_RelativeLogits):
 
     def _init_buffers(self, device) -> None:
         self.register_buffer("inv_freq", _inverse_frequencies(self.d_model, self.base, device), persistent=False)
-
-    def _check_lengths(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
-                       positions_k: Optional[Tensor]) -> None:
-        if positions_q is None and positions_k is None and q_len > k_len > 0:
-            raise ValueError(f"{type(self).__name__}: default positions need at least as many keys as queries "
-                             f"(keys are the memory plus the current segment), got Nq={q_len} > Nk={k_len}; "
-                             f"pass positions_q and positions_k explicitly")
 
     def biased_queries(self, q: Tensor, scale: float) -> tuple:
         u, v = self.r_w_bias.to(q.dtype), self.r_r_bias.to(q.dtype)
@@ -7109,6 +7133,12 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
     return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
 
 
+def _check_deberta_buckets(owner: str, arguments: dict) -> None:
+    """DeBERTa's log buckets, where it buckets (``position_buckets`` not None): see ``_check_log_buckets``."""
+    if arguments["position_buckets"] is not None:
+        _check_log_buckets(owner, arguments["position_buckets"], arguments["max_relative_positions"])
+
+
 def _deberta_head_dim(owner: str, dim: int, num_heads: int, head_dim: Optional[int], query_proj, key_proj) -> int:
     """DeBERTa's ``Dh``: given, or from the shared projections (both or neither, ``nn.Linear(dim, H * Dh)``),
     or ``dim // num_heads``."""
@@ -7188,7 +7218,9 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
     translation_invariant = True
     integer_positions = True   # distances index buckets
     arguments = {"max_relative_positions": _check_positive_int, "pos_att_type": _attention_terms,
-                 "layer_norm": _check_flag, "layer_norm_eps": _positive_float}
+                 "position_buckets": _optional_size, "layer_norm": _check_flag,
+                 "layer_norm_eps": _positive_float}
+    argument_rules = (_check_deberta_buckets,)
 
     def __init__(self, dim: int, num_heads: int, *, max_relative_positions: int = 512,
                  position_buckets: Optional[int] = 256,
@@ -7197,8 +7229,6 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
                  head_dim: Optional[int] = None, layer_norm: bool = True, layer_norm_eps: float = 1e-7,
                  init_std: float = 0.02) -> None:
         super().__init__()
-        if position_buckets is not None:
-            position_buckets, _ = _check_log_buckets(type(self).__name__, position_buckets, max_relative_positions)
         head_dim = _deberta_head_dim(type(self).__name__, dim, num_heads, head_dim, query_proj, key_proj)
         shared = query_proj is not None
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
@@ -7314,6 +7344,7 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
 
     takes_positions, order_from = False, "contextual positions are counted by the gates"
     is_causal = True  # causal by construction: keys after the query get -inf
+    queries_within_keys = True
     arguments = {"max_position": _check_positive_int, "per_head": _check_flag}
 
     def __init__(self, num_heads: int, head_dim: int, *, max_position: int = 64, per_head: bool = False,
@@ -7330,13 +7361,6 @@ class CoPEPositionalEmbedding(_ExplicitLogits):
             nn.init.normal_(self.pos_emb, std=self.init_std)
         else:
             nn.init.zeros_(self.pos_emb)
-
-    def _check_qk(self, q, k, positions_q, positions_k, grouped=False):
-        super()._check_qk(q, k, positions_q, positions_k, grouped)
-        if q.shape[-2] > k.shape[-2]:
-            raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
-                             f"Nq keys), got Nq={q.shape[-2]} and Nk={k.shape[-2]}")
-        return None, None
 
     def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]
@@ -7707,11 +7731,6 @@ class StickBreakingPositionalEmbedding(_ExplicitLogits):
         return weights + (1.0 - weights.sum(-1, keepdim=True)) * own.to(weights.dtype)
 
 
-def _optional_size(owner: str, name: str, value) -> Optional[int]:
-    """A positive int, or None (the part it sizes left out)."""
-    return None if value is None else _check_positive_int(owner, name, value)
-
-
 def _householder_blocks(w: Tensor, beta: Tensor, k: Tensor) -> tuple:
     """The UT form of each block's transformations ``H_t = I - beta_t w_t w_t^T`` (rows ``t`` of a block).
 
@@ -7920,12 +7939,7 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
             inputs = {"states": x}
         else:
             inputs = {**self._check_transitions(w, beta), **self._check_log_forget(log_forget)}
-        bound = type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
-                           forget_gate=self.forget is not None, gate_scaled=self.gate_scaled,
-                           block_size=self.block_size, layer=self)
-        for name, value in inputs.items():
-            bound.register_buffer(name, value, persistent=False)
-        return bound
+        return self._bound_copy(**inputs)
 
     def _check_states(self, x: Tensor) -> None:
         _check_tensor(type(self).__name__, "x", x, 3)
@@ -7986,10 +8000,9 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         logits = _path_logits(q * scale, k, w, beta, self.block_size)                  # [B, H, Nq, Nk]
         if self.forget is None:
             return logits
-        keys = torch.arange(k_len, device=q.device)
         forget = self.forget.bind(self.states) if self.states is not None else \
             self.forget.bind(log_forget=self.log_forget_values)
-        gate = forget.dense_bias(keys[k_len - q_len:], keys).to(logits)                # c_i - c_j: [B, H, Nq, Nk]
+        gate = forget.attention_bias(q_len, k_len, device=q.device).to(logits)         # c_i - c_j: [B, H, Nq, Nk]
         return logits + (gate * scale if self.gate_scaled else gate)
 
 
@@ -8008,6 +8021,20 @@ def _check_position_taking(owner: str, name: str, encoding) -> PositionalEmbeddi
         raise ValueError(f"{owner}: {name} must take one position axis, got {type(encoding).__name__} "
                          f"with num_axes={encoding.num_axes}")
     return encoding
+
+
+def _on_drawn_positions(name: str):
+    """The wrapper's hook ``name``: the call's positions resolved once (drawn in training), then the wrapped
+    encoding's hook of that name. Every hook takes ``(q, k)`` tensors or ``(q_len, k_len)`` lengths first."""
+
+    def hook(self, q, k, positions_q=None, positions_k=None, **kwargs):
+        lengths = (q.shape[-2], k.shape[-2]) if isinstance(q, Tensor) else (q, k)
+        device = q.device if isinstance(q, Tensor) else kwargs.get("device")
+        positions_q, positions_k = self._resolve_positions(*lengths, positions_q, positions_k, device)
+        return self._named(getattr(self.encoding, name), q, k, positions_q, positions_k, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    return hook
 
 
 class RandomizedPositionalEmbedding(PositionalEmbedding):
@@ -8134,28 +8161,12 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     def logit_scale(self, head_dim: int) -> float:
         return self.encoding.logit_scale(head_dim)
 
-    def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
-                                                           q.device)
-        return self._named(self.encoding.encode_qk, q, k, positions_q, positions_k)
-
-    def attention_bias(self, q_len, k_len, positions_q=None, positions_k=None, *, device=None):
-        positions_q, positions_k = self._resolve_positions(q_len, k_len, positions_q, positions_k, device)
-        return self._named(self.encoding.attention_bias, q_len, k_len, positions_q, positions_k, device=device)
-
-    def score_mod(self, q_len, k_len, positions_q=None, positions_k=None):
-        positions_q, positions_k = self._resolve_positions(q_len, k_len, positions_q, positions_k, None)
-        return self._named(self.encoding.score_mod, q_len, k_len, positions_q, positions_k)
-
-    def full_precision_logits(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
-                                                           q.device)
-        return self._named(self.encoding.full_precision_logits, q, k, positions_q, positions_k, scale=scale)
-
-    def forward_attn(self, q, k, positions_q=None, positions_k=None, *, scale=None):
-        positions_q, positions_k = self._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k,
-                                                           q.device)
-        return self._named(self.encoding.forward_attn, q, k, positions_q, positions_k, scale=scale)
+    # every attention hook: the positions drawn once per call, then the wrapped encoding's hook
+    encode_qk = _on_drawn_positions("encode_qk")
+    attention_bias = _on_drawn_positions("attention_bias")
+    score_mod = _on_drawn_positions("score_mod")
+    full_precision_logits = _on_drawn_positions("full_precision_logits")
+    forward_attn = _on_drawn_positions("forward_attn")
 
     def attention_values(self, weights, positions_q=None, positions_k=None):
         return self._named(self.encoding.attention_values, weights, positions_q, positions_k)

@@ -7304,9 +7304,9 @@ class TestTransformerXL:
     def test_transformer_xl_rejects_more_queries_than_keys_with_default_positions(self):
         xl = TransformerXLPositionalEmbedding(2, 4)
         q, k = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)
-        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: default positions need at least as "
-                                             "many keys as queries .*got Nq=5 > Nk=3; pass positions_q and "
-                                             "positions_k explicitly"):
+        with pytest.raises(ValueError, match="TransformerXLPositionalEmbedding: q must not have more tokens than k "
+                                             r"\(queries are the last Nq keys\), got Nq=5 and Nk=3; pass positions_q "
+                                             "and positions_k explicitly"):
             xl(q, k)
         out = xl(q, k, torch.arange(5), torch.arange(3))                                # explicit: defined
         assert out.shape == (1, 2, 5, 3)
@@ -10090,7 +10090,7 @@ def test_the_contract_lives_in_the_bases():
     bases = {"PositionalEmbedding", "_AddedInput", "_QKTransform", "_PairwiseBias", "_ExplicitLogits"}
     wrappers = {"RandomizedPositionalEmbedding"}   # an encoding of any kind inside: it forwards every hook
     own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases | wrappers)
-    assert own("score_mod") == ["ForgettingPositionalEmbedding"]          # per batch row, O(B H N) closed over
+    assert own("score_mod") == []   # the forget gate's too: pair_bias on its bias_inputs, per batch row
     assert own("encode_qk") == ["RotaryPositionalEmbedding"]              # its cos/sin cache: the fast path
     assert own("attention_bias") == [] and own("full_precision_logits") == []
     # every bias's forward(q_len, k_len) is the base's
