@@ -49,6 +49,9 @@ Length generalisation:
   What's Important", arXiv:2405.18719.
 * ``ForgettingPositionalEmbedding``: Lin et al., "Forgetting Transformer: Softmax Attention with
   a Forget Gate", arXiv:2503.02130.
+* ``InklingPositionalEmbedding``: Thinking Machines' Inkling models (no paper; transformers 5.24's
+  ``InklingRelativeLogits`` / ``Inkling2RelativePositionBias``, x-transformers'
+  ``RelativeProjPositionalBias``).
 
 Classic relative attention (content x position, with a value term):
 
@@ -167,6 +170,7 @@ __all__ = [
     "StickBreakingPositionalEmbedding",
     "PaTHPositionalEmbedding",
     "ForgettingPositionalEmbedding",
+    "InklingPositionalEmbedding",
     "ShawPositionalEmbedding",
     "DebertaPositionalEmbedding",
     "deberta_log_bucket",
@@ -843,16 +847,22 @@ class PositionalEmbedding(nn.Module):
         return None
 
     def _bound_copy(self, **inputs: Tensor) -> "PositionalEmbedding":
-        """This encoding bound to token-side ``inputs`` (what a data-dependent encoding's ``bind`` returns): a
-        shallow copy sharing the parameters and submodules, its ``bound_inputs`` buffers set to ``inputs``
-        (the others None)."""
-        bound = type(self).__new__(type(self))   # not copy.copy: dynamo traces this, inside a compiled model too
-        bound.__dict__.update(self.__dict__)
-        bound._parameters, bound._modules, bound._buffers = \
-            dict(self._parameters), dict(self._modules), dict(self._buffers)
+        """This encoding bound to token-side ``inputs`` (what a data-dependent encoding's ``bind`` returns):
+        a ``_sibling`` with its ``bound_inputs`` buffers set to ``inputs`` (the others None)."""
+        bound = self._sibling()
         for name in self.bound_inputs:
-            bound._buffers[name] = inputs.get(name)
+            bound.register_buffer(name, inputs.get(name), persistent=False)
         return bound
+
+    def _sibling(self) -> "PositionalEmbedding":
+        """A new encoding of this class sharing this one's parameters and submodules, with buffers of its
+        own. A class bound inside compiled code builds it with its constructor instead: dynamo before
+        torch 2.7 cannot trace ``object.__new__`` (nor, in any version, ``copy.copy`` of a module)."""
+        sibling = type(self).__new__(type(self))
+        sibling.__dict__.update(self.__dict__)
+        sibling._parameters, sibling._modules, sibling._buffers = \
+            dict(self._parameters), dict(self._modules), dict(self._buffers)
+        return sibling
 
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
@@ -5009,7 +5019,7 @@ class _PairwiseBias(PositionalEmbedding):
         several position axes come last, ``[..., A]``), reading the call's ``bias_inputs``."""
         return self.bias_at(pos_k - pos_q, head)
 
-    def bias_inputs(self, k_len: int, device) -> tuple:
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
         """Tensors the bias reads beside the positions, made once per call and passed to ``pair_bias``
         after the head: none, except for a data-dependent bias (the forget gate's cumulative sums)."""
         return ()
@@ -5019,7 +5029,7 @@ class _PairwiseBias(PositionalEmbedding):
         (a batch row's positions keep a slot for the heads): ``[(R, 1..,) H, Nq, Nk]``."""
         axes = int(self.num_axes > 1)
         heads = torch.arange(self.num_heads, device=pos_q.device)[:, None, None]       # [H, 1, 1]
-        inputs = self.bias_inputs(pos_k.shape[-1 - axes], pos_q.device)
+        inputs = self.bias_inputs(pos_q.shape[-1 - axes], pos_k.shape[-1 - axes], pos_q.device)
         return self.pair_bias(pos_q.unsqueeze(-1 - axes), pos_k.unsqueeze(-2 - axes), heads, *inputs)
 
     def forward(self, q_len: int, k_len: Optional[int] = None, positions_q: Optional[Tensor] = None,
@@ -5053,7 +5063,7 @@ class _PairwiseBias(PositionalEmbedding):
         if not (self.pointwise and self.num_axes == 1):
             return _dense_score_mod(self.dense_bias(pos_q, pos_k))
         pick_q, pick_k = _row_lookup(pos_q), _row_lookup(pos_k)
-        inputs = self.bias_inputs(k_len, device)
+        inputs = self.bias_inputs(q_len, k_len, device)
 
         def add_bias(score, b, h, q_idx, kv_idx):
             return score + self.pair_bias(pick_q(b, q_idx), pick_k(b, kv_idx), h, *inputs).to(score.dtype)
@@ -6281,6 +6291,13 @@ class _BoundTokens(PositionalEmbedding):
     def bind(self, x: Tensor) -> "_BoundTokens":
         raise NotImplementedError
 
+    def _check_states(self, x: Tensor) -> Tensor:
+        """Token states to bind: ``[B, N, D]``, floating."""
+        _check_tensor(type(self).__name__, "x", x, 3)
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
+        return x
+
     def _unbound(self):
         raise ValueError(f"{type(self).__name__}: not bound to token states: the encoding depends on them, "
                          f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
@@ -6404,6 +6421,9 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
                              f"got {tuple(value.shape)}")
         return self._bound_copy(**{name: value})
 
+    def _sibling(self) -> "ForgettingPositionalEmbedding":
+        return type(self)(self.dim, self.num_heads, fgate_proj=self.fgate_proj, init_std=self.init_std)
+
     def log_forget(self, x: Optional[Tensor] = None) -> Tensor:
         """``log f = logsigmoid(fgate_proj(x))``: ``[B, N, D] -> [B, H, N]``, float32 (float64 for
         float64 states or weights). Without ``x``: the bound tokens' values."""
@@ -6436,7 +6456,7 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         self._check_lengths(q_len, k_len)
         return _bound_rows(self._bound_input()[1].shape[0], k_len, q_len, k_len, device)
 
-    def bias_inputs(self, k_len: int, device) -> tuple:
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
         """``(hi, lo)`` of ``c`` over the first ``k_len`` tokens, ``[H, B Nk]`` each, and their copies for the
         keys: FlexAttention's backward (CUDA, torch 2.11) takes one index per tensor that needs a gradient."""
         hi, lo = (part.to(device).transpose(0, 1).flatten(1) for part in self._cumulative(k_len))
@@ -6447,6 +6467,163 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         """``D_ij = c_i - c_j = (hi_i - hi_j) + (lo_i - lo_j)``, ``-inf`` after the query."""
         bias = (hi[head, pos_q] - hi_k[head, pos_k]) + (lo[head, pos_q] - lo_k[head, pos_k])
         return torch.where(pos_k > pos_q, float("-inf"), bias)
+
+
+def _shape_of(value) -> Optional[tuple]:
+    """A tensor's shape as a tuple, else None."""
+    return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
+    """Relative logits mixed from a bank of distance profiles by the token states (Thinking Machines' Inkling).
+
+    A learned bank of ``d_rel`` bias-versus-distance profiles ``P`` (``proj``, ``[d_rel, E]``)
+    is mixed, per query token ``i`` and head ``h``, by that token's relative states
+    ``r_ih = r_proj(x_i)`` (``[H, d_rel]``): query ``i`` sees key ``j`` with
+
+        ``b_hij = r_ih . P[:, i - j]``  for ``0 <= i - j < E`` (``max_distance``), else 0,
+
+    so each token chooses how it weighs every look-back distance. There is no paper. The
+    definition is the code: transformers 5.24's ``InklingRelativeLogits`` (Inkling) and
+    ``Inkling2RelativePositionBias`` (Inkling 2), and x-transformers'
+    ``RelativeProjPositionalBias`` (``bias=True`` there). Keys after the query get 0, not
+    ``-inf``: causality is the mask's, so pass ``causal=True`` for a decoder.
+
+    Inkling 2 conditions the states:
+    - ``clip_threshold`` (its ``rel_l2_clip_threshold``) learns a per-head scale ``scale``
+      ``[H, d_rel]`` (init 1) and shortens each ``r_ih`` longer than the threshold to it:
+      ``r <- r min(1, t / (|r| + 1e-6))``;
+    - ``log_scaling_n_floor`` multiplies query ``i``'s bias by
+      ``tau_i = 1 + alpha log(max(1, (i + 1) / n_floor))`` (``log_scaling_alpha``).
+
+    Inkling's full-attention layers apply the same ``tau_i`` to the bias. They also scale the
+    query by it, a temperature that stays with the caller.
+
+    The states are the tokens' own, so the module binds them first, as the forget gate does:
+    ``pe(x)`` returns a bound encoding of kind ``"bias"``, and
+    ``attention(q, k, v, pe(x), causal=True)`` is the whole use.
+
+    Alignment: the bound tokens are the keys' timeline (key ``j`` is token ``j``), and the
+    ``Nq`` queries are the last ``Nq`` of the first ``Nk`` tokens. A position (the ``i`` in the
+    distance and in ``tau_i``) is a token index, as Inkling's cache indices are. For decoding with
+    a KV cache, bind the states of every token so far; only the queries' states are projected.
+    Computed in float32 (float64 for float64 states or weights).
+
+    Args:
+        dim (int): token width ``D``.
+        num_heads (int): heads ``H``.
+        d_rel (int): profiles in the bank (x-transformers' ``num_distance_basis``). Default: 16
+            (Inkling's).
+        max_distance (int): ``E``, the bank's extent (Inkling's ``rel_extent``, x-transformers'
+            ``max_dist``). Default: 1024.
+        bias (bool): ``r_proj`` has a bias (x-transformers: True; Inkling: False). Default: False.
+        clip_threshold (float, optional): Inkling 2's L2 clip, with its learned scale. Default: None.
+        log_scaling_n_floor (float, optional): the ``n_floor`` of ``tau_i``. Default: None (no scaling).
+        log_scaling_alpha (float): the ``alpha`` of ``tau_i``. Default: 0.1 (Inkling's).
+        init_std (float): std of the bank's normal init. Default: 0.02.
+        layer (nn.Module, optional): an ``InklingPositionalEmbedding`` whose ``r_proj``, ``proj`` (and
+            ``scale``) to use by reference, e.g. one bank for several layers. Default: None (own weights).
+
+    Shape:
+        - x: ``[B, N, D]``; bias ``[B, H, Nq, Nk]`` with ``Nq <= Nk <= N``. A batch of 1 is shared
+          by every batch row.
+
+    Example:
+        >>> inkling = InklingPositionalEmbedding(512, 8, max_distance=256)
+        >>> x = torch.randn(2, 128, 512)
+        >>> q = k = v = torch.randn(2, 8, 128, 64)
+        >>> attention(q, k, v, inkling(x), causal=True).shape
+        torch.Size([2, 8, 128, 64])
+    """
+
+    order_from = "positions are the bound tokens' indices"
+    is_causal = False   # the bias reads the query's own states: defined for every pair (0 after the query)
+    bound_inputs = ("states",)   # bound x [B, N, D]
+    arguments = {"d_rel": _check_positive_int, "max_distance": _check_positive_int, "bias": _check_flag,
+                 "clip_threshold": _positive_float, "log_scaling_n_floor": _positive_float,
+                 "log_scaling_alpha": _non_negative_float, "layer": _module_or_none}
+
+    def __init__(self, dim: int, num_heads: int, *, d_rel: int = 16, max_distance: int = 1024, bias: bool = False,
+                 clip_threshold: Optional[float] = None, log_scaling_n_floor: Optional[float] = None,
+                 log_scaling_alpha: float = 0.1, init_std: float = 0.02, layer: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.dim, self.num_heads, self.d_rel, self.max_distance = dim, num_heads, d_rel, max_distance
+        self.clip_threshold, self.init_std = clip_threshold, init_std
+        self.log_scaling_n_floor, self.log_scaling_alpha = log_scaling_n_floor, log_scaling_alpha
+        self.register_buffer("states", None, persistent=False)                          # bound x: [B, N, D]
+        if layer is not None:
+            self._share(layer)
+            return
+        self.r_proj = _uninitialised(nn.Linear, dim, num_heads * d_rel, bias=bias)    # x -> r (Inkling's name)
+        self.proj = nn.Parameter(torch.empty(d_rel, max_distance))                     # P: [d_rel, E] (Inkling's)
+        self.scale = nn.Parameter(torch.empty(num_heads, d_rel)) if clip_threshold is not None else None
+        self.reset_parameters()
+
+    def _share(self, layer: nn.Module) -> None:
+        """Use ``layer``'s ``r_proj``, ``proj`` and ``scale`` by reference (another encoding of this class)."""
+        r_proj, proj, scale = getattr(layer, "r_proj", None), getattr(layer, "proj", None), getattr(layer, "scale", None)
+        want = ((self.num_heads * self.d_rel, self.dim), (self.d_rel, self.max_distance),
+                None if self.clip_threshold is None else (self.num_heads, self.d_rel))
+        got = (_shape_of(getattr(r_proj, "weight", None)), _shape_of(proj), _shape_of(scale))
+        if got != want:
+            raise ValueError(f"{type(self).__name__}: layer must hold r_proj.weight {want[0]}, proj {want[1]} and "
+                             f"scale {want[2]} (an InklingPositionalEmbedding of these sizes), got {got}")
+        self.r_proj, self.proj, self.scale = r_proj, proj, scale
+
+    def _sibling(self) -> "InklingPositionalEmbedding":
+        return type(self)(self.dim, self.num_heads, d_rel=self.d_rel, max_distance=self.max_distance,
+                          clip_threshold=self.clip_threshold, log_scaling_n_floor=self.log_scaling_n_floor,
+                          log_scaling_alpha=self.log_scaling_alpha, init_std=self.init_std, layer=self)
+
+    def reset_parameters(self) -> None:
+        self.r_proj.reset_parameters()
+        nn.init.normal_(self.proj, std=self.init_std)
+        if self.scale is not None:
+            nn.init.ones_(self.scale)
+
+    def bind(self, x: Tensor) -> "InklingPositionalEmbedding":
+        """A bound encoding on token states ``x`` ``[B, N, D]``."""
+        return self._bound_copy(states=self._check_states(x))
+
+    def relative_states(self, x: Tensor, first: int = 0) -> Tensor:
+        """``r`` of tokens ``x`` ``[B, N, D]``, clipped and scaled as configured (``first``: the index of
+        ``x``'s first token, for ``tau``): ``[B, N, H, d_rel]``, float32 (float64)."""
+        weight, bias = self.r_proj.weight, self.r_proj.bias
+        dtype = torch.promote_types(_compute_dtype(x.dtype), _compute_dtype(weight.dtype))
+        r = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        r = r.unflatten(-1, (self.num_heads, self.d_rel))                                 # [B, N, H, d_rel]
+        if self.scale is not None:
+            r = r * self.scale.to(dtype)
+            norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+            r = r * (self.clip_threshold / (norm + 1e-6)).clamp(max=1.0)
+        if self.log_scaling_n_floor is not None:
+            tokens = torch.arange(first, first + x.shape[-2], device=x.device, dtype=dtype)   # i
+            tau = 1.0 + self.log_scaling_alpha * torch.log(((tokens + 1) / self.log_scaling_n_floor).clamp(min=1.0))
+            r = r * tau[:, None, None]
+        return r
+
+    # -- the bias -----------------------------------------------------------------------
+
+    def _positions(self, q_len: int, k_len: int, positions_q, positions_k, device) -> tuple:
+        """Query ``i`` of batch row ``b`` is row ``b Nq + i - (Nk - Nq)`` of the profile mixes
+        (``bias_inputs``); keys sit at the same offsets, so a pair's difference is ``i - j``."""
+        self._check_lengths(q_len, k_len)
+        rows = torch.arange(self.states.shape[0], device=device)[:, None, None] * q_len   # [B, 1, 1]
+        keys = rows + torch.arange(k_len, device=device) - (k_len - q_len)               # [B, 1, Nk]
+        return keys[..., k_len - q_len:], keys
+
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
+        """Each query's mix of the profiles, ``r_i . P``: ``[H, B Nq, E]``."""
+        first = k_len - q_len
+        r = self.relative_states(self.states[:, first:k_len].to(device), first)          # [B, Nq, H, d_rel]
+        curves = torch.matmul(r, self.proj.to(r.dtype))                                 # [B, Nq, H, E]
+        return (curves.permute(2, 0, 1, 3).flatten(1, 2),)
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, curves: Tensor) -> Tensor:
+        """``r_i . P[:, i - j]`` for ``0 <= i - j < E``, else 0."""
+        distance = pos_q - pos_k                                                        # i - j: look-back
+        inside = (distance >= 0) & (distance < self.max_distance)
+        return torch.where(inside, curves[head, pos_q, distance.clamp(0, self.max_distance - 1)], 0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -7935,16 +8112,15 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         if (x is None) == (w is None and beta is None):
             raise ValueError(f"{owner}: bind takes either x or w and beta")
         if x is not None:
-            self._check_states(x)
-            inputs = {"states": x}
+            inputs = {"states": self._check_states(x)}
         else:
             inputs = {**self._check_transitions(w, beta), **self._check_log_forget(log_forget)}
         return self._bound_copy(**inputs)
 
-    def _check_states(self, x: Tensor) -> None:
-        _check_tensor(type(self).__name__, "x", x, 3)
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"{type(self).__name__}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
+    def _sibling(self) -> "PaTHPositionalEmbedding":
+        return type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
+                          forget_gate=self.forget is not None, gate_scaled=self.gate_scaled,
+                          block_size=self.block_size, layer=self)
 
     def _check_transitions(self, w: Optional[Tensor], beta: Optional[Tensor]) -> dict:
         owner = type(self).__name__
@@ -8944,6 +9120,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "dual_chunk": DualChunkPositionalEmbedding(RotaryPositionalEmbedding(head_dim), chunk_size=seq_len // 4,
                                                    local_size=seq_len // 16),
         "forgetting": ForgettingPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),   # bound
+        "inkling": InklingPositionalEmbedding(dim, num_heads, d_rel=4, max_distance=seq_len)(torch.randn(1, seq_len, dim)),
         "path": PaTHPositionalEmbedding(dim, num_heads)(torch.randn(1, seq_len, dim)),          # bound
         "shaw": ShawPositionalEmbedding(num_heads, head_dim),
         "deberta": DebertaPositionalEmbedding(dim, num_heads),

@@ -64,6 +64,7 @@ from positional_embeddings import (
     EnformerPositionalEmbedding,
     FIREPositionalEmbedding,
     ForgettingPositionalEmbedding,
+    InklingPositionalEmbedding,
     FourierFeaturePositionalEmbedding,
     LearnableFourierPositionalEmbedding,
     Time2VecPositionalEmbedding,
@@ -337,6 +338,9 @@ CASES = [
     Case("swinv2_cpb_pretrained", lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32, pretrained_window_size=3),
          has_offset=False),
     bound_case("forgetting", lambda: ForgettingPositionalEmbedding(D, H)),
+    bound_case("inkling", lambda: InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6, init_std=0.5)),
+    bound_case("inkling2", lambda: InklingPositionalEmbedding(D, H, d_rel=4, max_distance=N + 3, bias=True,
+                                                              clip_threshold=0.5, log_scaling_n_floor=4, init_std=0.5)),
     Case("graphormer", lambda: GraphormerPositionalEmbedding(H).bind(GRAPH), has_offset=False, takes_positions=False),
     Case("graphormer_token", lambda: GraphormerPositionalEmbedding(H, num_spatial=4, graph_token=True, attend_within=3).bind(
         GRAPH[:-1, :-1]), has_offset=False, takes_positions=False),
@@ -986,6 +990,7 @@ KEYWORD_BUILDS = [
     (FIREPositionalEmbedding, dict(num_heads=H)),
     (DynamicPositionBias, dict(num_heads=H)),
     (ForgettingPositionalEmbedding, dict(dim=D, num_heads=H)),
+    (InklingPositionalEmbedding, dict(dim=D, num_heads=H)),
     (SinusoidalPositionalEmbedding, dict(dim=D)),
     (LearnedPositionalEmbedding, dict(max_len=64, dim=D)),
     (ConvolutionalPositionalEmbedding, dict(dim=D, num_axes=1)),
@@ -7213,6 +7218,181 @@ class TestForgetting:
 # ===========================================================================
 # Logits kind: computes the logits from q and k
 # ===========================================================================
+
+
+# ---------------------------------------------------------------------------
+# Inkling: relative logits from a bank of distance profiles mixed by the token states
+# ---------------------------------------------------------------------------
+
+def inkling_oracle(pe: InklingPositionalEmbedding, x: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """``b[b, h, i, j] = r_ih . P[:, i - j]`` (0 outside ``[0, E)``), from plain loops in float64: [B, H, Nq, Nk]."""
+    x = x.double()
+    weight = pe.r_proj.weight.detach().double()
+    bias = None if pe.r_proj.bias is None else pe.r_proj.bias.detach().double()
+    bank = pe.proj.detach().double()
+    scale = None if pe.scale is None else pe.scale.detach().double()
+    batch, heads, d_rel, extent = x.shape[0], pe.num_heads, pe.d_rel, pe.max_distance
+    out = torch.zeros(batch, heads, q_len, k_len, dtype=torch.float64)
+    for b in range(batch):
+        for qi in range(q_len):
+            i = k_len - q_len + qi                                                       # the query's token index
+            for h in range(heads):
+                r = [sum(weight[h * d_rel + d, c] * x[b, i, c] for c in range(x.shape[-1]))
+                     + (0.0 if bias is None else bias[h * d_rel + d]) for d in range(d_rel)]
+                if scale is not None:
+                    r = [r[d] * scale[h, d] for d in range(d_rel)]
+                    norm = math.sqrt(sum(float(v) ** 2 for v in r))
+                    r = [v * min(1.0, pe.clip_threshold / (norm + 1e-6)) for v in r]
+                if pe.log_scaling_n_floor is not None:
+                    tau = 1 + pe.log_scaling_alpha * math.log(max(1.0, (i + 1) / pe.log_scaling_n_floor))
+                    r = [v * tau for v in r]
+                for j in range(k_len):
+                    if 0 <= i - j < extent:
+                        out[b, h, qi, j] = sum(r[d] * bank[d, i - j] for d in range(d_rel))
+    return out
+
+
+class TestInkling:
+    """The oracle above; x-transformers' RelativeProjPositionalBias and the transformers 5.24 Inkling and
+    Inkling 2 modules with the same weights; binding, decoding, GQA and FlexAttention."""
+
+    @pytest.mark.parametrize("options", [dict(), dict(bias=True, clip_threshold=0.3, log_scaling_n_floor=3,
+                                                          log_scaling_alpha=0.5)], ids=["inkling", "inkling2"])
+    @pytest.mark.parametrize("q_len", [7, 3])
+    def test_matches_the_loop_oracle(self, options, q_len):
+        pe = InklingPositionalEmbedding(12, 2, d_rel=3, max_distance=4, init_std=0.5, **options).double()
+        x = torch.randn(2, 9, 12, dtype=torch.float64)
+        want = inkling_oracle(pe, x, q_len, 7)
+        torch.testing.assert_close(pe(x)(q_len, 7), want, rtol=1e-12, atol=1e-12)
+        pe32 = pe.float()
+        torch.testing.assert_close(pe32(x.float())(q_len, 7).double(), want, rtol=1e-5, atol=1e-6)
+
+    def test_matches_x_transformers(self):
+        xt = pytest.importorskip("x_transformers.x_transformers")
+        torch.manual_seed(0)
+        theirs = xt.RelativeProjPositionalBias(D, H, num_distance_basis=5, max_dist=7)
+        ours = InklingPositionalEmbedding(D, H, d_rel=5, max_distance=7, bias=True)
+        with torch.no_grad():
+            ours.r_proj.weight.copy_(theirs.to_distance_weights[0].weight)
+            ours.r_proj.bias.copy_(theirs.to_distance_weights[0].bias)
+            ours.proj.copy_(theirs.distance_bank * 25)
+            theirs.distance_bank.mul_(25)                                                # profiles of size ~0.5
+        x = torch.randn(B, N, D)
+        torch.testing.assert_close(ours(x)(N, N), theirs(x), rtol=1e-5, atol=1e-6)
+        # queries after a prefix: their x holds the queries' states, seq_len_k the keys
+        prefix = torch.randn(B, 5, D)
+        torch.testing.assert_close(ours(torch.cat([prefix, x], 1))(N, N + 5), theirs(x, seq_len_k=N + 5),
+                                   rtol=1e-5, atol=1e-6)
+
+    @staticmethod
+    def _inkling_config(config_class, **extra):
+        return config_class(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=DH,
+                                        swa_num_attention_heads=H, swa_num_key_value_heads=1, swa_head_dim=DH,
+                                        sliding_window_size=4, d_rel=4, rel_extent=6, num_hidden_layers=2,
+                                        intermediate_size=2 * D, vocab_size=64, **extra)
+
+    def test_matches_transformers_inkling_attention(self, monkeypatch):
+        # the position_bias InklingAttention hands its attention function: a full layer with the log scaling,
+        # and a sliding one (extent = the window, no scaling)
+        modeling = pytest.importorskip("transformers.models.inkling.modeling_inkling")
+        config_module = pytest.importorskip("transformers.models.inkling.configuration_inkling")
+        config = self._inkling_config(config_module.InklingTextConfig, layer_types=["hybrid", "hybrid_sliding"], log_scaling_n_floor=3,
+                                      log_scaling_alpha=0.5)
+        config._attn_implementation = "eager"
+        seen = {}
+        original = modeling.eager_attention_forward
+
+        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+            seen["bias"] = position_bias
+            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
+        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        x = torch.randn(B, N, D)
+        for layer, floor in ((0, 3), (1, None)):
+            torch.manual_seed(layer)
+            theirs = modeling.InklingAttention(config, layer)
+            for weight in theirs.parameters():
+                torch.nn.init.normal_(weight, std=0.3)
+            ours = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=theirs.rel_extent, log_scaling_n_floor=floor,
+                                              log_scaling_alpha=0.5)
+            with torch.no_grad():
+                ours.r_proj.weight.copy_(theirs.r_proj.weight)
+                ours.proj.copy_(theirs.rel_logits_proj.proj)
+                theirs(x, attention_mask=None)
+            torch.testing.assert_close(ours(x)(N, N), seen["bias"], rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("log_scaling", [False, True])
+    def test_matches_transformers_inkling2_bias(self, log_scaling):
+        modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+        config_module = pytest.importorskip("transformers.models.inkling2.configuration_inkling2")
+        config = self._inkling_config(config_module.Inkling2TextConfig, log_scaling_n_floor=3, log_scaling_alpha=0.5,
+                                      rel_l2_clip_threshold=0.4)
+        theirs = modeling.Inkling2RelativePositionBias(config, H, 6, log_scaling=log_scaling)
+        for weight in theirs.parameters():
+            torch.nn.init.normal_(weight, std=0.3)
+        ours = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6, clip_threshold=0.4,
+                                          log_scaling_n_floor=3 if log_scaling else None, log_scaling_alpha=0.5)
+        with torch.no_grad():
+            ours.r_proj.weight.copy_(theirs.linear.weight)
+            ours.scale.copy_(theirs.norm.scale)
+            ours.proj.copy_(theirs.proj)
+        x = torch.randn(B, N, D)
+        tokens = torch.arange(N)
+        want = theirs(x, tokens[:, None] - tokens[None, :], tokens.expand(B, N))
+        torch.testing.assert_close(ours(x)(N, N), want, rtol=1e-5, atol=1e-6)
+        # decoding: their last query (cache index N - 1) against our bound timeline
+        want_last = theirs(x[:, -1:], (N - 1) - tokens[None, :], torch.full((B, 1), N - 1))
+        torch.testing.assert_close(ours(x)(1, N), want_last, rtol=1e-5, atol=1e-6)
+
+    def test_decoding_with_a_cache_equals_the_full_pass(self):
+        pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=5, init_std=0.5, log_scaling_n_floor=2)
+        x = torch.randn(B, N, D)
+        q, k, v = qkv()
+        full = attention(q, k, v, pe(x), causal=True)
+        for t in (0, 6, N - 1):
+            step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe(x[:, : t + 1]),
+                             causal=True)
+            torch.testing.assert_close(step, full[..., t : t + 1, :])
+
+    def test_zero_outside_the_look_back_window(self):
+        pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=3, init_std=0.5)
+        bias = pe(torch.randn(B, N, D))(N, N)
+        distance = torch.arange(N)[:, None] - torch.arange(N)[None, :]
+        inside = (distance >= 0) & (distance < 3)
+        assert (bias[..., ~inside] == 0).all() and (bias[..., inside] != 0).all()
+
+    @pytest.mark.parametrize("q_len", [N, N - 3])
+    def test_flex_score_mod_matches_dense_bias(self, q_len):
+        pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6, init_std=0.5, clip_threshold=1.0)
+        bound = pe(torch.randn(B, N, D))
+        q, k, v = qkv(q_len, N)
+        want = attention(q, k, v, bound, causal=True, use_flex=False)
+        torch.testing.assert_close(attention(q, k, v, bound, causal=True, use_flex=True), want)
+
+    def test_gradients_reach_the_states_and_weights(self):
+        pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6, clip_threshold=0.5)
+        x = torch.randn(B, N, D, requires_grad=True)
+        q, k, v = qkv()
+        attention(q, k, v, pe(x), causal=True).sum().backward()
+        for grad in (x.grad, pe.r_proj.weight.grad, pe.proj.grad, pe.scale.grad):
+            assert grad is not None and grad.abs().sum() > 0
+
+    def test_layer_shares_the_weights(self):
+        first = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6)
+        second = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=6, layer=first)
+        assert second.proj is first.proj and second.r_proj is first.r_proj
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: layer must hold r_proj.weight"):
+            InklingPositionalEmbedding(D, H, d_rel=4, max_distance=7, layer=first)
+
+    def test_bad_input(self):
+        pe = InklingPositionalEmbedding(D, H)
+        with pytest.raises(ValueError, match=rf"InklingPositionalEmbedding: x must be \[B, N, D={D}\]"):
+            pe(torch.randn(2, N, D + 1))
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: not bound to token states"):
+            attention(*qkv(), pe)
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: clip_threshold must be a finite number > 0"):
+            InklingPositionalEmbedding(D, H, clip_threshold=0.0)
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: positions_q must be None"):
+            pe(torch.randn(B, N, D))(N, N, positions_q=torch.arange(N))
 
 
 # ---------------------------------------------------------------------------

@@ -255,6 +255,9 @@ def _registry() -> dict:
         Encoding("forgetting", "ForgettingPositionalEmbedding",
                  lambda L, M: pe_lib.ForgettingPositionalEmbedding(D_MODEL, NUM_HEADS),
                  "gate reads each block's normalised token states"),
+        Encoding("inkling", "InklingPositionalEmbedding",
+                 lambda L, M: pe_lib.InklingPositionalEmbedding(D_MODEL, NUM_HEADS, max_distance=L),
+                 "profiles mixed by each block's normalised token states; extent E = L (0 beyond)"),
         Encoding("path", "PaTHPositionalEmbedding",
                  lambda L, M: pe_lib.PaTHPositionalEmbedding(D_MODEL, NUM_HEADS),
                  "Householder transitions read each block's normalised token states"),
@@ -295,9 +298,9 @@ def uncovered_classes() -> list:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, pe, states: Tensor) -> Tensor:
-    """Causal ``attention()``; an encoding that reads the token states (the forget gate, PaTH) is bound to the
-    block's first."""
-    if isinstance(pe, (pe_lib.ForgettingPositionalEmbedding, getattr(pe_lib, "PaTHPositionalEmbedding", ()))):
+    """Causal ``attention()``; an encoding that reads the token states (the forget gate, Inkling, PaTH) is bound
+    to the block's first."""
+    if isinstance(pe, (pe_lib.ForgettingPositionalEmbedding, getattr(pe_lib, "_BoundTokens", ()))):
         pe = pe(states)
     return pe_lib.attention(q, k, v, pe, causal=True)
 

@@ -138,6 +138,10 @@ def _gallery() -> dict:
     if has("ForgettingPositionalEmbedding"):
         entries.append(Entry("forgetting", "ForgettingPositionalEmbedding",
                              lambda: pe_lib.ForgettingPositionalEmbedding(D, H), learned=True))
+    if has("InklingPositionalEmbedding"):
+        entries.append(Entry("inkling", "InklingPositionalEmbedding",
+                             lambda: pe_lib.InklingPositionalEmbedding(D, H, d_rel=4, max_distance=16, init_std=0.5),
+                             learned=True))
     if has("PaTHPositionalEmbedding"):
         entries.append(Entry("path", "PaTHPositionalEmbedding", lambda: pe_lib.PaTHPositionalEmbedding(D, H), learned=True))
     if has("ShawPositionalEmbedding"):
