@@ -126,7 +126,7 @@ import math
 import numbers
 import operator
 import sys
-from typing import Literal, Optional, Sequence, Union
+from typing import Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -140,6 +140,7 @@ __all__ = [
     "RotaryPositionalEmbedding",
     "HoPEPositionalEmbedding",
     "VideoRotaryPositionalEmbedding",
+    "multimodal_position_ids",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -3577,6 +3578,158 @@ def _diagonal_layout(owner: str, segments: Sequence, spacing: float, start) -> T
             rows.append((start + torch.arange(count, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
             start += count
     return torch.cat(rows) if rows else torch.empty(0, 3, dtype=torch.float64)                    # [N, 3]
+
+
+class _MultimodalLayout(NamedTuple):
+    """How one model family lays out images and videos in M-RoPE positions (``multimodal_position_ids``)."""
+
+    frames: bool           # a video is T separate (1, h, w) grids, each its own run (timestamps are text)
+    resume: str            # after a grid: "spatial" (its start + max(h, w)) or "max" (its largest id + 1)
+    time_scale: float      # default tokens per second of video (0: the time index is the frame index)
+    image_scale: float     # an image's time step (its t is 1 in practice)
+    seconds_first: bool    # time = (arange(t) * seconds) * scale, else arange(t) * (scale * seconds)
+    fractional: bool       # keep fractional time ids (float positions), else floor them
+    pad: float             # the value at padded tokens
+
+
+_MULTIMODAL_LAYOUTS = {
+    "qwen2_vl": _MultimodalLayout(False, "spatial", 0.0, 1.0, False, False, 0.0),
+    "qwen2_5_vl": _MultimodalLayout(False, "spatial", 4.0, 1.0, False, False, 0.0),
+    "qwen3_vl": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
+    "glm4v": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
+    "qwen2_5_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, False, 1.0),
+    "qwen3_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, True, 0.0),
+}
+
+
+def _grid_rows(owner: str, name: str, grids: Optional[Tensor]) -> list:
+    """``(t, h, w)`` of each row of a ``[M, 3]`` grid tensor (None: no grids)."""
+    if grids is None:
+        return []
+    if not isinstance(grids, Tensor) or grids.dim() != 2 or grids.shape[-1] != 3 or grids.is_floating_point() \
+            or (grids < 1).any():
+        raise ValueError(f"{owner}: {name} must be a [M, 3] integer tensor of positive (t, h, w), "
+                         f"got {_describe(grids)}")
+    return [tuple(row) for row in grids.tolist()]
+
+
+def _runs(values: Tensor) -> list:
+    """``(value, length)`` of each run of equal values in a 1-D tensor."""
+    if values.numel() == 0:
+        return []
+    kinds, lengths = torch.unique_consecutive(values, return_counts=True)
+    return list(zip(kinds.tolist(), lengths.tolist()))
+
+
+def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
+                            video_grid_thw: Optional[Tensor] = None, *, attention_mask: Optional[Tensor] = None,
+                            model: str = "qwen2_vl", spatial_merge_size: int = 2,
+                            tokens_per_second: Optional[float] = None,
+                            video_seconds: Optional[Sequence[float]] = None) -> tuple:
+    """The ``(t, h, w)`` M-RoPE positions of a batch of mixed text, image and video tokens, and its
+    ``rope_deltas``, as transformers 5.24's ``get_rope_index`` builds them for ``model``.
+
+    ``token_types`` ``[B, N]`` marks each token: 0 text (vision start/end, timestamps and audio
+    included), 1 image, 2 video. That is the processors' ``mm_token_type_ids``; GLM-4V's video
+    frames carry the image token id and are 2 only between its video start and end. Each run of
+    1s takes the next row of ``image_grid_thw`` and each run of 2s the next video, row-major over
+    the batch, as in the models:
+
+    - **Text** continues from the current position on all three axes.
+    - **A grid** ``(t, h, w)`` merged to ``(t, h / m, w / m)`` (``m = spatial_merge_size``) gets
+      ``(start + time_k, start + y, start + x)``, time-major. ``time_k = floor(k * step)``, where
+      ``step`` is 1 for Qwen2-VL, ``tokens_per_second * video_seconds[i]`` for a Qwen2.5-VL video,
+      and ``25 * video_seconds[i]`` for the Omni models.
+    - **Qwen3-VL and GLM-4V** lay out a video as ``t`` separate frames of ``(1, h, w)``, each its own
+      run between timestamp text.
+    - **After a grid**, text resumes at ``start + max(h / m, w / m)`` (Qwen2/2.5/3-VL, GLM-4V: not
+      after the largest time id), or at the grid's largest id + 1 (Omni).
+    - **Qwen3-Omni** keeps fractional time ids (float64 positions).
+
+    Padded tokens (``attention_mask == 0``) get 0 (1 for Qwen2.5-Omni) and are skipped.
+    ``rope_deltas[b] = max(positions of row b) + 1 - (its real tokens)``: decoding continues at
+    ``arange(N, ...) + rope_deltas`` on all three axes, as the models do.
+
+    Not covered: the Omni models' audio-in-video interleaving (``use_audio_in_video``). Omni audio
+    tokens are text here, which is what the models do without it.
+
+    Args:
+        token_types (Tensor): ``[B, N]`` integers in {0, 1, 2}.
+        image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging.
+        attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens (left or right padding).
+        model (str): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"qwen2_5_omni"`` or
+            ``"qwen3_omni"``.
+        spatial_merge_size (int): ``m``. Default: 2 (every model's).
+        tokens_per_second (float, optional): Qwen2.5-VL's ``vision_config.tokens_per_second``
+            (default 4, its config's; released checkpoints use 2), the Omni models'
+            ``position_id_per_seconds`` (default 25).
+        video_seconds (sequence of float, optional): seconds per temporal grid step of each video
+            (``second_per_grid_ts``). Default: 1.0 each.
+
+    Returns:
+        ``(positions, rope_deltas)``: ``[B, N, 3]`` int64 (float64 for Qwen3-Omni) in this library's
+        layout (``positions.permute(2, 0, 1)`` is transformers' ``[3, B, N]``), and ``[B, 1]``.
+
+    Example:
+        >>> types = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])          # text, a 1 x 4 x 4 image (2 x 2 merged), text
+        >>> positions, deltas = multimodal_position_ids(types, torch.tensor([[1, 4, 4]]))
+        >>> positions[0, :, 0].tolist(), deltas.tolist()
+        ([0, 1, 2, 2, 2, 2, 4], [[-2]])
+    """
+    owner = "multimodal_position_ids"
+    layout = _MULTIMODAL_LAYOUTS[_check_choice(owner, "model", model, choices=tuple(_MULTIMODAL_LAYOUTS))]
+    merge = _check_positive_int(owner, "spatial_merge_size", spatial_merge_size)
+    if not isinstance(token_types, Tensor) or token_types.dim() != 2 or token_types.is_floating_point() \
+            or not ((token_types >= 0) & (token_types <= 2)).all():
+        raise ValueError(f"{owner}: token_types must be a [B, N] integer tensor of 0 (text), 1 (image) and "
+                         f"2 (video), got {_describe(token_types)}")
+    real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if real.shape != token_types.shape:
+        raise ValueError(f"{owner}: attention_mask must have token_types' shape {tuple(token_types.shape)}, "
+                         f"got {_describe(attention_mask)}")
+    images, videos = _grid_rows(owner, "image_grid_thw", image_grid_thw), _grid_rows(owner, "video_grid_thw", video_grid_thw)
+    seconds = [1.0] * len(videos) if video_seconds is None else [float(s) for s in video_seconds]
+    if len(seconds) != len(videos):
+        raise ValueError(f"{owner}: video_seconds must have one entry per video ({len(videos)}), got {len(seconds)}")
+    scale = layout.time_scale if tokens_per_second is None else _positive_float(owner, "tokens_per_second",
+                                                                                 tokens_per_second)
+    # the time step of each grid, computed in float32 in the models' order of operations
+    grids = {1: [(grid, (layout.image_scale, 1.0)) for grid in images],
+             2: [((1, h, w) if layout.frames else (t, h, w), (scale, s) if scale else (1.0, 1.0))
+                 for (t, h, w), s in zip(videos, seconds) for _ in range(t if layout.frames else 1)]}
+    queues = {kind: iter(rows) for kind, rows in grids.items()}
+    positions = torch.full((*token_types.shape, 3), layout.pad, dtype=torch.float64)
+    deltas = []
+    for b in range(token_types.shape[0]):
+        parts, start = [], 0.0
+        for kind, length in _runs(token_types[b][real[b]]):
+            if kind == 0:
+                parts.append((start + torch.arange(length, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
+                start += length
+                continue
+            (t, h, w), (step_scale, step_seconds) = next(queues[kind], ((0, 0, 0), None))
+            h, w = h // merge, w // merge
+            if t * h * w != length:
+                raise ValueError(f"{owner}: a run of {length} {'image' if kind == 1 else 'video'} tokens in row {b} "
+                                 f"does not match its grid ({t}, {h * merge}, {w * merge}) -> {t * h * w} tokens")
+            k = torch.arange(t, dtype=torch.float32)
+            scale32, seconds32 = torch.tensor(step_scale, dtype=torch.float32), torch.tensor(step_seconds)
+            time = (k * seconds32 * scale32 if layout.seconds_first else k * (scale32 * seconds32)).double()
+            time = time if layout.fractional else time.floor()
+            f, y, x = torch.meshgrid(time, torch.arange(h, dtype=torch.float64),
+                                     torch.arange(w, dtype=torch.float64), indexing="ij")
+            block = torch.stack([f, y, x], -1).reshape(-1, 3) + start                   # [t h w, 3]
+            parts.append(block)
+            start = start + max(h, w) if layout.resume == "spatial" else block.max().item() + 1
+        row = torch.cat(parts) if parts else torch.zeros(0, 3, dtype=torch.float64)
+        positions[b, real[b]] = row
+        deltas.append(row.max().item() + 1 - row.shape[0] if row.numel() else 0.0)
+    leftover = [kind for kind, queue in queues.items() if next(queue, None) is not None]
+    if leftover:
+        raise ValueError(f"{owner}: more {' and '.join('image' if k == 1 else 'video' for k in leftover)} grids "
+                         f"than runs of their tokens in token_types")
+    dtype = torch.float64 if layout.fractional else torch.int64
+    return positions.to(dtype), torch.tensor(deltas, dtype=dtype).unsqueeze(-1)
 
 
 # ---------------------------------------------------------------------------

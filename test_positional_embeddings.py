@@ -65,6 +65,7 @@ from positional_embeddings import (
     FIREPositionalEmbedding,
     ForgettingPositionalEmbedding,
     InklingPositionalEmbedding,
+    multimodal_position_ids,
     FourierFeaturePositionalEmbedding,
     LearnableFourierPositionalEmbedding,
     Time2VecPositionalEmbedding,
@@ -9143,6 +9144,172 @@ class TestVideoRoPE:
             VideoRotaryPositionalEmbedding.from_config({"model_type": "qwen2_vl"})
         with pytest.raises(ValueError, match="VideoRotaryPositionalEmbedding: positions"):
             video(torch.randn(1, 2, 5, 32), torch.zeros(5, 2))
+
+
+# ---------------------------------------------------------------------------
+# multimodal_position_ids: the M-RoPE ids of mixed text, image and video prompts
+# ---------------------------------------------------------------------------
+
+# each model's get_rope_index in transformers 5.24: (config class, module class, its keyword for seconds)
+ROPE_INDEX_MODELS = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLConfig", "Qwen2VLModel", None),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLModel", "second_per_grid_ts"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLModel", None),
+    "glm4v": ("glm4v", "Glm4vConfig", "Glm4vModel", None),
+    "qwen2_5_omni": ("qwen2_5_omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
+                     "second_per_grids"),
+    "qwen3_omni": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                   "second_per_grids"),
+}
+TEXT_ID, PAD_ID, VISION_START, VISION_END = 100, 0, 151652, 151653
+
+
+def rope_index_prompt(model: str, config, segments: list) -> tuple:
+    """Token ids and ``mm_token_type_ids`` of one prompt as the model's processor lays it out. ``segments``:
+    ints (text runs) and ``("image" | "video", (t, h, w))``; merge 2. Qwen3-VL and GLM-4V put a timestamp
+    (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
+    ids, types = [], []
+
+    def add(tokens, kind=0):
+        ids.extend(tokens)
+        types.extend([kind] * len(tokens))
+
+    for segment in segments:
+        if isinstance(segment, int):
+            add([TEXT_ID] * segment)
+            continue
+        what, (t, h, w) = segment
+        per_frame = (h // 2) * (w // 2)
+        if model == "glm4v":
+            frames = 1 if what == "image" else t
+            if what == "video":
+                add([config.video_start_token_id])
+            for _ in range(frames):
+                add([config.image_start_token_id])
+                add([config.image_token_id] * (per_frame * (t if what == "image" else 1)), 1 if what == "image" else 2)
+                add([config.image_end_token_id] + ([TEXT_ID] if what == "video" else []))
+            if what == "video":
+                add([config.video_end_token_id])
+        elif model == "qwen3_vl" and what == "video":
+            for _ in range(t):
+                add([TEXT_ID] * 3 + [VISION_START])                                      # "<0.5 seconds>" + start
+                add([config.video_token_id] * per_frame, 2)
+                add([VISION_END])
+        else:
+            token = config.image_token_id if what == "image" else config.video_token_id
+            add([VISION_START])
+            add([token] * (t * per_frame), 1 if what == "image" else 2)
+            add([VISION_END])
+    return ids, types
+
+
+def rope_index_batch(model: str, config, prompts: list) -> tuple:
+    """Left-padded ids, types and attention mask ``[B, L]`` of several prompts."""
+    rows = [rope_index_prompt(model, config, prompt) for prompt in prompts]
+    length = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), length), PAD_ID)
+    types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for b, (row_ids, row_types) in enumerate(rows):
+        ids[b, length - len(row_ids):] = torch.tensor(row_ids)
+        types[b, length - len(row_ids):] = torch.tensor(row_types)
+        mask[b, length - len(row_ids):] = 1
+    return ids, types, mask
+
+
+def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
+                            tokens_per_second=None) -> tuple:
+    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them."""
+    import importlib
+    package, config_name, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
+    extra = {"vision_start_token_id": VISION_START} if "omni" in model else {}
+    config = getattr(configuration, config_name)(**extra)
+    if tokens_per_second is not None:
+        if "omni" in model:
+            config.position_id_per_seconds = tokens_per_second
+        else:
+            config.vision_config.tokens_per_second = tokens_per_second
+    ids, types, mask = rope_index_batch(model, config, prompts)
+    with torch.device("meta"):                                                          # no weights allocated
+        module = getattr(modeling, module_name)(config)
+    kwargs = dict(image_grid_thw=torch.tensor(images) if images else None,
+                  video_grid_thw=torch.tensor(videos) if videos else None, attention_mask=mask)
+    if seconds_keyword is not None and videos:
+        kwargs[seconds_keyword] = torch.tensor(seconds if seconds is not None else [1.0] * len(videos))
+    if "omni" not in model:
+        kwargs["mm_token_type_ids"] = types
+    return ids, types, mask, module.get_rope_index(ids, **kwargs)
+
+
+class TestMultimodalPositionIds:
+    """Against each model's own get_rope_index (transformers 5.24, on prompts with several images and videos and
+    left padding), every token and the rope_deltas; and the layout rules by hand."""
+
+    PROMPTS = [[3, ("image", (1, 4, 6)), 2, ("image", (1, 8, 4)), 4],
+               [2, ("video", (3, 4, 4)), 3, ("image", (1, 2, 2)), 1],
+               [1, ("video", (2, 6, 2)), ("video", (4, 2, 4)), 5]]
+    IMAGES = [(1, 4, 6), (1, 8, 4), (1, 2, 2)]
+    VIDEOS = [(3, 4, 4), (2, 6, 2), (4, 2, 4)]
+
+    @pytest.mark.parametrize("model", list(ROPE_INDEX_MODELS))
+    @pytest.mark.parametrize("seconds, tokens_per_second", [(None, None), ([0.5, 1.5, 0.3], 2)],
+                             ids=["defaults", "timed"])
+    def test_matches_transformers_get_rope_index(self, model, seconds, tokens_per_second):
+        pytest.importorskip("transformers")
+        if model in ("qwen3_vl", "glm4v", "qwen2_vl") and seconds is not None:
+            pytest.skip("no video timing: the time index is the frame index")
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, self.PROMPTS, self.IMAGES, self.VIDEOS,
+                                                                        seconds, tokens_per_second)
+        got, deltas = multimodal_position_ids(types, torch.tensor(self.IMAGES), torch.tensor(self.VIDEOS),
+                                              attention_mask=mask, model=model, tokens_per_second=tokens_per_second,
+                                              video_seconds=seconds)
+        assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
+        if model == "qwen3_omni":  # its float32 max + 1 - n rounds once more than our float64 one
+            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(deltas, want_deltas)
+        assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
+
+    @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+    def test_text_only_matches_transformers(self, model):
+        pytest.importorskip("transformers")
+        prompts = [[5], [2]]
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, prompts, [], [])
+        got, deltas = multimodal_position_ids(types, attention_mask=mask, model=model)
+        assert torch.equal(got.permute(2, 0, 1), want) and torch.equal(deltas, want_deltas)
+        assert torch.equal(got[0, :, 0], torch.arange(5)) and (deltas == 0).all()
+
+    def test_text_resumes_after_the_spatial_extent_not_the_last_frame(self):
+        # Qwen2.5-VL, one 3 x 4 x 4 video at 2 tokens per second and 2 s per grid step: time ids 2 + 0, 4, 8;
+        # the text after it starts at 2 + max(2, 2) = 4, while rope_deltas points past the largest id (10)
+        types = torch.tensor([[0, 0] + [2] * 12 + [0, 0]])
+        positions, deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
+                                                    model="qwen2_5_vl", tokens_per_second=2, video_seconds=[2.0])
+        assert positions[0, 2:14, 0].unique().tolist() == [2, 6, 10]
+        assert positions[0, 14:, 0].tolist() == [4, 5]
+        assert deltas.tolist() == [[10 + 1 - 16]]
+        omni, omni_deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
+                                                    model="qwen2_5_omni", video_seconds=[0.5])
+        assert omni[0, 2:14, 0].unique().tolist() == [2, 14, 27]                      # floor(k * 0.5 * 25)
+        assert omni[0, 14:, 0].tolist() == [28, 29]                                      # the block's max + 1
+        fractional, _ = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]), model="qwen3_omni",
+                                                video_seconds=[0.5])
+        assert fractional[0, 2:14, 0].unique().tolist() == [2.0, 14.5, 27.0]
+
+    def test_bad_input(self):
+        owner = "multimodal_position_ids: "
+        with pytest.raises(ValueError, match=owner + "token_types must be a \\[B, N\\] integer tensor"):
+            multimodal_position_ids(torch.tensor([[0, 3]]))
+        with pytest.raises(ValueError, match=owner + "a run of 3 image tokens in row 0 does not match its grid"):
+            multimodal_position_ids(torch.tensor([[0, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
+        with pytest.raises(ValueError, match=owner + "more video grids than runs"):
+            multimodal_position_ids(torch.tensor([[0, 0]]), video_grid_thw=torch.tensor([[1, 2, 2]]))
+        with pytest.raises(ValueError, match=owner + "model must be one of"):
+            multimodal_position_ids(torch.tensor([[0, 0]]), model="qwen4")
+        with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
+            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
+                                    video_seconds=[1.0, 2.0])
 
 
 # ---------------------------------------------------------------------------
