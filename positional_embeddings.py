@@ -3133,6 +3133,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     kind = "qk"
     translation_invariant = True
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
+    fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
@@ -3203,6 +3204,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
         if self._scaling["rope_type"] != "default":
             text += f", scaling={self._scaling}"
+        if self.fixed_length is not None:
+            text += f", fixed_length={self.fixed_length}"
         if self.sections is not None:
             text += f", sections={self.sections}, axis_spectrum={self.axis_spectrum!r}"
         return text
@@ -3281,6 +3284,24 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                                 dtype=_compute_dtype(x.dtype))
         return self._apply_rotation(x, cos, sin, seq_dim)
 
+    def at_length(self, length: int) -> "RotaryPositionalEmbedding":
+        """This RoPE with its ``dynamic`` / ``longrope`` frequencies fixed at those of ``length`` tokens.
+
+        By default those scalings take the frequencies of each call's largest position. Keys cached
+        at one decoding step and the queries of a later one then disagree once the sequence crosses
+        ``original_max_position_embeddings``, as in Hugging Face (transformers PR #33129: Phi-3's
+        output garbles there). Fixed at the longest length the sequence will reach (prompt plus new
+        tokens), every call of the returned encoding uses one set of frequencies, so decoding token
+        by token with rotated keys equals the full pass at that length. It shares this module's
+        buffers. Other scalings have nothing to fix: ``self``.
+        """
+        length = _check_positive_int(type(self).__name__, "length", length)
+        if self._scaling["rope_type"] not in _LENGTH_DEPENDENT:
+            return self
+        fixed = self._sibling()
+        fixed.fixed_length = length
+        return fixed
+
     def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *,
                  seq_dim: Literal[-2, -3] = -2) -> Tensor:
         """Keys rotated at ``old_positions`` turned to ``new_positions``, with no unrotated copy.
@@ -3319,7 +3340,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         q_len, k_len = q.shape[-2], k.shape[-2]
         dtype, q_offset = _compute_dtype(q.dtype), _query_offset(q_len, k_len)
         length = None  # dynamic / longrope: q and k must share the frequencies of the longest position
-        if self._scaling["rope_type"] in _LENGTH_DEPENDENT:
+        if self._scaling["rope_type"] in _LENGTH_DEPENDENT and self.fixed_length is None:
             tops = (self._largest(positions_q, q_len, q_offset), self._largest(positions_k, k_len, 0))
             traced = any(isinstance(top, Tensor) for top in tops)   # no data-dependent Python max while tracing
             length = (torch.maximum(*map(torch.as_tensor, tops)) if traced else max(tops)) + 1
@@ -3351,9 +3372,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     def _frequencies(self, positions: Optional[Tensor], n: int, offset: int, length, device) -> tuple:
         """``(inv_freq [F], attention factor)`` of a call: the construction-time ones, or for ``dynamic`` /
-        ``longrope`` those of ``length`` (default: the call's largest position + 1)."""
+        ``longrope`` those of ``length`` (default: ``fixed_length``, else the call's largest position + 1)."""
         if self._scaling["rope_type"] not in _LENGTH_DEPENDENT:
             return self.inv_freq, self.attention_factor
+        length = self.fixed_length if self.fixed_length is not None else length
         length = self._largest(positions, n, offset) + 1 if length is None else length
         inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
         return inv_freq.to(device), factor
@@ -6562,17 +6584,15 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     def bind(self, x: Optional[Tensor] = None, *,
              log_forget: Optional[Tensor] = None) -> "ForgettingPositionalEmbedding":
         """A bound encoding: on token states ``x`` ``[B, N, D]``, or on log forget values ``[B, H, N]``."""
-        owner = type(self).__name__
         if (x is None) == (log_forget is None):
-            raise ValueError(f"{owner}: bind takes exactly one of x and log_forget")
-        name, value, shape = ("states", x, f"[B, N, D={self.dim}]") if x is not None else \
-            ("log_forget_values", log_forget, f"[B, H={self.num_heads}, N]")
-        _check_tensor(owner, "x" if x is not None else "log_forget", value, 3)
-        width = self.dim if x is not None else self.num_heads
-        if value.dim() != 3 or value.shape[-1 if x is not None else 1] != width:
-            raise ValueError(f"{owner}: {'x' if x is not None else 'log_forget'} must be {shape}, "
-                             f"got {tuple(value.shape)}")
-        return self._bound_copy(**{name: value})
+            raise ValueError(f"{type(self).__name__}: bind takes exactly one of x and log_forget")
+        if x is not None:
+            return self._bound_copy(states=self._check_states(x))
+        _check_tensor(type(self).__name__, "log_forget", log_forget, 3)
+        if log_forget.dim() != 3 or log_forget.shape[1] != self.num_heads:
+            raise ValueError(f"{type(self).__name__}: log_forget must be [B, H={self.num_heads}, N], "
+                             f"got {tuple(log_forget.shape)}")
+        return self._bound_copy(log_forget_values=log_forget)
 
     def _sibling(self) -> "ForgettingPositionalEmbedding":
         return type(self)(self.dim, self.num_heads, fgate_proj=self.fgate_proj, init_std=self.init_std)
@@ -7548,8 +7568,7 @@ class DebertaPositionalEmbedding(_ExplicitLogits):
     translation_invariant = True
     integer_positions = True   # distances index buckets
     arguments = {"max_relative_positions": _check_positive_int, "pos_att_type": _attention_terms,
-                 "position_buckets": _optional_size, "layer_norm": _check_flag,
-                 "layer_norm_eps": _positive_float}
+                 "position_buckets": _optional_size, "layer_norm": _check_flag, "layer_norm_eps": _positive_float}
     argument_rules = (_check_deberta_buckets,)
 
     def __init__(self, dim: int, num_heads: int, *, max_relative_positions: int = 512,

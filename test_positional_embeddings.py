@@ -4605,6 +4605,55 @@ class TestRotary:
                 assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
 
 
+LENGTH_DEPENDENT_SCALINGS = {
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0 + i / 4 for i in range(8)],
+                 "original_max_position_embeddings": 8, "max_position_embeddings": 32},
+}
+
+
+class TestAtLength:
+    """``at_length``: dynamic / longrope frequencies fixed for a whole sequence, so a KV cache of rotated keys
+    decodes exactly like the full pass across the original length (transformers PR #33129's failure)."""
+
+    @staticmethod
+    def _decode(rope, q, k, v):
+        """One token per step, keys rotated once at their own position and cached."""
+        keys, outputs = [], []
+        for t in range(q.shape[-2]):
+            keys.append(rope(k[..., t : t + 1, :], offset=t))
+            step_q = rope(q[..., t : t + 1, :], offset=t)
+            outputs.append(attention(step_q, torch.cat(keys, -2), v[..., : t + 1, :], None, causal=True))
+        return torch.cat(outputs, -2)
+
+    @pytest.mark.parametrize("name", list(LENGTH_DEPENDENT_SCALINGS))
+    def test_decoding_equals_the_full_pass_across_the_switch(self, name):
+        rope = RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS[name])
+        q, k, v = qkv(dh=16)                                                              # N = 16 > 8
+        fixed = rope.at_length(N)
+        torch.testing.assert_close(self._decode(fixed, q, k, v), attention(q, k, v, fixed, causal=True))
+        # per-call frequencies (Hugging Face's behaviour with a cache): cached keys keep the frequencies of their
+        # own step, so the steps past the original length match neither the full pass nor each other
+        assert (self._decode(rope, q, k, v) - attention(q, k, v, rope, causal=True)).abs().max() > 1e-2
+
+    @pytest.mark.parametrize("name", list(LENGTH_DEPENDENT_SCALINGS))
+    def test_fixed_frequencies_are_those_of_a_call_that_long(self, name):
+        rope = RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS[name])
+        x = torch.randn(2, 4, 12, 16, dtype=torch.float64)
+        assert torch.equal(rope.at_length(12)(x), rope(x))                               # a call of 12 tokens
+        short = rope.at_length(30)(x[..., :3, :], offset=4)
+        long_call = rope(torch.cat([x[..., :3, :], x.new_zeros(2, 4, 23, 16)], -2), offset=4)   # positions 4..29
+        assert torch.equal(short, long_call[..., :3, :])
+
+    def test_other_scalings_and_bad_input(self):
+        rope = RotaryPositionalEmbedding(16)
+        assert rope.at_length(100) is rope
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: length must be a positive int"):
+            RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS["dynamic"]).at_length(0)
+        assert "fixed_length=12" in repr(RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS["dynamic"])
+                                         .at_length(12))
+
+
 class TestRerotate:
     """``RotaryPositionalEmbedding.rerotate``: cached keys moved to new positions (StreamingLLM's renumbering)."""
 
