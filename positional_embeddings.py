@@ -8742,7 +8742,13 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
         raise ValueError(f"{owner}: model_type={model_type!r} is not supported ({field}): {why}")
     params = _config_get(text, "rope_parameters") or _config_get(text, "rope_scaling") or {}
     params = dict(params)
-    if params and all(isinstance(value, dict) or value is None for value in params.values()):
+    per_layer_type = bool(params) and all(isinstance(value, dict) or value is None for value in params.values())
+    if model_type == "deepseek_v4" and not per_layer_type:
+        raise ValueError(f"{owner}: model_type='deepseek_v4' has one RoPE per layer type ('main', 'compress'), and "
+                         f"this config does not spell them out (a raw config.json, whose rope_theta, "
+                         f"compress_rope_theta and rope_scaling transformers' DeepseekV4Config combines); load it "
+                         f"with DeepseekV4Config(**config) or pass rope_parameters={{'main': ..., 'compress': ...}}")
+    if per_layer_type:
         # one RoPE per layer type (Gemma 3: sliding / full attention with different bases)
         if layer_type is None:
             raise ValueError(f"{owner}: this config has one RoPE per layer type {sorted(params)}; pass "

@@ -4566,6 +4566,13 @@ class TestRotary:
                                                                       "partial_rotary_factor": 0.125}}},
                                         layer_type="main")
         assert v4 == {"dim": 64, "base": 1e4, "interleaved": True}     # not 8: the factor is applied once
+        # a raw config.json (flat rope_scaling, compress_rope_theta) would read as one full-width RoPE: refused
+        raw_v4 = {"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64, "rope_theta": 1e4,
+                  "compress_rope_theta": 1.6e5, "rope_scaling": {"type": "yarn", "factor": 16,
+                                                                 "original_max_position_embeddings": 65536}}
+        for layer_type in ("main", "compress"):
+            with pytest.raises(ValueError, match="deepseek_v4' has one RoPE per layer type .*DeepseekV4Config"):
+                RotaryPositionalEmbedding.from_config(raw_v4, layer_type=layer_type)
         ministral = read("ministral3", head_dim=16, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16,
             "llama_4_scaling_beta": 0.1})
