@@ -49,6 +49,8 @@ Length generalisation:
   What's Important", arXiv:2405.18719.
 * ``ForgettingPositionalEmbedding``: Lin et al., "Forgetting Transformer: Softmax Attention with
   a Forget Gate", arXiv:2503.02130.
+* ``QueryTemperaturePositionalEmbedding``: Llama 4's attention temperature tuning on its NoPE layers
+  (Meta's Llama 4, 2025; transformers' ``modeling_llama4.py``).
 * ``InklingPositionalEmbedding``: Thinking Machines' Inkling models (no paper; transformers 5.24's
   ``InklingRelativeLogits`` / ``Inkling2RelativePositionBias``, x-transformers'
   ``RelativeProjPositionalBias``).
@@ -141,6 +143,7 @@ __all__ = [
     "HoPEPositionalEmbedding",
     "VideoRotaryPositionalEmbedding",
     "multimodal_position_ids",
+    "layer_encodings",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -159,6 +162,7 @@ __all__ = [
     "NoPositionalEmbedding",
     "XPosPositionalEmbedding",
     "PolarPositionalEmbedding",
+    "QueryTemperaturePositionalEmbedding",
     "FoPEPositionalEmbedding",
     "KerplePositionalEmbedding",
     "SandwichPositionalEmbedding",
@@ -3709,6 +3713,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     if real.shape != token_types.shape:
         raise ValueError(f"{owner}: attention_mask must have token_types' shape {tuple(token_types.shape)}, "
                          f"got {_describe(attention_mask)}")
+    if not layout.time_scale and (tokens_per_second is not None or video_seconds is not None):
+        raise ValueError(f"{owner}: model={model!r} has no video timing (a frame's time index is its number); "
+                         f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
+                         f"tokens_per_second={tokens_per_second!r}, video_seconds={video_seconds!r}")
     images, videos = _grid_rows(owner, "image_grid_thw", image_grid_thw), _grid_rows(owner, "video_grid_thw", video_grid_thw)
     seconds = [1.0] * len(videos) if video_seconds is None else [float(s) for s in video_seconds]
     if len(seconds) != len(videos):
@@ -3931,6 +3939,51 @@ class XPosPositionalEmbedding(_QKPairTransform):
                 f"{type(self).__name__}: positions must satisfy |p| <= {limit:.0f} for {dtype} inputs "
                 f"(zeta ** (p / scale_base) leaves the normal range beyond), got |p| = {largest:g}; shift q's and "
                 f"k's positions by the same constant (logits depend on p - r only) or raise scale_base/gamma")
+
+
+class QueryTemperaturePositionalEmbedding(_QKPairTransform):
+    """A query temperature that grows with the query's position: Llama 4's NoPE layers.
+
+    Each query is multiplied by ``tau(p) = 1 + scale * log(1 + floor((p + shift) / length))`` at
+    its position ``p``; keys are unchanged. There is no rotation. The factor is 1 for the first
+    ``length - shift`` positions and then grows like a logarithm, which keeps attention sharp over
+    long contexts. Llama 4 calls it attention temperature tuning and applies it in its NoPE layers
+    (``attn_temperature_tuning``): ``length = floor_scale`` (8192), ``scale = attn_scale`` (0.1),
+    ``shift = 1`` (transformers 5.24 ``modeling_llama4.py``). Ministral 3 and Mistral 4 apply the
+    same factor with ``shift = 0``, ``length = original_max_position_embeddings`` and
+    ``scale = llama_4_scaling_beta``, after their RoPE, which this class does not do.
+
+    Llama 4 takes ``p`` from the cache length plus the query's index, not from ``position_ids``.
+    That is this class's default: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them.
+    The factor is computed in float32 (float64 for float64 inputs), then q is rounded to its dtype.
+
+    Args:
+        length (float): the floor's period (Llama 4's ``floor_scale``). Default: 8192.
+        scale (float): the log's weight (Llama 4's ``attn_scale``). Default: 0.1.
+        shift (int): added to the position before the floor. Default: 1 (Llama 4's).
+
+    Example:
+        >>> temperature = QueryTemperaturePositionalEmbedding(length=4, scale=0.5)
+        >>> q = k = torch.ones(1, 1, 8, 2)
+        >>> [round(t, 3) for t in temperature(q, k)[0][0, 0, :, 0].tolist()]   # 1 + 0.5 log(1 + floor((p + 1) / 4))
+        [1.0, 1.0, 1.0, 1.347, 1.347, 1.347, 1.347, 1.549]
+    """
+
+    arguments = {"length": _positive_float, "scale": _non_negative_float,
+                 "shift": functools.partial(_as_int, minimum=0)}
+
+    def __init__(self, *, length: float = 8192.0, scale: float = 0.1, shift: int = 1) -> None:
+        super().__init__()
+        self.length, self.scale, self.shift = length, scale, shift
+
+    def factor(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``tau(p)`` of ``positions`` ``[..., N]``: ``[..., N]`` in ``dtype``."""
+        p = positions.to(dtype)
+        return 1.0 + self.scale * torch.log1p(torch.floor((p + self.shift) / self.length))
+
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        tau = self.factor(pos_q, _compute_dtype(q.dtype)).unsqueeze(-1)                 # [..., Nq, 1]
+        return (q * tau).to(q.dtype), k
 
 
 class PolarPositionalEmbedding(_QKPairTransform):
@@ -8988,6 +9041,64 @@ def _alibi_kwargs_from_config(config) -> dict:
     return {"num_heads": heads, "slopes": slopes, "bidirectional": False}
 
 
+_NO_ROPE_LAYER_MODELS = {"smollm3", "llama4", "llama4_text"}   # no_rope_layers[i]: 1 = RoPE, 0 = NoPE
+
+
+def layer_encodings(config) -> list:
+    """The positional encoding of each layer of a Hugging Face model, by layer index.
+
+    For models whose layers differ:
+
+    - **SmolLM3, Llama 4.** ``no_rope_layers[i]`` is 1 for a RoPE layer and 0 for a NoPE one. When
+      the list is absent, every ``no_rope_layer_interval``-th layer (default 4) is NoPE, as the
+      configs build it. RoPE layers share one ``RotaryPositionalEmbedding.from_config(config)``.
+      NoPE layers get ``NoPositionalEmbedding()``, or, in Llama 4 with ``attn_temperature_tuning``,
+      ``QueryTemperaturePositionalEmbedding(length=floor_scale, scale=attn_scale)``.
+    - **Per-layer-type RoPE** (Gemma 3 and 4, DeepSeek-V4): ``from_config(config, layer_type=...)``
+      for each layer's type. DeepSeek-V4's types map to its ``"main"`` RoPE (sliding-attention layers)
+      and ``"compress"`` RoPE (the others); its value rotation is not built yet.
+    - **Every other model accepted by ``from_config``:** that one RoPE on every layer.
+
+    What stays with the model: Llama 4's q/k norm and chunked attention on RoPE layers, SmolLM3's
+    sliding window on NoPE layers. Mistral Large 4 raises: its frequencies carry a learned factor
+    from the checkpoint, and its NoPE layers differ in architecture.
+
+    Example:
+        >>> smollm3 = {"model_type": "smollm3", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+        ...            "rope_theta": 2e6}                           # or transformers' SmolLM3Config(...)
+        >>> [type(pe).__name__ for pe in layer_encodings(smollm3)]   # every fourth layer is NoPE
+        ['RotaryPositionalEmbedding', 'RotaryPositionalEmbedding', 'RotaryPositionalEmbedding', 'NoPositionalEmbedding']
+    """
+    owner = "layer_encodings"
+    text = _text_config(owner, config)
+    model_type = _model_type(config, text)
+    layers = _config_get(text, "num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got {layers!r}")
+    if model_type in _NO_ROPE_LAYER_MODELS:
+        flags = _config_get(text, "no_rope_layers")
+        if not flags:
+            interval = _config_get(text, "no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(layers)]
+        if len(flags) < layers:
+            raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
+        rope = RotaryPositionalEmbedding.from_config(config)
+        nope = NoPositionalEmbedding()
+        if model_type.startswith("llama4") and _config_get(text, "attn_temperature_tuning", True):
+            nope = QueryTemperaturePositionalEmbedding(length=float(_config_get(text, "floor_scale", 8192)),
+                                                       scale=float(_config_get(text, "attn_scale", 0.1)))
+        return [rope if flags[i] else nope for i in range(layers)]
+    types = _config_get(text, "layer_types")
+    params = _config_get(text, "rope_parameters") or {}
+    if types and params and all(isinstance(value, dict) or value is None for value in dict(params).values()):
+        if model_type == "deepseek_v4":
+            types = ["main" if kind == "sliding_attention" else "compress" for kind in types]
+        built = {kind: RotaryPositionalEmbedding.from_config(config, layer_type=kind) for kind in set(types)}
+        return [built[kind] for kind in list(types)[:layers]]
+    rope = RotaryPositionalEmbedding.from_config(config)
+    return [rope] * layers
+
+
 # ---------------------------------------------------------------------------
 # Distributed: sequence sharding of positions and of Heinsen's scan
 # ---------------------------------------------------------------------------
@@ -9283,6 +9394,7 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "nope": NoPositionalEmbedding(dim=dim),
         "xpos": XPosPositionalEmbedding(head_dim),
         "polar": PolarPositionalEmbedding(head_dim, num_heads, phase_init="uniform"),
+        "query_temperature": QueryTemperaturePositionalEmbedding(length=max(seq_len // 4, 1), scale=0.5),
         "fope": FoPEPositionalEmbedding(head_dim, num_heads, train_length=seq_len),
         "hope": HoPEPositionalEmbedding(head_dim, train_length=seq_len),
         "kerple": KerplePositionalEmbedding(num_heads),

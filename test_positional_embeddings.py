@@ -65,6 +65,8 @@ from positional_embeddings import (
     FIREPositionalEmbedding,
     ForgettingPositionalEmbedding,
     InklingPositionalEmbedding,
+    QueryTemperaturePositionalEmbedding,
+    layer_encodings,
     multimodal_position_ids,
     FourierFeaturePositionalEmbedding,
     LearnableFourierPositionalEmbedding,
@@ -297,6 +299,7 @@ CASES = [
     PairCase("xpos_interleaved", lambda: XPosPositionalEmbedding(DH, interleaved=True, scale_base=8.0),
              has_offset=False),
     PairCase("polar", lambda: PolarPositionalEmbedding(DH, H, phase_init="uniform"), has_offset=False),
+    PairCase("query_temperature", lambda: QueryTemperaturePositionalEmbedding(length=4.0, scale=0.5), has_offset=False),
     Case("fope", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, learnable=True)),
     Case("fope_authors", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, num_pairs=DH // 4, padded="ones")),
     Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
@@ -737,8 +740,8 @@ class TestEveryClass:
         heads, head_dim = getattr(pe, "num_heads", None), getattr(pe, "head_dim", None)
         if pe.kind == "input":
             pytest.skip("added to the tokens: attention() never sees its widths")
-        if heads is None and head_dim is None and case.name.startswith("stick_breaking"):
-            pytest.skip("no parameters and no positions: any head count and width")
+        if heads is None and head_dim is None and case.name.startswith(("stick_breaking", "query_temperature")):
+            pytest.skip("built for no head count or width: any head count and width")
         if heads is None and head_dim is None:
             pytest.fail(f"{case.name}: an attention-side class with neither num_heads nor head_dim")
         positions = dict(zip(("positions_q", "positions_k"), case.positions(N, N)))
@@ -971,6 +974,7 @@ META_CASES = [pytest.param(case.make, id=case.name) for case in CASES] + [
 KEYWORD_BUILDS = [
     (RotaryPositionalEmbedding, dict(head_dim=DH)),
     (XPosPositionalEmbedding, dict(head_dim=DH)),
+    (QueryTemperaturePositionalEmbedding, dict()),
     (AlgebraicSequencePositionalEmbedding, dict(head_dim=DH, num_heads=H)),
     (AlgebraicGridPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
     (MixedRotaryPositionalEmbedding, dict(head_dim=DH, num_heads=H)),
@@ -4894,6 +4898,143 @@ class TestXPos:
         q = k = torch.randn(1, 2, 3, 8)
         with pytest.raises(TypeError, match="XPosPositionalEmbedding: offset must be an int, got str '1'"):
             XPosPositionalEmbedding(8)(q, k, offset="1")
+
+
+# ---------------------------------------------------------------------------
+# Query temperature (Llama 4's NoPE layers) and layer_encodings (per-layer schedules from a config)
+# ---------------------------------------------------------------------------
+
+LLAMA4_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                   interleave_moe_layer_step=2, no_rope_layer_interval=2, floor_scale=2, attn_scale=0.5,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8})
+SMOLLM3_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    no_rope_layers=[1, 0, 1, 1, 0, 1])
+
+
+def tiny_causal_lm(config_name: str, model_name: str, **fields) -> tuple:
+    """A transformers causal LM with a tiny config, random weights and eager attention: ``(config, model, its
+    modeling module, token ids [2, 10], the model's own logits for them)``."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_name)(**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    ids = torch.randint(3, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return config, model, sys.modules[type(model).__module__], ids, model(input_ids=ids).logits
+
+
+def logits_with_our_rope(model, modeling, function: str, encodings: list, seq_dim: int, ids: torch.Tensor) -> tuple:
+    """The model's logits with ``modeling.<function>(q, k, ...)`` replaced by ``encodings[layer]`` on q and k,
+    and the layers that called it."""
+    attentions = [layer.self_attn for layer in model.model.layers]
+    current, called = {}, []
+    hooks = [attn.register_forward_pre_hook(lambda module, args: current.__setitem__("layer", module.layer_idx))
+             for attn in attentions]
+
+    def rotate(q, k, *rest, **kwargs):
+        called.append(current["layer"])
+        pe = encodings[current["layer"]]
+        return pe(q, seq_dim=seq_dim), pe(k, seq_dim=seq_dim)
+    original = getattr(modeling, function)
+    setattr(modeling, function, rotate)
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits, sorted(set(called))
+    finally:
+        setattr(modeling, function, original)
+        for hook in hooks:
+            hook.remove()
+
+
+class TestQueryTemperature:
+    """Llama 4's query temperature: the formula at its published defaults, and inside the model."""
+
+    def test_the_factor(self):
+        temperature = QueryTemperaturePositionalEmbedding()                                # Llama 4's 8192, 0.1
+        positions = torch.tensor([0, 8190, 8191, 16382, 16383, 131071])
+        want = [1 + 0.1 * math.log(1 + math.floor((p + 1) / 8192)) for p in positions.tolist()]
+        torch.testing.assert_close(temperature.factor(positions, torch.float64), torch.tensor(want, dtype=torch.float64))
+        assert temperature.factor(positions)[:2].tolist() == [1.0, 1.0]                     # flat up to 8190
+        ministral = QueryTemperaturePositionalEmbedding(length=16, scale=0.1, shift=0)
+        assert ministral.factor(torch.tensor([15, 16])).tolist() == [1.0, pytest.approx(1 + 0.1 * math.log(2))]
+
+    def test_keys_unchanged_and_queries_at_the_last_positions(self):
+        temperature = QueryTemperaturePositionalEmbedding(length=4.0, scale=0.5)
+        q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 10, 8)                          # decoding: 2 queries
+        q2, k2 = temperature(q, k)
+        assert torch.equal(k2, k)
+        torch.testing.assert_close(q2, q * temperature.factor(torch.arange(8, 10))[:, None])
+
+    def test_matches_llama4_nope_layers(self):
+        # Llama 4's NoPE layers scale q inside the attention; switched off there, our encoding on the q_proj
+        # output gives the same logits (positions: arange(N), as the model's without a cache)
+        config, model, modeling, ids, want = tiny_causal_lm("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4_TINY)
+        encodings = layer_encodings(config)
+        hooks = []
+        for layer, pe in zip(model.model.layers, encodings):
+            if isinstance(pe, QueryTemperaturePositionalEmbedding):
+                layer.self_attn.attn_temperature_tuning = False
+                hooks.append(layer.self_attn.q_proj.register_forward_hook(lambda m, a, out, pe=pe: pe(out, out)[0]))
+        got, _ = logits_with_our_rope(model, modeling, "apply_rotary_emb", encodings, -3, ids)
+        for hook in hooks:
+            hook.remove()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        without, _ = logits_with_our_rope(model, modeling, "apply_rotary_emb", encodings, -3, ids)
+        assert (without - want).abs().max() > 1e-4                                         # the temperature matters
+
+
+class TestLayerEncodings:
+    """layer_encodings against the models: which layers rotate, and the logits with our encodings swapped in."""
+
+    def test_smollm3_logits(self):
+        config, model, modeling, ids, want = tiny_causal_lm("SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3_TINY)
+        encodings = layer_encodings(config)
+        got, called = logits_with_our_rope(model, modeling, "apply_rotary_pos_emb", encodings, -2, ids)
+        assert called == [i for i, pe in enumerate(encodings) if isinstance(pe, RotaryPositionalEmbedding)] \
+            == [0, 2, 3, 5]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_llama4_rope_layers_logits(self):
+        config, model, modeling, ids, want = tiny_causal_lm("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4_TINY)
+        # want: the model's own temperature on its NoPE layers stays on
+        encodings = layer_encodings(config)
+        got, called = logits_with_our_rope(model, modeling, "apply_rotary_emb", encodings, -3, ids)
+        assert called == [0, 2] and [type(pe).__name__ for pe in encodings][1::2] == \
+            ["QueryTemperaturePositionalEmbedding"] * 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_schedules_of_the_default_configs(self):
+        transformers = pytest.importorskip("transformers")
+        smol = layer_encodings(transformers.SmolLM3Config())
+        assert len(smol) == 36 and [i for i, pe in enumerate(smol) if isinstance(pe, NoPositionalEmbedding)] == \
+            list(range(3, 36, 4))
+        llama4 = layer_encodings(transformers.Llama4Config())                          # the multimodal config
+        temperatures = [pe for pe in llama4 if isinstance(pe, QueryTemperaturePositionalEmbedding)]
+        assert len(llama4) == 48 and len(temperatures) == 12
+        assert (temperatures[0].length, temperatures[0].scale, temperatures[0].shift) == (8192.0, 0.1, 1)
+        assert llama4[0].interleaved and llama4[0].base == 500000.0
+        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
+                                                                         "compressed_sparse_attention"] * 2,
+                                                            num_hidden_layers=4))
+        assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].dim == 64
+        gemma = layer_encodings(transformers.Gemma3TextConfig(num_hidden_layers=6))
+        assert [pe.base for pe in gemma] == [1e4] * 5 + [1e6]                          # five sliding, one full
+        with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported"):
+            layer_encodings(transformers.MistralLarge4TextConfig())
+
+    def test_raw_dicts_and_bad_input(self):
+        raw = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+               "rope_theta": 1e4, "no_rope_layer_interval": 3}
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in layer_encodings(raw)] == [False, False, True]
+        with pytest.raises(ValueError, match="layer_encodings: config must set num_hidden_layers"):
+            layer_encodings({"model_type": "llama", "rope_theta": 1e4})
+        with pytest.raises(ValueError, match="no_rope_layers must have num_hidden_layers=3 entries, got 2"):
+            layer_encodings({**raw, "no_rope_layers": [1, 0]})
 
 
 # ---------------------------------------------------------------------------
@@ -9363,9 +9504,12 @@ class TestMultimodalPositionIds:
             multimodal_position_ids(torch.tensor([[0, 0]]), video_grid_thw=torch.tensor([[1, 2, 2]]))
         with pytest.raises(ValueError, match=owner + "model must be one of"):
             multimodal_position_ids(torch.tensor([[0, 0]]), model="qwen4")
+        with pytest.raises(ValueError, match=owner + "model='qwen3_vl' has no video timing"):
+            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
+                                    model="qwen3_vl", tokens_per_second=2)
         with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
             multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
-                                    video_seconds=[1.0, 2.0])
+                                    model="qwen2_5_vl", video_seconds=[1.0, 2.0])
 
 
 # ---------------------------------------------------------------------------
@@ -10521,8 +10665,9 @@ def test_demo_translation_column_is_measured_for_every_class():
     heads, head_dim, n = 2, 8, 16
     q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
     # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
-    # Dual Chunk: chunk boundaries sit at absolute positions; FoPE: its noise mixes frequencies
-    moves = {"fire", "liere", "tupe", "dual_chunk", "fope"}
+    # Dual Chunk: chunk boundaries sit at absolute positions; FoPE: its noise mixes frequencies; the query
+    # temperature grows with the query's absolute position
+    moves = {"fire", "liere", "tupe", "dual_chunk", "fope", "query_temperature"}
     for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
         column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
         assert "absolute positions" not in column, (name, column)

@@ -102,6 +102,9 @@ def _gallery() -> dict:
         entries.append(Entry("nope", "NoPositionalEmbedding", lambda: pe_lib.NoPositionalEmbedding()))
     if has("XPosPositionalEmbedding"):
         entries.append(Entry("xpos", "XPosPositionalEmbedding", lambda: pe_lib.XPosPositionalEmbedding(Dh, scale_base=16.0)))
+    if has("QueryTemperaturePositionalEmbedding"):
+        entries.append(Entry("query_temperature", "QueryTemperaturePositionalEmbedding",
+                             lambda: pe_lib.QueryTemperaturePositionalEmbedding(length=4.0, scale=0.5)))
     if has("PolarPositionalEmbedding"):
         entries.append(Entry("polar", "PolarPositionalEmbedding",
                              lambda: pe_lib.PolarPositionalEmbedding(Dh, H, phase_init="uniform"), learned=True))
