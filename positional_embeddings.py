@@ -6486,13 +6486,15 @@ class ContinuousPositionBias(_WindowBias):
         return self
 
 
-def _bound_rows(batch: Optional[int], tokens: int, q_len: int, k_len: int, device) -> tuple:
-    """The positions of a bound encoding's pairs: token ``i`` of batch row ``b`` is row ``b * tokens + i`` of
-    its flattened tables; keys are the first ``Nk`` tokens and queries the last ``Nq`` of those. ``[B, 1, Nq]``
-    and ``[B, 1, Nk]`` (a slot for the heads), or ``[Nq]`` and ``[Nk]`` for ``batch=None`` (shared)."""
-    rows = torch.arange((batch or 1) * tokens, device=device).reshape(-1, tokens)[:, :k_len]   # [B, Nk]
-    rows = rows[0] if batch is None else rows[:, None]
-    return rows[..., k_len - q_len:], rows
+def _bound_rows(batch: Optional[int], stride: int, q_len: int, k_len: int, device, first: int = 0) -> tuple:
+    """The positions of a bound encoding's pairs: token ``i`` of batch row ``b`` is row ``b * stride + i - first``
+    of its flattened tables; keys are the first ``Nk`` tokens and queries the last ``Nq`` of those (a pair's
+    difference is its distance). ``[B, 1, Nq]`` and ``[B, 1, Nk]`` (a slot for the heads), or ``[Nq]`` and
+    ``[Nk]`` for ``batch=None`` (shared)."""
+    keys = torch.arange(k_len, device=device) - first                                   # [Nk]
+    if batch is not None:
+        keys = torch.arange(batch, device=device)[:, None, None] * stride + keys       # [B, 1, Nk]
+    return keys[..., k_len - q_len:], keys
 
 
 class _BoundTokens(PositionalEmbedding):
@@ -6834,9 +6836,7 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         """Query ``i`` of batch row ``b`` is row ``b Nq + i - (Nk - Nq)`` of the profile mixes
         (``bias_inputs``); keys sit at the same offsets, so a pair's difference is ``i - j``."""
         self._check_lengths(q_len, k_len)
-        rows = torch.arange(self.states.shape[0], device=device)[:, None, None] * q_len   # [B, 1, 1]
-        keys = rows + torch.arange(k_len, device=device) - (k_len - q_len)               # [B, 1, Nk]
-        return keys[..., k_len - q_len:], keys
+        return _bound_rows(self.states.shape[0], q_len, q_len, k_len, device, first=k_len - q_len)
 
     def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
         """Each query's mix of the profiles, ``r_i . P``: ``[H, B Nq, E]``."""
@@ -8701,6 +8701,11 @@ _ROPE_REFUSED = {
 _ROPE_REFUSED.update({f"{name}_text": reason for name, reason in list(_ROPE_REFUSED.items()) if name != "nanochat"})
 
 
+def _per_layer_type(params) -> bool:
+    """Whether ``rope_parameters`` hold one dict per layer type (Gemma 3, DeepSeek-V4) rather than one RoPE."""
+    return bool(params) and all(isinstance(value, dict) or value is None for value in dict(params).values())
+
+
 def _config_get(config, name: str, default=None):
     """``config.name`` for a config object, ``config[name]`` for a dict; None counts as missing.
 
@@ -8795,7 +8800,7 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
         raise ValueError(f"{owner}: model_type={model_type!r} is not supported ({field}): {why}")
     params = _config_get(text, "rope_parameters") or _config_get(text, "rope_scaling") or {}
     params = dict(params)
-    per_layer_type = bool(params) and all(isinstance(value, dict) or value is None for value in params.values())
+    per_layer_type = _per_layer_type(params)
     if model_type == "deepseek_v4" and not per_layer_type:
         raise ValueError(f"{owner}: model_type='deepseek_v4' has one RoPE per layer type ('main', 'compress'), and "
                          f"this config does not spell them out (a raw config.json, whose rope_theta, "
@@ -9090,7 +9095,7 @@ def layer_encodings(config) -> list:
         return [rope if flags[i] else nope for i in range(layers)]
     types = _config_get(text, "layer_types")
     params = _config_get(text, "rope_parameters") or {}
-    if types and params and all(isinstance(value, dict) or value is None for value in dict(params).values()):
+    if types and _per_layer_type(params):
         if model_type == "deepseek_v4":
             types = ["main" if kind == "sliding_attention" else "compress" for kind in types]
         built = {kind: RotaryPositionalEmbedding.from_config(config, layer_type=kind) for kind in set(types)}
