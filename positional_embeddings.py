@@ -3737,7 +3737,11 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
                 parts.append((start + torch.arange(length, dtype=torch.float64)).unsqueeze(-1).expand(-1, 3))
                 start += length
                 continue
-            (t, h, w), (step_scale, step_seconds) = next(queues[kind], ((0, 0, 0), None))
+            entry = next(queues[kind], None)
+            if entry is None:
+                raise ValueError(f"{owner}: row {b} has more runs of {'image' if kind == 1 else 'video'} tokens "
+                                 f"than there are grids")
+            (t, h, w), (step_scale, step_seconds) = entry
             h, w = h // merge, w // merge
             if t * h * w != length:
                 raise ValueError(f"{owner}: a run of {length} {'image' if kind == 1 else 'video'} tokens in row {b} "

@@ -9500,6 +9500,8 @@ class TestMultimodalPositionIds:
             multimodal_position_ids(torch.tensor([[0, 3]]))
         with pytest.raises(ValueError, match=owner + "a run of 3 image tokens in row 0 does not match its grid"):
             multimodal_position_ids(torch.tensor([[0, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
+        with pytest.raises(ValueError, match=owner + "row 0 has more runs of image tokens than there are grids"):
+            multimodal_position_ids(torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
         with pytest.raises(ValueError, match=owner + "more video grids than runs"):
             multimodal_position_ids(torch.tensor([[0, 0]]), video_grid_thw=torch.tensor([[1, 2, 2]]))
         with pytest.raises(ValueError, match=owner + "model must be one of"):
