@@ -747,6 +747,17 @@ class PositionalEmbedding(nn.Module):
         """Additive float32 bias ``[H, Nq, Nk]`` (``[B, H, Nq, Nk]`` for batched positions), or None."""
         return None
 
+    def encode_v(self, v: Tensor, q_len: int, positions_q: Optional[Tensor] = None,
+                 positions_k: Optional[Tensor] = None) -> Tensor:
+        """Values carrying position, for ``q_len`` queries (identity by default; RoPE's ``rotate_values``)."""
+        return v
+
+    def decode_output(self, out: Tensor, k_len: int, positions_q: Optional[Tensor] = None,
+                      positions_k: Optional[Tensor] = None) -> Tensor:
+        """The attention output after ``weights @ v``, for ``k_len`` keys (identity by default; it undoes
+        ``encode_v``'s query-side part)."""
+        return out
+
     def forward_attn(
         self,
         q: Tensor,
@@ -1128,14 +1139,17 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], 
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
         positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         q, k = pe.encode_qk(q, k, positions_q, positions_k)
+        v = pe.encode_v(v, q_len, positions_q, positions_k)
         bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
     gqa = {"enable_gqa": True} if group > 1 else {}
     if bias is None and attn_mask is None and causal and q_len == k_len:
-        return _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
-    mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
-    if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
-        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
-    return _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+        out = _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+    else:
+        mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
+        if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
+            mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+    return out if pe is None else pe.decode_output(out, k_len, positions_q, positions_k)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
@@ -3006,42 +3020,52 @@ def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Ten
 
 
 class _RotateFunction(torch.autograd.Function):
-    """Rotation of the first ``R`` channels (the rest pass through) in the compute dtype.
+    """Rotation of ``R`` channels (the first, or with ``trailing`` the last; the rest pass through) in
+    the compute dtype.
 
     Forward uses the allocation-free path; the backward of a rotation is the rotation
     by minus the angle, so it runs the same fast path with ``-sin``.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> Tensor:
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int,
+                trailing: bool = False) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        ctx.interleaved, ctx.rotary_dim = interleaved, rotary_dim
+        ctx.interleaved, ctx.rotary_dim, ctx.trailing = interleaved, rotary_dim, trailing
+        rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
         out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)                   # [..., N, Dh]
-        if rotary_dim < x.shape[-1]:
-            out[..., rotary_dim:] = x[..., rotary_dim:]
-        _rotate_pairs_into(x[..., :rotary_dim], cos, sin, out[..., :rotary_dim], interleaved)
+        out[..., passed] = x[..., passed]
+        _rotate_pairs_into(x[..., rotated], cos, sin, out[..., rotated], interleaved)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
-        grad_x = _RotateFunction.apply(grad, cos, -sin, ctx.interleaved, ctx.rotary_dim)
-        return grad_x, None, None, None, None
+        grad_x = _RotateFunction.apply(grad, cos, -sin, ctx.interleaved, ctx.rotary_dim, ctx.trailing)
+        return grad_x, None, None, None, None, None
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> Tensor:
-    """Rotate the pairs of the first ``rotary_dim`` channels of x [..., N, Dh] (the rest pass),
-    cos/sin [..., N, R/2] in the compute dtype -> x's dtype.
+def _rotary_slices(width: int, rotary_dim: int, trailing: bool) -> tuple:
+    """The rotated and the passing channels of a head ``width`` wide: ``(rotated, passed)`` slices."""
+    split = width - rotary_dim if trailing else rotary_dim
+    return (slice(split, None), slice(0, split)) if trailing else (slice(0, split), slice(split, None))
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, trailing: bool = False) -> Tensor:
+    """Rotate the pairs of the first ``rotary_dim`` channels of x [..., N, Dh] (the last ones with
+    ``trailing``, DeepSeek-V4's; the rest pass), cos/sin [..., N, R/2] in the compute dtype -> x's dtype.
 
     Eager uses the allocation-free function; traced code (inductor fuses it into one kernel)
     and differentiable angles (learned frequencies, float positions) use the plain formula.
     """
     if not (_is_compiling() or cos.requires_grad or sin.requires_grad):
-        return _RotateFunction.apply(x, cos, sin, interleaved, rotary_dim).to(x.dtype)
-    rotated = _rotate_pairs(x[..., :rotary_dim].to(cos.dtype), cos, sin, interleaved)
+        return _RotateFunction.apply(x, cos, sin, interleaved, rotary_dim, trailing).to(x.dtype)
+    rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
+    turned = _rotate_pairs(x[..., rotated].to(cos.dtype), cos, sin, interleaved)
     if rotary_dim < x.shape[-1]:
-        rotated = torch.cat([rotated, x[..., rotary_dim:].to(cos.dtype)], dim=-1)
-    return rotated.to(x.dtype)
+        kept = x[..., passed].to(cos.dtype)
+        turned = torch.cat([kept, turned] if trailing else [turned, kept], dim=-1)
+    return turned.to(x.dtype)
 
 
 def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_split", "interleaved"],
@@ -3091,7 +3115,15 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     RoFormer, GPT-J, Meta's Llama, torchtune); ``permute_rotary_weight`` converts
     checkpoints between the two. With ``rotary_dim < dim`` only the first ``rotary_dim``
     channels rotate (GPT-NeoX ``rotary_pct``, Phi's ``partial_rotary_factor``) and the
-    frequencies use ``rotary_dim`` as denominator, as Hugging Face does.
+    frequencies use ``rotary_dim`` as denominator, as Hugging Face does;
+    ``rotated_channels="trailing"`` rotates the last ``rotary_dim`` instead (DeepSeek-V4's
+    ``[nope | rope]`` heads).
+
+    ``rotate_values=True`` (DeepSeek-V4, whose keys are its values) turns the values too:
+    ``attention()`` rotates v at the key positions and the output back at the query
+    positions, so query ``m`` reads ``sum_n w_mn R((n - m) theta) v_n``: a relative position
+    in the values as well as in the logits (``encode_v`` and ``decode_output`` are the two
+    steps, for your own attention).
 
     ``scaling`` takes a Hugging Face ``rope_parameters`` dict (``linear``, ``dynamic``,
     ``yarn``, ``longrope``, ``llama3``) and gives the same cos/sin, attention factor
@@ -3122,6 +3154,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         cache_len (int): positions whose cos/sin are tabulated at construction; the table
             grows on demand in eager mode, and under ``torch.compile`` positions past it are
             computed on the fly. Default: 4096.
+        rotated_channels (str): ``"leading"`` (the first ``R`` channels) or ``"trailing"`` (the
+            last ``R``). Default: ``"leading"``.
+        rotate_values (bool): rotate the values in ``attention()`` and the output back (see
+            above; ``Dv = Dh``). Default: False.
 
     Shape:
         - x: ``[..., N, Dh]`` (``[B, H, N, Dh]`` for attention); positions ``[N]``, ``[B, N]``
@@ -3136,6 +3172,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     kind = "qk"
     translation_invariant = True
+    arguments = {"rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
+                 "rotate_values": _check_flag}
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
     fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
 
@@ -3143,7 +3181,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
                  sections: Optional[list] = None, section_layout: Literal["contiguous", "interleaved"] = "contiguous",
                  axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096,
-                 head_dim: Optional[int] = None) -> None:
+                 head_dim: Optional[int] = None, rotated_channels: Literal["leading", "trailing"] = "leading",
+                 rotate_values: bool = False) -> None:
         super().__init__()
         owner = type(self).__name__
         dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
@@ -3178,6 +3217,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                              f"got sections={sections}, section_layout={section_layout!r}")
         self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
         self.axis_spectrum = axis_spectrum
+        self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
         self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
         self.num_axes = 1 if sections is None else len(sections)
         self._set_scaling(params)
@@ -3212,6 +3252,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             text += f", fixed_length={self.fixed_length}"
         if self.sections is not None:
             text += f", sections={self.sections}, axis_spectrum={self.axis_spectrum!r}"
+        if self.rotated_channels != "leading":
+            text += f", rotated_channels={self.rotated_channels!r}"
+        if self.rotate_values:
+            text += ", rotate_values=True"
         return text
 
     @property
@@ -3341,20 +3385,45 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         return checked[0] if len(checked) == 1 else checked
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
-        q_len, k_len = q.shape[-2], k.shape[-2]
-        dtype, q_offset = _compute_dtype(q.dtype), _query_offset(q_len, k_len)
-        length = None  # dynamic / longrope: q and k must share the frequencies of the longest position
+        q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
+        cos_k, sin_k = self._call_cos_sin("k", q_len, k_len, positions_q, positions_k, k.device, dtype)
+        if positions_q is None and positions_k is None and q_len == k_len:
+            cos_q, sin_q = cos_k, sin_k
+        else:
+            cos_q, sin_q = self._call_cos_sin("q", q_len, k_len, positions_q, positions_k, q.device, dtype)
+        return self._apply_rotation(q, cos_q, sin_q), self._apply_rotation(k, cos_k, sin_k)
+
+    def encode_v(self, v, q_len, positions_q=None, positions_k=None):
+        """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
+        if not self.rotate_values:
+            return v
+        _check_last_dim(type(self).__name__, "v (rotate_values=True turns the values as the keys)", v, self.dim)
+        cos, sin = self._call_cos_sin("k", q_len, v.shape[-2], positions_q, positions_k, v.device,
+                                      _compute_dtype(v.dtype))
+        return self._apply_rotation(v, cos, sin)
+
+    def decode_output(self, out, k_len, positions_q=None, positions_k=None):
+        """With ``rotate_values``: the output ``[..., Nq, Dh]`` turned back by the query positions, so
+        it sums ``R(p_k - p_q) v`` over the keys (the rotated values seen from the query)."""
+        if not self.rotate_values:
+            return out
+        cos, sin = self._call_cos_sin("q", out.shape[-2], k_len, positions_q, positions_k, out.device,
+                                      _compute_dtype(out.dtype))
+        return self._apply_rotation(out, cos, -sin)
+
+    def _call_cos_sin(self, side: str, q_len: int, k_len: int, positions_q, positions_k, device, dtype) -> tuple:
+        """cos, sin of one ``attention()`` call's queries (``side="q"``, the last ``Nq`` keys by default) or
+        keys (``"k"``). ``dynamic`` / ``longrope``: both sides take the frequencies of the call's largest
+        position, so q and k (and v) turn with one spectrum."""
+        q_offset = _query_offset(q_len, k_len)
+        length = None
         if self._scaling["rope_type"] in _LENGTH_DEPENDENT and self.fixed_length is None:
             tops = (self._largest(positions_q, q_len, q_offset), self._largest(positions_k, k_len, 0))
             traced = any(isinstance(top, Tensor) for top in tops)   # no data-dependent Python max while tracing
             length = (torch.maximum(*map(torch.as_tensor, tops)) if traced else max(tops)) + 1
-        cos_k, sin_k = self.cos_sin(positions_k, k_len, offset=0, device=k.device, dtype=dtype, length=length)
-        if positions_q is None and positions_k is None and q_len == k_len:
-            cos_q, sin_q = cos_k, sin_k
-        else:
-            cos_q, sin_q = self.cos_sin(positions_q, q_len, offset=q_offset, device=q.device, dtype=dtype,
-                                        length=length)
-        return self._apply_rotation(q, cos_q, sin_q), self._apply_rotation(k, cos_k, sin_k)
+        if side == "q":
+            return self.cos_sin(positions_q, q_len, offset=q_offset, device=device, dtype=dtype, length=length)
+        return self.cos_sin(positions_k, k_len, offset=0, device=device, dtype=dtype, length=length)
 
     def cos_sin(self, positions: Optional[Tensor], n: int, *, offset: int = 0, device=None,
                 dtype: torch.dtype = torch.float32, length=None) -> tuple:
@@ -3446,7 +3515,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
         if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return _rotate(x, cos, sin, self.interleaved, self.rotary_dim)
+        return _rotate(x, cos, sin, self.interleaved, self.rotary_dim, self.rotated_channels == "trailing")
 
 
 class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
@@ -8608,8 +8677,8 @@ _ROTARY_DIM_MODELS = {"gptj", "codegen"}
 
 
 # Models whose rotated slice is int(head_dim * partial_rotary_factor) channels, which their qk_rope_head_dim
-# already equals (DeepSeek-V4 rotates the trailing slice, Mistral 4 its rope part): from_config describes the
-# slice (dim = rotary_dim = its width), not applying the factor a second time.
+# already equals, so the factor applies once: DeepSeek-V4 rotates the trailing slice of its heads (from_config
+# says so), Mistral 4 its separate rope part (from_config describes that part: dim = rotary_dim = its width).
 _ROPE_SLICE_MODELS = {"deepseek_v4", "mistral4", "mistral_large4", "mistral_large4_text"}
 
 
@@ -8867,7 +8936,9 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"{owner}: the rotated dim must be even and in (0, head_dim={head_dim}], got "
                          f"rotary_dim={rotary_dim} (partial_rotary_factor={partial})")
-    if model_type in _ROPE_SLICE_MODELS:
+    if model_type == "deepseek_v4":   # [nope | rope] heads whose keys are the values: both turn, and the output
+        kwargs.update(rotated_channels="trailing", rotate_values=True)
+    elif model_type in _ROPE_SLICE_MODELS:
         kwargs["dim"] = head_dim = rotary_dim     # the module describes the rotated slice only
     if rotary_dim != head_dim:
         kwargs["rotary_dim"] = rotary_dim
@@ -9065,7 +9136,7 @@ def layer_encodings(config) -> list:
       ``QueryTemperaturePositionalEmbedding(length=floor_scale, scale=attn_scale)``.
     - **Per-layer-type RoPE** (Gemma 3 and 4, DeepSeek-V4): ``from_config(config, layer_type=...)``
       for each layer's type. DeepSeek-V4's types map to its ``"main"`` RoPE (sliding-attention layers)
-      and ``"compress"`` RoPE (the others); its value rotation is not built yet.
+      and ``"compress"`` RoPE (the others), each turning the values too in ``attention()``.
     - **Every other model accepted by ``from_config``:** that one RoPE on every layer.
 
     What stays with the model: Llama 4's q/k norm and chunked attention on RoPE layers, SmolLM3's

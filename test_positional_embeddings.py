@@ -4569,7 +4569,8 @@ class TestRotary:
                                          "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4,
                                                                       "partial_rotary_factor": 0.125}}},
                                         layer_type="main")
-        assert v4 == {"dim": 64, "base": 1e4, "interleaved": True}     # not 8: the factor is applied once
+        assert v4 == {"dim": 512, "base": 1e4, "rotary_dim": 64, "interleaved": True,     # not 8: the factor once
+                      "rotated_channels": "trailing", "rotate_values": True}
         # a raw config.json (flat rope_scaling, compress_rope_theta) would read as one full-width RoPE: refused
         raw_v4 = {"model_type": "deepseek_v4", "head_dim": 512, "qk_rope_head_dim": 64, "rope_theta": 1e4,
                   "compress_rope_theta": 1.6e5, "rope_scaling": {"type": "yarn", "factor": 16,
@@ -4663,6 +4664,156 @@ class TestAtLength:
             RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS["dynamic"]).at_length(0)
         assert "fixed_length=12" in repr(RotaryPositionalEmbedding(16, scaling=LENGTH_DEPENDENT_SCALINGS["dynamic"])
                                          .at_length(12))
+
+
+class TestValueRotation:
+    """``rotated_channels="trailing"`` and ``rotate_values`` (DeepSeek-V4): the last R channels turn, and in
+    attention() the values turn at the key positions and the output back at the query positions."""
+
+    @staticmethod
+    def _oracle(q, k, v, rotary_dim, base, positions_q, positions_k, causal):
+        """Plain float64 loops: rotate the trailing interleaved pairs of q, k, v; softmax; turn the output back."""
+        dh, q64, k64, v64 = q.shape[-1], q.double(), k.double(), v.double()
+
+        def rotate(x, position, sign=1.0):
+            x = x.clone()
+            for i in range(rotary_dim // 2):
+                angle = sign * float(position) * base ** (-2 * i / rotary_dim)
+                a, b = x[..., dh - rotary_dim + 2 * i].clone(), x[..., dh - rotary_dim + 2 * i + 1].clone()
+                x[..., dh - rotary_dim + 2 * i] = a * math.cos(angle) - b * math.sin(angle)
+                x[..., dh - rotary_dim + 2 * i + 1] = b * math.cos(angle) + a * math.sin(angle)
+            return x
+
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float64)
+        for m, pm in enumerate(positions_q.tolist()):
+            qm = rotate(q64[..., m, :], pm)
+            keys = [n for n in range(k.shape[-2]) if not causal or n <= m + k.shape[-2] - q.shape[-2]]
+            logits = torch.stack([(qm * rotate(k64[..., n, :], positions_k[n])).sum(-1) for n in keys], -1) / dh ** 0.5
+            weights = logits.softmax(-1)
+            mixed = sum(weights[..., j, None] * rotate(v64[..., n, :], positions_k[n]) for j, n in enumerate(keys))
+            out[..., m, :] = rotate(mixed, pm, -1.0)
+        return out
+
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_attention_equals_the_plain_loop(self, causal):
+        rope = RotaryPositionalEmbedding(16, rotary_dim=6, interleaved=True, rotated_channels="trailing",
+                                         rotate_values=True, base=100.0)
+        q, k, v = (torch.randn(2, 3, 7, 16, dtype=torch.float64) for _ in range(3))
+        positions_q, positions_k = torch.tensor([3, 8, 9, 20, 21, 22, 40]), torch.tensor([0, 3, 8, 9, 20, 21, 22])
+        got = attention(q, k, v, rope, positions_q=positions_q, positions_k=positions_k, causal=causal)
+        want = self._oracle(q, k, v, 6, 100.0, positions_q, positions_k, causal)
+        assert (got - want).abs().max().item() < 1e-12
+
+    def test_defaults_decode_and_relative_positions(self):
+        rope = RotaryPositionalEmbedding(16, rotary_dim=8, interleaved=True, rotated_channels="trailing",
+                                         rotate_values=True)
+        q, k, v = (torch.randn(2, 4, 9, 16) for _ in range(3))
+        full = attention(q, k, v, rope, causal=True)
+        want = self._oracle(q, k, v, 8, 10000.0, torch.arange(9), torch.arange(9), True)
+        torch.testing.assert_close(full.double(), want, atol=2e-6, rtol=0)
+        # decoding: the last query against every key is the full pass's last row (default positions bottom-right)
+        torch.testing.assert_close(attention(q[..., -1:, :], k, v, rope, causal=True), full[..., -1:, :])
+        # grouped-query attention: k and v with 2 heads read as repeated
+        k2, v2 = k[:, :2], v[:, :2]
+        torch.testing.assert_close(attention(q, k2, v2, rope, causal=True),
+                                   attention(q, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1), rope, causal=True))
+        # relative in the values too: shifting every position leaves the output; without the way back it does not
+        shifted = attention(q, k, v, rope, causal=True, positions_q=torch.arange(9) + 1000,
+                            positions_k=torch.arange(9) + 1000)
+        torch.testing.assert_close(shifted, full, atol=1e-5, rtol=0)
+        rope.decode_output = lambda out, *args: out                                    # an instance attribute
+        assert (attention(q, k, v, rope, causal=True) - full).abs().max() > 1e-2
+
+    def test_trailing_channels_are_the_leading_ones_moved(self):
+        lead = RotaryPositionalEmbedding(16, rotary_dim=6)
+        trail = RotaryPositionalEmbedding(16, rotary_dim=6, rotated_channels="trailing")
+        x = torch.randn(2, 3, 5, 16, requires_grad=True)
+        move = torch.cat([torch.arange(10, 16), torch.arange(10)])                     # trailing slice first
+        got = trail(x)
+        torch.testing.assert_close(got[..., move], lead(x[..., move]), atol=0, rtol=0)
+        got.square().sum().backward()                                                  # the fast path's backward
+        x2 = x.detach()[..., move].requires_grad_()
+        lead(x2).square().sum().backward()
+        torch.testing.assert_close(x.grad[..., move], x2.grad)
+        assert "rotated_channels='trailing'" in repr(trail) and "rotate_values" not in repr(trail)
+
+    def test_values_off_is_the_identity_and_bad_input(self):
+        rope = RotaryPositionalEmbedding(16)
+        v = torch.randn(1, 2, 5, 16)
+        assert rope.encode_v(v, 5) is v and rope.decode_output(v, 5) is v
+        with pytest.raises(ValueError, match="rotated_channels must be one of 'leading', 'trailing', got "
+                                             "rotated_channels='middle'"):
+            RotaryPositionalEmbedding(16, rotated_channels="middle")
+        with pytest.raises(TypeError, match="rotate_values must be a bool, got str"):
+            RotaryPositionalEmbedding(16, rotate_values="yes")
+        values = RotaryPositionalEmbedding(16, rotate_values=True)
+        q = torch.randn(1, 2, 5, 16)
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding: v \(rotate_values=True turns the values "
+                                             r"as the keys\) must have last dim 16, got shape \(1, 2, 5, 8\)"):
+            attention(q, q, torch.randn(1, 2, 5, 8), values)
+
+    def test_deepseek_v4_attention_layers(self):
+        """Every attention layer of a tiny DeepSeek-V4 (sliding / CSA / HCA): the output our attention() gives from
+        the layer's unrotated q and kv (k = v), with from_config's RoPE of the layer's type, equals the layer's
+        output after its inverse rotation. Sinks are -inf (attention() has none; they are zero after init)."""
+        transformers = pytest.importorskip("transformers")
+        modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+        torch.manual_seed(0)
+        config = transformers.DeepseekV4Config(
+            vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=32, q_lora_rank=16, partial_rotary_factor=0.25, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, sliding_window=4,
+            o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=3, hc_mult=2,
+            hc_sinkhorn_iters=3, max_position_embeddings=64,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "beta_fast": 32, "beta_slow": 1})
+        model = modeling.DeepseekV4Model(config).eval()
+        for layer in model.layers:
+            layer.self_attn.sinks.data.fill_(float("-inf"))
+        rotations, cores, outputs = [], [], {}
+        apply, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+
+        def apply_spy(x, cos, sin, unsqueeze_dim=1):
+            frame = sys._getframe(1)
+            layer = frame.f_locals.get("layer_idx", getattr(frame.f_locals.get("self"), "layer_idx", None))
+            rotations.append((type(frame.f_locals.get("self")).__name__, layer, x.clone()))
+            return apply(x, cos, sin, unsqueeze_dim)
+
+        def eager_spy(module, query, key, value, attention_mask, *args, **kwargs):
+            cores.append((module.layer_idx, attention_mask.clone(), key.shape[-2]))
+            return eager(module, query, key, value, attention_mask, *args, **kwargs)
+
+        for index, layer in enumerate(model.layers):
+            layer.self_attn.o_a_proj.register_forward_pre_hook(
+                lambda module, args, index=index: outputs.__setitem__(index, args[0].clone()))
+        modeling.apply_rotary_pos_emb, modeling.eager_attention_forward = apply_spy, eager_spy
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.randint(0, 64, (1, 9)), use_cache=False)
+        finally:
+            modeling.apply_rotary_pos_emb, modeling.eager_attention_forward = apply, eager
+        n, heads, dh = 9, config.num_attention_heads, config.head_dim
+        positions = torch.arange(n)
+        for index, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            rope = RotaryPositionalEmbedding.from_config(config, layer_type=attn.rope_layer_type)
+            assert (rope.rotated_channels, rope.rotate_values, rope.rotary_dim) == ("trailing", True, 8)
+            q, kv = [x for owner, layer_index, x in rotations if owner == "DeepseekV4Attention"
+                     and layer_index == index][:2]                                     # [B, H, N, Dh], [B, 1, N, Dh]
+            keys = positions
+            if attn.compressor is not None:   # compressed entries at window starts, rotated as keys are
+                ratio = attn.compressor.compress_rate
+                entries = [x for owner, layer_index, x in rotations if owner == type(attn.compressor).__name__
+                           and layer_index == index][0]
+                kv = torch.cat([kv, entries], -2)
+                keys = torch.cat([positions, torch.arange(entries.shape[-2]) * ratio])
+            mask = next(mask for layer_index, mask, _ in cores if layer_index == index)
+            ours = attention(q, kv, kv, rope, positions_q=positions, positions_k=keys, attn_mask=mask == 0,
+                             scale=attn.scaling)
+            theirs = outputs[index].reshape(1, n, heads, dh).transpose(1, 2)
+            assert (ours - theirs).abs().max().item() < 2e-6, attn.layer_type
 
 
 class TestRerotate:
@@ -5021,7 +5172,7 @@ class TestLayerEncodings:
         v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
                                                                          "compressed_sparse_attention"] * 2,
                                                             num_hidden_layers=4))
-        assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].dim == 64
+        assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].rotary_dim == 64 and v4[0].rotate_values
         gemma = layer_encodings(transformers.Gemma3TextConfig(num_hidden_layers=6))
         assert [pe.base for pe in gemma] == [1e4] * 5 + [1e6]                          # five sliding, one full
         with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported"):
