@@ -3105,6 +3105,32 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     return weight.unflatten(0, (heads, head_dim))[:, rows.to(weight.device)].flatten(0, 1)
 
 
+def _check_pair_axes(owner: str, pair_axes, rotary_dim: int) -> list:
+    """``pair_axes``: the position axis (an int >= 0) of each of the ``rotary_dim / 2`` pairs."""
+    pair_axes = [_as_int(owner, "pair_axes", axis, minimum=0) for axis in _as_list(owner, "pair_axes", pair_axes)]
+    if len(pair_axes) != rotary_dim // 2:
+        raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {rotary_dim // 2} "
+                         f"pairs, got {len(pair_axes)}")
+    return pair_axes
+
+
+def _check_frequencies(owner: str, frequencies, rotary_dim: int, params: dict, axis_spectrum: str) -> Optional[list]:
+    """``frequencies``: one finite frequency >= 0 per pair (a list or a 1-D tensor), replacing the spectrum."""
+    if frequencies is None:
+        return None
+    if isinstance(frequencies, Tensor) and frequencies.dim() == 1 and not frequencies.is_complex():
+        frequencies = frequencies.tolist()
+    frequencies = [_as_float(owner, "frequencies", value, minimum=0.0)
+                   for value in _as_list(owner, "frequencies", frequencies)]
+    if len(frequencies) != rotary_dim // 2:
+        raise ValueError(f"{owner}: frequencies must give one frequency for each of the rotary_dim / 2 = "
+                         f"{rotary_dim // 2} pairs, got {len(frequencies)}")
+    if axis_spectrum != "shared":
+        raise ValueError(f"{owner}: frequencies replace the spectrum, so axis_spectrum must stay 'shared', "
+                         f"got axis_spectrum={axis_spectrum!r}")
+    return frequencies
+
+
 class RotaryPositionalEmbedding(PositionalEmbedding):
     """Rotary position embedding: rotate q and k pairwise by position-proportional angles.
 
@@ -3131,11 +3157,16 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     ``original_max_position_embeddings`` (and ``max_position_embeddings`` where needed).
     ``dynamic`` and ``longrope`` are driven by the largest position of each call.
 
-    Multi-axis positions (Qwen2-VL's M-RoPE, axial 2-D RoPE for ViTs): ``sections`` gives
-    the number of frequency pairs for each axis, in order (``[16, 24, 24]`` for ``(t, h, w)``
-    with ``dim=128``); positions are then ``[..., N, A]``. With ``axis_spectrum="shared"``
-    the axes take consecutive slices of one spectrum (Qwen2-VL); with ``"per_axis"`` each
-    axis has its own full spectrum over ``2 * sections[a]`` channels (axial ViT RoPE).
+    Multi-axis positions (Qwen2-VL's M-RoPE, axial 2-D RoPE for ViTs): pair ``i`` turns with
+    the position on its axis, and positions are ``[..., N, A]``. ``pair_axes`` gives any map
+    (the axis of each pair) and ``frequencies`` any spectrum; the presets are ``sections``, the
+    pairs of each axis in order (``[16, 24, 24]`` for ``(t, h, w)`` with ``dim=128``), laid out
+    by ``section_layout``: ``"contiguous"`` (Qwen2-VL, GLM-4V, HunYuan's XD-RoPE),
+    ``"interleaved"`` (Qwen3-VL: ``t h w t h w ...``) or ``"alternating"`` (ERNIE-4.5-VL,
+    VideoRoPE: ``h w h w ...`` then ``t`` on the slowest pairs). With contiguous sections,
+    ``axis_spectrum`` says which frequencies an axis takes: ``"shared"``, consecutive slices of
+    one spectrum (Qwen2-VL); ``"per_axis"``, a full spectrum over ``2 * sections[a]`` channels
+    each (axial ViT RoPE, EVA-02); ``"strided"``, every ``A``-th frequency from ``a`` (Pixtral).
 
     Angles come from float64 positions and frequencies, so position 1e6 is as accurate as
     position 1; the rotation runs in float32 (float64 for float64 inputs) and rounds once
@@ -3150,7 +3181,9 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         scaling (dict, optional): Hugging Face ``rope_parameters``. Default: None.
         sections (list of int, optional): frequency pairs per position axis, summing to
             ``R / 2``. Default: None (one axis).
-        axis_spectrum (str): ``"shared"`` or ``"per_axis"``. Default: ``"shared"``.
+        section_layout (str): ``"contiguous"``, ``"interleaved"`` or ``"alternating"`` (the last
+            two for three sections ``(t, h, w)``). Default: ``"contiguous"``.
+        axis_spectrum (str): ``"shared"``, ``"per_axis"`` or ``"strided"``. Default: ``"shared"``.
         cache_len (int): positions whose cos/sin are tabulated at construction; the table
             grows on demand in eager mode, and under ``torch.compile`` positions past it are
             computed on the fly. Default: 4096.
@@ -3158,6 +3191,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             last ``R``). Default: ``"leading"``.
         rotate_values (bool): rotate the values in ``attention()`` and the output back (see
             above; ``Dv = Dh``). Default: False.
+        pair_axes (list of int, optional): the position axis of each of the ``R / 2`` pairs, instead
+            of ``sections``; ``A = max(pair_axes) + 1``. Default: None.
+        frequencies (list of float or 1-D tensor, optional): the frequency of each pair, instead of
+            ``base ** (-2i / R)`` (no ``scaling`` then). Default: None.
 
     Shape:
         - x: ``[..., N, Dh]`` (``[B, H, N, Dh]`` for attention); positions ``[N]``, ``[B, N]``
@@ -3179,10 +3216,12 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
-                 sections: Optional[list] = None, section_layout: Literal["contiguous", "interleaved"] = "contiguous",
-                 axis_spectrum: Literal["shared", "per_axis"] = "shared", cache_len: int = 4096,
+                 sections: Optional[list] = None,
+                 section_layout: Literal["contiguous", "interleaved", "alternating"] = "contiguous",
+                 axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared", cache_len: int = 4096,
                  head_dim: Optional[int] = None, rotated_channels: Literal["leading", "trailing"] = "leading",
-                 rotate_values: bool = False) -> None:
+                 rotate_values: bool = False, pair_axes: Optional[list] = None,
+                 frequencies: Optional[list] = None) -> None:
         super().__init__()
         owner = type(self).__name__
         dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
@@ -3192,7 +3231,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self.interleaved = _check_flag(owner, "interleaved", interleaved)
         params = _check_scaling(owner, scaling, self.base)
         rotary_dim = None if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
-        _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved"))
+        _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved", "alternating"))
+        if sections is not None and pair_axes is not None:
+            raise ValueError(f"{owner}: pass sections (a preset) or pair_axes (any map), not both, got "
+                             f"sections={sections} and pair_axes={_describe(pair_axes)}")
         if sections is not None:
             sections = [_check_positive_int(owner, "sections", size) for size in _as_list(owner, "sections", sections)]
         rotary_dim, sections, section_layout = _rotary_layout(owner, dim, rotary_dim, params, sections, section_layout)
@@ -3202,24 +3244,36 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if sections is not None and sum(sections) != rotary_dim // 2:
             raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
                              f"{rotary_dim // 2}, got sections={sections}")
-        if section_layout == "interleaved" and (sections is None or len(sections) != 3):
-            raise ValueError(f"{owner}: section_layout='interleaved' (Qwen3-VL) needs three sections (t, h, w), "
+        if section_layout != "contiguous" and (sections is None or len(sections) != 3):
+            model = "Qwen3-VL" if section_layout == "interleaved" else "ERNIE-4.5-VL, VideoRoPE"
+            raise ValueError(f"{owner}: section_layout={section_layout!r} ({model}) needs three sections (t, h, w), "
                              f"got sections={sections}")
+        if section_layout == "alternating" and sections[1] - sections[2] not in (0, 1):
+            # h takes the even pairs of the first sections[1] + sections[2], w the odd ones
+            raise ValueError(f"{owner}: section_layout='alternating' gives h and w every other pair, so sections "
+                             f"(t, h, w) need h == w or h == w + 1, got sections={sections}")
         if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= rotary_dim // 2
                                                    for axis in (1, 2)):
             # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
             raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
                              f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {rotary_dim // 2}; "
                              f"got sections={sections}")
-        _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis"))
-        if axis_spectrum == "per_axis" and (sections is None or section_layout != "contiguous"):
-            raise ValueError(f"{owner}: axis_spectrum='per_axis' needs contiguous sections, "
+        _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis", "strided"))
+        if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
+            raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
                              f"got sections={sections}, section_layout={section_layout!r}")
+        if axis_spectrum == "strided" and any(size != len(range(axis, rotary_dim // 2, len(sections)))
+                                              for axis, size in enumerate(sections)):
+            strides = [len(range(axis, rotary_dim // 2, len(sections))) for axis in range(len(sections))]
+            raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
+                             f"a, so sections must be {strides}, got sections={sections}")
         self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
         self.axis_spectrum = axis_spectrum
+        self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, params, axis_spectrum)
+        self.pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
         self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
         self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
-        self.num_axes = 1 if sections is None else len(sections)
+        self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
         self._set_scaling(params)
 
     @classmethod
@@ -3251,7 +3305,12 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if self.fixed_length is not None:
             text += f", fixed_length={self.fixed_length}"
         if self.sections is not None:
-            text += f", sections={self.sections}, axis_spectrum={self.axis_spectrum!r}"
+            text += f", sections={self.sections}, section_layout={self.section_layout!r}, " \
+                    f"axis_spectrum={self.axis_spectrum!r}"
+        elif self.pair_axes is not None:
+            text += f", pair_axes={self.pair_axes}"
+        if self.frequencies is not None:
+            text += f", frequencies=<{len(self.frequencies)} given>"
         if self.rotated_channels != "leading":
             text += f", rotated_channels={self.rotated_channels!r}"
         if self.rotate_values:
@@ -3285,17 +3344,24 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                 raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = "
                                  f"{self.rotary_dim // 2} entries, got {len(params[key])}")
         self._scaling = params
-        if self.axis_spectrum == "per_axis" and self._scaling["rope_type"] != "default":
-            raise ValueError(f"{type(self).__name__}: axis_spectrum='per_axis' takes no scaling, got "
+        if (self.axis_spectrum != "shared" or self.frequencies is not None) and params["rope_type"] != "default":
+            what = "frequencies" if self.frequencies is not None else f"axis_spectrum={self.axis_spectrum!r}"
+            raise ValueError(f"{type(self).__name__}: {what} takes no scaling, got "
                              f"rope_type={self._scaling['rope_type']!r}")
         self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
         self._init_buffers(self._buffer_device())
 
     def _spectrum(self) -> tuple:
         """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
+        if self.frequencies is not None:
+            return torch.tensor(self.frequencies, dtype=torch.float64), 1.0
         if self.axis_spectrum == "per_axis":
             return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
-        return self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+        if self.axis_spectrum == "strided":   # axis a: frequencies a, a + A, a + 2A, ... (Pixtral)
+            axes = len(self.sections)
+            inv_freq = torch.cat([inv_freq[axis::axes] for axis in range(axes)])
+        return inv_freq, factor
 
     def _init_buffers(self, device) -> None:
         inv_freq, self.attention_factor = self._spectrum()
@@ -3304,16 +3370,23 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         # growing it swaps cos and sin together (a reader in another thread sees both or neither)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.register_buffer("cos_sin_cached", torch.empty(2, 0, self.rotary_dim // 2, device=device), persistent=False)
-        if self.sections is None:
+        if self.pair_axes is None:
             self._grow_cache(self.cache_len)
-        if self.sections is not None:  # which position axis drives each pair, [F]
-            self.register_buffer("axis_of_pair", torch.tensor(self._axis_of_pair(), device=device), persistent=False)
+        else:  # which position axis drives each pair, [F]
+            self.register_buffer("axis_of_pair", torch.tensor(self.pair_axes, device=device), persistent=False)
 
-    def _axis_of_pair(self) -> list:
-        """The position axis of every frequency pair: contiguous sections (Qwen2-VL: ``t..t h..h w..w``),
-        or Qwen3-VL's interleaved order (``t h w t h w ...`` while an axis has pairs left, then ``t``)."""
+    def _axis_of_pair(self) -> Optional[list]:
+        """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
+        contiguous (Qwen2-VL: ``t..t h..h w..w``); Qwen3-VL's interleaved order (``t h w t h w ...``
+        while an axis has pairs left, then ``t``); or alternating (ERNIE-4.5-VL, VideoRoPE: ``h w h w
+        ...`` over the first ``sections[1] + sections[2]`` pairs, then ``t`` on the slowest)."""
+        if self.sections is None:
+            return None
         if self.section_layout == "contiguous":
             return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
+        if self.section_layout == "alternating":
+            spatial = self.sections[1] + self.sections[2]
+            return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
         axes = [0] * sum(self.sections)
         for axis in (1, 2):
             for pair in range(axis, 3 * self.sections[axis], 3):
@@ -3456,7 +3529,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
         """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
         pair i turns with the position on its axis)."""
-        if self.sections is None:
+        if self.pair_axes is None:
             return _angles(positions, inv_freq)
         positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
         return positions.to(torch.float64) * inv_freq.to(torch.float64)
@@ -3480,7 +3553,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         unused: one decoding step at position 1e6 computes its angles directly instead.
         """
         compiling = _is_compiling()
-        if dtype != torch.float32 or self.sections is not None or self.cos_sin_cached.device != torch.device(device):
+        if dtype != torch.float32 or self.pair_axes is not None or self.cos_sin_cached.device != torch.device(device):
             return None
         if not (inv_freq is self.inv_freq or (not compiling and factor == self.attention_factor
                                               and torch.equal(inv_freq, self.inv_freq))):
@@ -3593,7 +3666,8 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
 
     Following the reference code (Wiselnn570/VideoRoPE, ``modeling_videorope.py``:
     ``apply_m_modify_multimodal_rotary_pos_emb`` and ``get_t_scale_rope_index``), only
-    ``sections[1] + sections[2]`` counts (the h/w alternation ignores their split), the centring
+    ``sections[1] + sections[2]`` counts (h takes every other pair from the first, so the split must
+    be ``h == w`` or ``h == w + 1``; another is a ValueError, where the reference ignores it), the centring
     offset is ``(H - 1) // 2`` (floor, so an even grid is off centre by half a row), and text after
     a visual block resumes at the temporal row's maximum + 1 (M-RoPE resumes after the maximum of
     all three rows). The reference hard-codes ``delta = 2.0`` in its transformers model; its vLLM
@@ -3631,18 +3705,11 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
             temporal = max(1, width // 8)
             sections = [temporal, (width // 2 - temporal + 1) // 2, (width // 2 - temporal) // 2]
         self.temporal_spacing = temporal_spacing
-        super().__init__(dim, base=base, interleaved=interleaved, sections=sections, head_dim=head_dim)
+        super().__init__(dim, base=base, interleaved=interleaved, sections=sections, section_layout="alternating",
+                         head_dim=head_dim)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, temporal_spacing={self.temporal_spacing}"
-
-    def _axis_of_pair(self) -> list:
-        """``h, w, h, w, ...`` over the fast ``sections[1] + sections[2]`` pairs, then ``t``."""
-        if len(self.sections) != 3:   # called by the base's constructor, once the sections are checked
-            raise ValueError(f"{type(self).__name__}: sections must be three pair counts (t, h, w), "
-                             f"got sections={self.sections}")
-        spatial = self.sections[1] + self.sections[2]
-        return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
 
     def positions(self, segments: Sequence, *, start: float = 0) -> Tensor:
         """The ``(t, h, w)`` positions ``[N, 3]`` (float64) of a sequence of text runs and visual grids.
@@ -8668,7 +8735,7 @@ _INTERLEAVED_ROPE_MODELS = {
     "ernie4_5", "ernie4_5_moe", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "moonshine", "moonshine_streaming",
     "openai_privacy_filter", "pe_audio", "pe_audio_encoder", "pe_video", "pe_video_encoder", "pe_audio_video",
     "pe_audio_video_encoder", "deepseek_v2", "deepseek_v4", "hy_v4_vl", "hy_v4_vl_text", "bailing_hybrid",
-    "glm_moe_dsa", "longcat_flash",
+    "glm_moe_dsa", "longcat_flash", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
 }
 
 
@@ -8704,7 +8771,16 @@ _MROPE_MODELS = {
     "paddleocr_vl": ([16, 24, 24], "contiguous"), "paddleocr_vl_text": ([16, 24, 24], "contiguous"),
     "qwen2_5_omni_text": ([16, 24, 24], "contiguous"), "qwen2_5_omni_thinker": ([16, 24, 24], "contiguous"),
     "qwen2_5_omni_talker": ([16, 24, 24], "contiguous"),
+    "ernie4_5_vl_moe": ([22, 22, 20], "alternating"), "ernie4_5_vl_moe_text": ([22, 22, 20], "alternating"),
 }
+
+
+# Models whose mrope_section lists its axes (h, w, t) while their position ids are (t, h, w): ERNIE-4.5-VL.
+_HWT_SECTION_MODELS = {"ernie4_5_vl_moe", "ernie4_5_vl_moe_text"}
+
+
+# Models with an XD-RoPE (HunYuan-VL): contiguous sections from mrope_section or the legacy xdrope_section.
+_XDROPE_MODELS = {"hunyuan_vl", "hunyuan_vl_text"}
 
 
 # Model types that use RoPE even when a raw config.json names none of its fields.
@@ -8714,7 +8790,7 @@ _ROPE_DEFAULT_MODELS = _ROTARY_DIM_MODELS | set(_PARTIAL_ROTARY_DEFAULTS) | set(
 # rope_parameters keys that become constructor arguments (or are spelled differently) rather
 # than entries of ``scaling``.
 _ROPE_KEYS_NOT_SCALING = {"rope_theta", "rope_type", "type", "partial_rotary_factor", "mrope_section",
-                          "mrope_interleaved", "llama_4_scaling_beta"}
+                          "mrope_interleaved", "llama_4_scaling_beta", "xdrope_section", "alpha"}
 
 
 # The model types whose RoPE ``from_config`` reads exactly: each one is held against the model's own
@@ -8736,6 +8812,7 @@ _ROPE_MODEL_TYPES = frozenset({
     "gradium_phonon_tts", "granite", "granite4_vision", "granite4_vision_text", "granite_docling",
     "granite_docling_text", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
     "granitemoeshared", "gte", "helium", "higgs_audio_v2", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "hunyuan_vl", "hunyuan_vl_text", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text", "pixtral",
     "hy_v3", "hy_v4", "hy_v4_vl", "hy_v4_vl_text", "hyperclovax", "idefics", "jais2", "jetmoe",
     "jina_embeddings_v3", "kolibri1", "kyutai_speech_to_text", "lara_mini", "lasr_encoder", "lfm2", "lfm2_moe",
     "llama", "llama4", "llama4_text", "longcat_flash", "mimi", "mimi_decoder", "mimi_encoder", "mimo_v2_flash",
@@ -8760,18 +8837,13 @@ _ROPE_MODEL_TYPES = frozenset({
 
 
 # Model types refused whatever the caller states: (config field, why no keyword expresses the model).
+_MISTRAL_LARGE4_REFUSAL = ("rope_parameters", "Mistral Large 4's attention rotates a per-layer slice, with NoPE "
+                           "layers, that one RoPE module read from the config does not describe (its q . k differs)")
 _ROPE_REFUSED = {
-    "ernie4_5_vl_moe": ("mrope_section", "ERNIE-4.5-VL alternates h and w over the first frequency pairs and gives "
-                        "t the last ones (its mrope_section is ordered h, w, t); no sections layout expresses that "
-                        "yet (it needs a pair-to-axis map)"),
     "nanochat": ("model_type", "NanoChat's rotate_half turns every pair by minus the angle, so its q . k depends "
                  "on m - n where RoPE's depends on n - m; no keyword expresses it"),
-    "hunyuan_vl": ("rope_parameters", "HunYuan-VL's XD-RoPE assigns the two halves of a pair to position axes "
-                   "separately and scales with NTK alpha; no keyword expresses it yet"),
-    "mistral_large4": ("rope_parameters", "Mistral Large 4's attention rotates a per-layer slice, with NoPE layers, "
-                       "that one RoPE module read from the config does not describe (its q . k differs)"),
+    "mistral_large4": _MISTRAL_LARGE4_REFUSAL, "mistral_large4_text": _MISTRAL_LARGE4_REFUSAL,
 }
-_ROPE_REFUSED.update({f"{name}_text": reason for name, reason in list(_ROPE_REFUSED.items()) if name != "nanochat"})
 
 
 def _per_layer_type(params) -> bool:
@@ -8916,7 +8988,13 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     head_dim = int(head_dim)
 
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "mrope":      # legacy Qwen2-VL spelling: default RoPE with sections
+    if rope_type == "mrope" or (rope_type == "axial" and model_type == "pixtral"):
+        rope_type = "default"     # legacy Qwen2-VL spelling, Pixtral's name: default RoPE with sections
+    if rope_type == "xdrope":     # HunYuan-VL's legacy spelling, which transformers reads as "dynamic"
+        rope_type = "dynamic"
+    if rope_type == "dynamic" and params.get("alpha"):
+        # HunYuan's "ntk_alpha": a fixed alpha stretches the base once, whatever the length (not dynamic NTK)
+        base = float(base) * float(params["alpha"]) ** (head_dim / (head_dim - 2))
         rope_type = "default"
     if rope_type == "su" or (rope_type == "yarn" and model_type == "phi3"):
         rope_type = "longrope"    # transformers' Phi-3 backward compatibility
@@ -8951,11 +9029,24 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     # multi-axis (M-RoPE) sections
     default_sections, layout = _MROPE_MODELS.get(model_type, (None, "contiguous"))
     if sections is None:
-        sections = params.get("mrope_section") or _config_get(text, "mrope_section") or default_sections
+        sections = (params.get("mrope_section") or _config_get(text, "mrope_section") or params.get("xdrope_section")
+                    or default_sections)
+        if sections is None and model_type in _XDROPE_MODELS:
+            raise ValueError(f"{owner}: model_type={model_type!r} needs mrope_section (or xdrope_section) in "
+                             f"rope_parameters, its XD-RoPE's pairs per axis; the config has none")
+        if sections is not None and model_type in _HWT_SECTION_MODELS:
+            h, w, t = [int(size) for size in _as_list(owner, "mrope_section", sections)]
+            if h != w:   # the model stacks h and w pair by pair
+                raise ValueError(f"{owner}: model_type={model_type!r} alternates h and w pairs, so mrope_section "
+                                 f"(h, w, t) needs equal h and w, got {[h, w, t]}")
+            sections = [t, h, w]
+    if model_type == "pixtral":   # (row, column): rows take the even frequencies, columns the odd ones
+        pairs = rotary_dim // 2
+        kwargs.update(sections=[(pairs + 1) // 2, pairs // 2], axis_spectrum="strided")
     if sections is not None:
         kwargs["sections"] = [int(s) for s in _as_list(owner, "sections", sections)]
         if section_layout is None:
-            section_layout = "interleaved" if params.get("mrope_interleaved") or layout == "interleaved" else None
+            section_layout = "interleaved" if params.get("mrope_interleaved") else layout
         if section_layout is not None and section_layout != "contiguous":
             kwargs["section_layout"] = section_layout
 

@@ -3609,7 +3609,14 @@ CENSUS_SCALINGS = {
 # (model type, rope type) pairs not tried: transformers' legacy Phi-3 configs spell longrope "yarn", and
 # from_config reads them so (test_phi3_longrope), where the 5.x module would compute YaRN for the dict
 # Gemma 4: its proportional full-attention layers only (other rope types with its partial factor: not checked)
-CENSUS_SKIP = {("phi3", "yarn")} | {("gemma4_text", name) for name in CENSUS_SCALINGS}
+CENSUS_SKIP = {("phi3", "yarn")} | {(model_type, name) for name in CENSUS_SCALINGS for model_type in ("gemma4_text", "pixtral")}
+
+
+# transformers 5.24's HunYuan-VL takes the two halves of a half-split pair from different position axes (not a
+# rotation); from_config follows the model as trained (Tencent's XD-RoPE, vLLM: one axis per pair), which agrees
+# with it where every axis carries the same position. The census compares there; TestPairAxes holds the
+# distinct-axis case against Tencent's recipe.
+CENSUS_EQUAL_AXES = {"hunyuan_vl", "hunyuan_vl_text"}
 
 
 # default configs whose head dims are odd or inconsistent: the smallest change that makes them valid
@@ -3646,7 +3653,10 @@ def census_config(model_type: str):
 
 # model types whose default config the census cannot read: a tiny config of theirs instead
 # (Gemma 4's default is heterogeneous per layer: its head_dim is read per layer through per_layer_config)
-CENSUS_CONFIG_KWARGS = {"gemma4_text": dict(
+HUNYUAN_VL_TEXT = dict(head_dim=32, hidden_size=128, num_attention_heads=4, rope_parameters={
+    "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0, "mrope_section": [4, 4, 4, 4]})
+CENSUS_CONFIG_KWARGS = {"hunyuan_vl": dict(text_config=HUNYUAN_VL_TEXT), "hunyuan_vl_text": HUNYUAN_VL_TEXT,
+                        "gemma4_text": dict(
     **{**TINY, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, max_position_embeddings=64,
     layer_types=["sliding_attention", "full_attention"],
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -3733,8 +3743,10 @@ def census_compare(model_type: str, config, layer_type=None, scaling_name=None) 
     text = census_text(config)
     # from_config(config) is RotaryPositionalEmbedding(**kwargs); a short table keeps the census cheap
     ours = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, layer_type=layer_type), cache_len=CENSUS_N)
-    num_axes = 1 if ours.sections is None else len(ours.sections)
+    num_axes = ours.num_axes
     positions = census_positions(num_axes)
+    if model_type in CENSUS_EQUAL_AXES:
+        positions = positions[:, :1].expand(-1, num_axes)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, CENSUS_N, ours.dim, generator=g) for _ in range(2))
     if model_type in ("gptj", "codegen"):
@@ -3747,7 +3759,10 @@ def census_compare(model_type: str, config, layer_type=None, scaling_name=None) 
                 raise
             return None       # the model's module rejects this rope type
         ids = positions[None] if num_axes == 1 else positions.T[:, None]                  # [1, N] or [A, 1, N]
-        out = rotary(q, ids) if layer_type is None else rotary(q, ids, layer_type=layer_type)
+        if model_type == "pixtral":                                                        # (row, column) [N, 2]
+            out = tuple(table[None] for table in rotary(q, positions))
+        else:
+            out = rotary(q, ids) if layer_type is None else rotary(q, ids, layer_type=layer_type)
         hf_q, hf_k = census_apply(model_type, module, text, out, q, k)
         if num_axes == 1:          # a model with several position axes must not pass for a one-axis one
             try:
@@ -3790,7 +3805,8 @@ def census_layer_types(config) -> list:
 # one tensor at a time, multi-axis sections of both layouts, per-layer rope types, proportional, longrope,
 # a config fix, a query temperature); PE_SLOW=1 runs every model type of _ROPE_MODEL_TYPES
 CENSUS_QUICK = {"llama", "gptj", "gpt_neox", "cohere", "deepseek_v2", "deepseek_v4", "llama4_text", "qwen2_vl",
-                "qwen3_vl", "gemma3_text", "gemma4_text", "phi3", "glm4v", "ministral3"}
+                "qwen3_vl", "gemma3_text", "gemma4_text", "phi3", "glm4v", "ministral3", "ernie4_5_vl_moe", "hunyuan_vl",
+                "pixtral"}
 
 
 @pytest.fixture
@@ -4544,8 +4560,7 @@ class TestRotary:
             _rotary_kwargs_from_config(llama, interleaved="yes")
 
     @pytest.mark.parametrize("model_type, message", [
-        ("ernie4_5_vl_moe_text", "h and w over the first frequency pairs"), ("nanochat", "minus the angle"),
-        ("hunyuan_vl", "XD-RoPE"), ("mistral_large4", "NoPE layers")])
+        ("nanochat", "minus the angle"), ("mistral_large4", "NoPE layers"), ("mistral_large4_text", "NoPE layers")])
     def test_refused_rope_model_types(self, model_type, message):
         raw = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
         for stated in ({}, {"interleaved": False, "section_layout": "contiguous"}):   # keywords do not help
@@ -4814,6 +4829,518 @@ class TestValueRotation:
                              scale=attn.scaling)
             theirs = outputs[index].reshape(1, n, heads, dh).transpose(1, 2)
             assert (ours - theirs).abs().max().item() < 2e-6, attn.layer_type
+
+
+class TestPairAxes:
+    """Explicit pair maps (``pair_axes=``, ``frequencies=``) and the multi-axis layouts written with them:
+    contiguous / Qwen3-VL interleaved / ERNIE-4.5-VL alternating sections, the strided (Pixtral) and per-axis
+    (EVA-02) spectra; parity with the transformers modules of ERNIE-4.5-VL, GLM-4V, Pixtral, HunYuan-VL and
+    HunYuan dense / MoE (NTK alpha), and with timm's EVA-02 RoPE."""
+
+    # ------------------------------------------------------------------------------------------------ oracle
+    @staticmethod
+    def oracle(x, positions, axis_of_pair, inv_freq, *, interleaved=False):
+        """Float64 plain-loop RoPE: pair ``f`` (channels ``(f, f + F)`` half-split or ``(2f, 2f + 1)``
+        interleaved, ``F = len(axis_of_pair)``, the leading ``2F`` channels) turns by
+        ``positions[..., n, axis_of_pair[f]] * inv_freq[f]``; ``(a, b) -> (a cos - b sin, b cos + a sin)``.
+
+        x ``[..., N, Dh]``; positions ``[N, A]`` (every row of x) or ``[B, N, A]`` (B = x's first dim)."""
+        src = x.detach().double()
+        out = src.clone()
+        pos = positions.detach().double()
+        pairs = len(axis_of_pair)
+        assert len(inv_freq) == pairs and 2 * pairs <= x.shape[-1]
+        groups = list(range(pos.shape[0])) if pos.dim() == 3 else [None]
+        for g in groups:
+            p = pos if g is None else pos[g]
+            xs = src if g is None else src[g]
+            xo = out if g is None else out[g]              # a view: writes land in out
+            for n in range(p.shape[0]):
+                for f in range(pairs):
+                    i, j = (2 * f, 2 * f + 1) if interleaved else (f, f + pairs)
+                    angle = float(p[n, axis_of_pair[f]]) * float(inv_freq[f])
+                    c, s = math.cos(angle), math.sin(angle)
+                    a, b = xs[..., n, i], xs[..., n, j]
+                    xo[..., n, i] = a * c - b * s
+                    xo[..., n, j] = b * c + a * s
+        return out
+
+    @staticmethod
+    def plain(rotary_dim, base=10000.0):
+        """The shared spectrum ``base ** (-2f / R)``, f = 0 .. R/2 - 1."""
+        return [base ** (-2.0 * f / rotary_dim) for f in range(rotary_dim // 2)]
+
+    @staticmethod
+    def diff(a, b):
+        return (a.double() - b.double()).abs().max().item()
+
+    # -------------------------------------------------------------------------------- explicit pair maps
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("batched", [False, True])
+    def test_pair_axes_and_frequencies_match_oracle(self, interleaved, batched):
+        torch.manual_seed(0)
+        axes = [2, 0, 1, 1, 0, 2, 0, 1]                                # A = 3, any order
+        freqs = [1.0, 0.5, 0.0, 0.3, 2.0, 0.01, 0.7, 0.125]           # zero is allowed: the pair stays
+        rope = RotaryPositionalEmbedding(16, interleaved=interleaved, pair_axes=axes, frequencies=freqs)
+        x = torch.randn(2, 3, 5, 16)
+        positions = torch.randint(-20, 40, (2, 5, 3) if batched else (5, 3))
+        want = self.oracle(x, positions, axes, freqs, interleaved=interleaved)
+        assert self.diff(rope(x, positions), want) < 2e-6
+        floats = positions.double() + torch.rand(positions.shape, dtype=torch.float64)
+        assert self.diff(rope(x, floats), self.oracle(x, floats, axes, freqs, interleaved=interleaved)) < 2e-6
+        # the map matters: the same frequencies with the axes in contiguous order give another rotation
+        assert self.diff(rope(x, positions), self.oracle(x, positions, sorted(axes), freqs,
+                                                         interleaved=interleaved)) > 0.1
+
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_pair_axes_partial_rotary_keeps_trailing_channels(self, interleaved):
+        torch.manual_seed(1)
+        axes = [1, 0, 1, 0, 0, 1]                                      # R = 12 of Dh = 16
+        rope = RotaryPositionalEmbedding(16, rotary_dim=12, interleaved=interleaved, pair_axes=axes)
+        x = torch.randn(1, 2, 6, 16, dtype=torch.float64)
+        positions = torch.randint(0, 60, (6, 2))
+        got = rope(x, positions)
+        want = self.oracle(x, positions, axes, self.plain(12), interleaved=interleaved)   # default frequencies /R
+        assert self.diff(got, want) < 1e-9
+        assert torch.equal(got[..., 12:], x[..., 12:])
+
+    def test_frequencies_alone_one_axis(self):
+        torch.manual_seed(2)
+        freqs = [3.0, 1.0, 0.25, 0.0]
+        rope = RotaryPositionalEmbedding(8, frequencies=freqs)
+        x = torch.randn(2, 1, 7, 8)
+        positions = torch.tensor([0, 1, 2, 5, 11, 30, 63])
+        want = self.oracle(x, positions[:, None], [0] * 4, freqs)
+        assert self.diff(rope(x, positions), want) < 2e-6
+
+    def test_frequencies_with_contiguous_sections(self):
+        torch.manual_seed(3)
+        freqs = [0.9, 0.4, 0.2, 0.05, 1.5, 0.6, 0.3, 0.001]
+        rope = RotaryPositionalEmbedding(16, sections=[3, 5], frequencies=freqs)
+        x = torch.randn(1, 2, 5, 16)
+        positions = torch.randint(0, 50, (5, 2))
+        want = self.oracle(x, positions, [0, 0, 0, 1, 1, 1, 1, 1], freqs)
+        assert self.diff(rope(x, positions), want) < 2e-6
+
+    # -------------------------------------------------------------------------- presets, written out by hand
+    @pytest.mark.parametrize("dim, sections, layout, interleaved, axes", [
+        # contiguous: axis a takes a block of sections[a] pairs, in order
+        (16, [2, 3, 3], "contiguous", False, [0, 0, 1, 1, 1, 2, 2, 2]),
+        # Qwen3-VL: t h w t h w ... while an axis has pairs left, the rest t
+        (16, [4, 2, 2], "interleaved", False, [0, 1, 2, 0, 1, 2, 0, 0]),
+        (16, [3, 3, 2], "interleaved", True, [0, 1, 2, 0, 1, 2, 0, 1]),
+        # ERNIE-4.5-VL / VideoRoPE: sections (t, h, w); h (even) and w (odd) alternate over the first s_h + s_w
+        # pairs, t takes the rest
+        (16, [2, 3, 3], "alternating", True, [1, 2, 1, 2, 1, 2, 0, 0]),
+        (16, [4, 2, 2], "alternating", False, [1, 2, 1, 2, 0, 0, 0, 0]),
+        (24, [6, 3, 3], "alternating", True, [1, 2, 1, 2, 1, 2, 0, 0, 0, 0, 0, 0]),
+    ])
+    def test_section_layouts_match_hand_written_pair_axes(self, dim, sections, layout, interleaved, axes):
+        torch.manual_seed(4)
+        rope = RotaryPositionalEmbedding(dim, sections=sections, section_layout=layout, interleaved=interleaved)
+        x = torch.randn(2, 2, 6, dim)
+        positions = torch.randint(0, 64, (2, 6, 3))
+        want = self.oracle(x, positions, axes, self.plain(dim), interleaved=interleaved)
+        assert self.diff(rope(x, positions), want) < 2e-6
+        same = RotaryPositionalEmbedding(dim, pair_axes=axes, interleaved=interleaved)
+        assert self.diff(same(x, positions), want) < 2e-6
+
+    @pytest.mark.parametrize("layout", ["contiguous", "interleaved", "alternating"])
+    def test_sections_are_pair_counts_per_axis(self, layout):
+        # whatever the layout, axis a drives exactly sections[a] pairs: count them through the rotation (pair f
+        # of a one-hot position on axis a turns iff f belongs to axis a)
+        sections = {"contiguous": [2, 3, 3], "interleaved": [4, 2, 2], "alternating": [1, 4, 3]}[layout]
+        rope = RotaryPositionalEmbedding(16, sections=sections, section_layout=layout)
+        x = torch.zeros(1, 16, dtype=torch.float64)
+        x[0, :8] = 1.0                                                    # a = 1, b = 0 in every pair
+        for axis, size in enumerate(sections):
+            position = torch.zeros(1, 3, dtype=torch.float64)
+            position[0, axis] = 1.0
+            turned = (rope(x, position)[0, 8:].abs() > 1e-12).sum().item()   # b = sin(angle) != 0
+            assert turned == size, (layout, axis, turned, size)
+
+    @pytest.mark.parametrize("sections", [[2, 5, 1], [2, 1, 5], [2, 2, 4]])
+    def test_alternating_sections_it_cannot_honour_raise(self, sections):
+        # h takes the even and w the odd pairs of the first s_h + s_w: ceil and floor of their sum, so only
+        # s_h == s_w or s_h == s_w + 1 (VideoRoPE's odd split) are pair counts the layout can give
+        with pytest.raises(ValueError, match="sections") as info:
+            RotaryPositionalEmbedding(16, sections=sections, section_layout="alternating")
+        assert "RotaryPositionalEmbedding" in str(info.value)
+
+    @pytest.mark.parametrize("dim, rotary_dim, sections, index", [
+        # axis a's j-th pair takes the shared frequency of index a + j * A
+        (16, None, [4, 4], [0, 2, 4, 6, 1, 3, 5, 7]),                 # Pixtral, F even
+        (10, None, [3, 2], [0, 2, 4, 1, 3]),                          # F odd: [ceil(F/2), floor(F/2)]
+        (20, None, [4, 3, 3], [0, 3, 6, 9, 1, 4, 7, 2, 5, 8]),        # three axes
+        (16, 12, [3, 3], [0, 2, 4, 1, 3, 5]),                         # partial rotary: frequencies over R
+    ])
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_strided_spectrum_matches_hand_written_frequencies(self, dim, rotary_dim, sections, index, interleaved):
+        torch.manual_seed(5)
+        rope = RotaryPositionalEmbedding(dim, rotary_dim=rotary_dim, sections=sections, axis_spectrum="strided",
+                                         interleaved=interleaved, base=100.0)
+        r = rotary_dim or dim
+        shared = self.plain(r, 100.0)
+        freqs = [shared[i] for i in index]
+        axes = [a for a, s in enumerate(sections) for _ in range(s)]
+        x = torch.randn(1, 2, 5, dim)
+        positions = torch.randint(0, 40, (5, len(sections)))
+        want = self.oracle(x, positions, axes, freqs, interleaved=interleaved)
+        assert self.diff(rope(x, positions), want) < 2e-6
+        assert torch.equal(rope(x, positions)[..., r:], x[..., r:])
+        explicit = RotaryPositionalEmbedding(dim, rotary_dim=rotary_dim, pair_axes=axes, frequencies=freqs,
+                                             interleaved=interleaved)
+        assert self.diff(explicit(x, positions), want) < 2e-6
+        # the shared spectrum (each axis a slice) is another rotation
+        assert self.diff(rope(x, positions), self.oracle(x, positions, axes, shared, interleaved=interleaved)) > 0.1
+
+    def test_per_axis_spectrum_matches_hand_written_frequencies(self):
+        torch.manual_seed(6)
+        rope = RotaryPositionalEmbedding(16, sections=[3, 5], axis_spectrum="per_axis", interleaved=True)
+        freqs = [10000.0 ** (-2.0 * i / 6) for i in range(3)] + [10000.0 ** (-2.0 * i / 10) for i in range(5)]
+        x = torch.randn(2, 1, 5, 16)
+        positions = torch.rand(2, 5, 2, dtype=torch.float64) * 30
+        want = self.oracle(x, positions, [0, 0, 0, 1, 1, 1, 1, 1], freqs, interleaved=True)
+        assert self.diff(rope(x, positions), want) < 2e-6
+
+    # ----------------------------------------------------------------------------- attention, translation
+    TRANSLATION_CASES = [   # (kwargs, pair axes, frequencies or None for base ** (-2f / 16)), all Dh = 16
+        (dict(pair_axes=[2, 0, 1, 1, 0, 2, 0, 1], frequencies=[1.0, 0.5, 0.0, 0.3, 2.0, 0.01, 0.7, 0.125]),
+         [2, 0, 1, 1, 0, 2, 0, 1], [1.0, 0.5, 0.0, 0.3, 2.0, 0.01, 0.7, 0.125]),
+        (dict(sections=[2, 3, 3], section_layout="alternating", interleaved=True), [1, 2, 1, 2, 1, 2, 0, 0], None),
+        (dict(sections=[4, 4], axis_spectrum="strided"), [0, 0, 0, 0, 1, 1, 1, 1],
+         [10000.0 ** (-2.0 * i / 16) for i in (0, 2, 4, 6, 1, 3, 5, 7)]),
+        (dict(sections=[4, 2, 2], section_layout="interleaved"), [0, 1, 2, 0, 1, 2, 0, 0], None),
+    ]
+
+    @pytest.mark.parametrize("kwargs, axes, freqs", TRANSLATION_CASES)
+    def test_attention_translation_invariant_per_axis(self, kwargs, axes, freqs):
+        torch.manual_seed(7)
+        rope = RotaryPositionalEmbedding(16, **kwargs)
+        freqs = self.plain(16) if freqs is None else freqs
+        interleaved = kwargs.get("interleaved", False)
+        count = max(axes) + 1
+        q = torch.randn(2, 2, 5, 16, dtype=torch.float64)
+        k = torch.randn(2, 2, 7, 16, dtype=torch.float64)
+        v = torch.randn(2, 2, 7, 16, dtype=torch.float64)
+        pq = torch.randint(0, 30, (2, 5, count))
+        pk = torch.randint(0, 30, (2, 7, count))
+        base = attention(q, k, v, rope, positions_q=pq, positions_k=pk)
+        shift = torch.tensor([5.0, -3.0, 11.5][:count], dtype=torch.float64)
+        shifted = attention(q, k, v, rope, positions_q=pq + shift, positions_k=pk + shift)
+        assert self.diff(shifted, base) < 1e-9
+        # the output is the softmax over the oracle's logits (q and k each rotated at their own positions)
+        rq = self.oracle(q, pq, axes, freqs, interleaved=interleaved)
+        rk = self.oracle(k, pk, axes, freqs, interleaved=interleaved)
+        want = torch.softmax(rq @ rk.transpose(-1, -2) / math.sqrt(16), -1) @ v
+        assert self.diff(base, want) < 1e-9
+        # shifting one axis of the queries only does change it
+        lone = torch.zeros(count, dtype=torch.float64)
+        lone[count - 1] = 3.0
+        assert self.diff(attention(q, k, v, rope, positions_q=pq + lone, positions_k=pk), base) > 1e-3
+
+    # ----------------------------------------------------------------------------------- bad arguments
+    @pytest.mark.parametrize("kwargs, error, name", [
+        (dict(pair_axes=[0, 1, 0]), ValueError, "pair_axes"),                              # R/2 = 8 wanted
+        (dict(pair_axes=[0, 1, 0, 1, 0, 1, 0, 1, 0]), ValueError, "pair_axes"),
+        (dict(pair_axes=[0, 1, -1, 1, 0, 1, 0, 1]), ValueError, "pair_axes"),
+        (dict(pair_axes=[0, 1, 1.5, 1, 0, 1, 0, 1]), TypeError, "pair_axes"),
+        (dict(pair_axes=[0, 1, "1", 1, 0, 1, 0, 1]), TypeError, "pair_axes"),
+        (dict(pair_axes=[0, 1, True, 1, 0, 1, 0, 1]), TypeError, "pair_axes"),
+        (dict(pair_axes="01010101"), TypeError, "pair_axes"),
+        (dict(frequencies=[1.0, 0.5, 0.25]), ValueError, "frequencies"),
+        (dict(frequencies=[1.0] * 9), ValueError, "frequencies"),
+        (dict(frequencies=[1.0, 0.5, -0.25, 0.1, 0.1, 0.1, 0.1, 0.1]), ValueError, "frequencies"),
+        (dict(frequencies=[1.0, 0.5, math.nan, 0.1, 0.1, 0.1, 0.1, 0.1]), ValueError, "frequencies"),
+        (dict(frequencies=[1.0, 0.5, math.inf, 0.1, 0.1, 0.1, 0.1, 0.1]), ValueError, "frequencies"),
+        (dict(frequencies=[1.0, 0.5, "x", 0.1, 0.1, 0.1, 0.1, 0.1]), TypeError, "frequencies"),
+        (dict(frequencies=[0.1] * 8, scaling={"rope_type": "linear", "factor": 2.0}), ValueError, "frequencies"),
+        (dict(frequencies=[0.1] * 8, sections=[4, 4], axis_spectrum="per_axis"), ValueError, "frequencies"),
+        (dict(frequencies=[0.1] * 8, sections=[4, 4], axis_spectrum="strided"), ValueError, "frequencies"),
+        (dict(sections=[3, 5], axis_spectrum="strided"), ValueError, "sections|axis_spectrum"),
+        (dict(sections=[2, 3, 3], axis_spectrum="strided"), ValueError, "sections|axis_spectrum"),
+        (dict(axis_spectrum="strided"), ValueError, "sections|axis_spectrum"),
+        (dict(sections=[4, 2, 2], section_layout="interleaved", axis_spectrum="strided"), ValueError,
+         "section_layout|axis_spectrum"),
+        (dict(sections=[4, 4], section_layout="alternating"), ValueError, "section_layout|sections"),
+    ])
+    def test_bad_arguments_raise(self, kwargs, error, name):
+        with pytest.raises(error, match=name) as info:
+            RotaryPositionalEmbedding(16, **kwargs)
+        assert "RotaryPositionalEmbedding" in str(info.value)
+
+    def test_sections_and_pair_axes_together_raise(self):
+        with pytest.raises(ValueError, match="pair_axes") as info:
+            RotaryPositionalEmbedding(16, sections=[4, 4], pair_axes=[0, 0, 0, 0, 1, 1, 1, 1])
+        assert "sections" in str(info.value) and "RotaryPositionalEmbedding" in str(info.value)
+
+    def test_pair_axes_positions_need_every_axis(self):
+        rope = RotaryPositionalEmbedding(16, pair_axes=[0, 2, 1, 0, 2, 1, 0, 0])          # A = 3
+        x = torch.randn(1, 1, 4, 16)
+        with pytest.raises(ValueError, match="positions"):
+            rope(x, torch.zeros(4, 2, dtype=torch.long))
+        assert rope(x, torch.zeros(4, 3, dtype=torch.long)).shape == x.shape
+
+    # --------------------------------------------------------------------------------- transformers parity
+    @staticmethod
+    def _transformers():
+        return pytest.importorskip("transformers")
+
+    @staticmethod
+    def _tiny_vl(config_class, dim: int, rope_parameters: dict, seed: int, heads: int = 2) -> tuple:
+        """A VLM config with one ``heads``-head text layer of width ``dim``, q and k ``[2, heads, 9, dim]`` and
+        random ``(t, h, w)`` ids ``[3, 2, 9]`` as the model takes them."""
+        torch.manual_seed(seed)
+        config = config_class(text_config=dict(hidden_size=dim * heads, num_attention_heads=heads,
+                                               num_key_value_heads=heads, num_hidden_layers=1,
+                                               rope_parameters=rope_parameters))
+        return config, torch.randn(2, heads, 9, dim), torch.randn(2, heads, 9, dim), torch.randint(0, 64, (3, 2, 9))
+
+    @pytest.mark.parametrize("dim, mrope_section", [(32, [6, 6, 4]), (64, [11, 11, 10])])
+    def test_ernie4_5_vl_matches_transformers(self, dim, mrope_section):
+        self._transformers()
+        from transformers import Ernie4_5_VLMoeConfig
+        from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as hf
+        config, q, k, ids = self._tiny_vl(Ernie4_5_VLMoeConfig, dim, {
+            "rope_type": "default", "rope_theta": 500000.0, "mrope_section": mrope_section}, seed=8)
+        cos, sin = hf.Ernie4_5_VLMoeTextRotaryEmbedding(config.text_config)(q, ids)
+        hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        positions = ids.permute(1, 2, 0)                                        # [B, N, (t, h, w)]
+        s_h, s_w, s_t = mrope_section
+        kwargs = pe_lib._rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [s_t, s_h, s_w] and kwargs["section_layout"] == "alternating"
+        assert kwargs["interleaved"] is True
+        for source in (config, config.text_config):
+            rope = RotaryPositionalEmbedding.from_config(source)
+            assert self.diff(rope(q, positions), hf_q) < 2e-5
+            assert self.diff(rope(k, positions), hf_k) < 2e-5
+        # the hand-written ERNIE map (h, w alternating, then t; interleaved pairs) is what both compute
+        axes = [(1 if f % 2 == 0 else 2) if f < s_h + s_w else 0 for f in range(dim // 2)]
+        assert self.diff(hf_q, self.oracle(q, positions, axes, self.plain(dim, 500000.0), interleaved=True)) < 2e-5
+
+    @pytest.mark.parametrize("dim, mrope_section", [(32, [2, 3, 3]), (64, [4, 6, 6])])
+    def test_glm4v_matches_transformers(self, dim, mrope_section):
+        self._transformers()
+        from transformers import Glm4vConfig
+        from transformers.models.glm4v import modeling_glm4v as hf
+        config, q, k, ids = self._tiny_vl(Glm4vConfig, dim, {
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section,
+            "partial_rotary_factor": 0.5}, seed=9)
+        cos, sin = hf.Glm4vTextRotaryEmbedding(config.text_config)(q, ids)
+        hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        positions = ids.permute(1, 2, 0)
+        rope = RotaryPositionalEmbedding.from_config(config)
+        assert self.diff(rope(q, positions), hf_q) < 2e-5
+        assert self.diff(rope(k, positions), hf_k) < 2e-5
+        assert torch.equal(rope(q, positions)[..., dim // 2:], q[..., dim // 2:])
+
+    @pytest.mark.parametrize("dim, theta, grids", [(16, 10000.0, [(5, 7), (3, 4)]), (10, 100.0, [(4, 5), (2, 2)]),
+                                                   (64, 10000.0, [(6, 9)])])
+    def test_pixtral_matches_transformers(self, dim, theta, grids):
+        self._transformers()
+        from transformers import PixtralVisionConfig
+        from transformers.models.pixtral import modeling_pixtral as hf
+        torch.manual_seed(10)
+        heads, patch = 2, 2
+        config = PixtralVisionConfig(hidden_size=dim * heads, num_attention_heads=heads, intermediate_size=8,
+                                     num_hidden_layers=1, patch_size=patch, image_size=16, num_channels=1,
+                                     rope_parameters={"rope_type": "axial", "rope_theta": theta})
+        model = hf.PixtralVisionModel(config).eval()
+        captured = {}
+        model.patch_positional_embedding.register_forward_hook(
+            lambda module, args, out: captured.update(positions=args[1].clone(), cos=out[0], sin=out[1]))
+        pixels = torch.randn(len(grids), 1, max(h for h, _ in grids) * patch, max(w for _, w in grids) * patch)
+        with torch.no_grad():
+            model(pixel_values=pixels, image_sizes=torch.tensor([[h * patch, w * patch] for h, w in grids]))
+        positions = captured["positions"]                                       # [N, (row, col)], per image
+        n = sum(h * w for h, w in grids)
+        assert positions.shape == (n, 2)
+        q, k = torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)
+        hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, captured["cos"], captured["sin"], unsqueeze_dim=0)
+        pairs = dim // 2
+        kwargs = pe_lib._rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == [(pairs + 1) // 2, pairs // 2] and kwargs["axis_spectrum"] == "strided"
+        assert not kwargs.get("interleaved", False)
+        rope = RotaryPositionalEmbedding.from_config(config)
+        assert self.diff(rope(q, positions), hf_q) < 2e-5
+        assert self.diff(rope(k, positions), hf_k) < 2e-5
+
+    @staticmethod
+    def _hunyuan_vl_config(dim, heads, section, alpha, legacy):
+        from transformers import HunYuanVLConfig
+        if legacy:   # the public checkpoints' config.json form
+            rope = dict(rope_theta=10000.0, rope_scaling={"type": "xdrope", "alpha": alpha, "factor": 1.0,
+                                                          "xdrope_section": list(section)})
+        else:
+            params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(section)}
+            if alpha is not None:
+                params.update(rope_type="dynamic", alpha=alpha, factor=1.0)
+            rope = dict(rope_parameters=params)
+        return HunYuanVLConfig(text_config=dict(hidden_size=dim * heads, num_attention_heads=heads,
+                                                num_key_value_heads=heads, head_dim=dim, num_hidden_layers=1, **rope))
+
+    @staticmethod
+    def _tencent_xdrope(x, ids, section, inv_freq):
+        """Tencent's apply_rotary_pos_emb_xdrope, in float64: cos = cat(freqs, freqs) split by the LIST
+        ``xdrope_section * 2``, chunk i taking axis i % A; x * cos + rotate_half(x) * sin. ids [A, B, N]."""
+        axes = len(section)
+        freqs = ids[..., None].double() * torch.tensor(inv_freq, dtype=torch.float64)    # [A, B, N, F]
+        emb = torch.cat([freqs, freqs], -1)
+
+        def pick(table):
+            chunks = table.split(list(section) * 2, -1)
+            return torch.cat([chunk[i % axes] for i, chunk in enumerate(chunks)], -1)[:, None]   # [B, 1, N, D]
+
+        xd = x.double()
+        half = xd.shape[-1] // 2
+        rotated = torch.cat([-xd[..., half:], xd[..., :half]], -1)
+        return xd * pick(emb.cos()) + rotated * pick(emb.sin())
+
+    @pytest.mark.parametrize("dim, section, alpha, legacy", [
+        (32, [4, 4, 4, 4], 1000.0, True),        # HunyuanOCR-like (legacy xdrope_section + alpha)
+        (32, [6, 4, 3, 3], 1000.0, False),
+        (64, [8, 8, 8, 8], 1000.0, False),
+        (32, [6, 5, 5], None, False),            # no alpha: plain rope_theta
+    ])
+    def test_hunyuan_vl_matches_tencent_xdrope(self, dim, section, alpha, legacy):
+        self._transformers()
+        from transformers.models.hunyuan_vl import modeling_hunyuan_vl as hf
+        torch.manual_seed(11)
+        heads, axes = 2, len(section)
+        config = self._hunyuan_vl_config(dim, heads, section, alpha, legacy)
+        base = 10000.0 * (alpha ** (dim / (dim - 2)) if alpha is not None else 1.0)
+        inv_freq = self.plain(dim, base)
+        q, k = torch.randn(2, heads, 9, dim), torch.randn(2, heads, 9, dim)
+        module = hf.HunYuanVLRotaryEmbedding(config.text_config)
+        kwargs = pe_lib._rotary_kwargs_from_config(config)
+        assert kwargs["sections"] == section and kwargs.get("section_layout", "contiguous") == "contiguous"
+        assert not kwargs.get("interleaved", False) and kwargs["base"] == pytest.approx(base, rel=1e-12)
+        for source in (config, config.text_config):
+            rope = RotaryPositionalEmbedding.from_config(source)
+            # text-only positions (every axis the same): transformers, Tencent and the library agree
+            text = torch.randint(0, 64, (1, 2, 9)).expand(axes, 2, 9)
+            hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, *module(q, text))
+            ours_q, ours_k = rope(q, text.permute(1, 2, 0)), rope(k, text.permute(1, 2, 0))
+            assert self.diff(ours_q, hf_q) < 2e-5 and self.diff(ours_k, hf_k) < 2e-5
+            # multi-axis positions: the library is Tencent's XD-RoPE (each pair one axis, contiguous sections)
+            ids = torch.randint(0, 64, (axes, 2, 9))
+            ours_q, ours_k = rope(q, ids.permute(1, 2, 0)), rope(k, ids.permute(1, 2, 0))
+            tencent_q, tencent_k = (self._tencent_xdrope(t, ids, section, inv_freq) for t in (q, k))
+            assert self.diff(ours_q, tencent_q) < 1e-5 and self.diff(ours_k, tencent_k) < 1e-5
+            contiguous = [a for a, s in enumerate(section) for _ in range(s)]
+            assert self.diff(tencent_q, self.oracle(q, ids.permute(1, 2, 0), contiguous, inv_freq)) < 1e-9
+            # transformers 5.24 doubles each section in channel space (axis of channel c: the i with
+            # 2 S_i <= c < 2 S_{i+1}), so the two halves of a pair take different axes: not a rotation, and far
+            # from both on multi-axis positions
+            hf_q, _ = hf.apply_rotary_pos_emb(q, k, *module(q, ids))
+            assert self.diff(hf_q, tencent_q) > 1 and self.diff(hf_q, ours_q) > 1
+            assert (hf_q.norm(dim=-1) - q.norm(dim=-1)).abs().max() > 0.1          # a rotation keeps norms
+        if legacy:   # the checkpoint's raw config.json (rope_scaling type "xdrope") reads the same
+            raw = {"model_type": "hunyuan_vl", "hidden_size": dim * heads, "num_attention_heads": heads,
+                   "head_dim": dim, "rope_theta": 10000.0,
+                   "rope_scaling": {"type": "xdrope", "alpha": alpha, "factor": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0, "xdrope_section": list(section)}}
+            ids = torch.randint(0, 64, (axes, 2, 9))
+            tencent_q = self._tencent_xdrope(q, ids, section, inv_freq)
+            assert self.diff(RotaryPositionalEmbedding.from_config(raw)(q, ids.permute(1, 2, 0)), tencent_q) < 1e-5
+
+    @pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "hunyuan_v1_moe"])
+    def test_hunyuan_ntk_alpha_matches_transformers(self, model_type):
+        self._transformers()
+        torch.manual_seed(12)
+        if model_type == "hunyuan_v1_dense":
+            from transformers import HunYuanDenseV1Config as Config
+            from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hf
+            rotary = hf.HunYuanDenseV1RotaryEmbedding
+        else:
+            from transformers import HunYuanMoEV1Config as Config
+            from transformers.models.hunyuan_v1_moe import modeling_hunyuan_v1_moe as hf
+            rotary = hf.HunYuanMoEV1RotaryEmbedding
+        dim, heads, alpha = 32, 2, 1000.0
+        config = Config(hidden_size=dim * heads, num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim,
+                        num_hidden_layers=1, max_position_embeddings=16,
+                        rope_parameters={"rope_type": "dynamic", "alpha": alpha, "factor": 1.0,
+                                         "rope_theta": 10000.0})
+        module = rotary(config)
+        assert module.rope_type == "ntk_alpha"
+        q, k = torch.randn(2, heads, 9, dim), torch.randn(2, heads, 9, dim)
+        ids = torch.randint(0, 64, (2, 9))                 # past max_position_embeddings: the base stays static
+        hf_q, hf_k = hf.apply_rotary_pos_emb(q, k, *module(q, ids))
+        rope = RotaryPositionalEmbedding.from_config(config)
+        assert self.diff(rope(q, ids), hf_q) < 2e-5 and self.diff(rope(k, ids), hf_k) < 2e-5
+        # the checkpoints' raw config.json: rope_scaling {"type": "dynamic", "alpha": ...} beside rope_theta
+        raw = {"model_type": model_type, "hidden_size": dim * heads, "num_attention_heads": heads, "head_dim": dim,
+               "max_position_embeddings": 16, "rope_theta": 10000.0,
+               "rope_scaling": {"type": "dynamic", "alpha": alpha, "factor": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0}}
+        assert self.diff(RotaryPositionalEmbedding.from_config(raw)(q, ids), hf_q) < 2e-5
+        base = 10000.0 * alpha ** (dim / (dim - 2))
+        assert self.diff(hf_q, self.oracle(q, ids[..., None], [0] * (dim // 2), self.plain(dim, base))) < 2e-5
+        # short positions too take the alpha base (dynamic NTK would keep rope_theta below max_position_embeddings)
+        short = torch.arange(4)[None]
+        assert self.diff(rope(q[:1, :, :4], short),
+                         self.oracle(q[:1, :, :4], short[..., None], [0] * (dim // 2), self.plain(dim, base))) < 2e-6
+
+    # ------------------------------------------------------------------------------------------ timm EVA-02
+    @staticmethod
+    def _eva02_reference(x, height, width, ref, temperature):
+        """timm's RotaryEmbeddingCat(in_pixels=False, ref_feat_shape=ref) + apply_rot_embed_cat(half=False),
+        re-enacted from its formulas in float64: bands = T ** -(arange(nb) / nb), nb = D // 4; grid
+        t = arange(S) / S * R per axis ('ij'); angles [H, W, 2, nb] flattened axis-major, repeat_interleave(2);
+        x * cos + rot(x) * sin with rot(x) = [-x1, x0, -x3, x2, ...]."""
+        dim = x.shape[-1]
+        nb = dim // 4
+        bands = temperature ** -(torch.arange(nb, dtype=torch.float64) / nb)
+        rows = torch.arange(height, dtype=torch.float64) / height * ref[0]
+        cols = torch.arange(width, dtype=torch.float64) / width * ref[1]
+        grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), -1)           # [H, W, 2]
+        angles = (grid[..., None] * bands).flatten(-2).reshape(height * width, 2 * nb)
+        angles = angles.repeat_interleave(2, -1)                                     # [N, D]
+        xd = x.double()
+        rot = torch.stack([-xd[..., 1::2], xd[..., 0::2]], -1).flatten(-2)
+        return xd * angles.cos() + rot * angles.sin()
+
+    @staticmethod
+    def _eva02_positions(height, width, ref):
+        rows = torch.arange(height, dtype=torch.float64) / height * ref[0]
+        cols = torch.arange(width, dtype=torch.float64) / width * ref[1]
+        return torch.stack(torch.meshgrid(rows, cols, indexing="ij"), -1).reshape(-1, 2)   # [N, (row, col)]
+
+    @pytest.mark.parametrize("dim, height, width, ref, temperature", [
+        (16, 6, 5, (4, 4), 10000.0), (32, 7, 9, (16, 16), 10000.0), (16, 3, 8, (3, 8), 100.0)])
+    def test_eva02_formulas(self, dim, height, width, ref, temperature):
+        torch.manual_seed(13)
+        x = torch.randn(2, 3, height * width, dim)
+        want = self._eva02_reference(x, height, width, ref, temperature)
+        positions = self._eva02_positions(height, width, ref)
+        rope = RotaryPositionalEmbedding(dim, sections=[dim // 4, dim // 4], axis_spectrum="per_axis",
+                                         interleaved=True, base=temperature)
+        assert self.diff(rope(x, positions), want) < 2e-6
+        nb = dim // 4
+        explicit = RotaryPositionalEmbedding(dim, pair_axes=[0] * nb + [1] * nb, interleaved=True,
+                                             frequencies=[temperature ** (-i / nb) for i in range(nb)] * 2)
+        assert self.diff(explicit(x, positions), want) < 2e-6
+
+    @pytest.mark.parametrize("img_size, patch, heads, embed_dim", [((24, 20), 4, 2, 64), ((16, 28), 4, 2, 32)])
+    def test_eva02_matches_timm(self, img_size, patch, heads, embed_dim):
+        pytest.importorskip("timm")
+        from timm.layers import pos_embed_sincos as pes
+        from timm.models.eva import Eva
+        torch.manual_seed(14)
+        ref = (4, 4)
+        model = Eva(img_size=img_size, patch_size=patch, embed_dim=embed_dim, depth=1, num_heads=heads,
+                    use_rot_pos_emb=True, ref_feat_shape=ref)                    # EVA-02's rope: 'cat', lang bands
+        height, width = img_size[0] // patch, img_size[1] // patch
+        dim = embed_dim // heads
+        emb = model.rope.get_embed()                                            # [N, 2 D]: sin | cos
+        half = model.blocks[0].attn.rotate_half
+        assert not half
+        q = torch.randn(2, heads, height * width, dim)
+        theirs = pes.apply_rot_embed_cat(q, emb, half=half)
+        rope = RotaryPositionalEmbedding(dim, sections=[dim // 4, dim // 4], axis_spectrum="per_axis",
+                                         interleaved=True, base=10000.0)
+        assert self.diff(rope(q, self._eva02_positions(height, width, ref)), theirs) < 5e-6
+        assert self.diff(theirs, self._eva02_reference(q, height, width, ref, 10000.0)) < 5e-6
 
 
 class TestRerotate:
@@ -9411,11 +9938,14 @@ class TestVideoRoPE:
         assert mrope[:16] == [0] * 16 and qwen3[:3] == [0, 1, 2]
         assert len({tuple(axes), tuple(mrope), tuple(qwen3)}) == 3
 
-    def test_only_the_sum_of_the_spatial_sections_counts(self):
-        # the reference alternates h and w over sections[1] + sections[2] pairs whatever their split
+    def test_a_spatial_split_the_alternation_cannot_honour_raises(self):
+        # the reference alternates h and w over sections[1] + sections[2] pairs whatever their split: h gets
+        # ceil, w floor of half of them, so any other split would be silently ignored
         a = VideoRotaryPositionalEmbedding(64, sections=[8, 12, 12]).axis_of_pair
-        b = VideoRotaryPositionalEmbedding(64, sections=[8, 20, 4]).axis_of_pair
-        assert torch.equal(a, b)
+        assert a.tolist() == [1, 2] * 12 + [0] * 8
+        assert VideoRotaryPositionalEmbedding(64, sections=[9, 12, 11]).axis_of_pair.tolist() == [1, 2] * 11 + [1] + [0] * 9
+        with pytest.raises(ValueError, match=r"need h == w or h == w \+ 1, got sections=\[8, 20, 4\]"):
+            VideoRotaryPositionalEmbedding(64, sections=[8, 20, 4])
 
     @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
     def test_rotation_matches_loop_oracle(self, dtype):
@@ -9477,7 +10007,7 @@ class TestVideoRoPE:
         assert (video.forward_attn(q, k, p, p) - mrope.forward_attn(q, k, p, p)).abs().max() > 0.1
 
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be three pair counts"):
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: section_layout=.alternating. \(ERNIE-4.5-VL, VideoRoPE\) needs three sections"):
             VideoRotaryPositionalEmbedding(32, sections=[8, 8])
         with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be positive and sum to"):
             VideoRotaryPositionalEmbedding(32, sections=[4, 4, 4])
