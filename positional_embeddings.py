@@ -9825,6 +9825,12 @@ def _vendor_units(source: str) -> list:
     lines = source.splitlines()
     units, previous_end = [], 0
     for node in ast.parse(source).body:
+        documents_previous = (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                              and isinstance(node.value.value, str) and units and node.lineno == previous_end + 1)
+        if documents_previous:  # an assignment's docstring (right below it) travels with it
+            units[-1]["lines"][1] = previous_end = node.end_lineno
+            units[-1]["text"] = lines[units[-1]["lines"][0] - 1:node.end_lineno]
+            continue
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         lead = lines[previous_end:start - 1]                                   # blank lines and comments
         section = ""
@@ -9855,7 +9861,10 @@ def _vendor_bound_names(node) -> set:
         return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
     if isinstance(node, ast.If):  # the demo's `if __name__ == "__main__":` binds nothing anyone uses
         return set()
-    return {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
+    # assignment targets only: a comprehension's or a lambda's names are its own, not the module's
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    return {sub.id for target in targets if target is not None for sub in ast.walk(target)
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
 
 
 def _vendor_reads(node) -> dict:

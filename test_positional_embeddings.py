@@ -10016,7 +10016,8 @@ class TestVideoRoPE:
         assert (video.forward_attn(q, k, p, p) - mrope.forward_attn(q, k, p, p)).abs().max() > 0.1
 
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: section_layout=.alternating. \(ERNIE-4.5-VL, VideoRoPE\) needs three sections"):
+        with pytest.raises(ValueError, match=r"^VideoRotaryPositionalEmbedding: section_layout=.alternating. "
+                                             r"\(ERNIE-4.5-VL, VideoRoPE\) needs three sections"):
             VideoRotaryPositionalEmbedding(32, sections=[8, 8])
         with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be positive and sum to"):
             VideoRotaryPositionalEmbedding(32, sections=[4, 4, 4])
@@ -11251,6 +11252,12 @@ class TestVendor:
         assert "rope = RotaryPositionalEmbedding(64)  # doctest: +SKIP\n" in text and "marked ``+SKIP``" in text
         with_rope = pe_lib.vendor(["RotaryPositionalEmbedding"])
         assert "rope = RotaryPositionalEmbedding(64)\n" in with_rope and "def _rope_yarn(" in with_rope
+        # a table's docstring comes with it; a comprehension's names bind nothing at module level
+        assert '}\n"""The RoPE frequency functions by Hugging Face' in with_rope
+        import ast
+        statement = ast.parse("TABLE = {f'{name}_x': value for name, value in OTHER.items()}").body[0]
+        assert pe_lib._vendor_bound_names(statement) == {"TABLE"}
+        assert pe_lib._vendor_bound_names(ast.parse("TABLE.update({n: n for n in ITEMS})").body[0]) == set()
 
     def test_options_leave_their_parts_out(self):
         full = pe_lib.vendor(["RotaryPositionalEmbedding", "ALiBiPositionalEmbedding"])
