@@ -3069,7 +3069,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: 
 
 
 def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_split", "interleaved"],
-                          rotary_dim: Optional[int] = None) -> Tensor:
+                          rotary_dim: Optional[int] = None,
+                          rotated_channels: Literal["leading", "trailing"] = "leading") -> Tensor:
     """Reorder the rows of a q or k projection between the two RoPE layouts.
 
     A checkpoint trained with interleaved pairs (Meta's Llama, GPT-J, RoFormer, torchtune)
@@ -3077,7 +3078,8 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     ``permute_rotary_weight(w, head_dim, to="half_split")``, and back with ``to="interleaved"``:
     the same permutation of q and k leaves every attention logit unchanged. Works on a
     weight ``[heads * head_dim, in]`` or a bias ``[heads * head_dim]``; with partial rotary
-    only the first ``rotary_dim`` rows of each head move.
+    only the first ``rotary_dim`` rows of each head move (the last ones with
+    ``rotated_channels="trailing"``, DeepSeek-V4's layout).
 
     Example:
         >>> w = torch.randn(8 * 64, 512)
@@ -3092,15 +3094,18 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     head_dim = _check_positive_int(owner, "head_dim", head_dim)
     rotary_dim = head_dim if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
     _check_choice(owner, "to", to, ("half_split", "interleaved"))
+    _check_choice(owner, "rotated_channels", rotated_channels, ("leading", "trailing"))
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or weight.shape[0] % head_dim:
         raise ValueError(f"{owner}: need an even rotary_dim <= head_dim and rows divisible by head_dim, "
                          f"got rotary_dim={rotary_dim}, head_dim={head_dim}, weight {tuple(weight.shape)}")
-    half = rotary_dim // 2
-    rows = torch.arange(head_dim)
+    half, rows = rotary_dim // 2, torch.arange(head_dim)
+    moved = torch.arange(rotary_dim)
     if to == "half_split":  # new row c*half + j <- old row 2j + c
-        rows[:rotary_dim] = 2 * (rows[:rotary_dim] % half) + rows[:rotary_dim] // half
+        moved = 2 * (moved % half) + moved // half
     else:                   # new row 2j + c <- old row c*half + j
-        rows[:rotary_dim] = (rows[:rotary_dim] % 2) * half + rows[:rotary_dim] // 2
+        moved = (moved % 2) * half + moved // 2
+    first = head_dim - rotary_dim if rotated_channels == "trailing" else 0
+    rows[first:first + rotary_dim] = first + moved
     heads = weight.shape[0] // head_dim
     return weight.unflatten(0, (heads, head_dim))[:, rows.to(weight.device)].flatten(0, 1)
 
@@ -3111,6 +3116,10 @@ def _check_pair_axes(owner: str, pair_axes, rotary_dim: int) -> list:
     if len(pair_axes) != rotary_dim // 2:
         raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {rotary_dim // 2} "
                          f"pairs, got {len(pair_axes)}")
+    unused = sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
+    if unused:   # positions would carry a column nothing reads
+        raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
+                         f"per axis), got no pair on axes {unused}")
     return pair_axes
 
 
@@ -3118,7 +3127,10 @@ def _check_frequencies(owner: str, frequencies, rotary_dim: int, params: dict, a
     """``frequencies``: one finite frequency >= 0 per pair (a list or a 1-D tensor), replacing the spectrum."""
     if frequencies is None:
         return None
-    if isinstance(frequencies, Tensor) and frequencies.dim() == 1 and not frequencies.is_complex():
+    if isinstance(frequencies, Tensor):
+        if frequencies.requires_grad or frequencies.dim() != 1 or not frequencies.is_floating_point():
+            raise TypeError(f"{owner}: frequencies must be a list or a 1-D float tensor without grad (they are "
+                            f"fixed: a learned spectrum is a parameter of your model), got {_describe(frequencies)}")
         frequencies = frequencies.tolist()
     frequencies = [_as_float(owner, "frequencies", value, minimum=0.0)
                    for value in _as_list(owner, "frequencies", frequencies)]
@@ -3232,12 +3244,12 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         params = _check_scaling(owner, scaling, self.base)
         rotary_dim = None if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
         _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved", "alternating"))
-        if sections is not None and pair_axes is not None:
-            raise ValueError(f"{owner}: pass sections (a preset) or pair_axes (any map), not both, got "
-                             f"sections={sections} and pair_axes={_describe(pair_axes)}")
         if sections is not None:
             sections = [_check_positive_int(owner, "sections", size) for size in _as_list(owner, "sections", sections)]
         rotary_dim, sections, section_layout = _rotary_layout(owner, dim, rotary_dim, params, sections, section_layout)
+        if sections is not None and pair_axes is not None:
+            raise ValueError(f"{owner}: pass sections (a preset, or scaling's mrope_section) or pair_axes (any map), "
+                             f"not both, got sections={sections} and pair_axes={_describe(pair_axes)}")
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
             raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
                              f"got rotary_dim={rotary_dim!r}")
@@ -3270,7 +3282,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
         self.axis_spectrum = axis_spectrum
         self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, params, axis_spectrum)
-        self.pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
+        pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
+        self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
         self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
         self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
         self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
@@ -3305,12 +3318,13 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if self.fixed_length is not None:
             text += f", fixed_length={self.fixed_length}"
         if self.sections is not None:
-            text += f", sections={self.sections}, section_layout={self.section_layout!r}, " \
-                    f"axis_spectrum={self.axis_spectrum!r}"
+            text += f", sections={self.sections}"
+            text += "" if self.section_layout == "contiguous" else f", section_layout={self.section_layout!r}"
+            text += "" if self.axis_spectrum == "shared" else f", axis_spectrum={self.axis_spectrum!r}"
         elif self.pair_axes is not None:
             text += f", pair_axes={self.pair_axes}"
         if self.frequencies is not None:
-            text += f", frequencies=<{len(self.frequencies)} given>"
+            text += f", frequencies={self.frequencies}"
         if self.rotated_channels != "leading":
             text += f", rotated_channels={self.rotated_channels!r}"
         if self.rotate_values:
@@ -3343,11 +3357,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             if key in params and len(params[key]) != self.rotary_dim // 2:
                 raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = "
                                  f"{self.rotary_dim // 2} entries, got {len(params[key])}")
-        self._scaling = params
         if (self.axis_spectrum != "shared" or self.frequencies is not None) and params["rope_type"] != "default":
             what = "frequencies" if self.frequencies is not None else f"axis_spectrum={self.axis_spectrum!r}"
-            raise ValueError(f"{type(self).__name__}: {what} takes no scaling, got "
-                             f"rope_type={self._scaling['rope_type']!r}")
+            raise ValueError(f"{type(self).__name__}: {what} takes no scaling, got rope_type={params['rope_type']!r}")
+        self._scaling = params
         self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
         self._init_buffers(self._buffer_device())
 
@@ -3709,7 +3722,8 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
                          head_dim=head_dim)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, temporal_spacing={self.temporal_spacing}"
+        return (f"dim={self.dim}, sections={self.sections}, temporal_spacing={self.temporal_spacing}, "
+                f"base={self.base}, interleaved={self.interleaved}")
 
     def positions(self, segments: Sequence, *, start: float = 0) -> Tensor:
         """The ``(t, h, w)`` positions ``[N, 3]`` (float64) of a sequence of text runs and visual grids.
@@ -7969,8 +7983,11 @@ def _check_wrapped_rope(owner: str, name: str, rope) -> "RotaryPositionalEmbeddi
     ``_RotaryPieces`` has its own largest position, so ``dynamic`` / ``longrope`` would differ per rule)."""
     if not isinstance(rope, RotaryPositionalEmbedding):
         raise TypeError(f"{owner}: {name} must be a RotaryPositionalEmbedding, got {type(rope).__name__}")
-    if rope.sections is not None:
-        raise ValueError(f"{owner}: {name} must rotate one position axis, got sections={rope.sections}")
+    if rope.num_axes != 1:
+        raise ValueError(f"{owner}: {name} must rotate one position axis, got num_axes={rope.num_axes}")
+    if rope.rotate_values:
+        raise ValueError(f"{owner}: {name} must not rotate the values (each rule would need its own turn of "
+                         f"them), got rotate_values=True")
     if rope.scaling["rope_type"] in _LENGTH_DEPENDENT:
         raise ValueError(f"{owner}: {name} must have length-independent frequencies, got "
                          f"scaling rope_type={rope.scaling['rope_type']!r} (its spectrum follows each call's length)")
@@ -8712,6 +8729,14 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     def attention_values(self, weights, positions_q=None, positions_k=None):
         return self._named(self.encoding.attention_values, weights, positions_q, positions_k)
 
+    def encode_v(self, v, q_len, positions_q=None, positions_k=None):
+        positions_q, positions_k = self._resolve_positions(q_len, v.shape[-2], positions_q, positions_k, v.device)
+        return self._named(self.encoding.encode_v, v, q_len, positions_q, positions_k)
+
+    def decode_output(self, out, k_len, positions_q=None, positions_k=None):
+        positions_q, positions_k = self._resolve_positions(out.shape[-2], k_len, positions_q, positions_k, out.device)
+        return self._named(self.encoding.decode_output, out, k_len, positions_q, positions_k)
+
     def attention_weights(self, logits):
         return self.encoding.attention_weights(logits)
 
@@ -8783,6 +8808,10 @@ _HWT_SECTION_MODELS = {"ernie4_5_vl_moe", "ernie4_5_vl_moe_text"}
 _XDROPE_MODELS = {"hunyuan_vl", "hunyuan_vl_text"}
 
 
+# Models whose "dynamic" rope type with an ``alpha`` is a fixed NTK base (transformers' "ntk_alpha").
+_NTK_ALPHA_MODELS = {"hunyuan_v1_dense", "hunyuan_v1_moe", *_XDROPE_MODELS}
+
+
 # Model types that use RoPE even when a raw config.json names none of its fields.
 _ROPE_DEFAULT_MODELS = _ROTARY_DIM_MODELS | set(_PARTIAL_ROTARY_DEFAULTS) | set(_MROPE_MODELS)
 
@@ -8837,8 +8866,9 @@ _ROPE_MODEL_TYPES = frozenset({
 
 
 # Model types refused whatever the caller states: (config field, why no keyword expresses the model).
-_MISTRAL_LARGE4_REFUSAL = ("rope_parameters", "Mistral Large 4's attention rotates a per-layer slice, with NoPE "
-                           "layers, that one RoPE module read from the config does not describe (its q . k differs)")
+_MISTRAL_LARGE4_REFUSAL = ("rope_parameters", "Mistral Large 4's frequencies carry a factor exp(alpha) learned in "
+                           "the checkpoint, and some layers are NoPE; use layer_encodings(config, rope_alpha=...) "
+                           "with the checkpoint's model.rotary_emb.alpha")
 _ROPE_REFUSED = {
     "nanochat": ("model_type", "NanoChat's rotate_half turns every pair by minus the angle, so its q . k depends "
                  "on m - n where RoPE's depends on n - m; no keyword expresses it"),
@@ -8910,7 +8940,7 @@ def _layer_override(config, layer_type: Optional[str]) -> dict:
 
 def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, interleaved: Optional[bool] = None,
                                rotary_dim: Optional[int] = None, sections: Optional[list] = None,
-                               section_layout: Optional[str] = None) -> dict:
+                               section_layout: Optional[str] = None, spectrum_only: bool = False) -> dict:
     """Keyword arguments of ``RotaryPositionalEmbedding`` reproducing a Hugging Face model's RoPE.
 
     Reads, as transformers does: the head dim (``qk_rope_head_dim`` for DeepSeek's MLA, else
@@ -8927,6 +8957,9 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     (``interleaved=``) and, for a config with ``mrope_section``, the ``section_layout=``. Given keywords
     (``interleaved``, ``rotary_dim``, ``sections``, ``section_layout``) override what the config says.
 
+    ``spectrum_only`` reads a refused model type's rope fields anyway (``layer_encodings`` takes
+    Mistral Large 4's spectrum so, and adds the checkpoint's learned factor).
+
     Returns a dict with keys among ``dim, base, interleaved, rotary_dim, scaling, sections,
     section_layout``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
     scaling reads from the model config (``original_max_position_embeddings``,
@@ -8940,7 +8973,7 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
                          f"RoPE; use ALiBiPositionalEmbedding.from_config")
     if interleaved is not None:
         interleaved = _check_flag(owner, "interleaved", interleaved)
-    if model_type in _ROPE_REFUSED:
+    if model_type in _ROPE_REFUSED and not spectrum_only:
         field, why = _ROPE_REFUSED[model_type]
         raise ValueError(f"{owner}: model_type={model_type!r} is not supported ({field}): {why}")
     params = _config_get(text, "rope_parameters") or _config_get(text, "rope_scaling") or {}
@@ -8992,7 +9025,7 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
         rope_type = "default"     # legacy Qwen2-VL spelling, Pixtral's name: default RoPE with sections
     if rope_type == "xdrope":     # HunYuan-VL's legacy spelling, which transformers reads as "dynamic"
         rope_type = "dynamic"
-    if rope_type == "dynamic" and params.get("alpha"):
+    if rope_type == "dynamic" and params.get("alpha") and model_type in _NTK_ALPHA_MODELS:
         # HunYuan's "ntk_alpha": a fixed alpha stretches the base once, whatever the length (not dynamic NTK)
         base = float(base) * float(params["alpha"]) ** (head_dim / (head_dim - 2))
         rope_type = "default"
@@ -9029,8 +9062,10 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     # multi-axis (M-RoPE) sections
     default_sections, layout = _MROPE_MODELS.get(model_type, (None, "contiguous"))
     if sections is None:
-        sections = (params.get("mrope_section") or _config_get(text, "mrope_section") or params.get("xdrope_section")
-                    or default_sections)
+        stated = [params.get("mrope_section") or _config_get(text, "mrope_section"), params.get("xdrope_section")]
+        if all(stated) and list(stated[0]) != list(stated[1]):
+            raise ValueError(f"{owner}: mrope_section={stated[0]} and xdrope_section={stated[1]} disagree")
+        sections = stated[0] or stated[1] or default_sections
         if sections is None and model_type in _XDROPE_MODELS:
             raise ValueError(f"{owner}: model_type={model_type!r} needs mrope_section (or xdrope_section) in "
                              f"rope_parameters, its XD-RoPE's pairs per axis; the config has none")
@@ -9215,7 +9250,10 @@ def _alibi_kwargs_from_config(config) -> dict:
 _NO_ROPE_LAYER_MODELS = {"smollm3", "llama4", "llama4_text"}   # no_rope_layers[i]: 1 = RoPE, 0 = NoPE
 
 
-def layer_encodings(config) -> list:
+_MISTRAL_LARGE4_MODELS = {"mistral_large4", "mistral_large4_text"}
+
+
+def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     """The positional encoding of each layer of a Hugging Face model, by layer index.
 
     For models whose layers differ:
@@ -9228,11 +9266,16 @@ def layer_encodings(config) -> list:
     - **Per-layer-type RoPE** (Gemma 3 and 4, DeepSeek-V4): ``from_config(config, layer_type=...)``
       for each layer's type. DeepSeek-V4's types map to its ``"main"`` RoPE (sliding-attention layers)
       and ``"compress"`` RoPE (the others), each turning the values too in ``attention()``.
+    - **Mistral Large 4** (LeRoPE): its RoPE layers (``no_rope_layers[i] = 1``) turn the trailing
+      ``qk_rope_head_dim`` channels of each ``qk_nope_head_dim + qk_rope_head_dim`` head in
+      interleaved pairs, at the config's frequencies times ``exp(alpha)``, a factor per pair learned
+      in the checkpoint: pass it as ``rope_alpha`` (the model's ``model.rotary_emb.alpha``; required).
+      Its other layers are NoPE.
     - **Every other model accepted by ``from_config``:** that one RoPE on every layer.
 
     What stays with the model: Llama 4's q/k norm and chunked attention on RoPE layers, SmolLM3's
-    sliding window on NoPE layers. Mistral Large 4 raises: its frequencies carry a learned factor
-    from the checkpoint, and its NoPE layers differ in architecture.
+    sliding window on NoPE layers, and Mistral Large 4's softmax scaling (q times a learned
+    ``scale * log(p + 1) + bias`` per head, every layer) and sparse attention.
 
     Example:
         >>> smollm3 = {"model_type": "smollm3", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
@@ -9246,6 +9289,13 @@ def layer_encodings(config) -> list:
     layers = _config_get(text, "num_hidden_layers")
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got {layers!r}")
+    if model_type in _MISTRAL_LARGE4_MODELS:
+        rope = _mistral_large4_rope(owner, config, text, rope_alpha)
+        flags = _config_get(text, "no_rope_layers") or [1] * layers
+        return [rope if flags[i] else NoPositionalEmbedding() for i in range(layers)]
+    if rope_alpha is not None:
+        raise ValueError(f"{owner}: rope_alpha is Mistral Large 4's learned frequency factor; model_type="
+                         f"{model_type!r} has none, got a tensor of shape {_describe(rope_alpha)}")
     if model_type in _NO_ROPE_LAYER_MODELS:
         flags = _config_get(text, "no_rope_layers")
         if not flags:
@@ -9268,6 +9318,22 @@ def layer_encodings(config) -> list:
         return [built[kind] for kind in list(types)[:layers]]
     rope = RotaryPositionalEmbedding.from_config(config)
     return [rope] * layers
+
+
+def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositionalEmbedding":
+    """Mistral Large 4's RoPE on its whole ``[nope | rope]`` heads: the config's spectrum (YaRN) times
+    ``exp(rope_alpha)``, on the trailing ``qk_rope_head_dim`` channels, interleaved."""
+    if not isinstance(rope_alpha, Tensor) or not rope_alpha.is_floating_point() or rope_alpha.dim() != 1:
+        raise TypeError(f"{owner}: Mistral Large 4 needs rope_alpha, the checkpoint's learned frequency factor "
+                        f"(model.rotary_emb.alpha, a float tensor [qk_rope_head_dim / 2]), got {_describe(rope_alpha)}")
+    spectrum = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, interleaved=True, spectrum_only=True))
+    if spectrum.attention_factor != 1.0 or rope_alpha.shape[0] != spectrum.rotary_dim // 2:
+        raise ValueError(f"{owner}: rope_alpha must have qk_rope_head_dim / 2 = {spectrum.rotary_dim // 2} entries "
+                         f"for an attention factor of 1 (got {spectrum.attention_factor}), got {_describe(rope_alpha)}")
+    frequencies = spectrum.inv_freq.cpu() * rope_alpha.detach().cpu().double().exp()
+    head_dim = int(_config_get(text, "qk_nope_head_dim")) + spectrum.rotary_dim
+    return RotaryPositionalEmbedding(head_dim, rotary_dim=spectrum.rotary_dim, interleaved=True,
+                                     rotated_channels="trailing", frequencies=frequencies)
 
 
 # ---------------------------------------------------------------------------

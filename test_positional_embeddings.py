@@ -4560,7 +4560,8 @@ class TestRotary:
             _rotary_kwargs_from_config(llama, interleaved="yes")
 
     @pytest.mark.parametrize("model_type, message", [
-        ("nanochat", "minus the angle"), ("mistral_large4", "NoPE layers"), ("mistral_large4_text", "NoPE layers")])
+        ("nanochat", "minus the angle"), ("mistral_large4", "layer_encodings.*rope_alpha"),
+        ("mistral_large4_text", "learned in the checkpoint")])
     def test_refused_rope_model_types(self, model_type, message):
         raw = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
         for stated in ({}, {"interleaved": False, "section_layout": "contiguous"}):   # keywords do not help
@@ -4831,6 +4832,82 @@ class TestValueRotation:
             family = f"deepseek_v4 {attn.layer_type} attention output"
             MAX_DIFF[family] = (ours - theirs).abs().max().item()
             assert MAX_DIFF[family] < 2e-6, attn.layer_type
+
+
+class TestRotaryOptionsTogether:
+    """The new RoPE options against the rest of the library: wrappers, the scaling setter, weight permutation,
+    reprs and from_config's edges."""
+
+    def test_one_axis_maps_are_plain_rope(self):
+        x = torch.randn(2, 3, 5, 8)
+        plain = RotaryPositionalEmbedding(8, frequencies=[1.0, 0.5, 0.25, 0.125])
+        for one_axis in (RotaryPositionalEmbedding(8, pair_axes=[0] * 4, frequencies=plain.frequencies),
+                         RotaryPositionalEmbedding(8, sections=[4], axis_spectrum="strided", base=16.0)):
+            assert one_axis.num_axes == 1 and one_axis.pair_axes is None
+        torch.testing.assert_close(RotaryPositionalEmbedding(8, pair_axes=[0] * 4, frequencies=plain.frequencies)(x),
+                                   plain(x), atol=0, rtol=0)
+        assert (plain(x) - x).abs().max() > 0.1
+
+    def test_a_refused_scaling_leaves_the_module_as_it_was(self):
+        for rope in (RotaryPositionalEmbedding(8, frequencies=[1.0, 0.5, 0.25, 0.125]),
+                     RotaryPositionalEmbedding(8, sections=[2, 2], axis_spectrum="strided")):
+            x, before = torch.randn(1, 1, 6, 8), repr(rope)
+            want = rope(x, torch.arange(12).reshape(6, 2) if rope.num_axes == 2 else None)
+            with pytest.raises(ValueError, match="takes no scaling, got rope_type='linear'"):
+                rope.scaling = {"rope_type": "linear", "factor": 2.0}
+            assert repr(rope) == before and rope.scaling["rope_type"] == "default"
+            torch.testing.assert_close(rope(x, torch.arange(12).reshape(6, 2) if rope.num_axes == 2 else None), want)
+
+    def test_wrappers_and_value_rotation(self):
+        values = RotaryPositionalEmbedding(16, rotary_dim=8, interleaved=True, rotated_channels="trailing",
+                                           rotate_values=True)
+        q, k, v = (torch.randn(1, 2, 6, 16) for _ in range(3))
+        randomized = RandomizedPositionalEmbedding(values, 64).eval()       # eval: the wrapped encoding exactly
+        torch.testing.assert_close(attention(q, k, v, randomized, causal=True), attention(q, k, v, values, causal=True))
+        with pytest.raises(ValueError, match="rope must not rotate the values"):
+            SelfExtendPositionalEmbedding(values, group_size=2, window=4)
+        two_axes = RotaryPositionalEmbedding(16, pair_axes=[0, 1] * 4)
+        with pytest.raises(ValueError, match="rope must rotate one position axis, got num_axes=2"):
+            SelfExtendPositionalEmbedding(two_axes, group_size=2, window=4)
+
+    @pytest.mark.parametrize("rotated_channels", ["leading", "trailing"])
+    def test_weight_permutation_keeps_the_logits(self, rotated_channels):
+        torch.manual_seed(0)
+        w, x = torch.randn(2 * 16, 12, dtype=torch.float64), torch.randn(5, 12, dtype=torch.float64)
+        meta = RotaryPositionalEmbedding(16, rotary_dim=8, interleaved=True, rotated_channels=rotated_channels)
+        hf = RotaryPositionalEmbedding(16, rotary_dim=8, rotated_channels=rotated_channels)
+        moved = permute_rotary_weight(w, 16, to="half_split", rotary_dim=8, rotated_channels=rotated_channels)
+        heads = lambda weight: (x @ weight.T).view(5, 2, 16).transpose(0, 1)      # noqa: E731
+        logits = lambda pe, t: pe(t) @ pe(t).transpose(-1, -2)                     # noqa: E731
+        torch.testing.assert_close(logits(hf, heads(moved)), logits(meta, heads(w)))
+        back = permute_rotary_weight(moved, 16, to="interleaved", rotary_dim=8, rotated_channels=rotated_channels)
+        assert torch.equal(back, w)
+
+    def test_reprs_rebuild_the_module(self):
+        for pe in (RotaryPositionalEmbedding(8, frequencies=[1.0, 0.5, 0.25, 0.0]),
+                   RotaryPositionalEmbedding(16, pair_axes=[0, 1, 2, 1, 0, 2, 0, 0], rotated_channels="trailing"),
+                   RotaryPositionalEmbedding(16, sections=[2, 3, 3], section_layout="alternating", rotate_values=True),
+                   VideoRotaryPositionalEmbedding(32, temporal_spacing=1.5)):
+            rebuilt = eval(f"{type(pe).__name__}({pe.extra_repr()})")
+            assert repr(rebuilt) == repr(pe) and torch.equal(rebuilt.inv_freq, pe.inv_freq)
+
+    def test_from_config_edges(self):
+        llama = {"model_type": "llama", "head_dim": 16, "hidden_size": 64, "num_attention_heads": 4,
+                 "max_position_embeddings": 32, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                   "alpha": 1000.0, "rope_theta": 1e4}}
+        assert _rotary_kwargs_from_config(llama)["scaling"]["rope_type"] == "dynamic"   # alpha is HunYuan's only
+        hunyuan = {"model_type": "hunyuan_vl", "head_dim": 16, "hidden_size": 64, "num_attention_heads": 4,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2, 2, 2],
+                                       "xdrope_section": [4, 2, 1, 1]}}
+        with pytest.raises(ValueError, match=r"mrope_section=\[2, 2, 2, 2\] and xdrope_section=\[4, 2, 1, 1\] "
+                                             r"disagree"):
+            RotaryPositionalEmbedding.from_config(hunyuan)
+        with pytest.raises(TypeError, match="frequencies must be a list or a 1-D float tensor without grad"):
+            RotaryPositionalEmbedding(8, frequencies=torch.ones(4, requires_grad=True))
+        with pytest.raises(ValueError, match="pair_axes must use every axis 0 .. 2 .*got no pair on axes \\[1\\]"):
+            RotaryPositionalEmbedding(8, pair_axes=[0, 2, 2, 0])
+        with pytest.raises(ValueError, match="pass sections .*or pair_axes"):
+            RotaryPositionalEmbedding(8, pair_axes=[0, 1, 0, 1], scaling={"rope_type": "default", "mrope_section": [2, 2]})
 
 
 class TestPairAxes:
@@ -5711,8 +5788,60 @@ class TestLayerEncodings:
         assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].rotary_dim == 64 and v4[0].rotate_values
         gemma = layer_encodings(transformers.Gemma3TextConfig(num_hidden_layers=6))
         assert [pe.base for pe in gemma] == [1e4] * 5 + [1e6]                          # five sliding, one full
-        with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported"):
+        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
             layer_encodings(transformers.MistralLarge4TextConfig())
+        large4 = layer_encodings(transformers.MistralLarge4TextConfig(), rope_alpha=torch.zeros(32))
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in large4[:4]] == [False, False, False, True]
+        assert (large4[0].dim, large4[0].rotary_dim, large4[0].rotated_channels) == (128, 64, "trailing")
+        with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported .*rope_alpha"):
+            RotaryPositionalEmbedding.from_config(transformers.MistralLarge4TextConfig())
+
+    def test_mistral_large4_output_with_our_rope(self):
+        """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
+        rotation swapped in for its apply_rotary_pos_emb_interleave equals its own, and our whole-head module
+        on [nope | rope] equals the rope slice turned."""
+        transformers = pytest.importorskip("transformers")
+        modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
+        torch.manual_seed(0)
+        config = transformers.MistralLarge4TextConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0, 1, 0],
+            max_position_embeddings=64, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0})
+        model = modeling.MistralLarge4TextModel(config).eval()
+        with torch.no_grad():
+            model.rotary_emb.alpha.normal_(0, 0.3)           # a trained checkpoint's factors (zero at init)
+            for layer in model.layers:
+                layer.self_attn.softmax_scaling.scale.normal_(0, 0.1)
+                layer.self_attn.softmax_scaling.bias.fill_(1.0)
+        layers = layer_encodings(config, rope_alpha=model.rotary_emb.alpha)
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in layers] == [False, True, False, True]
+        rope = layers[0]
+        slice_rope = RotaryPositionalEmbedding(8, interleaved=True, frequencies=rope.frequencies)
+        positions, calls = torch.arange(12), []
+
+        def ours(q, k, cos, sin, unsqueeze_dim=1):       # [B, H, N, R] (attention) or [B, N, H, R] (indexer)
+            seq_dim = -2 if unsqueeze_dim == 1 else -3
+            calls.append(seq_dim)
+            turn = lambda x: None if x is None else slice_rope(x, positions[-x.shape[seq_dim]:], seq_dim=seq_dim)  # noqa: E731
+            return turn(q), turn(k)
+
+        ids = torch.randint(0, 64, (1, 12))
+        with torch.no_grad():
+            theirs = model(input_ids=ids).last_hidden_state
+            original = modeling.apply_rotary_pos_emb_interleave
+            modeling.apply_rotary_pos_emb_interleave = ours
+            try:
+                swapped = model(input_ids=ids).last_hidden_state
+            finally:
+                modeling.apply_rotary_pos_emb_interleave = original
+        MAX_DIFF["mistral_large4 model output"] = (swapped - theirs).abs().max().item()
+        assert calls and MAX_DIFF["mistral_large4 model output"] < 2e-6
+        head = torch.randn(1, 2, 12, 16)                                                  # [nope 8 | rope 8]
+        torch.testing.assert_close(rope(head), torch.cat([head[..., :8], slice_rope(head[..., 8:])], -1),
+                                   atol=0, rtol=0)
 
     def test_raw_dicts_and_bad_input(self):
         raw = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
@@ -5722,6 +5851,18 @@ class TestLayerEncodings:
             layer_encodings({"model_type": "llama", "rope_theta": 1e4})
         with pytest.raises(ValueError, match="no_rope_layers must have num_hidden_layers=3 entries, got 2"):
             layer_encodings({**raw, "no_rope_layers": [1, 0]})
+        with pytest.raises(ValueError, match="layer_encodings: rope_alpha is Mistral Large 4's learned frequency "
+                                             "factor; model_type='smollm3' has none"):
+            layer_encodings(raw, rope_alpha=torch.zeros(8))
+        large4 = {"model_type": "mistral_large4_text", "num_hidden_layers": 2, "head_dim": 16, "qk_rope_head_dim": 16,
+                  "qk_nope_head_dim": 16, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=r"rope_alpha must have qk_rope_head_dim / 2 = 8 entries .*got a tensor "
+                                             r"of shape \[7\]"):
+            layer_encodings(large4, rope_alpha=torch.zeros(7))
+        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
+            layer_encodings(large4, rope_alpha=[0.0] * 8)
+        assert layer_encodings(large4, rope_alpha=torch.zeros(8))[1].frequencies == \
+            RotaryPositionalEmbedding(16).inv_freq.tolist()                              # alpha 0: plain RoPE
 
 
 # ---------------------------------------------------------------------------
