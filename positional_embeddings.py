@@ -749,13 +749,15 @@ class PositionalEmbedding(nn.Module):
 
     def encode_v(self, v: Tensor, q_len: int, positions_q: Optional[Tensor] = None,
                  positions_k: Optional[Tensor] = None) -> Tensor:
-        """Values carrying position, for ``q_len`` queries (identity by default; RoPE's ``rotate_values``)."""
+        """Values carrying position, for ``q_len`` queries (identity by default; RoPE's ``rotate_values``).
+        Like ``encode_qk``, it takes positions as ``attention()`` passes them: ``[N]``, or ``[B, 1, N]``
+        for a batch (``forward`` takes ``[B, N]``)."""
         return v
 
     def decode_output(self, out: Tensor, k_len: int, positions_q: Optional[Tensor] = None,
                       positions_k: Optional[Tensor] = None) -> Tensor:
         """The attention output after ``weights @ v``, for ``k_len`` keys (identity by default; it undoes
-        ``encode_v``'s query-side part)."""
+        ``encode_v``'s query-side part). Positions as for ``encode_v``."""
         return out
 
     def forward_attn(
@@ -3160,8 +3162,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     ``rotate_values=True`` (DeepSeek-V4, whose keys are its values) turns the values too:
     ``attention()`` rotates v at the key positions and the output back at the query
     positions, so query ``m`` reads ``sum_n w_mn R((n - m) theta) v_n``: a relative position
-    in the values as well as in the logits (``encode_v`` and ``decode_output`` are the two
-    steps, for your own attention).
+    in the values as well as in the logits (``encode_v(v, Nq)`` and ``decode_output(out, Nk)``
+    are the two steps, for your own attention, positions ``[N]`` or ``[B, 1, N]``).
 
     ``scaling`` takes a Hugging Face ``rope_parameters`` dict (``linear``, ``dynamic``,
     ``yarn``, ``longrope``, ``llama3``) and gives the same cos/sin, attention factor
@@ -3292,7 +3294,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     @classmethod
     def from_config(cls, config, *, layer_type: Optional[str] = None, interleaved: Optional[bool] = None,
                     rotary_dim: Optional[int] = None, sections: Optional[list] = None,
-                    section_layout: Optional[Literal["contiguous", "interleaved"]] = None
+                    section_layout: Optional[Literal["contiguous", "interleaved", "alternating"]] = None
                     ) -> "RotaryPositionalEmbedding":
         """The RoPE of a Hugging Face model config (object or ``to_dict()``), as that model computes it
         (``head_dim``, ``rope_parameters`` / ``rope_scaling`` / ``rope_theta``, partial rotary,
@@ -8961,7 +8963,7 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     Mistral Large 4's spectrum so, and adds the checkpoint's learned factor).
 
     Returns a dict with keys among ``dim, base, interleaved, rotary_dim, scaling, sections,
-    section_layout``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
+    section_layout, axis_spectrum, rotated_channels, rotate_values``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
     scaling reads from the model config (``original_max_position_embeddings``,
     ``max_position_embeddings``).
     """
@@ -9076,6 +9078,10 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
                                  f"(h, w, t) needs equal h and w, got {[h, w, t]}")
             sections = [t, h, w]
     if model_type == "pixtral":   # (row, column): rows take the even frequencies, columns the odd ones
+        if sections is not None or section_layout is not None:
+            raise ValueError(f"{owner}: model_type='pixtral' has one layout, (row, column) on alternate "
+                             f"frequencies; sections= and section_layout= do not apply, got sections={sections}, "
+                             f"section_layout={section_layout!r}")
         pairs = rotary_dim // 2
         kwargs.update(sections=[(pairs + 1) // 2, pairs // 2], axis_spectrum="strided")
     if sections is not None:

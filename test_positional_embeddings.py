@@ -4906,6 +4906,11 @@ class TestRotaryOptionsTogether:
             RotaryPositionalEmbedding(8, frequencies=torch.ones(4, requires_grad=True))
         with pytest.raises(ValueError, match="pair_axes must use every axis 0 .. 2 .*got no pair on axes \\[1\\]"):
             RotaryPositionalEmbedding(8, pair_axes=[0, 2, 2, 0])
+        pixtral = {"model_type": "pixtral", "head_dim": 16, "hidden_size": 64, "num_attention_heads": 4,
+                   "rope_parameters": {"rope_type": "axial", "rope_theta": 1e4}}
+        assert _rotary_kwargs_from_config(pixtral)["axis_spectrum"] == "strided"
+        with pytest.raises(ValueError, match="model_type='pixtral' has one layout.*section_layout='interleaved'"):
+            RotaryPositionalEmbedding.from_config(pixtral, section_layout="interleaved")
         with pytest.raises(ValueError, match="pass sections .*or pair_axes"):
             RotaryPositionalEmbedding(8, pair_axes=[0, 1, 0, 1], scaling={"rope_type": "default", "mrope_section": [2, 2]})
 
