@@ -3036,7 +3036,8 @@ class _RotateFunction(torch.autograd.Function):
         ctx.interleaved, ctx.rotary_dim, ctx.trailing = interleaved, rotary_dim, trailing
         rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
         out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)                   # [..., N, Dh]
-        out[..., passed] = x[..., passed]
+        if rotary_dim < x.shape[-1]:
+            out[..., passed] = x[..., passed]
         _rotate_pairs_into(x[..., rotated], cos, sin, out[..., rotated], interleaved)
         return out
 
@@ -3125,7 +3126,7 @@ def _check_pair_axes(owner: str, pair_axes, rotary_dim: int) -> list:
     return pair_axes
 
 
-def _check_frequencies(owner: str, frequencies, rotary_dim: int, params: dict, axis_spectrum: str) -> Optional[list]:
+def _check_frequencies(owner: str, frequencies, rotary_dim: int, axis_spectrum: str) -> Optional[list]:
     """``frequencies``: one finite frequency >= 0 per pair (a list or a 1-D tensor), replacing the spectrum."""
     if frequencies is None:
         return None
@@ -3276,14 +3277,13 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
             raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
                              f"got sections={sections}, section_layout={section_layout!r}")
-        if axis_spectrum == "strided" and any(size != len(range(axis, rotary_dim // 2, len(sections)))
-                                              for axis, size in enumerate(sections)):
-            strides = [len(range(axis, rotary_dim // 2, len(sections))) for axis in range(len(sections))]
+        strides = None if sections is None else [len(range(a, rotary_dim // 2, len(sections))) for a in range(len(sections))]
+        if axis_spectrum == "strided" and sections != strides:
             raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
                              f"a, so sections must be {strides}, got sections={sections}")
         self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
         self.axis_spectrum = axis_spectrum
-        self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, params, axis_spectrum)
+        self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, axis_spectrum)
         pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
         self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
         self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
@@ -8963,9 +8963,9 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     Mistral Large 4's spectrum so, and adds the checkpoint's learned factor).
 
     Returns a dict with keys among ``dim, base, interleaved, rotary_dim, scaling, sections,
-    section_layout, axis_spectrum, rotated_channels, rotate_values``; ``scaling`` is a ``rope_parameters`` dict carrying the lengths the
-    scaling reads from the model config (``original_max_position_embeddings``,
-    ``max_position_embeddings``).
+    section_layout, axis_spectrum, rotated_channels, rotate_values``; ``scaling`` is a
+    ``rope_parameters`` dict carrying the lengths the scaling reads from the model config
+    (``original_max_position_embeddings``, ``max_position_embeddings``).
     """
     owner = "RotaryPositionalEmbedding.from_config"
     text = _text_config(owner, config)
