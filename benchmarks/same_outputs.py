@@ -1,13 +1,15 @@
 """Do two versions of the library compute the same numbers? Record every test case's outputs, then compare.
 
     python benchmarks/same_outputs.py record DIR OUT.pt      # DIR holds the positional_embeddings.py to record
-    python benchmarks/same_outputs.py compare A.pt B.pt      # prints every output that is not bitwise equal
+    python benchmarks/same_outputs.py compare A.pt B.pt      # prints every output that is not bitwise equal;
+                                                             # exit status 1 when any differs
 
 Per case of the test file's ``CASES`` (same seeds): the class's own call, ``forward_attn``,
 ``attention()`` with default and with explicit (permuted) positions, ``attention(use_flex=True)``
 for biases, ``forward_input`` for input kinds. ``DTYPE=bfloat16`` feeds bf16 inputs,
 ``DTYPE=float64`` a float64 module and inputs. An error is recorded as its message, so changed
-messages show too.
+messages show too. The cases come from this repository's test file, so the recorded library must
+define every name that test file imports (record an older version with the test file of its time).
 """
 import os
 import pathlib
@@ -15,25 +17,46 @@ import sys
 
 import torch
 
-if sys.argv[1] == "compare":
-    a, b = torch.load(sys.argv[2]), torch.load(sys.argv[3])
-    worst = {}
+
+def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where NaN (``torch.equal`` counts NaN != NaN); infinities must match in sign."""
+    nan = torch.isnan(x)
+    return torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan], y[~nan])
+
+
+def describe(x: torch.Tensor, y: torch.Tensor) -> str:
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    pattern = torch.equal(torch.isinf(x), torch.isinf(y)) and torch.equal(torch.isnan(x), torch.isnan(y))
+    if not finite.any():
+        return f"no finite pair; inf / nan pattern same {pattern}"
+    diff = (x - y)[finite].abs()
+    ulps = (diff / torch.finfo(x.dtype).eps / x[finite].abs().clamp_min(torch.finfo(x.dtype).tiny)).max().item()
+    return f"max |diff| {diff.max().item():.3g}, max rel/eps {ulps:.2f}, inf / nan pattern same {pattern}"
+
+
+def compare(path_a: str, path_b: str) -> int:
+    """Print every output that is missing, differs in shape or message, or is not bitwise equal; return their count."""
+    a, b = torch.load(path_a), torch.load(path_b)
+    found = 0
     for key in sorted(set(a) | set(b)):
-        if key not in a or key not in b:
-            print("missing", key, key in a, key in b); continue
-        x, y = a[key], b[key]
-        if isinstance(x, str) or isinstance(y, str):
-            if x != y: print("differs", key, x[:80], "|", y[:80])
-            continue
-        if x.shape != y.shape: print("shape", key, x.shape, y.shape); continue
-        same = torch.equal(x, y) or (torch.isnan(x) == torch.isnan(y)).all() and torch.equal(x.nan_to_num(0, 1e30, -1e30), y.nan_to_num(0, 1e30, -1e30))
-        if not same:
-            finite = torch.isfinite(x) & torch.isfinite(y)
-            ulps = ((x - y).abs() / torch.finfo(x.dtype).eps / x.abs().clamp_min(torch.finfo(x.dtype).tiny))[finite].max().item()
-            inf_same = torch.equal(torch.isinf(x), torch.isinf(y))
-            print(f"not bitwise {key}: max |diff| {(x - y)[finite].abs().max().item():.3g}, max rel/eps {ulps:.2f}, inf pattern same {inf_same}")
-    print("compared", len(set(a) & set(b)), "outputs")
-    sys.exit()
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None:
+            problem = f"missing {key}: in A {x is not None}, in B {y is not None}"
+        elif isinstance(x, str) or isinstance(y, str):
+            problem = None if x == y else f"differs {key}: {str(x)[:80]} | {str(y)[:80]}"
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            problem = f"shape {key}: {tuple(x.shape)} {x.dtype} | {tuple(y.shape)} {y.dtype}"
+        else:
+            problem = None if same(x, y) else f"not bitwise {key}: {describe(x, y)}"
+        if problem:
+            print(problem)
+            found += 1
+    print(f"compared {len(set(a) & set(b))} outputs: {found} differ")
+    return found
+
+
+if sys.argv[1] == "compare":
+    sys.exit(1 if compare(sys.argv[2], sys.argv[3]) else 0)
 directory, target = sys.argv[2], sys.argv[3]
 sys.path.insert(0, directory)
 import positional_embeddings as lib  # noqa: E402
