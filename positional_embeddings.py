@@ -4825,8 +4825,9 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     A sequence is a row of ``positions``' leading dims: ``[B, N]`` gets ``B`` independent draws.
     Draws are float32 from ``generator`` (the global one by default) in the order above, as
     DINOv3 draws them. Augment in training only: in eval the positions are used as they are
-    (CAPE's and DINOv3's rule). The PyTorch port of CAPE (gcambara/cape) draws its local shift from
-    ``U(-m s / 2, m s / 2)`` (``m`` its ``max_local_shift``, ``s`` the spacing): ``local_shift = m s / 2``.
+    (CAPE's and DINOv3's rule). Positions must be finite. The PyTorch port of CAPE (gcambara/cape) draws
+    its local shift from ``U(-m s, m s)`` (``m`` its ``max_local_shift``, ``s`` the spacing of the
+    positions): pass ``local_shift = m s`` (its ``m = 0.5`` on integer positions is ``local_shift = 0.5``).
     The result feeds any encoding that takes float positions (sinusoidal, RoPE, RoPE-Mixed,
     LieRE, the Fourier features).
 
@@ -4853,6 +4854,7 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
     if num_axes > 1 and positions.shape[-1] != num_axes:
         raise ValueError(f"{owner}: positions must be [..., N, A={num_axes}], got {tuple(positions.shape)}")
+    _check_finite_positions(owner, "positions", positions)
     p = positions.to(torch.float64) if num_axes > 1 else positions.to(torch.float64).unsqueeze(-1)   # [..., N, A]
     rows, axes = p.shape[:-2], p.shape[-1]
 

@@ -6389,6 +6389,28 @@ class TestAugmentPositions:
                                   generator=torch.Generator().manual_seed(4))
         torch.testing.assert_close(again, got, rtol=0, atol=0)                          # seeded: reproducible
 
+    def test_local_shift_is_the_ports_max_local_shift_times_the_spacing(self):
+        # gcambara/cape CAPE1d.augment_positions (HEAD eed7480) on positions of spacing s (its positions_delta),
+        # written out: from the global generator, in float32 and in this order, a global shift U(-G, G) [B, 1],
+        # a local shift U(-m, m) [B, N] times s, a log scale U(-log L, log L) [B, 1]
+        rows, n, s, m, big_g, big_l = 3, 10, 0.25, 0.5, 2.0, 1.1
+        positions = torch.arange(n, dtype=torch.float32).expand(rows, n) * s
+        torch.manual_seed(7)
+        delta = torch.empty(rows, 1).uniform_(-big_g, big_g)
+        delta_local = torch.empty(rows, n).uniform_(-m, m) * s
+        log_lambdas = torch.empty(rows, 1).uniform_(-math.log(big_l), math.log(big_l))
+        want = (positions + delta + delta_local) * torch.exp(log_lambdas)
+        torch.manual_seed(7)
+        got = augment_positions(positions, shift=big_g, local_shift=m * s, rescale=big_l)      # local_shift = m s
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)                     # the port's float32
+
+    def test_non_finite_positions_raise(self):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match=r"augment_positions: positions must be finite, got \[-?(nan|inf)\]"):
+                augment_positions(torch.tensor([0.0, bad, 2.0]), shift=1.0)
+        with pytest.raises(ValueError, match=r"augment_positions: positions must be finite"):
+            augment_positions(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), num_axes=2, jitter=1.5)
+
     def test_each_augmentation_keeps_what_it_should(self):
         g = torch.Generator().manual_seed(0)
         p = torch.arange(10.0).expand(4, 10)
