@@ -4111,7 +4111,10 @@ class QueryTemperaturePositionalEmbedding(_QKPairTransform):
 
     Llama 4 takes ``p`` from the cache length plus the query's index, not from ``position_ids``.
     That is this class's default: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them.
-    The factor is computed in float32 (float64 for float64 inputs), then q is rounded to its dtype.
+    Query positions must be ``>= -shift`` (``p + shift >= 0``; Llama 4's are ``>= 0``): below, the
+    floor is negative and ``log(1 + floor(...))`` is ``-inf`` or NaN, so they raise a ``ValueError``
+    (checked unless tracing). The factor is computed in float32 (float64 for float64 inputs), then
+    q is rounded to its dtype.
 
     Args:
         length (float): the floor's period (Llama 4's ``floor_scale``). Default: 8192.
@@ -4133,7 +4136,12 @@ class QueryTemperaturePositionalEmbedding(_QKPairTransform):
         self.length, self.scale, self.shift = length, scale, shift
 
     def factor(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``tau(p)`` of ``positions`` ``[..., N]``: ``[..., N]`` in ``dtype``."""
+        """``tau(p)`` of ``positions`` ``[..., N]`` (finite, ``>= -shift``): ``[..., N]`` in ``dtype``."""
+        owner = type(self).__name__
+        _check_finite_positions(owner, "positions", positions)
+        if not _skip_value_checks(positions) and positions.numel() and positions.min() < -self.shift:
+            raise ValueError(f"{owner}: query positions must be >= -shift = {-self.shift} (below, "
+                             f"log(1 + floor((p + shift) / length)) is -inf or NaN), got {positions.min().item()}")
         p = positions.to(dtype)
         return 1.0 + self.scale * torch.log1p(torch.floor((p + self.shift) / self.length))
 

@@ -5732,6 +5732,21 @@ class TestQueryTemperature:
         ministral = QueryTemperaturePositionalEmbedding(length=16, scale=0.1, shift=0)
         assert ministral.factor(torch.tensor([15, 16])).tolist() == [1.0, pytest.approx(1 + 0.1 * math.log(2))]
 
+    def test_positions_below_minus_shift_raise(self):
+        temperature = QueryTemperaturePositionalEmbedding()                                # Llama 4's: shift 1
+        assert temperature.factor(torch.tensor([-1, 0])).tolist() == [1.0, 1.0]           # p + shift = 0: tau = 1
+        for bad in (torch.tensor([-2.0]), torch.tensor([0, -5])):                          # -inf / NaN before
+            with pytest.raises(ValueError, match=r"^QueryTemperaturePositionalEmbedding: query positions must be "
+                                                 r">= -shift = -1 \(below, .*\), got -"):
+                temperature.factor(bad)
+        with pytest.raises(ValueError, match="QueryTemperaturePositionalEmbedding: positions must be finite"):
+            temperature.factor(torch.tensor([float("nan")]))
+        q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+        with pytest.raises(ValueError, match="query positions must be >= -shift = 0 .*, got -1"):
+            QueryTemperaturePositionalEmbedding(shift=0)(q, k, positions_q=torch.tensor([-1, 0, 1]))
+        shifted = QueryTemperaturePositionalEmbedding(length=2.0, scale=0.5)(q, k, positions_q=torch.tensor([-1, 0, 1]))
+        torch.testing.assert_close(shifted[0], q * torch.tensor([1.0, 1.0, 1 + 0.5 * math.log(2)])[:, None])
+
     def test_keys_unchanged_and_queries_at_the_last_positions(self):
         temperature = QueryTemperaturePositionalEmbedding(length=4.0, scale=0.5)
         q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 10, 8)                          # decoding: 2 queries
