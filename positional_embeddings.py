@@ -2010,6 +2010,24 @@ class Time2VecPositionalEmbedding(_AddedInput):
 # Input kind, numbers: a digit's place in its number
 # ---------------------------------------------------------------------------
 
+def _digit_ids(owner: str, name: str, value) -> tuple:
+    """Token ids of the digits: a non-empty sequence of ints (numpy ints, a 1-D integer tensor), as a
+    tuple of ints; floats, bools and strings (``"0123"`` is not ids) are a TypeError."""
+    items = value.tolist() if isinstance(value, Tensor) and value.dim() == 1 else value
+    try:
+        if isinstance(items, (str, bytes, Tensor)):
+            raise TypeError
+        items = list(items)
+        if any(_is_bool(item) for item in items):
+            raise TypeError
+        ids = tuple(operator.index(item) for item in items)
+    except TypeError:
+        ids = ()
+    if not ids:
+        raise TypeError(f"{owner}: {name} must be a non-empty sequence of ints, got {_describe(value)}")
+    return ids
+
+
 def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start", "end"] = "start") -> Tensor:
     """Each digit token's place in its run of consecutive digits, counted from 1; 0 for every other token.
 
@@ -2041,9 +2059,7 @@ def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start"
         raise TypeError(f"{owner}: token_ids must be an integer tensor [..., N], got "
                         f"{token_ids.dtype if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
     _check_choice(owner, "count_from", count_from, ("start", "end"))
-    digits = torch.as_tensor(digit_ids, device=token_ids.device)
-    if digits.is_floating_point() or digits.dtype == torch.bool or digits.dim() != 1 or not digits.numel():
-        raise TypeError(f"{owner}: digit_ids must be a non-empty sequence of ints, got {_describe(digit_ids)}")
+    digits = torch.tensor(_digit_ids(owner, "digit_ids", digit_ids), device=token_ids.device)
     is_digit = torch.isin(token_ids, digits)                                                # [..., N]
     if count_from == "end":
         is_digit = is_digit.flip(-1)
@@ -2069,7 +2085,8 @@ class AbacusPositionalEmbedding(_AddedInput):
 
     Args:
         dim (int): token width ``D``.
-        digit_ids: the token ids of the ten digits (for ``digit_positions``).
+        digit_ids: the token ids of the ten digits (for ``digit_positions``), a non-empty sequence
+            of ints.
         max_len (int): rows of the table; places plus ``k`` must stay below it. Default: 1024.
         max_k (int): the largest training offset. Default: 99.
         generator (torch.Generator, optional): the source of ``k``. Default: torch's global one.
@@ -2088,7 +2105,7 @@ class AbacusPositionalEmbedding(_AddedInput):
 
     integer_positions = True
     positions_from = "digit_positions(token_ids)"
-    arguments = {"max_k": functools.partial(_as_int, minimum=0)}
+    arguments = {"max_k": functools.partial(_as_int, minimum=0), "digit_ids": _digit_ids}
 
     def __init__(self, dim: int, digit_ids, *, max_len: int = 1024, max_k: int = 99,
                  generator: Optional[torch.Generator] = None) -> None:
@@ -2098,7 +2115,7 @@ class AbacusPositionalEmbedding(_AddedInput):
             raise ValueError(f"{type(self).__name__}: max_k must be below max_len - 1 (room for place 1), got "
                              f"max_k={max_k}, max_len={max_len}")
         self.dim, self.max_len, self.max_k, self.generator = dim, max_len, max_k, generator
-        self.digit_ids = tuple(int(i) for i in digit_ids)
+        self.digit_ids = tuple(digit_ids)
         self.embedding = _uninitialised(nn.Embedding, max_len, dim)                            # [max_len, D]
         self.reset_parameters()
 

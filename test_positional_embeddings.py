@@ -2908,6 +2908,24 @@ class TestAbacus:
         pe.eval()
         torch.testing.assert_close(pe(x, places), x + table[places])
 
+    @pytest.mark.parametrize("digit_ids", [[1.5, 2.7], "0123456789", "0123", [], [True, False], 7,
+                                           torch.tensor([1.0, 2.0]), torch.zeros(2, 5, dtype=torch.long)],
+                             ids=["floats", "string", "short_string", "empty", "bools", "int", "float_tensor", "2d"])
+    def test_digit_ids_are_one_check_for_the_module_and_the_function(self, digit_ids):
+        # the module truncated floats, took a string's characters as ids and accepted no digits at all
+        want = "digit_ids must be a non-empty sequence of ints, got "
+        with pytest.raises(TypeError, match="^AbacusPositionalEmbedding: " + want):
+            AbacusPositionalEmbedding(4, digit_ids)
+        with pytest.raises(TypeError, match="^digit_positions: " + want):
+            digit_positions(torch.tensor([1, 2]), digit_ids)
+
+    def test_digit_ids_accepted_forms(self):
+        np = pytest.importorskip("numpy")
+        for ids in (range(3), (0, 1, 2), torch.arange(3), [np.int64(0), np.int64(1), np.int64(2)]):
+            pe = AbacusPositionalEmbedding(4, ids)
+            assert pe.digit_ids == (0, 1, 2) and all(type(i) is int for i in pe.digit_ids)
+            assert digit_positions(torch.tensor([2, 5, 0, 1]), ids).tolist() == [1, 0, 1, 2]
+
     def test_reference_state_dict_loads(self):
         # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
         reference = {"embedding.weight": torch.randn(40, 8)}
