@@ -8689,7 +8689,9 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         return self.encoding.is_causal
 
     def draw(self, n: int, device=None) -> Tensor:
-        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64."""
+        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64. ``n`` is an
+        int in ``[0, max_len]`` (0 gives no positions; a bool, a float or a negative count is an error)."""
+        n = _as_int(type(self).__name__, "n", n, minimum=0)
         if n > self.max_len:
             raise ValueError(f"{type(self).__name__}: a sequence of {n} tokens needs max_len >= {n}, "
                              f"got max_len={self.max_len}")

@@ -9566,6 +9566,17 @@ class TestRandomized:
             assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
         assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
 
+    def test_draw_counts_are_ints_from_0_to_max_len(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 16, generator=seeded())
+        assert pe.draw(0).shape == (0,) and pe.draw(torch.tensor(3)).shape == (3,)
+        with pytest.raises(ValueError, match="^RandomizedPositionalEmbedding: n must be a non-negative int, got n=-1$"):
+            pe.draw(-1)                                                                 # was 15 positions
+        for bad, kind in ((2.5, "float 2.5"), (True, "bool True"), ("3", "str '3'")):
+            with pytest.raises(TypeError, match=f"^RandomizedPositionalEmbedding: n must be an int, got {kind}"):
+                pe.draw(bad)
+        with pytest.raises(ValueError, match="a sequence of 17 tokens needs max_len >= 17, got max_len=16"):
+            pe.draw(17)
+
     def test_every_subset_is_equally_likely(self):
         # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
         # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
