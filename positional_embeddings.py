@@ -3781,20 +3781,67 @@ class _MultimodalLayout(NamedTuple):
     frames: bool           # a video is T separate (1, h, w) grids, each its own run (timestamps are text)
     resume: str            # after a grid: "spatial" (its start + max(h, w)) or "max" (its largest id + 1)
     time_scale: float      # default tokens per second of video (0: the time index is the frame index)
-    image_scale: float     # an image's time step (its t is 1 in practice)
+    image_timed: bool      # an image's time step is the video's tokens per second (Omni), else 1 (its t is 1
+                           # in practice)
     seconds_first: bool    # time = (arange(t) * seconds) * scale, else arange(t) * (scale * seconds)
     fractional: bool       # keep fractional time ids (float positions), else floor them
     pad: float             # the value at padded tokens
 
 
 _MULTIMODAL_LAYOUTS = {
-    "qwen2_vl": _MultimodalLayout(False, "spatial", 0.0, 1.0, False, False, 0.0),
-    "qwen2_5_vl": _MultimodalLayout(False, "spatial", 4.0, 1.0, False, False, 0.0),
-    "qwen3_vl": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
-    "glm4v": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
-    "qwen2_5_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, False, 1.0),
-    "qwen3_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, True, 0.0),
+    "qwen2_vl": _MultimodalLayout(False, "spatial", 0.0, False, False, False, 0.0),
+    "qwen2_5_vl": _MultimodalLayout(False, "spatial", 4.0, False, False, False, 0.0),
+    "qwen3_vl": _MultimodalLayout(True, "spatial", 0.0, False, False, False, 0.0),
+    "glm4v": _MultimodalLayout(True, "spatial", 0.0, False, False, False, 0.0),
+    "qwen2_5_omni": _MultimodalLayout(False, "max", 25.0, True, True, False, 1.0),
+    "qwen3_omni": _MultimodalLayout(False, "max", 25.0, True, True, True, 0.0),
 }
+
+
+# The model types whose config multimodal_position_ids reads (``config=``), by layout: each one's get_rope_index
+# is the layout's in transformers 5.24 (the MoE variants' are the same code); an Omni config is read at its thinker.
+_MULTIMODAL_MODEL_TYPES = {
+    "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+    "glm4v": "glm4v", "glm4v_moe": "glm4v", "qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
+    "qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
+}
+
+
+def _multimodal_config(owner: str, config, stated: dict) -> dict:
+    """``model``, ``spatial_merge_size`` and ``tokens_per_second`` as a VLM config (object or config.json dict)
+    sets them for its ``get_rope_index``: the model type, ``vision_config.spatial_merge_size``, Qwen2.5-VL's
+    ``vision_config.tokens_per_second`` and the Omni thinker's ``position_id_per_seconds`` (None where the
+    config leaves a value out: the model's default). ``stated`` holds the checked keywords (None: not
+    given); one that disagrees with the config is a ValueError."""
+    _text_config(owner, config)                                       # a config object or dict, else a TypeError
+    model_type = str(_config_get(config, "model_type") or "")
+    if model_type not in _MULTIMODAL_MODEL_TYPES:
+        raise ValueError(f"{owner}: config must be one of {', '.join(sorted(_MULTIMODAL_MODEL_TYPES))} (their "
+                         f"get_rope_index is followed), got model_type={model_type!r}")
+    model = _MULTIMODAL_MODEL_TYPES[model_type]
+    thinker = _config_get(config, "thinker_config", config)          # Omni: the thinker holds vision and timing
+    vision = _config_get(thinker, "vision_config")
+    if vision is None:
+        raise ValueError(f"{owner}: config (model_type={model_type!r}) has no vision_config")
+    # Qwen2.5-VL times videos by its vision config's tokens_per_second, the Omni models by the thinker's
+    # position_id_per_seconds; the other layouts count frames
+    holder, timing = (vision, "vision_config.tokens_per_second") if model == "qwen2_5_vl" else \
+        (thinker, "position_id_per_seconds")
+    merge = _config_get(vision, "spatial_merge_size")
+    tokens = _config_get(holder, timing.split(".")[-1]) if _MULTIMODAL_LAYOUTS[model].time_scale else None
+    found = {"model": (model, f"model_type={model_type!r}"),
+             "spatial_merge_size": (None if merge is None else _check_positive_int(
+                 owner, "config's vision_config.spatial_merge_size", merge), "vision_config.spatial_merge_size"),
+             "tokens_per_second": (None if tokens is None else _positive_float(owner, f"config's {timing}", tokens),
+                                   timing)}
+    merged = {}
+    for name, given in stated.items():
+        value, where = found[name]
+        if given is not None and value is not None and given != value:
+            raise ValueError(f"{owner}: {name}={given!r} disagrees with the config's {where} ({value!r}); "
+                             f"pass one of them")
+        merged[name] = value if given is None else given
+    return merged
 
 
 def _grid_rows(owner: str, name: str, grids: Optional[Tensor]) -> list:
@@ -3818,9 +3865,9 @@ def _runs(values: Tensor) -> list:
 
 def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
                             video_grid_thw: Optional[Tensor] = None, *, attention_mask: Optional[Tensor] = None,
-                            model: str = "qwen2_vl", spatial_merge_size: int = 2,
+                            model: Optional[str] = None, spatial_merge_size: Optional[int] = None,
                             tokens_per_second: Optional[float] = None,
-                            video_seconds: Optional[Sequence[float]] = None) -> tuple:
+                            video_seconds: Optional[Sequence[float]] = None, config=None) -> tuple:
     """The ``(t, h, w)`` M-RoPE positions of a batch of mixed text, image and video tokens, and its
     ``rope_deltas``, as transformers 5.24's ``get_rope_index`` builds them for ``model``.
 
@@ -3834,7 +3881,8 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     - **A grid** ``(t, h, w)`` merged to ``(t, h / m, w / m)`` (``m = spatial_merge_size``) gets
       ``(start + time_k, start + y, start + x)``, time-major. ``time_k = floor(k * step)``, where
       ``step`` is 1 for Qwen2-VL, ``tokens_per_second * video_seconds[i]`` for a Qwen2.5-VL video,
-      and ``25 * video_seconds[i]`` for the Omni models.
+      and ``tokens_per_second * video_seconds[i]`` (25 by default) for an Omni video, whose images
+      step by ``tokens_per_second``.
     - **Qwen3-VL and GLM-4V** lay out a video as ``t`` separate frames of ``(1, h, w)``, each its own
       run between timestamp text.
     - **After a grid**, text resumes at ``start + max(h / m, w / m)`` (Qwen2/2.5/3-VL, GLM-4V: not
@@ -3845,6 +3893,9 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     ``rope_deltas[b] = max(positions of row b) + 1 - (its real tokens)``: decoding continues at
     ``arange(N, ...) + rope_deltas`` on all three axes, as the models do.
 
+    ``config=`` reads the layout, ``m`` and the tokens per second from the model's own config, so they
+    cannot drift from it; a keyword given as well must agree with it (else a ValueError).
+
     Not covered: the Omni models' audio-in-video interleaving (``use_audio_in_video``). Omni audio
     tokens are text here, which is what the models do without it.
 
@@ -3852,14 +3903,17 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         token_types (Tensor): ``[B, N]`` integers in {0, 1, 2}.
         image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging.
         attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens (left or right padding).
-        model (str): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"qwen2_5_omni"`` or
-            ``"qwen3_omni"``.
-        spatial_merge_size (int): ``m``. Default: 2 (every model's).
+        model (str, optional): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``,
+            ``"qwen2_5_omni"`` or ``"qwen3_omni"``. Default: the config's, else ``"qwen2_vl"``.
+        spatial_merge_size (int, optional): ``m``. Default: the config's, else 2 (every model's).
         tokens_per_second (float, optional): Qwen2.5-VL's ``vision_config.tokens_per_second``
             (default 4, its config's; released checkpoints use 2), the Omni models'
-            ``position_id_per_seconds`` (default 25).
+            ``position_id_per_seconds`` (default 25). Default: the config's, else those.
         video_seconds (sequence of float, optional): seconds per temporal grid step of each video
-            (``second_per_grid_ts``). Default: 1.0 each.
+            (``second_per_grid_ts``), finite and ``>= 0``. Default: 1.0 each.
+        config (optional): the model's Hugging Face config or its config.json dict: Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL (MoE too), GLM-4V (MoE too), Qwen2.5-Omni or Qwen3-Omni (the full
+            config or its thinker's). Default: None.
 
     Returns:
         ``(positions, rope_deltas)``: ``[B, N, 3]`` int64 (float64 for Qwen3-Omni) in this library's
@@ -3872,8 +3926,15 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         ([0, 1, 2, 2, 2, 2, 4], [[-2]])
     """
     owner = "multimodal_position_ids"
-    layout = _MULTIMODAL_LAYOUTS[_check_choice(owner, "model", model, choices=tuple(_MULTIMODAL_LAYOUTS))]
-    merge = _check_positive_int(owner, "spatial_merge_size", spatial_merge_size)
+    stated = {"model": None if model is None else _check_choice(owner, "model", model, tuple(_MULTIMODAL_LAYOUTS)),
+              "spatial_merge_size": _optional_size(owner, "spatial_merge_size", spatial_merge_size),
+              "tokens_per_second": None if tokens_per_second is None else _positive_float(
+                  owner, "tokens_per_second", tokens_per_second)}
+    if config is not None:
+        stated = _multimodal_config(owner, config, stated)
+    model, merge, tokens_per_second = stated["model"] or "qwen2_vl", stated["spatial_merge_size"] or 2, \
+        stated["tokens_per_second"]
+    layout = _MULTIMODAL_LAYOUTS[model]
     if not isinstance(token_types, Tensor) or token_types.dim() != 2 or token_types.is_floating_point() \
             or not ((token_types >= 0) & (token_types <= 2)).all():
         raise ValueError(f"{owner}: token_types must be a [B, N] integer tensor of 0 (text), 1 (image) and "
@@ -3887,13 +3948,17 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
                          f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
                          f"tokens_per_second={tokens_per_second!r}, video_seconds={video_seconds!r}")
     images, videos = _grid_rows(owner, "image_grid_thw", image_grid_thw), _grid_rows(owner, "video_grid_thw", video_grid_thw)
-    seconds = [1.0] * len(videos) if video_seconds is None else [float(s) for s in video_seconds]
+    if video_seconds is None:
+        seconds = [1.0] * len(videos)
+    else:  # a list, or a 1-D tensor / array as the processors give second_per_grid_ts
+        listed = _as_list(owner, "video_seconds", video_seconds.tolist() if hasattr(video_seconds, "tolist")
+                          else video_seconds)
+        seconds = [_non_negative_float(owner, f"video_seconds[{i}]", s) for i, s in enumerate(listed)]
     if len(seconds) != len(videos):
         raise ValueError(f"{owner}: video_seconds must have one entry per video ({len(videos)}), got {len(seconds)}")
-    scale = layout.time_scale if tokens_per_second is None else _positive_float(owner, "tokens_per_second",
-                                                                                 tokens_per_second)
+    scale = layout.time_scale if tokens_per_second is None else tokens_per_second
     # the time step of each grid, computed in float32 in the models' order of operations
-    grids = {1: [(grid, (layout.image_scale, 1.0)) for grid in images],
+    grids = {1: [(grid, (scale if layout.image_timed else 1.0, 1.0)) for grid in images],
              2: [((1, h, w) if layout.frames else (t, h, w), (scale, s) if scale else (1.0, 1.0))
                  for (t, h, w), s in zip(videos, seconds) for _ in range(t if layout.frames else 1)]}
     queues = {kind: iter(rows) for kind, rows in grids.items()}

@@ -10266,9 +10266,10 @@ TEXT_ID, PAD_ID, VISION_START, VISION_END = 100, 0, 151652, 151653
 
 def rope_index_prompt(model: str, config, segments: list) -> tuple:
     """Token ids and ``mm_token_type_ids`` of one prompt as the model's processor lays it out. ``segments``:
-    ints (text runs) and ``("image" | "video", (t, h, w))``; merge 2. Qwen3-VL and GLM-4V put a timestamp
-    (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
+    ints (text runs) and ``("image" | "video", (t, h, w))``; the config's merge. Qwen3-VL and GLM-4V put a
+    timestamp (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
     ids, types = [], []
+    merge = config.vision_config.spatial_merge_size
 
     def add(tokens, kind=0):
         ids.extend(tokens)
@@ -10279,7 +10280,7 @@ def rope_index_prompt(model: str, config, segments: list) -> tuple:
             add([TEXT_ID] * segment)
             continue
         what, (t, h, w) = segment
-        per_frame = (h // 2) * (w // 2)
+        per_frame = (h // merge) * (w // merge)
         if model == "glm4v":
             frames = 1 if what == "image" else t
             if what == "video":
@@ -10316,12 +10317,10 @@ def rope_index_batch(model: str, config, prompts: list) -> tuple:
     return ids, types, mask
 
 
-def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
-                            tokens_per_second=None) -> tuple:
-    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them."""
+def rope_index_config(model: str, tokens_per_second=None, spatial_merge_size=None):
+    """The model's transformers config: its defaults, or these video timing and merge sizes."""
     import importlib
-    package, config_name, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    package, config_name, _, _ = ROPE_INDEX_MODELS[model]
     configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
     extra = {"vision_start_token_id": VISION_START} if "omni" in model else {}
     config = getattr(configuration, config_name)(**extra)
@@ -10330,6 +10329,19 @@ def transformers_rope_index(model: str, prompts: list, images: list, videos: lis
             config.position_id_per_seconds = tokens_per_second
         else:
             config.vision_config.tokens_per_second = tokens_per_second
+    if spatial_merge_size is not None:
+        config.vision_config.spatial_merge_size = spatial_merge_size
+    return config
+
+
+def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
+                            tokens_per_second=None, config=None) -> tuple:
+    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them
+    (a module built from ``config``, else from ``rope_index_config(model, tokens_per_second)``)."""
+    import importlib
+    package, _, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    config = rope_index_config(model, tokens_per_second) if config is None else config
     ids, types, mask = rope_index_batch(model, config, prompts)
     with torch.device("meta"):                                                          # no weights allocated
         module = getattr(modeling, module_name)(config)
@@ -10370,6 +10382,83 @@ class TestMultimodalPositionIds:
         else:
             assert torch.equal(deltas, want_deltas)
         assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
+
+    CONFIG_PROMPTS = [[2, ("image", (2, 6, 9)), 3, ("video", (3, 6, 6)), 1],
+                      [1, ("video", (2, 3, 9)), 2, ("image", (1, 3, 3)), 4]]
+    CONFIG_IMAGES = [(2, 6, 9), (1, 3, 3)]
+    CONFIG_VIDEOS = [(3, 6, 6), (2, 3, 9)]
+
+    @pytest.mark.parametrize("model, tokens_per_second", [("qwen2_vl", None), ("qwen2_5_vl", 3), ("qwen3_vl", None),
+                                                          ("qwen2_5_omni", 10), ("qwen3_omni", 7)])
+    def test_config_gives_the_models_own_ids(self, model, tokens_per_second):
+        # spatial merge 3 and the video timing set in the config alone (the function's defaults are 2 and 4 / 25):
+        # the ids read from the config object, its config.json dict (and an Omni's full config around the
+        # thinker's) equal the model's own get_rope_index on a left-padded batch
+        pytest.importorskip("transformers")
+        config = rope_index_config(model, tokens_per_second, spatial_merge_size=3)
+        seconds = [0.5, 1.5] if tokens_per_second else None
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(
+            model, self.CONFIG_PROMPTS, self.CONFIG_IMAGES, self.CONFIG_VIDEOS, seconds, config=config)
+        inputs = dict(image_grid_thw=torch.tensor(self.CONFIG_IMAGES), video_grid_thw=torch.tensor(self.CONFIG_VIDEOS),
+                      attention_mask=mask, video_seconds=seconds)
+        configs = [config, config.to_dict()]
+        if "omni" in model:                                                                  # the full Omni config
+            configs.append({"model_type": ROPE_INDEX_MODELS[model][0], "thinker_config": config.to_dict()})
+        for given in configs:
+            got, deltas = multimodal_position_ids(types, **inputs, config=given)
+            assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
+            tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
+            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
+        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
+            multimodal_position_ids(types, **inputs, model=model)
+        if tokens_per_second:                                                                # the default timing
+            default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
+            assert not torch.equal(default, got)
+
+    def test_config_and_keywords_must_agree(self):
+        pytest.importorskip("transformers")
+        config = rope_index_config("qwen2_5_vl", 3, spatial_merge_size=3)
+        types, grid = torch.tensor([[0] + [2] * 8]), torch.tensor([[2, 6, 6]])
+        got, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config)
+        same, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_5_vl",
+                                          spatial_merge_size=3, tokens_per_second=3.0)        # agreeing: fine
+        assert torch.equal(same, got) and got[0, 1:, 0].unique().tolist() == [1, 4]         # 1 + 3 tokens/s * 1 s
+        owner = "^multimodal_position_ids: "
+        with pytest.raises(ValueError, match=owner + r"spatial_merge_size=2 disagrees with the config's "
+                                                     r"vision_config.spatial_merge_size \(3\); pass one of them"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, spatial_merge_size=2)
+        with pytest.raises(ValueError, match=owner + r"tokens_per_second=2.0 disagrees with the config's "
+                                                     r"vision_config.tokens_per_second \(3.0\)"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, tokens_per_second=2)
+        with pytest.raises(ValueError, match=owner + "model='qwen2_vl' disagrees with the config's "
+                                                     "model_type='qwen2_5_vl'"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config must be one of .*, got model_type='llama'"):
+            multimodal_position_ids(types, config={"model_type": "llama"})
+        with pytest.raises(ValueError, match=owner + r"config \(model_type='qwen2_vl'\) has no vision_config"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_vl"})
+        with pytest.raises(TypeError, match=owner + "config must be a Hugging Face config object"):
+            multimodal_position_ids(types, config="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config's position_id_per_seconds must be a finite number > 0"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_5_omni_thinker", "position_id_per_seconds": 0,
+                                                   "vision_config": {"spatial_merge_size": 2}})
+
+    @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+    @pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen2_5_omni", "qwen3_omni"])
+    def test_video_seconds_must_be_finite_and_non_negative(self, model, bad):
+        # -1 s gave time ids going back (-3), NaN a raw int64 overflow
+        types, grids = torch.tensor([[0] + [2] * 4 + [0] + [2] * 12]), torch.tensor([[1, 4, 4], [3, 4, 4]])
+        with pytest.raises(ValueError, match=r"^multimodal_position_ids: video_seconds\[1\] must be a finite number "
+                                             rf">= 0.0, got video_seconds\[1\]={bad!r}$"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, bad])
+        still, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, 0.0])
+        assert still[0, 6:, 0].unique().tolist() == [still[0, 6, 0].item()]                # 0 s: one time id
+        tensor, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                            video_seconds=torch.tensor([1.0, 0.5]))         # second_per_grid_ts
+        assert torch.equal(tensor, multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                                           video_seconds=[1.0, 0.5])[0])
+        with pytest.raises(TypeError, match=r"^multimodal_position_ids: video_seconds must be a list, got str"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds="12")
 
     @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
     def test_text_only_matches_transformers(self, model):
