@@ -2010,6 +2010,24 @@ class Time2VecPositionalEmbedding(_AddedInput):
 # Input kind, numbers: a digit's place in its number
 # ---------------------------------------------------------------------------
 
+def _digit_ids(owner: str, name: str, value) -> tuple:
+    """Token ids of the digits: a non-empty sequence of ints (numpy ints, a 1-D integer tensor), as a
+    tuple of ints; floats, bools and strings (``"0123"`` is not ids) are a TypeError."""
+    items = value.tolist() if isinstance(value, Tensor) and value.dim() == 1 else value
+    try:
+        if isinstance(items, (str, bytes, Tensor)):
+            raise TypeError
+        items = list(items)
+        if any(_is_bool(item) for item in items):
+            raise TypeError
+        ids = tuple(operator.index(item) for item in items)
+    except TypeError:
+        ids = ()
+    if not ids:
+        raise TypeError(f"{owner}: {name} must be a non-empty sequence of ints, got {_describe(value)}")
+    return ids
+
+
 def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start", "end"] = "start") -> Tensor:
     """Each digit token's place in its run of consecutive digits, counted from 1; 0 for every other token.
 
@@ -2041,9 +2059,7 @@ def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start"
         raise TypeError(f"{owner}: token_ids must be an integer tensor [..., N], got "
                         f"{token_ids.dtype if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
     _check_choice(owner, "count_from", count_from, ("start", "end"))
-    digits = torch.as_tensor(digit_ids, device=token_ids.device)
-    if digits.is_floating_point() or digits.dtype == torch.bool or digits.dim() != 1 or not digits.numel():
-        raise TypeError(f"{owner}: digit_ids must be a non-empty sequence of ints, got {_describe(digit_ids)}")
+    digits = torch.tensor(_digit_ids(owner, "digit_ids", digit_ids), device=token_ids.device)
     is_digit = torch.isin(token_ids, digits)                                                # [..., N]
     if count_from == "end":
         is_digit = is_digit.flip(-1)
@@ -2069,7 +2085,8 @@ class AbacusPositionalEmbedding(_AddedInput):
 
     Args:
         dim (int): token width ``D``.
-        digit_ids: the token ids of the ten digits (for ``digit_positions``).
+        digit_ids: the token ids of the ten digits (for ``digit_positions``), a non-empty sequence
+            of ints.
         max_len (int): rows of the table; places plus ``k`` must stay below it. Default: 1024.
         max_k (int): the largest training offset. Default: 99.
         generator (torch.Generator, optional): the source of ``k``. Default: torch's global one.
@@ -2088,7 +2105,7 @@ class AbacusPositionalEmbedding(_AddedInput):
 
     integer_positions = True
     positions_from = "digit_positions(token_ids)"
-    arguments = {"max_k": functools.partial(_as_int, minimum=0)}
+    arguments = {"max_k": functools.partial(_as_int, minimum=0), "digit_ids": _digit_ids}
 
     def __init__(self, dim: int, digit_ids, *, max_len: int = 1024, max_k: int = 99,
                  generator: Optional[torch.Generator] = None) -> None:
@@ -2098,7 +2115,7 @@ class AbacusPositionalEmbedding(_AddedInput):
             raise ValueError(f"{type(self).__name__}: max_k must be below max_len - 1 (room for place 1), got "
                              f"max_k={max_k}, max_len={max_len}")
         self.dim, self.max_len, self.max_k, self.generator = dim, max_len, max_k, generator
-        self.digit_ids = tuple(int(i) for i in digit_ids)
+        self.digit_ids = tuple(digit_ids)
         self.embedding = _uninitialised(nn.Embedding, max_len, dim)                            # [max_len, D]
         self.reset_parameters()
 
@@ -3764,20 +3781,67 @@ class _MultimodalLayout(NamedTuple):
     frames: bool           # a video is T separate (1, h, w) grids, each its own run (timestamps are text)
     resume: str            # after a grid: "spatial" (its start + max(h, w)) or "max" (its largest id + 1)
     time_scale: float      # default tokens per second of video (0: the time index is the frame index)
-    image_scale: float     # an image's time step (its t is 1 in practice)
+    image_timed: bool      # an image's time step is the video's tokens per second (Omni), else 1 (its t is 1
+                           # in practice)
     seconds_first: bool    # time = (arange(t) * seconds) * scale, else arange(t) * (scale * seconds)
     fractional: bool       # keep fractional time ids (float positions), else floor them
     pad: float             # the value at padded tokens
 
 
 _MULTIMODAL_LAYOUTS = {
-    "qwen2_vl": _MultimodalLayout(False, "spatial", 0.0, 1.0, False, False, 0.0),
-    "qwen2_5_vl": _MultimodalLayout(False, "spatial", 4.0, 1.0, False, False, 0.0),
-    "qwen3_vl": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
-    "glm4v": _MultimodalLayout(True, "spatial", 0.0, 1.0, False, False, 0.0),
-    "qwen2_5_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, False, 1.0),
-    "qwen3_omni": _MultimodalLayout(False, "max", 25.0, 25.0, True, True, 0.0),
+    "qwen2_vl": _MultimodalLayout(False, "spatial", 0.0, False, False, False, 0.0),
+    "qwen2_5_vl": _MultimodalLayout(False, "spatial", 4.0, False, False, False, 0.0),
+    "qwen3_vl": _MultimodalLayout(True, "spatial", 0.0, False, False, False, 0.0),
+    "glm4v": _MultimodalLayout(True, "spatial", 0.0, False, False, False, 0.0),
+    "qwen2_5_omni": _MultimodalLayout(False, "max", 25.0, True, True, False, 1.0),
+    "qwen3_omni": _MultimodalLayout(False, "max", 25.0, True, True, True, 0.0),
 }
+
+
+# The model types whose config multimodal_position_ids reads (``config=``), by layout: each one's get_rope_index
+# is the layout's in transformers 5.24 (the MoE variants' are the same code); an Omni config is read at its thinker.
+_MULTIMODAL_MODEL_TYPES = {
+    "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+    "glm4v": "glm4v", "glm4v_moe": "glm4v", "qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni",
+    "qwen3_omni_moe": "qwen3_omni", "qwen3_omni_moe_thinker": "qwen3_omni",
+}
+
+
+def _multimodal_config(owner: str, config, stated: dict) -> dict:
+    """``model``, ``spatial_merge_size`` and ``tokens_per_second`` as a VLM config (object or config.json dict)
+    sets them for its ``get_rope_index``: the model type, ``vision_config.spatial_merge_size``, Qwen2.5-VL's
+    ``vision_config.tokens_per_second`` and the Omni thinker's ``position_id_per_seconds`` (None where the
+    config leaves a value out: the model's default). ``stated`` holds the checked keywords (None: not
+    given); one that disagrees with the config is a ValueError."""
+    _text_config(owner, config)                                       # a config object or dict, else a TypeError
+    model_type = str(_config_get(config, "model_type") or "")
+    if model_type not in _MULTIMODAL_MODEL_TYPES:
+        raise ValueError(f"{owner}: config must be one of {', '.join(sorted(_MULTIMODAL_MODEL_TYPES))} (their "
+                         f"get_rope_index is followed), got model_type={model_type!r}")
+    model = _MULTIMODAL_MODEL_TYPES[model_type]
+    thinker = _config_get(config, "thinker_config", config)          # Omni: the thinker holds vision and timing
+    vision = _config_get(thinker, "vision_config")
+    if vision is None:
+        raise ValueError(f"{owner}: config (model_type={model_type!r}) has no vision_config")
+    # Qwen2.5-VL times videos by its vision config's tokens_per_second, the Omni models by the thinker's
+    # position_id_per_seconds; the other layouts count frames
+    holder, timing = (vision, "vision_config.tokens_per_second") if model == "qwen2_5_vl" else \
+        (thinker, "position_id_per_seconds")
+    merge = _config_get(vision, "spatial_merge_size")
+    tokens = _config_get(holder, timing.split(".")[-1]) if _MULTIMODAL_LAYOUTS[model].time_scale else None
+    found = {"model": (model, f"model_type={model_type!r}"),
+             "spatial_merge_size": (None if merge is None else _check_positive_int(
+                 owner, "config's vision_config.spatial_merge_size", merge), "vision_config.spatial_merge_size"),
+             "tokens_per_second": (None if tokens is None else _positive_float(owner, f"config's {timing}", tokens),
+                                   timing)}
+    merged = {}
+    for name, given in stated.items():
+        value, where = found[name]
+        if given is not None and value is not None and given != value:
+            raise ValueError(f"{owner}: {name}={given!r} disagrees with the config's {where} ({value!r}); "
+                             f"pass one of them")
+        merged[name] = value if given is None else given
+    return merged
 
 
 def _grid_rows(owner: str, name: str, grids: Optional[Tensor]) -> list:
@@ -3801,9 +3865,9 @@ def _runs(values: Tensor) -> list:
 
 def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
                             video_grid_thw: Optional[Tensor] = None, *, attention_mask: Optional[Tensor] = None,
-                            model: str = "qwen2_vl", spatial_merge_size: int = 2,
+                            model: Optional[str] = None, spatial_merge_size: Optional[int] = None,
                             tokens_per_second: Optional[float] = None,
-                            video_seconds: Optional[Sequence[float]] = None) -> tuple:
+                            video_seconds: Optional[Sequence[float]] = None, config=None) -> tuple:
     """The ``(t, h, w)`` M-RoPE positions of a batch of mixed text, image and video tokens, and its
     ``rope_deltas``, as transformers 5.24's ``get_rope_index`` builds them for ``model``.
 
@@ -3817,7 +3881,8 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     - **A grid** ``(t, h, w)`` merged to ``(t, h / m, w / m)`` (``m = spatial_merge_size``) gets
       ``(start + time_k, start + y, start + x)``, time-major. ``time_k = floor(k * step)``, where
       ``step`` is 1 for Qwen2-VL, ``tokens_per_second * video_seconds[i]`` for a Qwen2.5-VL video,
-      and ``25 * video_seconds[i]`` for the Omni models.
+      and ``tokens_per_second * video_seconds[i]`` (25 by default) for an Omni video, whose images
+      step by ``tokens_per_second``.
     - **Qwen3-VL and GLM-4V** lay out a video as ``t`` separate frames of ``(1, h, w)``, each its own
       run between timestamp text.
     - **After a grid**, text resumes at ``start + max(h / m, w / m)`` (Qwen2/2.5/3-VL, GLM-4V: not
@@ -3828,6 +3893,9 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     ``rope_deltas[b] = max(positions of row b) + 1 - (its real tokens)``: decoding continues at
     ``arange(N, ...) + rope_deltas`` on all three axes, as the models do.
 
+    ``config=`` reads the layout, ``m`` and the tokens per second from the model's own config, so they
+    cannot drift from it; a keyword given as well must agree with it (else a ValueError).
+
     Not covered: the Omni models' audio-in-video interleaving (``use_audio_in_video``). Omni audio
     tokens are text here, which is what the models do without it.
 
@@ -3835,14 +3903,17 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         token_types (Tensor): ``[B, N]`` integers in {0, 1, 2}.
         image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging.
         attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens (left or right padding).
-        model (str): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``, ``"qwen2_5_omni"`` or
-            ``"qwen3_omni"``.
-        spatial_merge_size (int): ``m``. Default: 2 (every model's).
+        model (str, optional): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``,
+            ``"qwen2_5_omni"`` or ``"qwen3_omni"``. Default: the config's, else ``"qwen2_vl"``.
+        spatial_merge_size (int, optional): ``m``. Default: the config's, else 2 (every model's).
         tokens_per_second (float, optional): Qwen2.5-VL's ``vision_config.tokens_per_second``
             (default 4, its config's; released checkpoints use 2), the Omni models'
-            ``position_id_per_seconds`` (default 25).
+            ``position_id_per_seconds`` (default 25). Default: the config's, else those.
         video_seconds (sequence of float, optional): seconds per temporal grid step of each video
-            (``second_per_grid_ts``). Default: 1.0 each.
+            (``second_per_grid_ts``), finite and ``>= 0``. Default: 1.0 each.
+        config (optional): the model's Hugging Face config or its config.json dict: Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL (MoE too), GLM-4V (MoE too), Qwen2.5-Omni or Qwen3-Omni (the full
+            config or its thinker's). Default: None.
 
     Returns:
         ``(positions, rope_deltas)``: ``[B, N, 3]`` int64 (float64 for Qwen3-Omni) in this library's
@@ -3855,8 +3926,15 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         ([0, 1, 2, 2, 2, 2, 4], [[-2]])
     """
     owner = "multimodal_position_ids"
-    layout = _MULTIMODAL_LAYOUTS[_check_choice(owner, "model", model, choices=tuple(_MULTIMODAL_LAYOUTS))]
-    merge = _check_positive_int(owner, "spatial_merge_size", spatial_merge_size)
+    stated = {"model": None if model is None else _check_choice(owner, "model", model, tuple(_MULTIMODAL_LAYOUTS)),
+              "spatial_merge_size": _optional_size(owner, "spatial_merge_size", spatial_merge_size),
+              "tokens_per_second": None if tokens_per_second is None else _positive_float(
+                  owner, "tokens_per_second", tokens_per_second)}
+    if config is not None:
+        stated = _multimodal_config(owner, config, stated)
+    model, merge, tokens_per_second = stated["model"] or "qwen2_vl", stated["spatial_merge_size"] or 2, \
+        stated["tokens_per_second"]
+    layout = _MULTIMODAL_LAYOUTS[model]
     if not isinstance(token_types, Tensor) or token_types.dim() != 2 or token_types.is_floating_point() \
             or not ((token_types >= 0) & (token_types <= 2)).all():
         raise ValueError(f"{owner}: token_types must be a [B, N] integer tensor of 0 (text), 1 (image) and "
@@ -3870,13 +3948,17 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
                          f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
                          f"tokens_per_second={tokens_per_second!r}, video_seconds={video_seconds!r}")
     images, videos = _grid_rows(owner, "image_grid_thw", image_grid_thw), _grid_rows(owner, "video_grid_thw", video_grid_thw)
-    seconds = [1.0] * len(videos) if video_seconds is None else [float(s) for s in video_seconds]
+    if video_seconds is None:
+        seconds = [1.0] * len(videos)
+    else:  # a list, or a 1-D tensor / array as the processors give second_per_grid_ts
+        listed = _as_list(owner, "video_seconds", video_seconds.tolist() if hasattr(video_seconds, "tolist")
+                          else video_seconds)
+        seconds = [_non_negative_float(owner, f"video_seconds[{i}]", s) for i, s in enumerate(listed)]
     if len(seconds) != len(videos):
         raise ValueError(f"{owner}: video_seconds must have one entry per video ({len(videos)}), got {len(seconds)}")
-    scale = layout.time_scale if tokens_per_second is None else _positive_float(owner, "tokens_per_second",
-                                                                                 tokens_per_second)
+    scale = layout.time_scale if tokens_per_second is None else tokens_per_second
     # the time step of each grid, computed in float32 in the models' order of operations
-    grids = {1: [(grid, (layout.image_scale, 1.0)) for grid in images],
+    grids = {1: [(grid, (scale if layout.image_timed else 1.0, 1.0)) for grid in images],
              2: [((1, h, w) if layout.frames else (t, h, w), (scale, s) if scale else (1.0, 1.0))
                  for (t, h, w), s in zip(videos, seconds) for _ in range(t if layout.frames else 1)]}
     queues = {kind: iter(rows) for kind, rows in grids.items()}
@@ -4111,7 +4193,10 @@ class QueryTemperaturePositionalEmbedding(_QKPairTransform):
 
     Llama 4 takes ``p`` from the cache length plus the query's index, not from ``position_ids``.
     That is this class's default: keys ``arange(Nk) + offset``, queries the last ``Nq`` of them.
-    The factor is computed in float32 (float64 for float64 inputs), then q is rounded to its dtype.
+    Query positions must be ``>= -shift`` (``p + shift >= 0``; Llama 4's are ``>= 0``): below, the
+    floor is negative and ``log(1 + floor(...))`` is ``-inf`` or NaN, so they raise a ``ValueError``
+    (checked unless tracing). The factor is computed in float32 (float64 for float64 inputs), then
+    q is rounded to its dtype.
 
     Args:
         length (float): the floor's period (Llama 4's ``floor_scale``). Default: 8192.
@@ -4133,7 +4218,12 @@ class QueryTemperaturePositionalEmbedding(_QKPairTransform):
         self.length, self.scale, self.shift = length, scale, shift
 
     def factor(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``tau(p)`` of ``positions`` ``[..., N]``: ``[..., N]`` in ``dtype``."""
+        """``tau(p)`` of ``positions`` ``[..., N]`` (finite, ``>= -shift``): ``[..., N]`` in ``dtype``."""
+        owner = type(self).__name__
+        _check_finite_positions(owner, "positions", positions)
+        if not _skip_value_checks(positions) and positions.numel() and positions.min() < -self.shift:
+            raise ValueError(f"{owner}: query positions must be >= -shift = {-self.shift} (below, "
+                             f"log(1 + floor((p + shift) / length)) is -inf or NaN), got {positions.min().item()}")
         p = positions.to(dtype)
         return 1.0 + self.scale * torch.log1p(torch.floor((p + self.shift) / self.length))
 
@@ -4825,8 +4915,9 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     A sequence is a row of ``positions``' leading dims: ``[B, N]`` gets ``B`` independent draws.
     Draws are float32 from ``generator`` (the global one by default) in the order above, as
     DINOv3 draws them. Augment in training only: in eval the positions are used as they are
-    (CAPE's and DINOv3's rule). The PyTorch port of CAPE (gcambara/cape) draws its local shift from
-    ``U(-m s / 2, m s / 2)`` (``m`` its ``max_local_shift``, ``s`` the spacing): ``local_shift = m s / 2``.
+    (CAPE's and DINOv3's rule). Positions must be finite. The PyTorch port of CAPE (gcambara/cape) draws
+    its local shift from ``U(-m s, m s)`` (``m`` its ``max_local_shift``, ``s`` the spacing of the
+    positions): pass ``local_shift = m s`` (its ``m = 0.5`` on integer positions is ``local_shift = 0.5``).
     The result feeds any encoding that takes float positions (sinusoidal, RoPE, RoPE-Mixed,
     LieRE, the Fourier features).
 
@@ -4853,6 +4944,7 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
     if num_axes > 1 and positions.shape[-1] != num_axes:
         raise ValueError(f"{owner}: positions must be [..., N, A={num_axes}], got {tuple(positions.shape)}")
+    _check_finite_positions(owner, "positions", positions)
     p = positions.to(torch.float64) if num_axes > 1 else positions.to(torch.float64).unsqueeze(-1)   # [..., N, A]
     rows, axes = p.shape[:-2], p.shape[-1]
 
@@ -8662,7 +8754,9 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         return self.encoding.is_causal
 
     def draw(self, n: int, device=None) -> Tensor:
-        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64."""
+        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64. ``n`` is an
+        int in ``[0, max_len]`` (0 gives no positions; a bool, a float or a negative count is an error)."""
+        n = _as_int(type(self).__name__, "n", n, minimum=0)
         if n > self.max_len:
             raise ValueError(f"{type(self).__name__}: a sequence of {n} tokens needs max_len >= {n}, "
                              f"got max_len={self.max_len}")

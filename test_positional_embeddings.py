@@ -2943,6 +2943,24 @@ class TestAbacus:
         pe.eval()
         torch.testing.assert_close(pe(x, places), x + table[places])
 
+    @pytest.mark.parametrize("digit_ids", [[1.5, 2.7], "0123456789", "0123", [], [True, False], 7,
+                                           torch.tensor([1.0, 2.0]), torch.zeros(2, 5, dtype=torch.long)],
+                             ids=["floats", "string", "short_string", "empty", "bools", "int", "float_tensor", "2d"])
+    def test_digit_ids_are_one_check_for_the_module_and_the_function(self, digit_ids):
+        # the module truncated floats, took a string's characters as ids and accepted no digits at all
+        want = "digit_ids must be a non-empty sequence of ints, got "
+        with pytest.raises(TypeError, match="^AbacusPositionalEmbedding: " + want):
+            AbacusPositionalEmbedding(4, digit_ids)
+        with pytest.raises(TypeError, match="^digit_positions: " + want):
+            digit_positions(torch.tensor([1, 2]), digit_ids)
+
+    def test_digit_ids_accepted_forms(self):
+        np = pytest.importorskip("numpy")
+        for ids in (range(3), (0, 1, 2), torch.arange(3), [np.int64(0), np.int64(1), np.int64(2)]):
+            pe = AbacusPositionalEmbedding(4, ids)
+            assert pe.digit_ids == (0, 1, 2) and all(type(i) is int for i in pe.digit_ids)
+            assert digit_positions(torch.tensor([2, 5, 0, 1]), ids).tolist() == [1, 0, 1, 2]
+
     def test_reference_state_dict_loads(self):
         # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
         reference = {"embedding.weight": torch.randn(40, 8)}
@@ -5801,6 +5819,21 @@ class TestQueryTemperature:
         ministral = QueryTemperaturePositionalEmbedding(length=16, scale=0.1, shift=0)
         assert ministral.factor(torch.tensor([15, 16])).tolist() == [1.0, pytest.approx(1 + 0.1 * math.log(2))]
 
+    def test_positions_below_minus_shift_raise(self):
+        temperature = QueryTemperaturePositionalEmbedding()                                # Llama 4's: shift 1
+        assert temperature.factor(torch.tensor([-1, 0])).tolist() == [1.0, 1.0]           # p + shift = 0: tau = 1
+        for bad in (torch.tensor([-2.0]), torch.tensor([0, -5])):                          # -inf / NaN before
+            with pytest.raises(ValueError, match=r"^QueryTemperaturePositionalEmbedding: query positions must be "
+                                                 r">= -shift = -1 \(below, .*\), got -"):
+                temperature.factor(bad)
+        with pytest.raises(ValueError, match="QueryTemperaturePositionalEmbedding: positions must be finite"):
+            temperature.factor(torch.tensor([float("nan")]))
+        q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+        with pytest.raises(ValueError, match="query positions must be >= -shift = 0 .*, got -1"):
+            QueryTemperaturePositionalEmbedding(shift=0)(q, k, positions_q=torch.tensor([-1, 0, 1]))
+        shifted = QueryTemperaturePositionalEmbedding(length=2.0, scale=0.5)(q, k, positions_q=torch.tensor([-1, 0, 1]))
+        torch.testing.assert_close(shifted[0], q * torch.tensor([1.0, 1.0, 1 + 0.5 * math.log(2)])[:, None])
+
     def test_keys_unchanged_and_queries_at_the_last_positions(self):
         temperature = QueryTemperaturePositionalEmbedding(length=4.0, scale=0.5)
         q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 10, 8)                          # decoding: 2 queries
@@ -6457,6 +6490,28 @@ class TestAugmentPositions:
         again = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
                                   generator=torch.Generator().manual_seed(4))
         torch.testing.assert_close(again, got, rtol=0, atol=0)                          # seeded: reproducible
+
+    def test_local_shift_is_the_ports_max_local_shift_times_the_spacing(self):
+        # gcambara/cape CAPE1d.augment_positions (HEAD eed7480) on positions of spacing s (its positions_delta),
+        # written out: from the global generator, in float32 and in this order, a global shift U(-G, G) [B, 1],
+        # a local shift U(-m, m) [B, N] times s, a log scale U(-log L, log L) [B, 1]
+        rows, n, s, m, big_g, big_l = 3, 10, 0.25, 0.5, 2.0, 1.1
+        positions = torch.arange(n, dtype=torch.float32).expand(rows, n) * s
+        torch.manual_seed(7)
+        delta = torch.empty(rows, 1).uniform_(-big_g, big_g)
+        delta_local = torch.empty(rows, n).uniform_(-m, m) * s
+        log_lambdas = torch.empty(rows, 1).uniform_(-math.log(big_l), math.log(big_l))
+        want = (positions + delta + delta_local) * torch.exp(log_lambdas)
+        torch.manual_seed(7)
+        got = augment_positions(positions, shift=big_g, local_shift=m * s, rescale=big_l)      # local_shift = m s
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)                     # the port's float32
+
+    def test_non_finite_positions_raise(self):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match=r"augment_positions: positions must be finite, got \[-?(nan|inf)\]"):
+                augment_positions(torch.tensor([0.0, bad, 2.0]), shift=1.0)
+        with pytest.raises(ValueError, match=r"augment_positions: positions must be finite"):
+            augment_positions(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), num_axes=2, jitter=1.5)
 
     def test_each_augmentation_keeps_what_it_should(self):
         g = torch.Generator().manual_seed(0)
@@ -9580,6 +9635,17 @@ class TestRandomized:
             assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
         assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
 
+    def test_draw_counts_are_ints_from_0_to_max_len(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 16, generator=seeded())
+        assert pe.draw(0).shape == (0,) and pe.draw(torch.tensor(3)).shape == (3,)
+        with pytest.raises(ValueError, match="^RandomizedPositionalEmbedding: n must be a non-negative int, got n=-1$"):
+            pe.draw(-1)                                                                 # was 15 positions
+        for bad, kind in ((2.5, "float 2.5"), (True, "bool True"), ("3", "str '3'")):
+            with pytest.raises(TypeError, match=f"^RandomizedPositionalEmbedding: n must be an int, got {kind}"):
+                pe.draw(bad)
+        with pytest.raises(ValueError, match="a sequence of 17 tokens needs max_len >= 17, got max_len=16"):
+            pe.draw(17)
+
     def test_every_subset_is_equally_likely(self):
         # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
         # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
@@ -10269,9 +10335,10 @@ TEXT_ID, PAD_ID, VISION_START, VISION_END = 100, 0, 151652, 151653
 
 def rope_index_prompt(model: str, config, segments: list) -> tuple:
     """Token ids and ``mm_token_type_ids`` of one prompt as the model's processor lays it out. ``segments``:
-    ints (text runs) and ``("image" | "video", (t, h, w))``; merge 2. Qwen3-VL and GLM-4V put a timestamp
-    (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
+    ints (text runs) and ``("image" | "video", (t, h, w))``; the config's merge. Qwen3-VL and GLM-4V put a
+    timestamp (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
     ids, types = [], []
+    merge = config.vision_config.spatial_merge_size
 
     def add(tokens, kind=0):
         ids.extend(tokens)
@@ -10282,7 +10349,7 @@ def rope_index_prompt(model: str, config, segments: list) -> tuple:
             add([TEXT_ID] * segment)
             continue
         what, (t, h, w) = segment
-        per_frame = (h // 2) * (w // 2)
+        per_frame = (h // merge) * (w // merge)
         if model == "glm4v":
             frames = 1 if what == "image" else t
             if what == "video":
@@ -10319,12 +10386,10 @@ def rope_index_batch(model: str, config, prompts: list) -> tuple:
     return ids, types, mask
 
 
-def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
-                            tokens_per_second=None) -> tuple:
-    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them."""
+def rope_index_config(model: str, tokens_per_second=None, spatial_merge_size=None):
+    """The model's transformers config: its defaults, or these video timing and merge sizes."""
     import importlib
-    package, config_name, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    package, config_name, _, _ = ROPE_INDEX_MODELS[model]
     configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
     extra = {"vision_start_token_id": VISION_START} if "omni" in model else {}
     config = getattr(configuration, config_name)(**extra)
@@ -10333,6 +10398,19 @@ def transformers_rope_index(model: str, prompts: list, images: list, videos: lis
             config.position_id_per_seconds = tokens_per_second
         else:
             config.vision_config.tokens_per_second = tokens_per_second
+    if spatial_merge_size is not None:
+        config.vision_config.spatial_merge_size = spatial_merge_size
+    return config
+
+
+def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
+                            tokens_per_second=None, config=None) -> tuple:
+    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them
+    (a module built from ``config``, else from ``rope_index_config(model, tokens_per_second)``)."""
+    import importlib
+    package, _, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    config = rope_index_config(model, tokens_per_second) if config is None else config
     ids, types, mask = rope_index_batch(model, config, prompts)
     with torch.device("meta"):                                                          # no weights allocated
         module = getattr(modeling, module_name)(config)
@@ -10373,6 +10451,83 @@ class TestMultimodalPositionIds:
         else:
             assert torch.equal(deltas, want_deltas)
         assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
+
+    CONFIG_PROMPTS = [[2, ("image", (2, 6, 9)), 3, ("video", (3, 6, 6)), 1],
+                      [1, ("video", (2, 3, 9)), 2, ("image", (1, 3, 3)), 4]]
+    CONFIG_IMAGES = [(2, 6, 9), (1, 3, 3)]
+    CONFIG_VIDEOS = [(3, 6, 6), (2, 3, 9)]
+
+    @pytest.mark.parametrize("model, tokens_per_second", [("qwen2_vl", None), ("qwen2_5_vl", 3), ("qwen3_vl", None),
+                                                          ("qwen2_5_omni", 10), ("qwen3_omni", 7)])
+    def test_config_gives_the_models_own_ids(self, model, tokens_per_second):
+        # spatial merge 3 and the video timing set in the config alone (the function's defaults are 2 and 4 / 25):
+        # the ids read from the config object, its config.json dict (and an Omni's full config around the
+        # thinker's) equal the model's own get_rope_index on a left-padded batch
+        pytest.importorskip("transformers")
+        config = rope_index_config(model, tokens_per_second, spatial_merge_size=3)
+        seconds = [0.5, 1.5] if tokens_per_second else None
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(
+            model, self.CONFIG_PROMPTS, self.CONFIG_IMAGES, self.CONFIG_VIDEOS, seconds, config=config)
+        inputs = dict(image_grid_thw=torch.tensor(self.CONFIG_IMAGES), video_grid_thw=torch.tensor(self.CONFIG_VIDEOS),
+                      attention_mask=mask, video_seconds=seconds)
+        configs = [config, config.to_dict()]
+        if "omni" in model:                                                                  # the full Omni config
+            configs.append({"model_type": ROPE_INDEX_MODELS[model][0], "thinker_config": config.to_dict()})
+        for given in configs:
+            got, deltas = multimodal_position_ids(types, **inputs, config=given)
+            assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
+            tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
+            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
+        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
+            multimodal_position_ids(types, **inputs, model=model)
+        if tokens_per_second:                                                                # the default timing
+            default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
+            assert not torch.equal(default, got)
+
+    def test_config_and_keywords_must_agree(self):
+        pytest.importorskip("transformers")
+        config = rope_index_config("qwen2_5_vl", 3, spatial_merge_size=3)
+        types, grid = torch.tensor([[0] + [2] * 8]), torch.tensor([[2, 6, 6]])
+        got, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config)
+        same, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_5_vl",
+                                          spatial_merge_size=3, tokens_per_second=3.0)        # agreeing: fine
+        assert torch.equal(same, got) and got[0, 1:, 0].unique().tolist() == [1, 4]         # 1 + 3 tokens/s * 1 s
+        owner = "^multimodal_position_ids: "
+        with pytest.raises(ValueError, match=owner + r"spatial_merge_size=2 disagrees with the config's "
+                                                     r"vision_config.spatial_merge_size \(3\); pass one of them"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, spatial_merge_size=2)
+        with pytest.raises(ValueError, match=owner + r"tokens_per_second=2.0 disagrees with the config's "
+                                                     r"vision_config.tokens_per_second \(3.0\)"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, tokens_per_second=2)
+        with pytest.raises(ValueError, match=owner + "model='qwen2_vl' disagrees with the config's "
+                                                     "model_type='qwen2_5_vl'"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config must be one of .*, got model_type='llama'"):
+            multimodal_position_ids(types, config={"model_type": "llama"})
+        with pytest.raises(ValueError, match=owner + r"config \(model_type='qwen2_vl'\) has no vision_config"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_vl"})
+        with pytest.raises(TypeError, match=owner + "config must be a Hugging Face config object"):
+            multimodal_position_ids(types, config="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config's position_id_per_seconds must be a finite number > 0"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_5_omni_thinker", "position_id_per_seconds": 0,
+                                                   "vision_config": {"spatial_merge_size": 2}})
+
+    @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+    @pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen2_5_omni", "qwen3_omni"])
+    def test_video_seconds_must_be_finite_and_non_negative(self, model, bad):
+        # -1 s gave time ids going back (-3), NaN a raw int64 overflow
+        types, grids = torch.tensor([[0] + [2] * 4 + [0] + [2] * 12]), torch.tensor([[1, 4, 4], [3, 4, 4]])
+        with pytest.raises(ValueError, match=r"^multimodal_position_ids: video_seconds\[1\] must be a finite number "
+                                             rf">= 0.0, got video_seconds\[1\]={bad!r}$"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, bad])
+        still, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, 0.0])
+        assert still[0, 6:, 0].unique().tolist() == [still[0, 6, 0].item()]                # 0 s: one time id
+        tensor, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                            video_seconds=torch.tensor([1.0, 0.5]))         # second_per_grid_ts
+        assert torch.equal(tensor, multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                                           video_seconds=[1.0, 0.5])[0])
+        with pytest.raises(TypeError, match=r"^multimodal_position_ids: video_seconds must be a list, got str"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds="12")
 
     @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
     def test_text_only_matches_transformers(self, model):
