@@ -3448,29 +3448,63 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         the same frequencies ``forward`` uses (sections, scalings; ``dynamic`` / ``longrope`` at each
         set's own largest position, as one call of ``forward`` with those positions would), so the
         result equals ``rope(k, new)`` up to one more rounding in the input dtype; the attention
-        factor is already in ``x`` and stays. Positions as ``forward`` takes them (both required).
+        factor is already in ``x`` and stays. Positions as ``forward`` takes them (both required),
+        or per head, ``[B, H, N]`` (``[B, H, N, A]`` with sections) for a 4-D x (``[B, H, N, Dh]``, or
+        ``[B, N, H, Dh]`` with ``seq_dim=-3``): a cache that evicts different tokens in each head
+        (NVIDIA's kvpress) moves each head's keys by its own amounts. ``B`` or ``H`` may be 1 (shared);
+        ``dynamic`` / ``longrope`` then take one spectrum from the largest position of all heads.
         """
         for name, p in (("old_positions", old_positions), ("new_positions", new_positions)):
             if p is None:
                 raise TypeError(f"{type(self).__name__}: rerotate needs {name} (a tensor of positions), got None")
-        old, new = self._check_rotated(x, seq_dim, old_positions=old_positions, new_positions=new_positions)
+        old, new = self._check_rotated(x, seq_dim, per_head=True, old_positions=old_positions,
+                                       new_positions=new_positions)
         n = x.shape[seq_dim]
-        turn = self._pair_angles(new, self._frequencies(new, n, 0, None, x.device)[0]) \
-            - self._pair_angles(old, self._frequencies(old, n, 0, None, x.device)[0])    # [..., N, F] float64
-        dtype = _compute_dtype(x.dtype)
-        return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype), seq_dim)
 
-    def _check_rotated(self, x: Tensor, seq_dim: int, **positions: Optional[Tensor]):
+        def angles(p: Tensor, given: Tensor) -> Tensor:
+            angle = self._pair_angles(p, self._frequencies(p, n, 0, None, x.device)[0])  # [..., N(, H), F] float64
+            shared = seq_dim == -3 and not self._per_head(given)
+            return angle.unsqueeze(-2) if shared else angle                             # [..., N, 1, F]: every head
+
+        turn = angles(new, new_positions) - angles(old, old_positions)                 # [..., N, (H,) F] float64
+        dtype = _compute_dtype(x.dtype)
+        return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype))
+
+    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
         """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
-        its positions (each as ``forward`` takes them); return the positions (one, or a tuple)."""
+        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
+        in x's layout); return the positions (one, or a tuple)."""
         owner = type(self).__name__
         if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
             raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
         _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
-        checked = tuple(_check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
+        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
+                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
                                          device=x.device) for name, p in positions.items())
         return checked[0] if len(checked) == 1 else checked
+
+    def _per_head(self, positions) -> bool:
+        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
+        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
+
+    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
+        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
+        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
+        owner, shape = type(self).__name__, tuple(positions.shape)
+        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
+        if x.dim() != 4:
+            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
+                             f"{tuple(x.shape)}")
+        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
+        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
+                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
+            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
+                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
+        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
+                                device=x.device)                                        # [B H, N(, A)]
+        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
+        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)

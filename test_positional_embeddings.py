@@ -5494,6 +5494,41 @@ class TestRerotate:
         got = rope.rerotate(rope(k, old, seq_dim=-3), old, new, seq_dim=-3)
         torch.testing.assert_close(got, rope(k, new, seq_dim=-3), rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_per_head_positions_turn_each_head_by_its_own_difference(self, interleaved):
+        """Per-head positions [B, H, N] (kvpress's per-head eviction): against the float64 rotation-matrix
+        oracle run head by head, in both layouts (seq_dim=-3 included), old or new shared by every head."""
+        rope = RotaryPositionalEmbedding(8, base=100.0, interleaved=interleaved)
+        x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        old, new = torch.randint(-50, 1000, (2, 3, 5), generator=g), torch.randint(0, 40, (2, 3, 5), generator=g)
+        shared = torch.tensor([4, 0, 9, 2, 7])                                          # [N]: every head
+        for new_positions, diff in ((new, new - old), (shared, shared - old)):
+            want = torch.stack([torch.stack([rope_oracle(x[b, h], diff[b, h].tolist(), plain_inv_freq(8, 100.0),
+                                                         interleaved=interleaved) for h in range(3)]) for b in range(2)])
+            torch.testing.assert_close(rope.rerotate(x, old, new_positions), want, rtol=1e-12, atol=1e-12)
+            heads_last = rope.rerotate(x.transpose(1, 2), old, new_positions, seq_dim=-3)   # [B, N, H, Dh]
+            torch.testing.assert_close(heads_last.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
+        one_head = rope.rerotate(x, old[:, :1], new[:, :1])                             # H = 1: shared by the heads
+        torch.testing.assert_close(one_head, rope.rerotate(x, old[:, :1].expand(2, 3, 5), new[:, :1].expand(2, 3, 5)))
+
+    @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("dynamic", "longrope")], ids=str)
+    def test_per_head_eviction_equals_rotating_each_head_at_its_new_positions(self, layout):
+        """kvpress-style: each key head keeps its own 6 of 16 cached keys (rotated at 0..15) and renumbers them
+        0..5; the moved cache equals each head's kept raw keys rotated at 0..5 from scratch."""
+        rope = RotaryPositionalEmbedding(16, **self.LAYOUTS[layout])
+        keys = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        g = torch.Generator().manual_seed(1)
+        kept = torch.rand(2, 3, 16, generator=g).argsort(-1)[..., :6].sort(-1).values   # [B, H, 6] per head
+        if rope.num_axes == 1:
+            old, new = kept, torch.arange(6)
+        else:   # grid positions per token: token t at (t, t // 4, t % 4)
+            grid = torch.stack([torch.arange(16), torch.arange(16) // 4, torch.arange(16) % 4], -1)   # [16, 3]
+            old, new = grid[kept], grid[:6]                                             # [B, H, 6, 3], [6, 3]
+        cached = rope(keys, grid if rope.num_axes > 1 else None).gather(2, kept[..., None].expand(-1, -1, -1, 16))
+        raw = keys.gather(2, kept[..., None].expand(-1, -1, -1, 16))                    # [B, H, 6, Dh]
+        torch.testing.assert_close(rope.rerotate(cached, old, new), rope(raw, new), rtol=1e-12, atol=1e-12)
+
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
         k = torch.randn(1, H, 4, DH)
@@ -5503,6 +5538,13 @@ class TestRerotate:
             rope.rerotate(k, torch.arange(3), torch.arange(4))
         with pytest.raises(ValueError, match="RotaryPositionalEmbedding: x"):
             rope.rerotate(torch.randn(1, H, 4, DH + 2), torch.arange(4), torch.arange(4))
+        with pytest.raises(ValueError, match=re.escape(f"RotaryPositionalEmbedding: per-head old_positions must have "
+                                                       f"shape [1, {H}, 4] (B or H may be 1) for x of shape (1, {H}, 4, "
+                                                       f"{DH}), got (1, {H + 1}, 4)")):
+            rope.rerotate(k, torch.zeros(1, H + 1, 4, dtype=torch.long), torch.arange(4))
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: per-head new_positions \\(\\[B, H, N\\]\\) "
+                                             "need a 4-D x, got x of shape \\(4, 32\\)"):
+            rope.rerotate(torch.randn(4, 32), torch.arange(4), torch.zeros(1, 1, 4, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------
