@@ -854,8 +854,9 @@ class PositionalEmbedding(nn.Module):
         values = {name: getattr(self, name, None) for name in names}
         text = ", ".join(f"{name}={value!r}" for name, value in values.items()
                          if value is not None and not isinstance(value, (nn.Module, Tensor)))
-        bound = self._bound_input()
-        return text + ("" if bound is None else f", bound to {bound[0]} of shape {list(bound[1].shape)}")
+        bound, first = self._bound_input(), getattr(self, "bound_offset", 0)
+        return text + ("" if bound is None else f", bound to {bound[0]} of shape {list(bound[1].shape)}"
+                       + (f" from token {first}" if first else ""))
 
     def _bound_input(self) -> Optional[tuple]:
         """``(name, tensor)`` of the input this encoding is bound to, or None."""
@@ -6701,6 +6702,7 @@ class _BoundTokens(PositionalEmbedding):
     takes_positions = False
     is_causal = True    # a token's encoding reads the tokens before it: keys after the query get -inf
     token_axis: dict = {}   # bound input -> its token dim, where not -2 ([B, H, N] scalars: -1)
+    bound_offset: int = 0   # the token index of the first bound token (Inkling binds new tokens at an offset)
 
     def forward(self, *args, **kwargs):
         """``pe(x)`` with token states ``x`` alone: ``pe.bind(x)``; every other call is the kind's own."""
@@ -6725,12 +6727,18 @@ class _BoundTokens(PositionalEmbedding):
 
     def _check_lengths(self, q_len: int, k_len: int, q_shape: Optional[tuple] = None) -> None:
         name, bound = self._bound_input() or self._unbound()
-        if k_len > bound.shape[self.token_axis.get(name, -2)]:
+        first = self.bound_offset
+        since = f" from token {first}" if first else ""
+        if k_len > first + bound.shape[self.token_axis.get(name, -2)]:
             raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
-                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound")
+                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound{since}")
         if q_len > k_len:
             raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
                              f"Nq keys), got Nq={q_len} and Nk={k_len}")
+        if k_len - q_len < first:
+            raise ValueError(f"{type(self).__name__}: the queries (tokens {k_len - q_len} .. {k_len - 1}, the last "
+                             f"Nq={q_len} of Nk={k_len}) must be bound, got tokens {first} .. "
+                             f"{first + bound.shape[self.token_axis.get(name, -2)] - 1} bound")
         if q_shape is not None and bound.shape[0] not in (1, q_shape[0]):
             raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {bound.shape[0]} "
                              f"(or the encoding batch 1), got q {q_shape}")
@@ -6923,9 +6931,19 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
 
     Alignment: the bound tokens are the keys' timeline (key ``j`` is token ``j``), and the
     ``Nq`` queries are the last ``Nq`` of the first ``Nk`` tokens. A position (the ``i`` in the
-    distance and in ``tau_i``) is a token index, as Inkling's cache indices are. For decoding with
-    a KV cache, bind the states of every token so far; only the queries' states are projected.
-    Computed in float32 (float64 for float64 states or weights).
+    distance and in ``tau_i``) is a token index, as Inkling's cache indices are. The bias reads
+    the queries' states only, so a decoding step with a KV cache binds just the new tokens at
+    their offset, ``pe.bind(x_new, offset=n_cached)``, and gives the full pass's last rows (keys
+    are tokens ``0 .. Nk - 1``, the queries must lie among the bound tokens). Computed in float32
+    (float64 for float64 states or weights).
+
+    ``from_config(config, layer_type=...)`` reads a transformers Inkling or Inkling 2 config
+    (``"hybrid"``: a full-attention layer; ``"hybrid_sliding"``: a sliding one). Inkling 2's released
+    checkpoint (``thinkingmachines/Inkling-2-Small-MXFP8``) names layer ``i``'s weights
+    ``model.llm.layers.{i}.`` + a key of ``checkpoint_names`` (the parameter it loads into):
+    ``attn.wr_du.weight`` -> ``r_proj.weight``, ``attn.rel_logits_proj.proj`` -> ``proj``,
+    ``attn.rel_l2_clip.scale`` -> ``scale``; transformers loads them as
+    ``model.layers.{i}.self_attn.relative_position_bias.`` ``linear.weight``, ``proj``, ``norm.scale``.
 
     Args:
         dim (int): token width ``D``.
@@ -6952,11 +6970,15 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         >>> q = k = v = torch.randn(2, 8, 128, 64)
         >>> attention(q, k, v, inkling(x), causal=True).shape
         torch.Size([2, 8, 128, 64])
+        >>> step = attention(q[..., -1:, :], k, v, inkling.bind(x[:, -1:], offset=127), causal=True)
     """
 
     order_from = "positions are the bound tokens' indices"
     is_causal = False   # the bias reads the query's own states: defined for every pair (0 after the query)
     bound_inputs = ("states",)   # bound x [B, N, D]
+    # Inkling 2's checkpoint name (under model.llm.layers.{i}.) -> the parameter it loads into
+    checkpoint_names = {"attn.wr_du.weight": "r_proj.weight", "attn.rel_logits_proj.proj": "proj",
+                        "attn.rel_l2_clip.scale": "scale"}
     arguments = {"d_rel": _check_positive_int, "max_distance": _check_positive_int, "bias": _check_flag,
                  "clip_threshold": _positive_float, "log_scaling_n_floor": _positive_float,
                  "log_scaling_alpha": _non_negative_float, "layer": _module_or_none}
@@ -6999,9 +7021,21 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         if self.scale is not None:
             nn.init.ones_(self.scale)
 
-    def bind(self, x: Tensor) -> "InklingPositionalEmbedding":
-        """A bound encoding on token states ``x`` ``[B, N, D]``."""
-        return self._bound_copy(states=self._check_states(x))
+    @classmethod
+    def from_config(cls, config, *, layer_type: Optional[Literal["hybrid", "hybrid_sliding"]] = None
+                    ) -> "InklingPositionalEmbedding":
+        """The relative bias of one layer type of a transformers Inkling / Inkling 2 config (object or
+        ``to_dict()``): ``"hybrid"`` (full attention: ``rel_extent``, the log scaling) or ``"hybrid_sliding"``
+        (``swa_num_attention_heads``, extent ``sliding_window_size``, no scaling); Inkling 2 adds its clip.
+        Load the weights by ``checkpoint_names`` (or transformers' names, see the class docstring)."""
+        return cls(**_inkling_kwargs_from_config(config, layer_type=layer_type))
+
+    def bind(self, x: Tensor, *, offset: int = 0) -> "InklingPositionalEmbedding":
+        """A bound encoding on token states ``x`` ``[B, N, D]`` of tokens ``offset .. offset + N - 1`` (the new
+        tokens of a decoding step; the keys before them need no states)."""
+        bound = self._bound_copy(states=self._check_states(x))
+        bound.bound_offset = _as_int(type(self).__name__, "offset", offset, minimum=0)
+        return bound
 
     def relative_states(self, x: Tensor, first: int = 0) -> Tensor:
         """``r`` of tokens ``x`` ``[B, N, D]``, clipped and scaled as configured (``first``: the index of
@@ -7030,8 +7064,8 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
 
     def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
         """Each query's mix of the profiles, ``r_i . P``: ``[H, B Nq, E]``."""
-        first = k_len - q_len
-        r = self.relative_states(self.states[:, first:k_len].to(device), first)          # [B, Nq, H, d_rel]
+        first, bound = k_len - q_len, self.bound_offset                                 # token indices
+        r = self.relative_states(self.states[:, first - bound:k_len - bound].to(device), first)  # [B, Nq, H, d_rel]
         curves = torch.matmul(r, self.proj.to(r.dtype))                                 # [B, Nq, H, E]
         return (curves.permute(2, 0, 1, 3).flatten(1, 2),)
 
@@ -9285,6 +9319,45 @@ def _alibi_kwargs_from_config(config) -> dict:
         raise ValueError(f"{owner}: config (model_type={model_type!r}) has no ALiBi: expected Bloom, MPT "
                          f"(attn_config.alibi) or Falcon with alibi=True")
     return {"num_heads": heads, "slopes": slopes, "bidirectional": False}
+
+
+# Inkling's model types -> the transformers 5.24 defaults of their relative-bias fields (a config.json saved with
+# only its differences from the defaults omits the rest): Inkling (no clip; log scaling where n_floor is set),
+# Inkling 2 and Inkling 2 Loop (an L2 clip with a learned scale). Each is held against its module by TestInkling.
+_INKLING1_DEFAULTS = {"hidden_size": 6144, "num_attention_heads": 64, "swa_num_attention_heads": 64,
+                      "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024, "log_scaling_n_floor": None,
+                      "log_scaling_alpha": 0.1, "rel_l2_clip_threshold": None}
+_INKLING2_DEFAULTS = {"hidden_size": 4608, "num_attention_heads": 48, "swa_num_attention_heads": 48,
+                      "sliding_window_size": 1024, "d_rel": 16, "rel_extent": 1024, "log_scaling_n_floor": 128000,
+                      "log_scaling_alpha": 0.1, "rel_l2_clip_threshold": 8.0}
+_INKLING_MODELS = {
+    "inkling_text": _INKLING1_DEFAULTS, "inkling_mm_model": _INKLING1_DEFAULTS,
+    "inkling2_text": _INKLING2_DEFAULTS, "inkling2": _INKLING2_DEFAULTS,
+    "inkling2_loop_text": {**_INKLING2_DEFAULTS, "hidden_size": 2304, "num_attention_heads": 24,
+                           "swa_num_attention_heads": 24, "log_scaling_n_floor": 8192},
+}
+_INKLING_MODELS["inkling2_loop"] = _INKLING_MODELS["inkling2_loop_text"]
+
+
+def _inkling_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> dict:
+    """Keyword arguments of ``InklingPositionalEmbedding`` for the layers of type ``layer_type`` of an Inkling
+    config, as transformers' attention builds them: full (``"hybrid"``) layers take ``num_attention_heads``,
+    ``rel_extent`` and the log scaling; sliding ones ``swa_num_attention_heads`` and ``sliding_window_size``."""
+    owner = "InklingPositionalEmbedding.from_config"
+    text = _text_config(owner, config)
+    model_type = _model_type(config, text)
+    _check_bias_model_type(owner, model_type, frozenset(_INKLING_MODELS), {},
+                           "InklingPositionalEmbedding(dim, num_heads, d_rel=..., max_distance=..., ...)")
+    _check_choice(owner, "layer_type", layer_type, ("hybrid", "hybrid_sliding"))
+    get = lambda name: _config_get(text, name, _INKLING_MODELS[model_type][name])             # noqa: E731
+    full = layer_type == "hybrid"
+    return {"dim": int(get("hidden_size")), "d_rel": int(get("d_rel")),
+            "num_heads": int(get("num_attention_heads" if full else "swa_num_attention_heads")),
+            "max_distance": int(get("rel_extent" if full else "sliding_window_size")),
+            "clip_threshold": None if get("rel_l2_clip_threshold") is None else float(get("rel_l2_clip_threshold")),
+            "log_scaling_n_floor": None if not full or get("log_scaling_n_floor") is None
+            else float(get("log_scaling_n_floor")),
+            "log_scaling_alpha": float(get("log_scaling_alpha"))}
 
 
 _NO_ROPE_LAYER_MODELS = {"smollm3", "llama4", "llama4_text"}   # no_rope_layers[i]: 1 = RoPE, 0 = NoPE

@@ -8426,6 +8426,137 @@ class TestInkling:
                              causal=True)
             torch.testing.assert_close(step, full[..., t : t + 1, :])
 
+    @pytest.mark.parametrize("options", [dict(), dict(clip_threshold=0.3, log_scaling_n_floor=3, log_scaling_alpha=0.5)],
+                             ids=["inkling", "inkling2"])
+    def test_bound_at_an_offset_gives_the_full_pass_last_rows(self, options):
+        """A decoding step binds only its new tokens, at their offset: the bias is the full pass's last rows
+        (and the float64 loop oracle's), and attention the full pass's last outputs, dense and FlexAttention."""
+        pe = InklingPositionalEmbedding(12, 2, d_rel=3, max_distance=4, init_std=0.5, **options).double()
+        x = torch.randn(2, 9, 12, dtype=torch.float64)
+        full = pe(x)(9, 9)
+        for new in (1, 3):
+            step = pe.bind(x[:, 9 - new:], offset=9 - new)                              # tokens 9 - new .. 8
+            assert "from token" in repr(step)
+            torch.testing.assert_close(step(new, 9), full[..., -new:, :], rtol=0, atol=0)
+            torch.testing.assert_close(step(new, 9), inkling_oracle(pe, x, new, 9), rtol=1e-12, atol=1e-12)
+        middle = pe.bind(x[:, 5:], offset=5)                                            # tokens 5 .. 8 bound
+        torch.testing.assert_close(middle(2, 7), pe(x)(2, 7), rtol=0, atol=0)          # queries 5, 6; keys 0 .. 6
+        q, k, v = torch.randn(3, 2, 2, 9, 8, dtype=torch.float64).unbind(0)
+        want = attention(q, k, v, pe(x), causal=True)[..., -1:, :]
+        for flex in (False, True):
+            got = attention(q[..., -1:, :], k, v, pe.bind(x[:, -1:], offset=8), causal=True, use_flex=flex)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=re.escape("InklingPositionalEmbedding: the queries (tokens 4 .. 6, the "
+                                                       "last Nq=3 of Nk=7) must be bound, got tokens 5 .. 8 bound")):
+            middle(3, 7)
+        with pytest.raises(ValueError, match=re.escape("InklingPositionalEmbedding: k has more tokens than the bound "
+                                                       "encoding: keys are the bound tokens, got Nk=10 for [2, 4, 12] "
+                                                       "bound from token 5")):
+            middle(1, 10)
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: offset must be a non-negative int, got "
+                                             "offset=-1"):
+            pe.bind(x, offset=-1)
+
+    # model type -> (transformers models module, config class, full and sliding attention classes)
+    INKLING_MODULES = {
+        "inkling_text": ("inkling", "InklingTextConfig", "InklingAttention", "InklingAttention"),
+        "inkling2_text": ("inkling2", "Inkling2TextConfig", "Inkling2FullAttention", "Inkling2SlidingAttention"),
+        "inkling2_loop_text": ("inkling2_loop", "Inkling2LoopTextConfig", "Inkling2LoopFullAttention",
+                               "Inkling2LoopSlidingAttention"),
+    }
+
+    @pytest.mark.parametrize("model_type", list(INKLING_MODULES))
+    def test_from_config_matches_each_layer_types_module(self, model_type, monkeypatch):
+        """from_config(config, layer_type=...) against the bias of that layer type's transformers attention
+        (different head counts and extents per type), weights copied by transformers' names."""
+        package, config_name, full_name, sliding_name = self.INKLING_MODULES[model_type]
+        modeling = pytest.importorskip(f"transformers.models.{package}.modeling_{package}")
+        config_class = getattr(pytest.importorskip(f"transformers.models.{package}.configuration_{package}"),
+                               config_name)
+        extra = {} if package == "inkling" else dict(rel_l2_clip_threshold=0.4)
+        config = config_class(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=DH,
+                              swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=DH,
+                              sliding_window_size=4, d_rel=4, rel_extent=6, num_hidden_layers=2, vocab_size=64,
+                              layer_types=["hybrid", "hybrid_sliding"], log_scaling_n_floor=3, log_scaling_alpha=0.5,
+                              **extra)
+        config._attn_implementation = "eager"
+        seen = {}
+        original = modeling.eager_attention_forward
+
+        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+            seen["bias"] = position_bias
+            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
+        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        x, tokens = torch.randn(B, N, D), torch.arange(N)
+        for layer, (layer_type, attention_class) in enumerate((("hybrid", full_name), ("hybrid_sliding", sliding_name))):
+            theirs = getattr(modeling, attention_class)(config, layer)
+            for weight in theirs.parameters():
+                torch.nn.init.normal_(weight, std=0.3)
+            ours = InklingPositionalEmbedding.from_config(config.to_dict(), layer_type=layer_type)
+            assert ours.num_heads == (H if layer_type == "hybrid" else 2)
+            with torch.no_grad():
+                if package == "inkling":   # its bias reaches the attention function
+                    ours.r_proj.weight.copy_(theirs.r_proj.weight)
+                    ours.proj.copy_(theirs.rel_logits_proj.proj)
+                    theirs(x, attention_mask=None)
+                    want = seen["bias"]
+                else:
+                    module = theirs.relative_position_bias
+                    ours.r_proj.weight.copy_(module.linear.weight)
+                    ours.scale.copy_(module.norm.scale)
+                    ours.proj.copy_(module.proj)
+                    want = module(x, tokens[:, None] - tokens[None, :], tokens.expand(B, N))
+            torch.testing.assert_close(ours(x)(N, N), want, rtol=1e-5, atol=1e-6)
+        multimodal, extra = {"inkling_text": ("InklingConfig", {}),
+                             "inkling2_text": ("Inkling2Config", dict(vision_config={"text_hidden_size": D})),
+                             "inkling2_loop_text": ("Inkling2LoopConfig", dict(vision_config={"text_hidden_size": D}))
+                             }[model_type]
+        wrapper = getattr(importlib.import_module(f"transformers.models.{package}.configuration_{package}"),
+                          multimodal)(text_config=config.to_dict(), **extra)                # its text_config is read
+        for layer_type in ("hybrid", "hybrid_sliding"):
+            assert pe_lib._inkling_kwargs_from_config(wrapper, layer_type=layer_type) == \
+                pe_lib._inkling_kwargs_from_config(config, layer_type=layer_type)
+
+    @pytest.mark.parametrize("model_type", list(pe_lib._INKLING_MODELS))
+    def test_from_config_defaults_are_the_config_classes(self, model_type):
+        """A raw config.json that omits a field reads transformers' default for it."""
+        package = model_type.replace("_text", "").replace("_mm_model", "")
+        config_name = {"inkling": "InklingTextConfig", "inkling2": "Inkling2TextConfig",
+                       "inkling2_loop": "Inkling2LoopTextConfig"}[package]
+        config = getattr(pytest.importorskip(f"transformers.models.{package}.configuration_{package}"), config_name)()
+        for layer_type in ("hybrid", "hybrid_sliding"):
+            assert pe_lib._inkling_kwargs_from_config({"model_type": model_type}, layer_type=layer_type) == \
+                pe_lib._inkling_kwargs_from_config(config, layer_type=layer_type)
+
+    def test_checkpoint_names_load_inkling2s_saved_checkpoint(self, tmp_path):
+        """The names of checkpoint_names are those transformers writes for Inkling 2 (its save_pretrained converts
+        back to the released checkpoint's names): loaded by them, each layer's bias is the model's."""
+        modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+        config_module = pytest.importorskip("transformers.models.inkling2.configuration_inkling2")
+        safetensors = pytest.importorskip("safetensors.torch")
+        config = config_module.Inkling2TextConfig(
+            hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, swa_num_attention_heads=4,
+            swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4, rel_extent=6,
+            num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], log_scaling_n_floor=3,
+            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, vocab_size=64,
+            unpadded_vocab_size=60, eos_token_id=1)
+        torch.manual_seed(0)
+        model = modeling.Inkling2ForCausalLM(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "relative_position_bias" in name:
+                    torch.nn.init.normal_(weight, std=0.3)
+        model.save_pretrained(tmp_path)
+        saved = safetensors.load_file(str(tmp_path / "model.safetensors"))
+        x, tokens = torch.randn(B, 7, 32), torch.arange(7)
+        for layer, layer_type in enumerate(config.layer_types):
+            ours = InklingPositionalEmbedding.from_config(config, layer_type=layer_type)
+            ours.load_state_dict({parameter: saved[f"model.llm.layers.{layer}.{name}"]
+                                  for name, parameter in InklingPositionalEmbedding.checkpoint_names.items()})
+            theirs = model.model.layers[layer].self_attn.relative_position_bias
+            want = theirs(x, tokens[:, None] - tokens[None, :], tokens.expand(B, 7))
+            torch.testing.assert_close(ours(x)(7, 7), want, rtol=1e-5, atol=1e-6)
+
     def test_zero_outside_the_look_back_window(self):
         pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=3, init_std=0.5)
         bias = pe(torch.randn(B, N, D))(N, N)
@@ -11679,6 +11810,7 @@ def test_docs_list_the_from_config_model_types():
     assert docs_model_types("RoPE model types (") == set(pe_lib._ROPE_MODEL_TYPES)
     assert docs_model_types("T5 bias model types (") == set(pe_lib._T5_MODEL_TYPES)
     assert docs_model_types("ALiBi model types (") == set(pe_lib._ALIBI_MODEL_TYPES)
+    assert docs_model_types("Inkling bias model types (") == set(pe_lib._INKLING_MODELS)
     text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
     for name in [*pe_lib._ROPE_REFUSED, *pe_lib._T5_REFUSED, *pe_lib._ALIBI_REFUSED]:
         assert f"- `{name}`" in text, f"{name}: refused without a reason in the docs"
