@@ -6715,12 +6715,18 @@ class _BoundTokens(PositionalEmbedding):
 
     def _check_states(self, x: Tensor) -> Tensor:
         """Token states to bind: ``[B, N, D]``, floating."""
+        if self.dim is None:
+            raise ValueError(f"{type(self).__name__}: built with dim=None, without projections: it binds "
+                             f"precomputed inputs only (see bind), got token states x")
         _check_tensor(type(self).__name__, "x", x, 3)
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
         return x
 
     def _unbound(self):
+        if self.dim is None:
+            raise ValueError(f"{type(self).__name__}: not bound: built with dim=None, it binds precomputed "
+                             f"inputs (see bind) and attends with the result")
         raise ValueError(f"{type(self).__name__}: not bound to token states: the encoding depends on them, "
                          f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
                          f"e.g. attention(q, k, v, pe(x), causal=True)")
@@ -6791,7 +6797,7 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     ``log f ~ -1``). Gates are computed in float32 (float64 for float64 weights or states).
 
     Args:
-        dim (int): token width ``D``.
+        dim (int or None): token width ``D``; None: no ``fgate_proj``, for ``bind(log_forget=...)`` only.
         num_heads (int): heads ``H``.
         fgate_proj (nn.Linear, optional): an existing ``nn.Linear(dim, num_heads)`` to use,
             held by reference and never re-initialised by the constructor. Default: a new one,
@@ -6814,13 +6820,14 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     bound_inputs = ("states", "log_forget_values")   # bound x [B, N, D] or log f [B, H, N]
     token_axis = {"log_forget_values": -1}
 
+    arguments = {"dim": _optional_size}
     argument_rules = (_check_gate_projection,)
 
-    def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
+    def __init__(self, dim: Optional[int], num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
                  init_std: float = 0.02) -> None:
         super().__init__()
         self.dim, self.num_heads, self.init_std = dim, num_heads, init_std
-        owns = fgate_proj is None
+        owns = fgate_proj is None and dim is not None
         self.fgate_proj = _uninitialised(nn.Linear, dim, num_heads) if owns else fgate_proj   # w_h, b_h (authors' name)
         self.register_buffer("states", None, persistent=False)                          # bound x: [B, N, D]
         self.register_buffer("log_forget_values", None, persistent=False)               # bound log f: [B, H, N]
@@ -6828,6 +6835,8 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.fgate_proj is None:   # dim=None: binds log forget values only
+            return
         nn.init.normal_(self.fgate_proj.weight, std=self.init_std)
         if self.fgate_proj.bias is not None:
             nn.init.zeros_(self.fgate_proj.bias)
@@ -8453,13 +8462,15 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     kernel does not; it is not used). The result does not depend on ``block_size``.
 
     Binding and decoding: ``path(x)`` binds the token states ``x`` ``[B, N, D]`` (``bind(w=, beta=,
-    log_forget=)`` binds precomputed ``[B, Hkv, N, Dh]``, ``[B, Hkv, N]`` and ``[B, H, N]``); keys
+    log_forget=)`` binds precomputed ``[B, Hkv, N, Dh]``, ``[B, Hkv, N]`` and ``[B, H, N]``; built with
+    ``dim=None`` and ``head_dim``, the module has no projections and binds only those); keys
     are the bound tokens and the queries the last ``Nq`` of them. To decode with a KV cache, bind
     every token so far and pass the raw cached keys: a step costs a pass over the cache (the
     authors' decoder instead keeps each cached key carried to the present, ``k <- H_t k``).
 
     Args:
-        dim (int): token width ``D``.
+        dim (int or None): token width ``D``; None: no projections (``w_rank``, ``conv_size``, ``conv_bias``
+            unused), for precomputed ``w`` and ``beta`` only; ``head_dim`` is then required.
         num_heads (int): query heads ``H``.
         head_dim (int, optional): ``Dh``. Default: ``dim // num_heads``.
         num_kv_heads (int, optional): key heads, and heads of ``w`` and ``beta``. Default: ``num_heads``.
@@ -8484,23 +8495,32 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
         >>> attention(q, k, v, path(x), causal=True).shape
         torch.Size([2, 8, 100, 64])
+        >>> w, beta = path.transitions(x)                               # or your own layer's
+        >>> bare = PaTHPositionalEmbedding(None, 8, head_dim=64)          # no parameters
+        >>> out = attention(q, k, v, bare.bind(w=w, beta=beta), causal=True)
     """
 
     order_from = "order comes from the Householder transformations of the bound tokens"
     bound_inputs = ("states", "w", "beta", "log_forget_values")   # x [B, N, D], or w, beta (and log f [B, H, N])
-    arguments = {"head_dim": _optional_size, "num_kv_heads": _optional_size, "w_rank": _optional_size,
-                 "conv_size": _optional_size, "block_size": _check_positive_int, "layer": _module_or_none,
-                 "conv_bias": _check_flag, "forget_gate": _check_flag, "gate_scaled": _check_flag}
+    arguments = {"dim": _optional_size, "head_dim": _optional_size, "num_kv_heads": _optional_size,
+                 "w_rank": _optional_size, "conv_size": _optional_size, "block_size": _check_positive_int,
+                 "layer": _module_or_none, "conv_bias": _check_flag, "forget_gate": _check_flag,
+                 "gate_scaled": _check_flag}
 
-    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, *,
+    def __init__(self, dim: Optional[int], num_heads: int, head_dim: Optional[int] = None, *,
                  num_kv_heads: Optional[int] = None, w_rank: Optional[int] = 32, conv_size: Optional[int] = 3,
                  conv_bias: bool = False, forget_gate: bool = False, gate_scaled: bool = True,
                  block_size: int = 64, layer: Optional[nn.Module] = None) -> None:
         super().__init__()
+        owner = type(self).__name__
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"{type(self).__name__}: num_heads must be a multiple of num_kv_heads, "
+            raise ValueError(f"{owner}: num_heads must be a multiple of num_kv_heads, "
                              f"got num_heads={num_heads} and num_kv_heads={num_kv_heads}")
+        if dim is None and (head_dim is None or layer is not None):
+            raise ValueError(f"{owner}: dim=None (no projections: bind precomputed w and beta) needs head_dim and "
+                             f"no layer, got head_dim={head_dim!r}"
+                             + ("" if layer is None else f" and a layer ({type(layer).__name__})"))
         self.dim, self.num_heads, self.num_kv_heads = dim, num_heads, num_kv_heads
         self.head_dim = dim // num_heads if head_dim is None else head_dim
         self.block_size, self.gate_scaled = block_size, gate_scaled
@@ -8508,6 +8528,10 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
             self.register_buffer(name, None, persistent=False)
         if layer is not None:
             self._share(layer, forget_gate)
+            return
+        if dim is None:   # bound to precomputed w, beta (and log f) only: nothing to project
+            self.w_rank = self.conv_size = self.w_proj = self.w_conv1d = self.bt_proj = None
+            self.forget = ForgettingPositionalEmbedding(None, num_heads) if forget_gate else None
             return
         self.w_rank, self.conv_size = w_rank, conv_size
         width = num_kv_heads * self.head_dim
@@ -8572,7 +8596,7 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     def _sibling(self) -> "PaTHPositionalEmbedding":
         return type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
                           forget_gate=self.forget is not None, gate_scaled=self.gate_scaled,
-                          block_size=self.block_size, layer=self)
+                          block_size=self.block_size, layer=None if self.dim is None else self)
 
     def _check_transitions(self, w: Optional[Tensor], beta: Optional[Tensor]) -> dict:
         owner = type(self).__name__

@@ -8199,6 +8199,16 @@ class TestForgetting:
             # a longer bound sequence: keys are its first Nk tokens
             torch.testing.assert_close(attention(q[..., t : t + 1, :], *keys, fox(x), causal=True), step)
 
+    def test_without_a_token_width_it_binds_log_forget_values_only(self):
+        """dim=None: no fgate_proj (nothing allocated); bound to log f it is the module with a projection."""
+        bare = ForgettingPositionalEmbedding(None, H)
+        assert bare.fgate_proj is None and list(bare.parameters()) == []
+        log_forget = F.logsigmoid(torch.randn(B, H, N) + 2)
+        torch.testing.assert_close(bare.bind(log_forget=log_forget)(N - 2, N),
+                                   ForgettingPositionalEmbedding(D, H).bind(log_forget=log_forget)(N - 2, N), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="ForgettingPositionalEmbedding: built with dim=None, without projections"):
+            bare(torch.randn(B, N, D))
+
     def test_long_sequence_precision(self):
         # c_i - c_j after 2**18 tokens of log f ~ -1: a float32 cumsum loses eps * |c| ~ 0.03
         n = 2**18
@@ -10013,6 +10023,40 @@ class TestPaTH:
                          scale=DH ** -0.5, chunk_size=8)
         # the reference computes in float32 throughout (its own rounding, about 1e-6)
         torch.testing.assert_close(attention(q, k, v, bound, causal=True), layout(want), rtol=0, atol=2e-5)
+
+    @pytest.mark.parametrize("gate_scaled", [True, False])
+    def test_without_a_token_width_it_binds_precomputed_values_and_owns_nothing(self, gate_scaled):
+        """dim=None: no projections (no parameters at all, the forget gate's included); bound to precomputed
+        w, beta and log f it equals the float64 oracle and the full module bound to the same values."""
+        bare = PaTHPositionalEmbedding(None, H, DH, num_kv_heads=2, forget_gate=True, gate_scaled=gate_scaled,
+                                       block_size=4)
+        assert list(bare.parameters()) == [] and list(bare.state_dict()) == []
+        assert (bare.w_proj, bare.w_conv1d, bare.bt_proj, bare.forget.fgate_proj) == (None, None, None, None)
+        w, beta = random_transitions(B, 2, N, DH)
+        log_forget = F.logsigmoid(torch.randn(B, H, N, dtype=torch.float64) + 2)
+        q, k, v = (t.double() for t in qkv(N - 3, N))
+        k, v = k[:, :2], v[:, :2]
+        got = attention(q, k, v, bare.bind(w=w, beta=beta, log_forget=log_forget), causal=True)
+        want, _ = path_oracle(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), w, beta, log_forget, gate_scaled)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        full = PaTHPositionalEmbedding(D, H, num_kv_heads=2, forget_gate=True, gate_scaled=gate_scaled, block_size=4)
+        torch.testing.assert_close(got, attention(q, k, v, full.bind(w=w, beta=beta, log_forget=log_forget), causal=True),
+                                   rtol=0, atol=0)
+        plain = PaTHPositionalEmbedding(None, H, DH, block_size=4).bind(w=w.repeat_interleave(2, 1),
+                                                                        beta=beta.repeat_interleave(2, 1))
+        torch.testing.assert_close(plain(q, k.repeat_interleave(2, 1)),
+                                   path_oracle(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                               w.repeat_interleave(2, 1), beta.repeat_interleave(2, 1))[1],
+                                   rtol=1e-12, atol=1e-12)
+        owner = "PaTHPositionalEmbedding: "
+        with pytest.raises(ValueError, match=owner + "built with dim=None, without projections: it binds precomputed "
+                                                     "inputs only \\(see bind\\), got token states x"):
+            bare(torch.randn(B, N, D))
+        with pytest.raises(ValueError, match=owner + "not bound: built with dim=None"):
+            attention(q, k, v, bare, causal=True)
+        with pytest.raises(ValueError, match=owner + "dim=None \\(no projections: bind precomputed w and beta\\) needs "
+                                                     "head_dim and no layer, got head_dim=None"):
+            PaTHPositionalEmbedding(None, H)
 
     def test_no_reflection_is_plain_causal_attention(self):
         q, k, v = qkv()
