@@ -172,6 +172,7 @@ __all__ = [
     "SelfExtendPositionalEmbedding",
     "DualChunkPositionalEmbedding",
     "RandomizedPositionalEmbedding",
+    "randomized_positions",
     "StickBreakingPositionalEmbedding",
     "PaTHPositionalEmbedding",
     "ForgettingPositionalEmbedding",
@@ -8689,6 +8690,42 @@ def _on_drawn_positions(name: str):
     return hook
 
 
+def randomized_positions(n: int, max_len: int, *, generator: Optional[torch.Generator] = None,
+                         device=None) -> Tensor:
+    """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: the training positions of
+    randomized positional encodings (Ruoss et al., "Randomized Positional Encodings Boost Length
+    Generalization of Transformers", arXiv:2305.16843), which ``RandomizedPositionalEmbedding`` draws.
+
+    The draw is ``randperm(max_len)`` on the generator's device (the CPU without one) cut to ``n`` and
+    sorted, so a seeded generator gives the wrapper's positions.
+
+    Args:
+        n (int): the number of positions (tokens), at most ``max_len``.
+        max_len (int): ``L``, positions are drawn from ``[0, L)``.
+        generator (torch.Generator, optional): the source of the draw. Default: torch's global one.
+        device (optional): the device of the result. Default: the generator's device.
+
+    Returns:
+        int64 ``[n]``.
+
+    Example:
+        >>> randomized_positions(5, 100, generator=torch.Generator().manual_seed(0)).tolist()
+        [19, 44, 71, 90, 93]
+    """
+    return _draw_positions("randomized_positions", n, max_len, generator, device)
+
+
+def _draw_positions(owner: str, n, max_len, generator, device) -> Tensor:
+    """``randomized_positions``, its checks naming ``owner``."""
+    n, max_len = _as_int(owner, "n", n, minimum=0), _check_positive_int(owner, "max_len", max_len)
+    _check_generator(owner, generator)
+    if n > max_len:
+        raise ValueError(f"{owner}: a sequence of {n} tokens needs max_len >= {n}, got max_len={max_len}")
+    generator_device = generator.device if generator is not None else "cpu"
+    drawn = torch.randperm(max_len, generator=generator, device=generator_device)[:n]   # distinct: [n]
+    return drawn.sort().values.to(device)
+
+
 class RandomizedPositionalEmbedding(PositionalEmbedding):
     """Randomized positions: train on positions drawn from a range longer than the sequence (Ruoss et al. 2023).
 
@@ -8754,13 +8791,9 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         return self.encoding.is_causal
 
     def draw(self, n: int, device=None) -> Tensor:
-        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64."""
-        if n > self.max_len:
-            raise ValueError(f"{type(self).__name__}: a sequence of {n} tokens needs max_len >= {n}, "
-                             f"got max_len={self.max_len}")
-        generator_device = self.generator.device if self.generator is not None else "cpu"
-        drawn = torch.randperm(self.max_len, generator=self.generator, device=generator_device)[:n]
-        return drawn.sort().values.to(device)
+        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64
+        (``randomized_positions`` with this module's ``max_len`` and ``generator``)."""
+        return _draw_positions(type(self).__name__, n, self.max_len, self.generator, device)
 
     def _resolve_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
                            positions_k: Optional[Tensor], device) -> tuple:

@@ -55,6 +55,7 @@ from positional_embeddings import (
     SelfExtendPositionalEmbedding,
     DualChunkPositionalEmbedding,
     RandomizedPositionalEmbedding,
+    randomized_positions,
     StickBreakingPositionalEmbedding,
     PaTHPositionalEmbedding,
     ContinuousPositionBias,
@@ -9693,6 +9694,34 @@ class TestRandomized:
             assert p.dtype == torch.int64 and p.shape == (n,)
             assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
         assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
+
+    def test_randomized_positions_are_the_wrappers_draws(self):
+        """The public sampler and the wrapper draw the same positions under one seed: in draw(), and in the
+        positions attention() uses in training (the wrapped RoPE at the function's draws, to the bit)."""
+        rope = RotaryPositionalEmbedding(DH)
+        pe = RandomizedPositionalEmbedding(rope, 50, generator=seeded(4))
+        mine = seeded(4)
+        for n in (1, 12, 50, 0):
+            assert torch.equal(pe.draw(n), randomized_positions(n, 50, generator=mine))
+        q, k, v = qkv(5, 12)
+        drawn = randomized_positions(12, 50, generator=mine)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True),
+                                   attention(q, k, v, rope, positions_q=drawn[7:], positions_k=drawn, causal=True),
+                                   rtol=0, atol=0)
+        torch.manual_seed(5)
+        unseeded = randomized_positions(7, 9)                                            # torch's global generator
+        torch.manual_seed(5)
+        assert torch.equal(unseeded, RandomizedPositionalEmbedding(rope, 9).draw(7))
+        assert randomized_positions(3, 10, device="meta").is_meta
+        owner = "randomized_positions: "
+        with pytest.raises(ValueError, match=owner + "n must be a non-negative int, got n=-1"):
+            randomized_positions(-1, 10)
+        with pytest.raises(TypeError, match=owner + "n must be an int, got float 2.5"):
+            randomized_positions(2.5, 10)
+        with pytest.raises(ValueError, match=owner + "a sequence of 11 tokens needs max_len >= 11, got max_len=10"):
+            randomized_positions(11, 10)
+        with pytest.raises(TypeError, match=owner + "generator must be a torch.Generator or None, got int"):
+            randomized_positions(1, 10, generator=0)
 
     def test_every_subset_is_equally_likely(self):
         # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
