@@ -4294,11 +4294,18 @@ class FoPEPositionalEmbedding(_QKTransform):
     makes the logits depend on absolute position a little (the cross terms of different
     frequencies), as in both references.
 
+    The kept frequencies come from ``train_length`` or, as vLLM's ``num_inv_freq`` (Intern-S1-Pro's
+    ``rope_scaling``) gives them, from their number: ``num_frequencies=D`` keeps the ``D`` highest,
+    ``w_0 .. w_{D-1}``, whatever their periods (pass exactly one of the two).
+
     Args:
         head_dim (int): ``Dh`` (even).
         num_heads (int): ``H``, one coefficient set per head (vLLM: per key/value head; repeat
             them for the query heads of a group).
-        train_length (int): the training length: frequencies below ``2 pi / train_length`` are clipped.
+        train_length (int, optional): the training length: frequencies below ``2 pi / train_length``
+            are clipped. Default: None (then ``num_frequencies`` is required).
+        num_frequencies (int, optional): ``D``, the number of frequencies kept (the highest), at most
+            ``Dh / 2``: vLLM's ``num_inv_freq``. Default: None (from ``train_length``).
         base (float): RoPE base. Default: 10000.0.
         sigma (float): the noise gain. Default: 0.3 (the authors' 60M model; 0.4 and 0.6 larger).
         num_pairs (int, optional): ``P``, the pairs that get a series. Default: ``D``, every kept
@@ -4314,24 +4321,35 @@ class FoPEPositionalEmbedding(_QKTransform):
         >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
         >>> attention(q, k, v, fope, causal=True).shape
         torch.Size([2, 8, 100, 64])
+        >>> FoPEPositionalEmbedding(64, 8, num_frequencies=12).cos_coef.shape   # vLLM's num_inv_freq=12
+        torch.Size([8, 12, 12])
     """
 
     arguments = {"train_length": _check_positive_int, "sigma": _non_negative_float, "num_pairs": _check_positive_int,
-                 "padded": functools.partial(_check_choice, choices=("identity", "ones")), "learnable": _check_flag}
+                 "padded": functools.partial(_check_choice, choices=("identity", "ones")), "learnable": _check_flag,
+                 "num_frequencies": _check_positive_int}
 
-    def __init__(self, head_dim: int, num_heads: int, train_length: int, *, base: float = 10000.0,
+    def __init__(self, head_dim: int, num_heads: int, train_length: Optional[int] = None, *, base: float = 10000.0,
                  sigma: float = 0.3, num_pairs: Optional[int] = None, padded: Literal["identity", "ones"] = "identity",
-                 learnable: bool = False) -> None:
+                 learnable: bool = False, num_frequencies: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
         self.head_dim, self.num_heads = _even_int(owner, "head_dim", head_dim), num_heads
         self.train_length, self.base, self.sigma, self.padded = train_length, base, sigma, padded
-        floor = 2 * math.pi / train_length
-        kept = sum(base ** (-i / head_dim) >= floor for i in range(0, head_dim, 2))      # the highest D
-        if kept == 0:
+        if (train_length is None) == (num_frequencies is None):
+            raise TypeError(f"{owner}: pass exactly one of train_length (frequencies below 2 pi / train_length are "
+                            f"clipped) and num_frequencies (the number kept, vLLM's num_inv_freq), got "
+                            f"train_length={train_length!r} and num_frequencies={num_frequencies!r}")
+        if num_frequencies is not None and num_frequencies > head_dim // 2:
+            raise ValueError(f"{owner}: num_frequencies must be at most head_dim // 2 = {head_dim // 2}, "
+                             f"got num_frequencies={num_frequencies}")
+        if num_frequencies is None:
+            floor = 2 * math.pi / train_length
+            num_frequencies = sum(base ** (-i / head_dim) >= floor for i in range(0, head_dim, 2))   # the highest D
+        if num_frequencies == 0:
             raise ValueError(f"{owner}: train_length={train_length} clips every frequency (the highest, 1, has a "
                              f"period of 2 pi); it must be at least 7")
-        self.num_frequencies = kept
+        self.num_frequencies = kept = num_frequencies
         self.num_pairs = kept if num_pairs is None else num_pairs
         if self.num_pairs > head_dim // 2:
             raise ValueError(f"{owner}: num_pairs must be at most head_dim // 2 = {head_dim // 2}, got {num_pairs}")

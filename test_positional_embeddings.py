@@ -10155,13 +10155,14 @@ class TestPaTH:
 # ---------------------------------------------------------------------------
 
 
-def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded):
-    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length, pair p of head h
-    turned by C = sum_d A[h, d, p] cos(w_d m) and S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and
-    S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
+def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded, num_frequencies=None):
+    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length (or, as vLLM's
+    num_inv_freq, the first num_frequencies), pair p of head h turned by C = sum_d A[h, d, p] cos(w_d m) and
+    S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
     heads, n, dh = x.shape
     freqs = [base ** (-2 * i / dh) for i in range(dh // 2)]
-    freqs = [w for w in freqs if w >= 2 * math.pi / train_length]
+    freqs = freqs[:num_frequencies] if num_frequencies is not None else \
+        [w for w in freqs if w >= 2 * math.pi / train_length]
     pairs = cos_coef.shape[-1]
     out = torch.empty(heads, n, dh, dtype=torch.float64)
     for h in range(heads):
@@ -10186,6 +10187,23 @@ class TestFoPE:
         positions = [0, 3, 17, 250, 4000]
         want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
         torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("count", [1, 5, 8])
+    def test_the_number_of_kept_frequencies_is_vllms_num_inv_freq(self, count):
+        """num_frequencies=D keeps w_0 .. w_{D-1} (vLLM: inv_freq[:num_inv_freq], input and output dims D, the
+        rest C = 1, S = 0), whatever their periods; the same module as the train_length that keeps D."""
+        pe = FoPEPositionalEmbedding(16, 2, num_frequencies=count, base=100.0).double()
+        assert pe.num_frequencies == count and pe.cos_coef.shape == (2, count, count) and pe.train_length is None
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        positions = [0, 3, 17, 250, 4000]
+        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, None, 100.0, "identity", num_frequencies=count)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+        if count == 5:   # 100^(-8/16) >= 2 pi / 100 > 100^(-10/16): train_length=100 keeps the same five
+            torch.manual_seed(0)
+            by_count = FoPEPositionalEmbedding(16, 2, num_frequencies=5, base=100.0)
+            torch.manual_seed(0)
+            by_length = FoPEPositionalEmbedding(16, 2, train_length=100, base=100.0)
+            torch.testing.assert_close(by_count(x.float()), by_length(x.float()), rtol=0, atol=0)
 
     def test_without_noise_or_clipping_it_is_rope(self):
         fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
@@ -10241,6 +10259,14 @@ class TestFoPE:
             FoPEPositionalEmbedding(DH, H, 512, padded="zeros")
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: head_dim"):
             FoPEPositionalEmbedding(DH + 1, H, 512)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length .* and "
+                                            "num_frequencies .*, got train_length=512 and num_frequencies=4"):
+            FoPEPositionalEmbedding(DH, H, 512, num_frequencies=4)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length"):
+            FoPEPositionalEmbedding(DH, H)
+        with pytest.raises(ValueError, match=f"FoPEPositionalEmbedding: num_frequencies must be at most head_dim // 2 "
+                                             f"= {DH // 2}, got num_frequencies={DH // 2 + 1}"):
+            FoPEPositionalEmbedding(DH, H, num_frequencies=DH // 2 + 1)
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: sigma"):
             FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
