@@ -2141,28 +2141,66 @@ def _dense_adjacency(owner: str, adjacency: Optional[Tensor], edge_index: Option
         if adjacency.dim() < 2 or adjacency.shape[-1] != adjacency.shape[-2]:
             raise ValueError(f"{owner}: adjacency must have shape [..., N, N], got {tuple(adjacency.shape)}")
         weights = adjacency.to(torch.float64)
-    else:
-        if not isinstance(edge_index, Tensor) or edge_index.is_floating_point() or edge_index.dtype == torch.bool:
-            raise TypeError(f"{owner}: edge_index must be an integer tensor, got "
-                            f"{edge_index.dtype if isinstance(edge_index, Tensor) else type(edge_index).__name__}")
-        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-            raise ValueError(f"{owner}: edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
-        n = _check_positive_int(owner, "num_nodes", num_nodes)
-        if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
-            raise ValueError(f"{owner}: edge_index must hold node ids in [0, {n}) for num_nodes={n}, "
-                             f"got ids from {edge_index.min().item()} to {edge_index.max().item()}")
-        values = torch.ones(edge_index.shape[1], dtype=torch.float64, device=edge_index.device)
-        if edge_weight is not None:
-            _check_tensor(owner, "edge_weight", edge_weight, 1)
-            if edge_weight.shape != values.shape:
-                raise ValueError(f"{owner}: edge_weight must have shape [{values.shape[0]}] (one per edge), "
-                                 f"got {tuple(edge_weight.shape)}")
-            values = edge_weight.to(torch.float64)
-        weights = torch.zeros(n, n, dtype=torch.float64, device=edge_index.device)
-        weights = weights.index_put((edge_index[0], edge_index[1]), values, accumulate=True)   # [N, N]
+        _check_edge_weights(owner, weights)
+        return weights
+    n = _check_positive_int(owner, "num_nodes", num_nodes)
+    values = _edge_values(owner, edge_index, n, edge_weight)                                    # [E]
+    weights = torch.zeros(n, n, dtype=torch.float64, device=edge_index.device)
+    return weights.index_put((edge_index[0], edge_index[1]), values, accumulate=True)           # [N, N]
+
+
+def _edge_values(owner: str, edge_index, n: int, edge_weight: Optional[Tensor]) -> Tensor:
+    """The checked weights ``[E]`` (float64; 1 without ``edge_weight``) of PyG's ``edge_index`` ``[2, E]``
+    on ``n`` nodes."""
+    if not isinstance(edge_index, Tensor) or edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+        raise TypeError(f"{owner}: edge_index must be an integer tensor, got "
+                        f"{edge_index.dtype if isinstance(edge_index, Tensor) else type(edge_index).__name__}")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"{owner}: edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+    if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
+        raise ValueError(f"{owner}: edge_index must hold node ids in [0, {n}) for num_nodes={n}, "
+                         f"got ids from {edge_index.min().item()} to {edge_index.max().item()}")
+    values = torch.ones(edge_index.shape[1], dtype=torch.float64, device=edge_index.device)
+    if edge_weight is not None:
+        _check_tensor(owner, "edge_weight", edge_weight, 1)
+        if edge_weight.shape != values.shape:
+            raise ValueError(f"{owner}: edge_weight must have shape [{values.shape[0]}] (one per edge), "
+                             f"got {tuple(edge_weight.shape)}")
+        values = edge_weight.to(torch.float64)
+    _check_edge_weights(owner, values)
+    return values
+
+
+def _check_edge_weights(owner: str, weights: Tensor) -> None:
     if not _skip_value_checks(weights) and not (torch.isfinite(weights).all() and (weights >= 0).all()):
         raise ValueError(f"{owner}: edge weights must be finite and >= 0")
-    return weights
+
+
+def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int]) -> tuple:
+    """PyG's ``batch`` (node -> graph) checked against ``edge_index``: ``(graph, local, counts)``, each node's
+    graph and its index inside that graph (its rank among the graph's nodes), int64 ``[N]``, and the nodes
+    of each graph, ``[G]``."""
+    if not isinstance(batch, Tensor) or batch.is_floating_point() or batch.is_complex() \
+            or batch.dtype == torch.bool or batch.dim() != 1:
+        raise TypeError(f"{owner}: batch must be an integer tensor [N] (the graph of each node), got "
+                        f"{_describe(batch)}")
+    n = batch.shape[0] if num_nodes is None else _check_positive_int(owner, "num_nodes", num_nodes)
+    if batch.shape[0] != n or n == 0 or batch.min() < 0:
+        raise ValueError(f"{owner}: batch must hold a graph id >= 0 for each of the num_nodes={n} nodes, got "
+                         f"{_describe(batch)}" + (f" from {batch.min().item()}" if batch.numel() else ""))
+    graph = batch.to(edge_index.device, torch.long)
+    source, target = edge_index.long()
+    across = (graph[source] != graph[target]).nonzero()
+    if across.numel():
+        e = across[0, 0].item()
+        raise ValueError(f"{owner}: edge_index must join nodes of the same graph (batch), got the edge "
+                         f"{source[e].item()} -> {target[e].item()} from graph {graph[source[e]].item()} to graph "
+                         f"{graph[target[e]].item()}")
+    counts = torch.bincount(graph)                                                              # [G] nodes
+    order = torch.argsort(graph, stable=True)                                                   # by graph, in order
+    local = torch.empty_like(graph)
+    local[order] = torch.arange(n, device=graph.device) - (counts.cumsum(0) - counts)[graph[order]]
+    return graph, local, counts
 
 
 class _GraphInput(_AddedInput):
@@ -2177,12 +2215,48 @@ class _GraphInput(_AddedInput):
         raise NotImplementedError
 
     def graph_positions(self, adjacency: Optional[Tensor] = None, *, edge_index: Optional[Tensor] = None,
-                        num_nodes: Optional[int] = None, edge_weight: Optional[Tensor] = None) -> Tensor:
-        """The nodes' positions ``[..., N, A]`` (float32; float64 for a float64 adjacency) of the graph
-        given as ``adjacency`` ``[..., N, N]`` or as ``edge_index`` ``[2, E]`` with ``num_nodes``."""
-        weights = _dense_adjacency(type(self).__name__, adjacency, edge_index, num_nodes, edge_weight)
-        dtype = torch.float64 if adjacency is not None and adjacency.dtype == torch.float64 else torch.float32
-        return self.structure(weights).to(dtype)
+                        num_nodes: Optional[int] = None, edge_weight: Optional[Tensor] = None,
+                        batch: Optional[Tensor] = None) -> Tensor:
+        """The nodes' positions ``[..., N, A]`` of the graph given as ``adjacency`` ``[..., N, N]`` or as
+        ``edge_index`` ``[2, E]`` with ``num_nodes``, in the module's dtype (float64 for a float64 adjacency).
+
+        ``batch`` ``[N]`` (PyG's: node -> graph id, with ``edge_index``; ``num_nodes`` defaults to its
+        length) holds several graphs in one ``edge_index``: each graph gets its own positions, as if given
+        alone (in a dense batch padded to one size, the padding nodes' eigenvalue-1 eigenvectors join a
+        graph's Laplacian spectrum). Graphs of one size are computed together.
+        """
+        owner, dtype = type(self).__name__, self._parameter_dtype()
+        if adjacency is not None and adjacency.dtype == torch.float64:
+            dtype = torch.float64
+        if batch is None:
+            return self.structure(_dense_adjacency(owner, adjacency, edge_index, num_nodes, edge_weight)).to(dtype)
+        if adjacency is not None or edge_index is None:
+            raise ValueError(f"{owner}: batch (PyG's node -> graph ids) goes with edge_index, got "
+                             f"{'adjacency' if adjacency is not None else 'no edge_index'}")
+        graph, local, counts = _node_graphs(owner, batch, edge_index, num_nodes)
+        values = _edge_values(owner, edge_index, graph.shape[0], edge_weight)                  # [E]
+        source, target = edge_index.long()
+        out = torch.zeros(graph.shape[0], self.num_axes, dtype=torch.float64, device=graph.device)   # [N, A]
+        for size in counts.unique().tolist():
+            if size == 0:
+                continue
+            graphs = (counts == size).nonzero().squeeze(-1)                                     # [G_s] of this size
+            slot = torch.full_like(counts, -1)
+            slot[graphs] = torch.arange(graphs.shape[0], device=graph.device)                   # graph -> its slot
+            edges = slot[graph[source]] >= 0                                                    # [E]: in these graphs
+            weights = torch.zeros(graphs.shape[0], size, size, dtype=torch.float64, device=graph.device)
+            weights.index_put_((slot[graph[source[edges]]], local[source[edges]], local[target[edges]]), values[edges],
+                               accumulate=True)                                                 # [G_s, n, n]
+            nodes = (slot[graph] >= 0).nonzero().squeeze(-1)                                    # their nodes
+            out[nodes] = self.structure(weights)[slot[graph[nodes]], local[nodes]]              # [G_s, n, A] -> rows
+        return out.to(dtype)
+
+    def _parameter_dtype(self) -> torch.dtype:
+        """The dtype of the module's floating parameters (float32 without any)."""
+        for parameter in self.parameters():
+            if parameter.is_floating_point():
+                return parameter.dtype
+        return torch.float32
 
 
 

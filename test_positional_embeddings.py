@@ -2654,6 +2654,77 @@ class TestGraphEncodings:
             x = torch.randn(2, 7, 8)
             torch.testing.assert_close(pe.eval()(x, batched.float()), x + pe.embed(batched.float()))
 
+    def test_a_batch_vector_gives_each_graph_its_own_positions_as_pyg(self):
+        """PyG's batch (node -> graph): three graphs in one edge_index (two of one size), each with the
+        positions PyG's transforms give it alone (random walks exactly, eigenvectors up to sign), in any node
+        order. A dense batch padded to one size would change the Laplacian's (the padding joins the spectrum)."""
+        pyg = pytest.importorskip("torch_geometric.transforms")
+        data_cls = pytest.importorskip("torch_geometric.data").Data
+        graphs = [random_graph(8, 0.3, 10), random_graph(11, 0.3, 11), random_graph(8, 0.3, 12)]
+        for adjacency in graphs:                                                        # distinct: sign is the only freedom
+            values, _ = jacobi_eigh(normalised_laplacian_oracle(adjacency))
+            assert min(b - a for a, b in zip(values[:4], values[1:5])) > 1e-2
+        starts = [0, 8, 19]
+        edge_index = torch.cat([a.nonzero().T + start for a, start in zip(graphs, starts)], 1)
+        batch = torch.cat([torch.full((a.shape[0],), g) for g, a in enumerate(graphs)])
+        lap, walk = LaplacianPositionalEmbedding(8, 3), RandomWalkPositionalEmbedding(8, 4)
+        vectors = lap.graph_positions(edge_index=edge_index, batch=batch)                  # [27, 3]
+        returns = walk.graph_positions(edge_index=edge_index, batch=batch)                 # [27, 4]
+        assert vectors.shape == (27, 3) and returns.dtype == torch.float32
+        for adjacency, start in zip(graphs, starts):
+            data = data_cls(edge_index=adjacency.nonzero().T, num_nodes=adjacency.shape[0])
+            rows = slice(start, start + adjacency.shape[0])
+            torch.testing.assert_close(returns[rows], pyg.AddRandomWalkPE(4)(data.clone()).random_walk_pe,
+                                       rtol=0, atol=1e-6)
+            torch.manual_seed(0)
+            want = pyg.AddLaplacianEigenvectorPE(3, is_undirected=True)(data.clone()).laplacian_eigenvector_pe
+            same_up_to_sign(vectors[rows].double(), want, atol=1e-5)
+        # what the batch vector avoids: in a dense batch padded to 11 nodes, a triangle (eigenvalues 0, 1.5, 1.5)
+        # takes the padding nodes' eigenvalue-1 eigenvectors, zero on its own nodes, instead of its own
+        triangle = torch.ones(3, 3, dtype=torch.float64) - torch.eye(3, dtype=torch.float64)
+        two = LaplacianPositionalEmbedding(8, 2)
+        padded = two.graph_positions(torch.stack([F.pad(triangle, (0, 8, 0, 8)), graphs[1]]))[0, :3]   # [3, 2]
+        both = two.graph_positions(edge_index=torch.cat([triangle.nonzero().T, graphs[1].nonzero().T + 3], 1),
+                                   batch=torch.tensor([0] * 3 + [1] * 11)).double()[:3]
+        assert padded.abs().max() < 1e-12
+        torch.testing.assert_close(normalised_laplacian_oracle(triangle) @ both, 1.5 * both, rtol=0, atol=1e-6)
+        torch.testing.assert_close(both.T @ both, torch.eye(2, dtype=torch.float64), rtol=0, atol=1e-6)
+        order = torch.randperm(27, generator=torch.Generator().manual_seed(0))          # node i is old node order[i]
+        relabel = torch.empty_like(order)
+        relabel[order] = torch.arange(27)
+        shuffled = walk.graph_positions(edge_index=relabel[edge_index], batch=batch[order], num_nodes=27)
+        torch.testing.assert_close(shuffled, returns[order], rtol=0, atol=1e-6)
+
+    def test_positions_follow_the_modules_dtype(self):
+        edge_index = random_graph(9, 0.3, 0).nonzero().T
+        want = random_walk_oracle(random_graph(9, 0.3, 0), 5)
+        for dtype in (torch.float64, torch.float16, torch.float32):
+            pe = RandomWalkPositionalEmbedding(8, 5).to(dtype)
+            for batch in (None, torch.zeros(9, dtype=torch.long)):
+                got = pe.graph_positions(edge_index=edge_index, num_nodes=9, batch=batch)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-3)
+        lap = LaplacianPositionalEmbedding(8, 3).double()
+        assert lap.graph_positions(edge_index=edge_index, num_nodes=9).dtype == torch.float64
+        assert lap.float().graph_positions(random_graph(9, 0.3, 0)).dtype == torch.float64   # a float64 adjacency
+
+    def test_batch_vector_bad_input(self):
+        walk = RandomWalkPositionalEmbedding(8, 2)
+        edges, batch = torch.tensor([[0, 1, 2], [1, 0, 3]]), torch.tensor([0, 0, 1, 1])
+        owner = "RandomWalkPositionalEmbedding: "
+        with pytest.raises(ValueError, match=owner + "edge_index must join nodes of the same graph \\(batch\\), got "
+                                                     "the edge 2 -> 3 from graph 0 to graph 1"):
+            walk.graph_positions(edge_index=edges, batch=torch.tensor([0, 0, 0, 1]))
+        with pytest.raises(ValueError, match=owner + "batch \\(PyG's node -> graph ids\\) goes with edge_index, "
+                                                     "got adjacency"):
+            walk.graph_positions(torch.ones(4, 4), batch=batch)
+        with pytest.raises(TypeError, match=owner + "batch must be an integer tensor \\[N\\]"):
+            walk.graph_positions(edge_index=edges, batch=batch.float())
+        with pytest.raises(ValueError, match=owner + "batch must hold a graph id >= 0 for each of the num_nodes=5 nodes"):
+            walk.graph_positions(edge_index=edges, batch=batch, num_nodes=5)
+        with pytest.raises(ValueError, match=owner + "batch must hold a graph id >= 0 .* from -1"):
+            walk.graph_positions(edge_index=edges, batch=torch.tensor([-1, -1, 0, 0]))
+
     def test_sign_flips_in_training_only(self):
         nodes = LaplacianPositionalEmbedding(8, 3).graph_positions(random_graph(9, 0.3, 6)).float()
         pe = LaplacianPositionalEmbedding(8, 3, generator=torch.Generator().manual_seed(0))
