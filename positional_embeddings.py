@@ -2176,10 +2176,10 @@ def _check_edge_weights(owner: str, weights: Tensor) -> None:
         raise ValueError(f"{owner}: edge weights must be finite and >= 0")
 
 
-def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int]) -> tuple:
-    """PyG's ``batch`` (node -> graph) checked against ``edge_index``: ``(graph, local, counts)``, each node's
-    graph and its index inside that graph (its rank among the graph's nodes), int64 ``[N]``, and the nodes
-    of each graph, ``[G]``."""
+def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int], edge_weight) -> tuple:
+    """PyG's ``batch`` (node -> graph) checked with ``edge_index``: ``(graph, local, counts, values)``, each
+    node's graph and its index inside that graph (its rank among the graph's nodes), int64 ``[N]``, the
+    nodes of each graph, ``[G]``, and the edges' weights ``[E]`` (``_edge_values``)."""
     if not isinstance(batch, Tensor) or batch.is_floating_point() or batch.is_complex() \
             or batch.dtype == torch.bool or batch.dim() != 1:
         raise TypeError(f"{owner}: batch must be an integer tensor [N] (the graph of each node), got "
@@ -2187,7 +2187,9 @@ def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int]
     n = batch.shape[0] if num_nodes is None else _check_positive_int(owner, "num_nodes", num_nodes)
     if batch.shape[0] != n or n == 0 or batch.min() < 0:
         raise ValueError(f"{owner}: batch must hold a graph id >= 0 for each of the num_nodes={n} nodes, got "
-                         f"{_describe(batch)}" + (f" from {batch.min().item()}" if batch.numel() else ""))
+                         f"{_describe(batch)}" + (f" holding ids {batch.min().item()} to {batch.max().item()}"
+                                                  if batch.numel() else ""))
+    values = _edge_values(owner, edge_index, n, edge_weight)                                    # [E]
     graph = batch.to(edge_index.device, torch.long)
     source, target = edge_index.long()
     across = (graph[source] != graph[target]).nonzero()
@@ -2200,7 +2202,7 @@ def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int]
     order = torch.argsort(graph, stable=True)                                                   # by graph, in order
     local = torch.empty_like(graph)
     local[order] = torch.arange(n, device=graph.device) - (counts.cumsum(0) - counts)[graph[order]]
-    return graph, local, counts
+    return graph, local, counts, values
 
 
 class _GraphInput(_AddedInput):
@@ -2233,8 +2235,7 @@ class _GraphInput(_AddedInput):
         if adjacency is not None or edge_index is None:
             raise ValueError(f"{owner}: batch (PyG's node -> graph ids) goes with edge_index, got "
                              f"{'adjacency' if adjacency is not None else 'no edge_index'}")
-        graph, local, counts = _node_graphs(owner, batch, edge_index, num_nodes)
-        values = _edge_values(owner, edge_index, graph.shape[0], edge_weight)                  # [E]
+        graph, local, counts, values = _node_graphs(owner, batch, edge_index, num_nodes, edge_weight)
         source, target = edge_index.long()
         out = torch.zeros(graph.shape[0], self.num_axes, dtype=torch.float64, device=graph.device)   # [N, A]
         for size in counts.unique().tolist():
