@@ -2067,7 +2067,9 @@ class AbacusPositionalEmbedding(_AddedInput):
     ``k``, drawn uniformly from ``0 .. max_k`` per call (``generator`` seeds it), moves every digit,
     so the places seen in training cover longer numbers than the training data holds; ``k = 0``
     in eval. As in the reference code, the table starts ``N(0, 1)`` (``nn.Embedding``'s default)
-    and row 0 is a learned vector added to every non-digit token.
+    and row 0 is a learned vector added to every non-digit token. ``draw_digit_offset()`` draws
+    such a ``k``, ``embed(p, digit_offset=k)`` uses a given one (in either mode), and
+    ``table_rows(p, digit_offset=k)`` gives the rows the table is read at.
 
     Args:
         dim (int): token width ``D``.
@@ -2111,15 +2113,38 @@ class AbacusPositionalEmbedding(_AddedInput):
         """``digit_positions(token_ids, digit_ids)``: the places of this module's digits, ``[..., N]``."""
         return digit_positions(token_ids, self.digit_ids)
 
-    def embed(self, positions: Tensor) -> Tensor:
-        """Rows of the table for ``positions`` ``[..., N]`` (training: digits moved by one random ``k``)."""
+    def draw_digit_offset(self) -> Tensor:
+        """The offset ``k`` of one call: uniform in ``0 .. max_k`` from ``generator`` in training mode, 0 in
+        eval (drawing nothing), as a 0-dim int64 CPU tensor."""
+        k = self._drawn_offset()
+        return torch.zeros((), dtype=torch.long) if k is None else k
+
+    def _drawn_offset(self) -> Optional[Tensor]:
+        """``k`` drawn in training mode (with ``max_k > 0``), else None (no offset)."""
+        if self.training and self.max_k:
+            return torch.randint(0, self.max_k + 1, (), generator=self.generator, device="cpu")
+        return None
+
+    def table_rows(self, positions: Tensor, *, digit_offset=None) -> Tensor:
+        """The rows of the table ``embed`` reads for ``positions`` ``[..., N]``: ``p + k`` for digits (``p > 0``),
+        0 for other tokens, with ``k = digit_offset`` (an int or 0-dim integer tensor), or drawn as
+        ``draw_digit_offset()`` draws it when None. int64 ``[..., N]``."""
         owner = type(self).__name__
         _check_table_range(owner, "positions", positions, self.max_len)
-        if self.training and self.max_k:
-            k = torch.randint(0, self.max_k + 1, (), generator=self.generator, device="cpu")   # one k per call
-            positions = torch.where(positions > 0, positions + k.to(positions.device), positions)
-            _check_table_range(owner, "positions + the training offset k", positions, self.max_len)
-        return F.embedding(positions.long(), self.embedding.weight)                            # [..., N, D]
+        if digit_offset is None:
+            k = self._drawn_offset()                                                            # one k per call
+        else:
+            k = torch.tensor(_as_int(owner, "digit_offset", digit_offset, minimum=0))
+        if k is None:
+            return positions.long()
+        rows = torch.where(positions > 0, positions + k.to(positions.device), positions).long()
+        _check_table_range(owner, "positions + the training offset k", rows, self.max_len)
+        return rows
+
+    def embed(self, positions: Tensor, *, digit_offset=None) -> Tensor:
+        """Rows of the table for ``positions`` ``[..., N]``: ``table_rows(positions, digit_offset=...)``
+        (training: digits moved by one random ``k`` unless ``digit_offset`` gives it)."""
+        return F.embedding(self.table_rows(positions, digit_offset=digit_offset), self.embedding.weight)   # [..., N, D]
 
 
 # ---------------------------------------------------------------------------

@@ -2980,6 +2980,32 @@ class TestAbacus:
         pe.eval()
         torch.testing.assert_close(pe(x, places), x + table[places])
 
+    def test_the_offset_and_the_rows_read_are_public(self):
+        """draw_digit_offset() draws the k a training call uses (the same generator stream), table_rows gives the
+        rows read (p + k for digits, 0 for other tokens: a plain loop), and embed takes an explicit k."""
+        places = torch.tensor([[1, 2, 3, 0, 1, 2, 0, 1]])
+        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        twin = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        table = pe.embedding.weight
+        for _ in range(20):
+            k = twin.draw_digit_offset()
+            assert k.dtype == torch.int64 and k.dim() == 0 and 0 <= int(k) <= 5
+            want = [[p + int(k) if p > 0 else 0 for p in row] for row in places.tolist()]
+            assert pe.table_rows(places).tolist() == want                               # the draw it makes itself
+            torch.testing.assert_close(pe.embed(places, digit_offset=k), table[torch.tensor(want)], rtol=0, atol=0)
+        pe.eval()
+        state = pe.generator.get_state()
+        assert int(pe.draw_digit_offset()) == 0 and pe.table_rows(places).tolist() == places.tolist()
+        assert torch.equal(pe.generator.get_state(), state)                              # eval draws nothing
+        assert pe.table_rows(places, digit_offset=3).tolist() == [[4, 5, 6, 0, 4, 5, 0, 4]]   # given: any mode
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: digit_offset must be a non-negative int, "
+                                             "got digit_offset=-1"):
+            pe.embed(places, digit_offset=-1)
+        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: digit_offset must be an int, got float 2.5"):
+            pe.table_rows(places, digit_offset=2.5)
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
+            pe.table_rows(places, digit_offset=29)
+
     def test_reference_state_dict_loads(self):
         # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
         reference = {"embedding.weight": torch.randn(40, 8)}
