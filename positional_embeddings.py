@@ -3330,6 +3330,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                  "rotate_values": _check_flag}
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
     fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
+    layer_type: Optional[str] = None   # the config's layer type whose rope parameters it has (from_config)
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
@@ -3406,14 +3407,17 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         docs/model_parity.md); any other one raises a ``ValueError`` unless you state its layout with
         ``interleaved=`` (and ``section_layout=`` when the config has ``mrope_section``). The keywords
         override the config's values; with them you take responsibility for the layout.
+        The result keeps ``layer_type`` as its attribute of that name (shown by its repr).
         """
         if cls.no_model_type:   # a variant no Hugging Face model uses (HoPE, VideoRoPE)
             method, build = cls.no_model_type
             raise TypeError(f"{cls.__name__}: no Hugging Face model type uses {method}; build it as "
                             f"{cls.__name__}({build})")
-        return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
+        rope = cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
                                                 rotary_dim=rotary_dim, sections=sections,
                                                 section_layout=section_layout))
+        rope.layer_type = layer_type
+        return rope
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
@@ -3433,6 +3437,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             text += f", rotated_channels={self.rotated_channels!r}"
         if self.rotate_values:
             text += ", rotate_values=True"
+        if self.layer_type is not None:
+            text += f", layer_type={self.layer_type!r}"
         return text
 
     @property
@@ -9560,6 +9566,10 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
       in the checkpoint: pass it as ``rope_alpha`` (the model's ``model.rotary_emb.alpha``; required).
       Its other layers are NoPE.
     - **Every other model accepted by ``from_config``:** that one RoPE on every layer.
+
+    Each per-layer-type RoPE carries the type whose parameters it has as ``layer_type`` (in its repr:
+    Gemma's ``"sliding_attention"`` / ``"full_attention"``, DeepSeek-V4's ``"main"`` / ``"compress"``);
+    a RoPE shared by every RoPE layer has ``layer_type=None``. Layers of one type share one module.
 
     What stays with the model: Llama 4's q/k norm and chunked attention on RoPE layers, SmolLM3's
     sliding window on NoPE layers, and Mistral Large 4's softmax scaling (q times a learned

@@ -5941,6 +5941,24 @@ class TestLayerEncodings:
         with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported .*rope_alpha"):
             RotaryPositionalEmbedding.from_config(transformers.MistralLarge4TextConfig())
 
+    def test_each_layer_says_which_rope_parameters_it_got(self):
+        """Per-layer-type RoPEs carry their layer type (the key of the config's rope_parameters), in the repr
+        too; layers of one type share one module; a single RoPE for every layer has None."""
+        transformers = pytest.importorskip("transformers")
+        config = transformers.Gemma3TextConfig(num_hidden_layers=6)
+        gemma = layer_encodings(config)
+        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == ["sliding_attention"] * 5 + ["full_attention"]
+        assert "layer_type='full_attention'" in repr(gemma[5]) and gemma[0] is gemma[4]
+        assert gemma[5].base == config.rope_parameters["full_attention"]["rope_theta"]
+        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
+                                                                         "compressed_sparse_attention"] * 2,
+                                                            num_hidden_layers=4))
+        assert [pe.layer_type for pe in v4] == ["main", "compress"] * 2
+        smol = layer_encodings(transformers.SmolLM3Config(num_hidden_layers=4))
+        assert smol[0].layer_type is None and "layer_type" not in repr(smol[0])
+        assert RotaryPositionalEmbedding.from_config(config, layer_type="sliding_attention").layer_type == \
+            "sliding_attention"
+
     def test_mistral_large4_output_with_our_rope(self):
         """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
         rotation swapped in for its apply_rotary_pos_emb_interleave equals its own, and our whole-head module
