@@ -2661,7 +2661,7 @@ class TestGraphEncodings:
         pyg = pytest.importorskip("torch_geometric.transforms")
         data_cls = pytest.importorskip("torch_geometric.data").Data
         graphs = [random_graph(8, 0.3, 10), random_graph(11, 0.3, 11), random_graph(8, 0.3, 12)]
-        for adjacency in graphs:                                                        # distinct: sign is the only freedom
+        for adjacency in graphs:                                            # distinct: sign is the only freedom
             values, _ = jacobi_eigh(normalised_laplacian_oracle(adjacency))
             assert min(b - a for a, b in zip(values[:4], values[1:5])) > 1e-2
         starts = [0, 8, 19]
@@ -5947,7 +5947,8 @@ class TestLayerEncodings:
         transformers = pytest.importorskip("transformers")
         config = transformers.Gemma3TextConfig(num_hidden_layers=6)
         gemma = layer_encodings(config)
-        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == ["sliding_attention"] * 5 + ["full_attention"]
+        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == \
+            ["sliding_attention"] * 5 + ["full_attention"]
         assert "layer_type='full_attention'" in repr(gemma[5]) and gemma[0] is gemma[4]
         assert gemma[5].base == config.rope_parameters["full_attention"]["rope_theta"]
         v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
@@ -8320,8 +8321,9 @@ class TestForgetting:
         bare = ForgettingPositionalEmbedding(None, H)
         assert bare.fgate_proj is None and list(bare.parameters()) == []
         log_forget = F.logsigmoid(torch.randn(B, H, N) + 2)
+        full = ForgettingPositionalEmbedding(D, H)
         torch.testing.assert_close(bare.bind(log_forget=log_forget)(N - 2, N),
-                                   ForgettingPositionalEmbedding(D, H).bind(log_forget=log_forget)(N - 2, N), rtol=0, atol=0)
+                                   full.bind(log_forget=log_forget)(N - 2, N), rtol=0, atol=0)
         with pytest.raises(ValueError, match="ForgettingPositionalEmbedding: built with dim=None, without projections"):
             bare(torch.randn(B, N, D))
 
