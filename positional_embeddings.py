@@ -172,6 +172,7 @@ __all__ = [
     "SelfExtendPositionalEmbedding",
     "DualChunkPositionalEmbedding",
     "RandomizedPositionalEmbedding",
+    "randomized_positions",
     "StickBreakingPositionalEmbedding",
     "PaTHPositionalEmbedding",
     "ForgettingPositionalEmbedding",
@@ -854,8 +855,9 @@ class PositionalEmbedding(nn.Module):
         values = {name: getattr(self, name, None) for name in names}
         text = ", ".join(f"{name}={value!r}" for name, value in values.items()
                          if value is not None and not isinstance(value, (nn.Module, Tensor)))
-        bound = self._bound_input()
-        return text + ("" if bound is None else f", bound to {bound[0]} of shape {list(bound[1].shape)}")
+        bound, first = self._bound_input(), getattr(self, "bound_offset", 0)
+        return text + ("" if bound is None else f", bound to {bound[0]} of shape {list(bound[1].shape)}"
+                       + (f" from token {first}" if first else ""))
 
     def _bound_input(self) -> Optional[tuple]:
         """``(name, tensor)`` of the input this encoding is bound to, or None."""
@@ -2081,7 +2083,9 @@ class AbacusPositionalEmbedding(_AddedInput):
     ``k``, drawn uniformly from ``0 .. max_k`` per call (``generator`` seeds it), moves every digit,
     so the places seen in training cover longer numbers than the training data holds; ``k = 0``
     in eval. As in the reference code, the table starts ``N(0, 1)`` (``nn.Embedding``'s default)
-    and row 0 is a learned vector added to every non-digit token.
+    and row 0 is a learned vector added to every non-digit token. ``draw_digit_offset()`` draws
+    such a ``k``, ``embed(p, digit_offset=k)`` uses a given one (in either mode), and
+    ``table_rows(p, digit_offset=k)`` gives the rows the table is read at.
 
     Args:
         dim (int): token width ``D``.
@@ -2126,15 +2130,38 @@ class AbacusPositionalEmbedding(_AddedInput):
         """``digit_positions(token_ids, digit_ids)``: the places of this module's digits, ``[..., N]``."""
         return digit_positions(token_ids, self.digit_ids)
 
-    def embed(self, positions: Tensor) -> Tensor:
-        """Rows of the table for ``positions`` ``[..., N]`` (training: digits moved by one random ``k``)."""
+    def draw_digit_offset(self) -> Tensor:
+        """The offset ``k`` of one call: uniform in ``0 .. max_k`` from ``generator`` in training mode, 0 in
+        eval (drawing nothing), as a 0-dim int64 CPU tensor."""
+        k = self._drawn_offset()
+        return torch.zeros((), dtype=torch.long) if k is None else k
+
+    def _drawn_offset(self) -> Optional[Tensor]:
+        """``k`` drawn in training mode (with ``max_k > 0``), else None (no offset)."""
+        if self.training and self.max_k:
+            return torch.randint(0, self.max_k + 1, (), generator=self.generator, device="cpu")
+        return None
+
+    def table_rows(self, positions: Tensor, *, digit_offset=None) -> Tensor:
+        """The rows of the table ``embed`` reads for ``positions`` ``[..., N]``: ``p + k`` for digits (``p > 0``),
+        0 for other tokens, with ``k = digit_offset`` (an int or 0-dim integer tensor), or drawn as
+        ``draw_digit_offset()`` draws it when None. int64 ``[..., N]``."""
         owner = type(self).__name__
         _check_table_range(owner, "positions", positions, self.max_len)
-        if self.training and self.max_k:
-            k = torch.randint(0, self.max_k + 1, (), generator=self.generator, device="cpu")   # one k per call
-            positions = torch.where(positions > 0, positions + k.to(positions.device), positions)
-            _check_table_range(owner, "positions + the training offset k", positions, self.max_len)
-        return F.embedding(positions.long(), self.embedding.weight)                            # [..., N, D]
+        if digit_offset is None:
+            k = self._drawn_offset()                                                            # one k per call
+        else:
+            k = torch.tensor(_as_int(owner, "digit_offset", digit_offset, minimum=0))
+        if k is None:
+            return positions.long()
+        rows = torch.where(positions > 0, positions + k.to(positions.device), positions).long()
+        _check_table_range(owner, "positions + the training offset k", rows, self.max_len)
+        return rows
+
+    def embed(self, positions: Tensor, *, digit_offset=None) -> Tensor:
+        """Rows of the table for ``positions`` ``[..., N]``: ``table_rows(positions, digit_offset=...)``
+        (training: digits moved by one random ``k`` unless ``digit_offset`` gives it)."""
+        return F.embedding(self.table_rows(positions, digit_offset=digit_offset), self.embedding.weight)   # [..., N, D]
 
 
 # ---------------------------------------------------------------------------
@@ -2156,28 +2183,68 @@ def _dense_adjacency(owner: str, adjacency: Optional[Tensor], edge_index: Option
         if adjacency.dim() < 2 or adjacency.shape[-1] != adjacency.shape[-2]:
             raise ValueError(f"{owner}: adjacency must have shape [..., N, N], got {tuple(adjacency.shape)}")
         weights = adjacency.to(torch.float64)
-    else:
-        if not isinstance(edge_index, Tensor) or edge_index.is_floating_point() or edge_index.dtype == torch.bool:
-            raise TypeError(f"{owner}: edge_index must be an integer tensor, got "
-                            f"{edge_index.dtype if isinstance(edge_index, Tensor) else type(edge_index).__name__}")
-        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-            raise ValueError(f"{owner}: edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
-        n = _check_positive_int(owner, "num_nodes", num_nodes)
-        if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
-            raise ValueError(f"{owner}: edge_index must hold node ids in [0, {n}) for num_nodes={n}, "
-                             f"got ids from {edge_index.min().item()} to {edge_index.max().item()}")
-        values = torch.ones(edge_index.shape[1], dtype=torch.float64, device=edge_index.device)
-        if edge_weight is not None:
-            _check_tensor(owner, "edge_weight", edge_weight, 1)
-            if edge_weight.shape != values.shape:
-                raise ValueError(f"{owner}: edge_weight must have shape [{values.shape[0]}] (one per edge), "
-                                 f"got {tuple(edge_weight.shape)}")
-            values = edge_weight.to(torch.float64)
-        weights = torch.zeros(n, n, dtype=torch.float64, device=edge_index.device)
-        weights = weights.index_put((edge_index[0], edge_index[1]), values, accumulate=True)   # [N, N]
+        _check_edge_weights(owner, weights)
+        return weights
+    n = _check_positive_int(owner, "num_nodes", num_nodes)
+    values = _edge_values(owner, edge_index, n, edge_weight)                                    # [E]
+    weights = torch.zeros(n, n, dtype=torch.float64, device=edge_index.device)
+    return weights.index_put((edge_index[0], edge_index[1]), values, accumulate=True)           # [N, N]
+
+
+def _edge_values(owner: str, edge_index, n: int, edge_weight: Optional[Tensor]) -> Tensor:
+    """The checked weights ``[E]`` (float64; 1 without ``edge_weight``) of PyG's ``edge_index`` ``[2, E]``
+    on ``n`` nodes."""
+    if not isinstance(edge_index, Tensor) or edge_index.is_floating_point() or edge_index.dtype == torch.bool:
+        raise TypeError(f"{owner}: edge_index must be an integer tensor, got "
+                        f"{edge_index.dtype if isinstance(edge_index, Tensor) else type(edge_index).__name__}")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"{owner}: edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+    if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= n):
+        raise ValueError(f"{owner}: edge_index must hold node ids in [0, {n}) for num_nodes={n}, "
+                         f"got ids from {edge_index.min().item()} to {edge_index.max().item()}")
+    values = torch.ones(edge_index.shape[1], dtype=torch.float64, device=edge_index.device)
+    if edge_weight is not None:
+        _check_tensor(owner, "edge_weight", edge_weight, 1)
+        if edge_weight.shape != values.shape:
+            raise ValueError(f"{owner}: edge_weight must have shape [{values.shape[0]}] (one per edge), "
+                             f"got {tuple(edge_weight.shape)}")
+        values = edge_weight.to(torch.float64)
+    _check_edge_weights(owner, values)
+    return values
+
+
+def _check_edge_weights(owner: str, weights: Tensor) -> None:
     if not _skip_value_checks(weights) and not (torch.isfinite(weights).all() and (weights >= 0).all()):
         raise ValueError(f"{owner}: edge weights must be finite and >= 0")
-    return weights
+
+
+def _node_graphs(owner: str, batch, edge_index: Tensor, num_nodes: Optional[int], edge_weight) -> tuple:
+    """PyG's ``batch`` (node -> graph) checked with ``edge_index``: ``(graph, local, counts, values)``, each
+    node's graph and its index inside that graph (its rank among the graph's nodes), int64 ``[N]``, the
+    nodes of each graph, ``[G]``, and the edges' weights ``[E]`` (``_edge_values``)."""
+    if not isinstance(batch, Tensor) or batch.is_floating_point() or batch.is_complex() \
+            or batch.dtype == torch.bool or batch.dim() != 1:
+        raise TypeError(f"{owner}: batch must be an integer tensor [N] (the graph of each node), got "
+                        f"{_describe(batch)}")
+    n = batch.shape[0] if num_nodes is None else _check_positive_int(owner, "num_nodes", num_nodes)
+    if batch.shape[0] != n or n == 0 or batch.min() < 0:
+        raise ValueError(f"{owner}: batch must hold a graph id >= 0 for each of the num_nodes={n} nodes, got "
+                         f"{_describe(batch)}" + (f" holding ids {batch.min().item()} to {batch.max().item()}"
+                                                  if batch.numel() else ""))
+    values = _edge_values(owner, edge_index, n, edge_weight)                                    # [E]
+    graph = batch.to(edge_index.device, torch.long)
+    source, target = edge_index.long()
+    across = (graph[source] != graph[target]).nonzero()
+    if across.numel():
+        e = across[0, 0].item()
+        raise ValueError(f"{owner}: edge_index must join nodes of the same graph (batch), got the edge "
+                         f"{source[e].item()} -> {target[e].item()} from graph {graph[source[e]].item()} to graph "
+                         f"{graph[target[e]].item()}")
+    counts = torch.bincount(graph)                                                              # [G] nodes
+    order = torch.argsort(graph, stable=True)                                                   # by graph, in order
+    local = torch.empty_like(graph)
+    local[order] = torch.arange(n, device=graph.device) - (counts.cumsum(0) - counts)[graph[order]]
+    return graph, local, counts, values
 
 
 class _GraphInput(_AddedInput):
@@ -2192,12 +2259,47 @@ class _GraphInput(_AddedInput):
         raise NotImplementedError
 
     def graph_positions(self, adjacency: Optional[Tensor] = None, *, edge_index: Optional[Tensor] = None,
-                        num_nodes: Optional[int] = None, edge_weight: Optional[Tensor] = None) -> Tensor:
-        """The nodes' positions ``[..., N, A]`` (float32; float64 for a float64 adjacency) of the graph
-        given as ``adjacency`` ``[..., N, N]`` or as ``edge_index`` ``[2, E]`` with ``num_nodes``."""
-        weights = _dense_adjacency(type(self).__name__, adjacency, edge_index, num_nodes, edge_weight)
-        dtype = torch.float64 if adjacency is not None and adjacency.dtype == torch.float64 else torch.float32
-        return self.structure(weights).to(dtype)
+                        num_nodes: Optional[int] = None, edge_weight: Optional[Tensor] = None,
+                        batch: Optional[Tensor] = None) -> Tensor:
+        """The nodes' positions ``[..., N, A]`` of the graph given as ``adjacency`` ``[..., N, N]`` or as
+        ``edge_index`` ``[2, E]`` with ``num_nodes``, in the module's dtype (float64 for a float64 adjacency).
+
+        ``batch`` ``[N]`` (PyG's: node -> graph id, with ``edge_index``; ``num_nodes`` defaults to its
+        length) holds several graphs in one ``edge_index``: each graph gets its own positions, as if given
+        alone (in a dense batch padded to one size, the padding nodes' eigenvalue-1 eigenvectors join a
+        graph's Laplacian spectrum). Graphs of one size are computed together.
+        """
+        owner, dtype = type(self).__name__, self._parameter_dtype()
+        if adjacency is not None and adjacency.dtype == torch.float64:
+            dtype = torch.float64
+        if batch is None:
+            return self.structure(_dense_adjacency(owner, adjacency, edge_index, num_nodes, edge_weight)).to(dtype)
+        if adjacency is not None or edge_index is None:
+            raise ValueError(f"{owner}: batch (PyG's node -> graph ids) goes with edge_index, got "
+                             f"{'adjacency' if adjacency is not None else 'no edge_index'}")
+        graph, local, counts, values = _node_graphs(owner, batch, edge_index, num_nodes, edge_weight)
+        source, target = edge_index.long()
+        out = torch.zeros(graph.shape[0], self.num_axes, dtype=torch.float64, device=graph.device)   # [N, A]
+        for size in counts.unique().tolist():
+            if size == 0:
+                continue
+            graphs = (counts == size).nonzero().squeeze(-1)                                     # [G_s] of this size
+            slot = torch.full_like(counts, -1)
+            slot[graphs] = torch.arange(graphs.shape[0], device=graph.device)                   # graph -> its slot
+            edges = slot[graph[source]] >= 0                                                    # [E]: in these graphs
+            weights = torch.zeros(graphs.shape[0], size, size, dtype=torch.float64, device=graph.device)
+            weights.index_put_((slot[graph[source[edges]]], local[source[edges]], local[target[edges]]), values[edges],
+                               accumulate=True)                                                 # [G_s, n, n]
+            nodes = (slot[graph] >= 0).nonzero().squeeze(-1)                                    # their nodes
+            out[nodes] = self.structure(weights)[slot[graph[nodes]], local[nodes]]              # [G_s, n, A] -> rows
+        return out.to(dtype)
+
+    def _parameter_dtype(self) -> torch.dtype:
+        """The dtype of the module's floating parameters (float32 without any)."""
+        for parameter in self.parameters():
+            if parameter.is_floating_point():
+                return parameter.dtype
+        return torch.float32
 
 
 
@@ -3245,6 +3347,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                  "rotate_values": _check_flag}
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
     fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
+    layer_type: Optional[str] = None   # the config's layer type whose rope parameters it has (from_config)
 
     def __init__(self, dim: Optional[int] = None, *, base: float = 10000.0, interleaved: bool = False,
                  rotary_dim: Optional[int] = None, scaling: Optional[dict] = None,
@@ -3321,14 +3424,17 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         docs/model_parity.md); any other one raises a ``ValueError`` unless you state its layout with
         ``interleaved=`` (and ``section_layout=`` when the config has ``mrope_section``). The keywords
         override the config's values; with them you take responsibility for the layout.
+        The result keeps ``layer_type`` as its attribute of that name (shown by its repr).
         """
         if cls.no_model_type:   # a variant no Hugging Face model uses (HoPE, VideoRoPE)
             method, build = cls.no_model_type
             raise TypeError(f"{cls.__name__}: no Hugging Face model type uses {method}; build it as "
                             f"{cls.__name__}({build})")
-        return cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
+        rope = cls(**_rotary_kwargs_from_config(config, layer_type=layer_type, interleaved=interleaved,
                                                 rotary_dim=rotary_dim, sections=sections,
                                                 section_layout=section_layout))
+        rope.layer_type = layer_type
+        return rope
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
@@ -3348,6 +3454,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             text += f", rotated_channels={self.rotated_channels!r}"
         if self.rotate_values:
             text += ", rotate_values=True"
+        if self.layer_type is not None:
+            text += f", layer_type={self.layer_type!r}"
         return text
 
     @property
@@ -3465,29 +3573,63 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         the same frequencies ``forward`` uses (sections, scalings; ``dynamic`` / ``longrope`` at each
         set's own largest position, as one call of ``forward`` with those positions would), so the
         result equals ``rope(k, new)`` up to one more rounding in the input dtype; the attention
-        factor is already in ``x`` and stays. Positions as ``forward`` takes them (both required).
+        factor is already in ``x`` and stays. Positions as ``forward`` takes them (both required),
+        or per head, ``[B, H, N]`` (``[B, H, N, A]`` with sections) for a 4-D x (``[B, H, N, Dh]``, or
+        ``[B, N, H, Dh]`` with ``seq_dim=-3``): a cache that evicts different tokens in each head
+        (NVIDIA's kvpress) moves each head's keys by its own amounts. ``B`` or ``H`` may be 1 (shared);
+        ``dynamic`` / ``longrope`` then take one spectrum from the largest position of all heads.
         """
         for name, p in (("old_positions", old_positions), ("new_positions", new_positions)):
             if p is None:
                 raise TypeError(f"{type(self).__name__}: rerotate needs {name} (a tensor of positions), got None")
-        old, new = self._check_rotated(x, seq_dim, old_positions=old_positions, new_positions=new_positions)
+        old, new = self._check_rotated(x, seq_dim, per_head=True, old_positions=old_positions,
+                                       new_positions=new_positions)
         n = x.shape[seq_dim]
-        turn = self._pair_angles(new, self._frequencies(new, n, 0, None, x.device)[0]) \
-            - self._pair_angles(old, self._frequencies(old, n, 0, None, x.device)[0])    # [..., N, F] float64
-        dtype = _compute_dtype(x.dtype)
-        return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype), seq_dim)
 
-    def _check_rotated(self, x: Tensor, seq_dim: int, **positions: Optional[Tensor]):
+        def angles(p: Tensor, given: Tensor) -> Tensor:
+            angle = self._pair_angles(p, self._frequencies(p, n, 0, None, x.device)[0])  # [..., N(, H), F] float64
+            shared = seq_dim == -3 and not self._per_head(given)
+            return angle.unsqueeze(-2) if shared else angle                             # [..., N, 1, F]: every head
+
+        turn = angles(new, new_positions) - angles(old, old_positions)                 # [..., N, (H,) F] float64
+        dtype = _compute_dtype(x.dtype)
+        return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype))
+
+    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
         """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
-        its positions (each as ``forward`` takes them); return the positions (one, or a tuple)."""
+        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
+        in x's layout); return the positions (one, or a tuple)."""
         owner = type(self).__name__
         if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
             raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
         _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
-        checked = tuple(_check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
+        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
+                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
                                          device=x.device) for name, p in positions.items())
         return checked[0] if len(checked) == 1 else checked
+
+    def _per_head(self, positions) -> bool:
+        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
+        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
+
+    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
+        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
+        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
+        owner, shape = type(self).__name__, tuple(positions.shape)
+        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
+        if x.dim() != 4:
+            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
+                             f"{tuple(x.shape)}")
+        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
+        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
+                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
+            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
+                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
+        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
+                                device=x.device)                                        # [B H, N(, A)]
+        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
+        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
@@ -4348,11 +4490,18 @@ class FoPEPositionalEmbedding(_QKTransform):
     makes the logits depend on absolute position a little (the cross terms of different
     frequencies), as in both references.
 
+    The kept frequencies come from ``train_length`` or, as vLLM's ``num_inv_freq`` (Intern-S1-Pro's
+    ``rope_scaling``) gives them, from their number: ``num_frequencies=D`` keeps the ``D`` highest,
+    ``w_0 .. w_{D-1}``, whatever their periods (pass exactly one of the two).
+
     Args:
         head_dim (int): ``Dh`` (even).
         num_heads (int): ``H``, one coefficient set per head (vLLM: per key/value head; repeat
             them for the query heads of a group).
-        train_length (int): the training length: frequencies below ``2 pi / train_length`` are clipped.
+        train_length (int, optional): the training length: frequencies below ``2 pi / train_length``
+            are clipped. Default: None (then ``num_frequencies`` is required).
+        num_frequencies (int, optional): ``D``, the number of frequencies kept (the highest), at most
+            ``Dh / 2``: vLLM's ``num_inv_freq``. Default: None (from ``train_length``).
         base (float): RoPE base. Default: 10000.0.
         sigma (float): the noise gain. Default: 0.3 (the authors' 60M model; 0.4 and 0.6 larger).
         num_pairs (int, optional): ``P``, the pairs that get a series. Default: ``D``, every kept
@@ -4368,24 +4517,35 @@ class FoPEPositionalEmbedding(_QKTransform):
         >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
         >>> attention(q, k, v, fope, causal=True).shape
         torch.Size([2, 8, 100, 64])
+        >>> FoPEPositionalEmbedding(64, 8, num_frequencies=12).cos_coef.shape   # vLLM's num_inv_freq=12
+        torch.Size([8, 12, 12])
     """
 
     arguments = {"train_length": _check_positive_int, "sigma": _non_negative_float, "num_pairs": _check_positive_int,
-                 "padded": functools.partial(_check_choice, choices=("identity", "ones")), "learnable": _check_flag}
+                 "padded": functools.partial(_check_choice, choices=("identity", "ones")), "learnable": _check_flag,
+                 "num_frequencies": _check_positive_int}
 
-    def __init__(self, head_dim: int, num_heads: int, train_length: int, *, base: float = 10000.0,
+    def __init__(self, head_dim: int, num_heads: int, train_length: Optional[int] = None, *, base: float = 10000.0,
                  sigma: float = 0.3, num_pairs: Optional[int] = None, padded: Literal["identity", "ones"] = "identity",
-                 learnable: bool = False) -> None:
+                 learnable: bool = False, num_frequencies: Optional[int] = None) -> None:
         super().__init__()
         owner = type(self).__name__
         self.head_dim, self.num_heads = _even_int(owner, "head_dim", head_dim), num_heads
         self.train_length, self.base, self.sigma, self.padded = train_length, base, sigma, padded
-        floor = 2 * math.pi / train_length
-        kept = sum(base ** (-i / head_dim) >= floor for i in range(0, head_dim, 2))      # the highest D
-        if kept == 0:
+        if (train_length is None) == (num_frequencies is None):
+            raise TypeError(f"{owner}: pass exactly one of train_length (frequencies below 2 pi / train_length are "
+                            f"clipped) and num_frequencies (the number kept, vLLM's num_inv_freq), got "
+                            f"train_length={train_length!r} and num_frequencies={num_frequencies!r}")
+        if num_frequencies is not None and num_frequencies > head_dim // 2:
+            raise ValueError(f"{owner}: num_frequencies must be at most head_dim // 2 = {head_dim // 2}, "
+                             f"got num_frequencies={num_frequencies}")
+        if num_frequencies is None:
+            floor = 2 * math.pi / train_length
+            num_frequencies = sum(base ** (-i / head_dim) >= floor for i in range(0, head_dim, 2))   # the highest D
+        if num_frequencies == 0:
             raise ValueError(f"{owner}: train_length={train_length} clips every frequency (the highest, 1, has a "
                              f"period of 2 pi); it must be at least 7")
-        self.num_frequencies = kept
+        self.num_frequencies = kept = num_frequencies
         self.num_pairs = kept if num_pairs is None else num_pairs
         if self.num_pairs > head_dim // 2:
             raise ValueError(f"{owner}: num_pairs must be at most head_dim // 2 = {head_dim // 2}, got {num_pairs}")
@@ -6759,6 +6919,7 @@ class _BoundTokens(PositionalEmbedding):
     takes_positions = False
     is_causal = True    # a token's encoding reads the tokens before it: keys after the query get -inf
     token_axis: dict = {}   # bound input -> its token dim, where not -2 ([B, H, N] scalars: -1)
+    bound_offset: int = 0   # the token index of the first bound token (Inkling binds new tokens at an offset)
 
     def forward(self, *args, **kwargs):
         """``pe(x)`` with token states ``x`` alone: ``pe.bind(x)``; every other call is the kind's own."""
@@ -6771,24 +6932,36 @@ class _BoundTokens(PositionalEmbedding):
 
     def _check_states(self, x: Tensor) -> Tensor:
         """Token states to bind: ``[B, N, D]``, floating."""
+        if self.dim is None:
+            raise ValueError(f"{type(self).__name__}: built with dim=None, without projections: it binds "
+                             f"precomputed inputs only (see bind), got token states x")
         _check_tensor(type(self).__name__, "x", x, 3)
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: x must be [B, N, D={self.dim}], got {tuple(x.shape)}")
         return x
 
     def _unbound(self):
+        if self.dim is None:
+            raise ValueError(f"{type(self).__name__}: not bound: built with dim=None, it binds precomputed "
+                             f"inputs (see bind) and attends with the result")
         raise ValueError(f"{type(self).__name__}: not bound to token states: the encoding depends on them, "
                          f"so call pe(x) with the tokens x [B, N, D={self.dim}] and use the result, "
                          f"e.g. attention(q, k, v, pe(x), causal=True)")
 
     def _check_lengths(self, q_len: int, k_len: int, q_shape: Optional[tuple] = None) -> None:
         name, bound = self._bound_input() or self._unbound()
-        if k_len > bound.shape[self.token_axis.get(name, -2)]:
+        first = self.bound_offset
+        since = f" from token {first}" if first else ""
+        if k_len > first + bound.shape[self.token_axis.get(name, -2)]:
             raise ValueError(f"{type(self).__name__}: k has more tokens than the bound encoding: keys are the "
-                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound")
+                             f"bound tokens, got Nk={k_len} for {list(bound.shape)} bound{since}")
         if q_len > k_len:
             raise ValueError(f"{type(self).__name__}: q must not have more tokens than k (queries are the last "
                              f"Nq keys), got Nq={q_len} and Nk={k_len}")
+        if k_len - q_len < first:
+            raise ValueError(f"{type(self).__name__}: the queries (tokens {k_len - q_len} .. {k_len - 1}, the last "
+                             f"Nq={q_len} of Nk={k_len}) must be bound, got tokens {first} .. "
+                             f"{first + bound.shape[self.token_axis.get(name, -2)] - 1} bound")
         if q_shape is not None and bound.shape[0] not in (1, q_shape[0]):
             raise ValueError(f"{type(self).__name__}: q and k must have the bound batch size {bound.shape[0]} "
                              f"(or the encoding batch 1), got q {q_shape}")
@@ -6841,7 +7014,7 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     ``log f ~ -1``). Gates are computed in float32 (float64 for float64 weights or states).
 
     Args:
-        dim (int): token width ``D``.
+        dim (int or None): token width ``D``; None: no ``fgate_proj``, for ``bind(log_forget=...)`` only.
         num_heads (int): heads ``H``.
         fgate_proj (nn.Linear, optional): an existing ``nn.Linear(dim, num_heads)`` to use,
             held by reference and never re-initialised by the constructor. Default: a new one,
@@ -6864,13 +7037,14 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
     bound_inputs = ("states", "log_forget_values")   # bound x [B, N, D] or log f [B, H, N]
     token_axis = {"log_forget_values": -1}
 
+    arguments = {"dim": _optional_size}
     argument_rules = (_check_gate_projection,)
 
-    def __init__(self, dim: int, num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
+    def __init__(self, dim: Optional[int], num_heads: int, *, fgate_proj: Optional[nn.Linear] = None,
                  init_std: float = 0.02) -> None:
         super().__init__()
         self.dim, self.num_heads, self.init_std = dim, num_heads, init_std
-        owns = fgate_proj is None
+        owns = fgate_proj is None and dim is not None
         self.fgate_proj = _uninitialised(nn.Linear, dim, num_heads) if owns else fgate_proj   # w_h, b_h (authors' name)
         self.register_buffer("states", None, persistent=False)                          # bound x: [B, N, D]
         self.register_buffer("log_forget_values", None, persistent=False)               # bound log f: [B, H, N]
@@ -6878,6 +7052,8 @@ class ForgettingPositionalEmbedding(_BoundTokens, _PairwiseBias):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.fgate_proj is None:   # dim=None: binds log forget values only
+            return
         nn.init.normal_(self.fgate_proj.weight, std=self.init_std)
         if self.fgate_proj.bias is not None:
             nn.init.zeros_(self.fgate_proj.bias)
@@ -6981,9 +7157,19 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
 
     Alignment: the bound tokens are the keys' timeline (key ``j`` is token ``j``), and the
     ``Nq`` queries are the last ``Nq`` of the first ``Nk`` tokens. A position (the ``i`` in the
-    distance and in ``tau_i``) is a token index, as Inkling's cache indices are. For decoding with
-    a KV cache, bind the states of every token so far; only the queries' states are projected.
-    Computed in float32 (float64 for float64 states or weights).
+    distance and in ``tau_i``) is a token index, as Inkling's cache indices are. The bias reads
+    the queries' states only, so a decoding step with a KV cache binds just the new tokens at
+    their offset, ``pe.bind(x_new, offset=n_cached)``, and gives the full pass's last rows (keys
+    are tokens ``0 .. Nk - 1``, the queries must lie among the bound tokens). Computed in float32
+    (float64 for float64 states or weights).
+
+    ``from_config(config, layer_type=...)`` reads a transformers Inkling or Inkling 2 config
+    (``"hybrid"``: a full-attention layer; ``"hybrid_sliding"``: a sliding one). Inkling 2's released
+    checkpoint (``thinkingmachines/Inkling-2-Small-MXFP8``) names layer ``i``'s weights
+    ``model.llm.layers.{i}.`` + a key of ``checkpoint_names`` (the parameter it loads into):
+    ``attn.wr_du.weight`` -> ``r_proj.weight``, ``attn.rel_logits_proj.proj`` -> ``proj``,
+    ``attn.rel_l2_clip.scale`` -> ``scale``; transformers loads them as
+    ``model.layers.{i}.self_attn.relative_position_bias.`` ``linear.weight``, ``proj``, ``norm.scale``.
 
     Args:
         dim (int): token width ``D``.
@@ -7010,11 +7196,15 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         >>> q = k = v = torch.randn(2, 8, 128, 64)
         >>> attention(q, k, v, inkling(x), causal=True).shape
         torch.Size([2, 8, 128, 64])
+        >>> step = attention(q[..., -1:, :], k, v, inkling.bind(x[:, -1:], offset=127), causal=True)
     """
 
     order_from = "positions are the bound tokens' indices"
     is_causal = False   # the bias reads the query's own states: defined for every pair (0 after the query)
     bound_inputs = ("states",)   # bound x [B, N, D]
+    # Inkling 2's checkpoint name (under model.llm.layers.{i}.) -> the parameter it loads into
+    checkpoint_names = {"attn.wr_du.weight": "r_proj.weight", "attn.rel_logits_proj.proj": "proj",
+                        "attn.rel_l2_clip.scale": "scale"}
     arguments = {"d_rel": _check_positive_int, "max_distance": _check_positive_int, "bias": _check_flag,
                  "clip_threshold": _positive_float, "log_scaling_n_floor": _positive_float,
                  "log_scaling_alpha": _non_negative_float, "layer": _module_or_none}
@@ -7057,9 +7247,21 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
         if self.scale is not None:
             nn.init.ones_(self.scale)
 
-    def bind(self, x: Tensor) -> "InklingPositionalEmbedding":
-        """A bound encoding on token states ``x`` ``[B, N, D]``."""
-        return self._bound_copy(states=self._check_states(x))
+    @classmethod
+    def from_config(cls, config, *, layer_type: Optional[Literal["hybrid", "hybrid_sliding"]] = None
+                    ) -> "InklingPositionalEmbedding":
+        """The relative bias of one layer type of a transformers Inkling / Inkling 2 config (object or
+        ``to_dict()``): ``"hybrid"`` (full attention: ``rel_extent``, the log scaling) or ``"hybrid_sliding"``
+        (``swa_num_attention_heads``, extent ``sliding_window_size``, no scaling); Inkling 2 adds its clip.
+        Load the weights by ``checkpoint_names`` (or transformers' names, see the class docstring)."""
+        return cls(**_inkling_kwargs_from_config(config, layer_type=layer_type))
+
+    def bind(self, x: Tensor, *, offset: int = 0) -> "InklingPositionalEmbedding":
+        """A bound encoding on token states ``x`` ``[B, N, D]`` of tokens ``offset .. offset + N - 1`` (the new
+        tokens of a decoding step; the keys before them need no states)."""
+        bound = self._bound_copy(states=self._check_states(x))
+        bound.bound_offset = _as_int(type(self).__name__, "offset", offset, minimum=0)
+        return bound
 
     def relative_states(self, x: Tensor, first: int = 0) -> Tensor:
         """``r`` of tokens ``x`` ``[B, N, D]``, clipped and scaled as configured (``first``: the index of
@@ -7088,8 +7290,8 @@ class InklingPositionalEmbedding(_BoundTokens, _PairwiseBias):
 
     def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
         """Each query's mix of the profiles, ``r_i . P``: ``[H, B Nq, E]``."""
-        first = k_len - q_len
-        r = self.relative_states(self.states[:, first:k_len].to(device), first)          # [B, Nq, H, d_rel]
+        first, bound = k_len - q_len, self.bound_offset                                 # token indices
+        r = self.relative_states(self.states[:, first - bound:k_len - bound].to(device), first)  # [B, Nq, H, d_rel]
         curves = torch.matmul(r, self.proj.to(r.dtype))                                 # [B, Nq, H, E]
         return (curves.permute(2, 0, 1, 3).flatten(1, 2),)
 
@@ -8477,13 +8679,15 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     kernel does not; it is not used). The result does not depend on ``block_size``.
 
     Binding and decoding: ``path(x)`` binds the token states ``x`` ``[B, N, D]`` (``bind(w=, beta=,
-    log_forget=)`` binds precomputed ``[B, Hkv, N, Dh]``, ``[B, Hkv, N]`` and ``[B, H, N]``); keys
+    log_forget=)`` binds precomputed ``[B, Hkv, N, Dh]``, ``[B, Hkv, N]`` and ``[B, H, N]``; built with
+    ``dim=None`` and ``head_dim``, the module has no projections and binds only those); keys
     are the bound tokens and the queries the last ``Nq`` of them. To decode with a KV cache, bind
     every token so far and pass the raw cached keys: a step costs a pass over the cache (the
     authors' decoder instead keeps each cached key carried to the present, ``k <- H_t k``).
 
     Args:
-        dim (int): token width ``D``.
+        dim (int or None): token width ``D``; None: no projections (``w_rank``, ``conv_size``, ``conv_bias``
+            unused), for precomputed ``w`` and ``beta`` only; ``head_dim`` is then required.
         num_heads (int): query heads ``H``.
         head_dim (int, optional): ``Dh``. Default: ``dim // num_heads``.
         num_kv_heads (int, optional): key heads, and heads of ``w`` and ``beta``. Default: ``num_heads``.
@@ -8508,23 +8712,32 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         >>> q, k, v = torch.randn(3, 2, 8, 100, 64).unbind(0)
         >>> attention(q, k, v, path(x), causal=True).shape
         torch.Size([2, 8, 100, 64])
+        >>> w, beta = path.transitions(x)                               # or your own layer's
+        >>> bare = PaTHPositionalEmbedding(None, 8, head_dim=64)          # no parameters
+        >>> out = attention(q, k, v, bare.bind(w=w, beta=beta), causal=True)
     """
 
     order_from = "order comes from the Householder transformations of the bound tokens"
     bound_inputs = ("states", "w", "beta", "log_forget_values")   # x [B, N, D], or w, beta (and log f [B, H, N])
-    arguments = {"head_dim": _optional_size, "num_kv_heads": _optional_size, "w_rank": _optional_size,
-                 "conv_size": _optional_size, "block_size": _check_positive_int, "layer": _module_or_none,
-                 "conv_bias": _check_flag, "forget_gate": _check_flag, "gate_scaled": _check_flag}
+    arguments = {"dim": _optional_size, "head_dim": _optional_size, "num_kv_heads": _optional_size,
+                 "w_rank": _optional_size, "conv_size": _optional_size, "block_size": _check_positive_int,
+                 "layer": _module_or_none, "conv_bias": _check_flag, "forget_gate": _check_flag,
+                 "gate_scaled": _check_flag}
 
-    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, *,
+    def __init__(self, dim: Optional[int], num_heads: int, head_dim: Optional[int] = None, *,
                  num_kv_heads: Optional[int] = None, w_rank: Optional[int] = 32, conv_size: Optional[int] = 3,
                  conv_bias: bool = False, forget_gate: bool = False, gate_scaled: bool = True,
                  block_size: int = 64, layer: Optional[nn.Module] = None) -> None:
         super().__init__()
+        owner = type(self).__name__
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads % num_kv_heads:
-            raise ValueError(f"{type(self).__name__}: num_heads must be a multiple of num_kv_heads, "
+            raise ValueError(f"{owner}: num_heads must be a multiple of num_kv_heads, "
                              f"got num_heads={num_heads} and num_kv_heads={num_kv_heads}")
+        if dim is None and (head_dim is None or layer is not None):
+            raise ValueError(f"{owner}: dim=None (no projections: bind precomputed w and beta) needs head_dim and "
+                             f"no layer, got head_dim={head_dim!r}"
+                             + ("" if layer is None else f" and a layer ({type(layer).__name__})"))
         self.dim, self.num_heads, self.num_kv_heads = dim, num_heads, num_kv_heads
         self.head_dim = dim // num_heads if head_dim is None else head_dim
         self.block_size, self.gate_scaled = block_size, gate_scaled
@@ -8532,6 +8745,10 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
             self.register_buffer(name, None, persistent=False)
         if layer is not None:
             self._share(layer, forget_gate)
+            return
+        if dim is None:   # bound to precomputed w, beta (and log f) only: nothing to project
+            self.w_rank = self.conv_size = self.w_proj = self.w_conv1d = self.bt_proj = None
+            self.forget = ForgettingPositionalEmbedding(None, num_heads) if forget_gate else None
             return
         self.w_rank, self.conv_size = w_rank, conv_size
         width = num_kv_heads * self.head_dim
@@ -8596,7 +8813,7 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     def _sibling(self) -> "PaTHPositionalEmbedding":
         return type(self)(self.dim, self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads,
                           forget_gate=self.forget is not None, gate_scaled=self.gate_scaled,
-                          block_size=self.block_size, layer=self)
+                          block_size=self.block_size, layer=None if self.dim is None else self)
 
     def _check_transitions(self, w: Optional[Tensor], beta: Optional[Tensor]) -> dict:
         owner = type(self).__name__
@@ -8689,6 +8906,42 @@ def _on_drawn_positions(name: str):
     return hook
 
 
+def randomized_positions(n: int, max_len: int, *, generator: Optional[torch.Generator] = None,
+                         device=None) -> Tensor:
+    """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: the training positions of
+    randomized positional encodings (Ruoss et al., "Randomized Positional Encodings Boost Length
+    Generalization of Transformers", arXiv:2305.16843), which ``RandomizedPositionalEmbedding`` draws.
+
+    The draw is ``randperm(max_len)`` on the generator's device (the CPU without one) cut to ``n`` and
+    sorted, so a seeded generator gives the wrapper's positions.
+
+    Args:
+        n (int): the number of positions (tokens), at most ``max_len``.
+        max_len (int): ``L``, positions are drawn from ``[0, L)``.
+        generator (torch.Generator, optional): the source of the draw. Default: torch's global one.
+        device (optional): the device of the result. Default: the generator's device.
+
+    Returns:
+        int64 ``[n]``.
+
+    Example:
+        >>> randomized_positions(5, 100, generator=torch.Generator().manual_seed(0)).tolist()
+        [19, 44, 71, 90, 93]
+    """
+    return _draw_positions("randomized_positions", n, max_len, generator, device)
+
+
+def _draw_positions(owner: str, n, max_len, generator, device) -> Tensor:
+    """``randomized_positions``, its checks naming ``owner``."""
+    n, max_len = _as_int(owner, "n", n, minimum=0), _check_positive_int(owner, "max_len", max_len)
+    _check_generator(owner, generator)
+    if n > max_len:
+        raise ValueError(f"{owner}: a sequence of {n} tokens needs max_len >= {n}, got max_len={max_len}")
+    generator_device = generator.device if generator is not None else "cpu"
+    drawn = torch.randperm(max_len, generator=generator, device=generator_device)[:n]   # distinct: [n]
+    return drawn.sort().values.to(device)
+
+
 class RandomizedPositionalEmbedding(PositionalEmbedding):
     """Randomized positions: train on positions drawn from a range longer than the sequence (Ruoss et al. 2023).
 
@@ -8754,15 +9007,10 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         return self.encoding.is_causal
 
     def draw(self, n: int, device=None) -> Tensor:
-        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64. ``n`` is an
-        int in ``[0, max_len]`` (0 gives no positions; a bool, a float or a negative count is an error)."""
-        n = _as_int(type(self).__name__, "n", n, minimum=0)
-        if n > self.max_len:
-            raise ValueError(f"{type(self).__name__}: a sequence of {n} tokens needs max_len >= {n}, "
-                             f"got max_len={self.max_len}")
-        generator_device = self.generator.device if self.generator is not None else "cpu"
-        drawn = torch.randperm(self.max_len, generator=self.generator, device=generator_device)[:n]
-        return drawn.sort().values.to(device)
+        """``n`` distinct positions drawn uniformly from ``[0, max_len)``, sorted: ``[n]`` int64
+        (``randomized_positions`` with this module's ``max_len`` and ``generator``). ``n`` is an int in
+        ``[0, max_len]`` (0 gives no positions; a bool, a float or a negative count is an error)."""
+        return _draw_positions(type(self).__name__, n, self.max_len, self.generator, device)
 
     def _resolve_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
                            positions_k: Optional[Tensor], device) -> tuple:
@@ -9347,6 +9595,45 @@ def _alibi_kwargs_from_config(config) -> dict:
     return {"num_heads": heads, "slopes": slopes, "bidirectional": False}
 
 
+# Inkling's model types -> the transformers 5.24 defaults of their relative-bias fields (a config.json saved with
+# only its differences from the defaults omits the rest): Inkling (no clip; log scaling where n_floor is set),
+# Inkling 2 and Inkling 2 Loop (an L2 clip with a learned scale). Each is held against its module by TestInkling.
+_INKLING1_DEFAULTS = {"hidden_size": 6144, "num_attention_heads": 64, "swa_num_attention_heads": 64,
+                      "sliding_window_size": 512, "d_rel": 16, "rel_extent": 1024, "log_scaling_n_floor": None,
+                      "log_scaling_alpha": 0.1, "rel_l2_clip_threshold": None}
+_INKLING2_DEFAULTS = {"hidden_size": 4608, "num_attention_heads": 48, "swa_num_attention_heads": 48,
+                      "sliding_window_size": 1024, "d_rel": 16, "rel_extent": 1024, "log_scaling_n_floor": 128000,
+                      "log_scaling_alpha": 0.1, "rel_l2_clip_threshold": 8.0}
+_INKLING_MODELS = {
+    "inkling_text": _INKLING1_DEFAULTS, "inkling_mm_model": _INKLING1_DEFAULTS,
+    "inkling2_text": _INKLING2_DEFAULTS, "inkling2": _INKLING2_DEFAULTS,
+    "inkling2_loop_text": {**_INKLING2_DEFAULTS, "hidden_size": 2304, "num_attention_heads": 24,
+                           "swa_num_attention_heads": 24, "log_scaling_n_floor": 8192},
+}
+_INKLING_MODELS["inkling2_loop"] = _INKLING_MODELS["inkling2_loop_text"]
+
+
+def _inkling_kwargs_from_config(config, *, layer_type: Optional[str] = None) -> dict:
+    """Keyword arguments of ``InklingPositionalEmbedding`` for the layers of type ``layer_type`` of an Inkling
+    config, as transformers' attention builds them: full (``"hybrid"``) layers take ``num_attention_heads``,
+    ``rel_extent`` and the log scaling; sliding ones ``swa_num_attention_heads`` and ``sliding_window_size``."""
+    owner = "InklingPositionalEmbedding.from_config"
+    text = _text_config(owner, config)
+    model_type = _model_type(config, text)
+    _check_bias_model_type(owner, model_type, frozenset(_INKLING_MODELS), {},
+                           "InklingPositionalEmbedding(dim, num_heads, d_rel=..., max_distance=..., ...)")
+    _check_choice(owner, "layer_type", layer_type, ("hybrid", "hybrid_sliding"))
+    get = lambda name: _config_get(text, name, _INKLING_MODELS[model_type][name])             # noqa: E731
+    full = layer_type == "hybrid"
+    return {"dim": int(get("hidden_size")), "d_rel": int(get("d_rel")),
+            "num_heads": int(get("num_attention_heads" if full else "swa_num_attention_heads")),
+            "max_distance": int(get("rel_extent" if full else "sliding_window_size")),
+            "clip_threshold": None if get("rel_l2_clip_threshold") is None else float(get("rel_l2_clip_threshold")),
+            "log_scaling_n_floor": None if not full or get("log_scaling_n_floor") is None
+            else float(get("log_scaling_n_floor")),
+            "log_scaling_alpha": float(get("log_scaling_alpha"))}
+
+
 _NO_ROPE_LAYER_MODELS = {"smollm3", "llama4", "llama4_text"}   # no_rope_layers[i]: 1 = RoPE, 0 = NoPE
 
 
@@ -9372,6 +9659,10 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
       in the checkpoint: pass it as ``rope_alpha`` (the model's ``model.rotary_emb.alpha``; required).
       Its other layers are NoPE.
     - **Every other model accepted by ``from_config``:** that one RoPE on every layer.
+
+    Each per-layer-type RoPE carries the type whose parameters it has as ``layer_type`` (in its repr:
+    Gemma's ``"sliding_attention"`` / ``"full_attention"``, DeepSeek-V4's ``"main"`` / ``"compress"``);
+    a RoPE shared by every RoPE layer has ``layer_type=None``. Layers of one type share one module.
 
     What stays with the model: Llama 4's q/k norm and chunked attention on RoPE layers, SmolLM3's
     sliding window on NoPE layers, and Mistral Large 4's softmax scaling (q times a learned

@@ -55,6 +55,7 @@ from positional_embeddings import (
     SelfExtendPositionalEmbedding,
     DualChunkPositionalEmbedding,
     RandomizedPositionalEmbedding,
+    randomized_positions,
     StickBreakingPositionalEmbedding,
     PaTHPositionalEmbedding,
     ContinuousPositionBias,
@@ -2688,6 +2689,77 @@ class TestGraphEncodings:
             x = torch.randn(2, 7, 8)
             torch.testing.assert_close(pe.eval()(x, batched.float()), x + pe.embed(batched.float()))
 
+    def test_a_batch_vector_gives_each_graph_its_own_positions_as_pyg(self):
+        """PyG's batch (node -> graph): three graphs in one edge_index (two of one size), each with the
+        positions PyG's transforms give it alone (random walks exactly, eigenvectors up to sign), in any node
+        order. A dense batch padded to one size would change the Laplacian's (the padding joins the spectrum)."""
+        pyg = pytest.importorskip("torch_geometric.transforms")
+        data_cls = pytest.importorskip("torch_geometric.data").Data
+        graphs = [random_graph(8, 0.3, 10), random_graph(11, 0.3, 11), random_graph(8, 0.3, 12)]
+        for adjacency in graphs:                                            # distinct: sign is the only freedom
+            values, _ = jacobi_eigh(normalised_laplacian_oracle(adjacency))
+            assert min(b - a for a, b in zip(values[:4], values[1:5])) > 1e-2
+        starts = [0, 8, 19]
+        edge_index = torch.cat([a.nonzero().T + start for a, start in zip(graphs, starts)], 1)
+        batch = torch.cat([torch.full((a.shape[0],), g) for g, a in enumerate(graphs)])
+        lap, walk = LaplacianPositionalEmbedding(8, 3), RandomWalkPositionalEmbedding(8, 4)
+        vectors = lap.graph_positions(edge_index=edge_index, batch=batch)                  # [27, 3]
+        returns = walk.graph_positions(edge_index=edge_index, batch=batch)                 # [27, 4]
+        assert vectors.shape == (27, 3) and returns.dtype == torch.float32
+        for adjacency, start in zip(graphs, starts):
+            data = data_cls(edge_index=adjacency.nonzero().T, num_nodes=adjacency.shape[0])
+            rows = slice(start, start + adjacency.shape[0])
+            torch.testing.assert_close(returns[rows], pyg.AddRandomWalkPE(4)(data.clone()).random_walk_pe,
+                                       rtol=0, atol=1e-6)
+            torch.manual_seed(0)
+            want = pyg.AddLaplacianEigenvectorPE(3, is_undirected=True)(data.clone()).laplacian_eigenvector_pe
+            same_up_to_sign(vectors[rows].double(), want, atol=1e-5)
+        # what the batch vector avoids: in a dense batch padded to 11 nodes, a triangle (eigenvalues 0, 1.5, 1.5)
+        # takes the padding nodes' eigenvalue-1 eigenvectors, zero on its own nodes, instead of its own
+        triangle = torch.ones(3, 3, dtype=torch.float64) - torch.eye(3, dtype=torch.float64)
+        two = LaplacianPositionalEmbedding(8, 2)
+        padded = two.graph_positions(torch.stack([F.pad(triangle, (0, 8, 0, 8)), graphs[1]]))[0, :3]   # [3, 2]
+        both = two.graph_positions(edge_index=torch.cat([triangle.nonzero().T, graphs[1].nonzero().T + 3], 1),
+                                   batch=torch.tensor([0] * 3 + [1] * 11)).double()[:3]
+        assert padded.abs().max() < 1e-12
+        torch.testing.assert_close(normalised_laplacian_oracle(triangle) @ both, 1.5 * both, rtol=0, atol=1e-6)
+        torch.testing.assert_close(both.T @ both, torch.eye(2, dtype=torch.float64), rtol=0, atol=1e-6)
+        order = torch.randperm(27, generator=torch.Generator().manual_seed(0))          # node i is old node order[i]
+        relabel = torch.empty_like(order)
+        relabel[order] = torch.arange(27)
+        shuffled = walk.graph_positions(edge_index=relabel[edge_index], batch=batch[order], num_nodes=27)
+        torch.testing.assert_close(shuffled, returns[order], rtol=0, atol=1e-6)
+
+    def test_positions_follow_the_modules_dtype(self):
+        edge_index = random_graph(9, 0.3, 0).nonzero().T
+        want = random_walk_oracle(random_graph(9, 0.3, 0), 5)
+        for dtype in (torch.float64, torch.float16, torch.float32):
+            pe = RandomWalkPositionalEmbedding(8, 5).to(dtype)
+            for batch in (None, torch.zeros(9, dtype=torch.long)):
+                got = pe.graph_positions(edge_index=edge_index, num_nodes=9, batch=batch)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-3)
+        lap = LaplacianPositionalEmbedding(8, 3).double()
+        assert lap.graph_positions(edge_index=edge_index, num_nodes=9).dtype == torch.float64
+        assert lap.float().graph_positions(random_graph(9, 0.3, 0)).dtype == torch.float64   # a float64 adjacency
+
+    def test_batch_vector_bad_input(self):
+        walk = RandomWalkPositionalEmbedding(8, 2)
+        edges, batch = torch.tensor([[0, 1, 2], [1, 0, 3]]), torch.tensor([0, 0, 1, 1])
+        owner = "RandomWalkPositionalEmbedding: "
+        with pytest.raises(ValueError, match=owner + "edge_index must join nodes of the same graph \\(batch\\), got "
+                                                     "the edge 2 -> 3 from graph 0 to graph 1"):
+            walk.graph_positions(edge_index=edges, batch=torch.tensor([0, 0, 0, 1]))
+        with pytest.raises(ValueError, match=owner + "batch \\(PyG's node -> graph ids\\) goes with edge_index, "
+                                                     "got adjacency"):
+            walk.graph_positions(torch.ones(4, 4), batch=batch)
+        with pytest.raises(TypeError, match=owner + "batch must be an integer tensor \\[N\\]"):
+            walk.graph_positions(edge_index=edges, batch=batch.float())
+        with pytest.raises(ValueError, match=owner + "batch must hold a graph id >= 0 for each of the num_nodes=5 nodes"):
+            walk.graph_positions(edge_index=edges, batch=batch, num_nodes=5)
+        with pytest.raises(ValueError, match=owner + "batch must hold a graph id >= 0 .* holding ids -1 to 0"):
+            walk.graph_positions(edge_index=edges, batch=torch.tensor([-1, -1, 0, 0]))
+
     def test_sign_flips_in_training_only(self):
         nodes = LaplacianPositionalEmbedding(8, 3).graph_positions(random_graph(9, 0.3, 6)).float()
         pe = LaplacianPositionalEmbedding(8, 3, generator=torch.Generator().manual_seed(0))
@@ -2960,6 +3032,32 @@ class TestAbacus:
             pe = AbacusPositionalEmbedding(4, ids)
             assert pe.digit_ids == (0, 1, 2) and all(type(i) is int for i in pe.digit_ids)
             assert digit_positions(torch.tensor([2, 5, 0, 1]), ids).tolist() == [1, 0, 1, 2]
+
+    def test_the_offset_and_the_rows_read_are_public(self):
+        """draw_digit_offset() draws the k a training call uses (the same generator stream), table_rows gives the
+        rows read (p + k for digits, 0 for other tokens: a plain loop), and embed takes an explicit k."""
+        places = torch.tensor([[1, 2, 3, 0, 1, 2, 0, 1]])
+        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        twin = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        table = pe.embedding.weight
+        for _ in range(20):
+            k = twin.draw_digit_offset()
+            assert k.dtype == torch.int64 and k.dim() == 0 and 0 <= int(k) <= 5
+            want = [[p + int(k) if p > 0 else 0 for p in row] for row in places.tolist()]
+            assert pe.table_rows(places).tolist() == want                               # the draw it makes itself
+            torch.testing.assert_close(pe.embed(places, digit_offset=k), table[torch.tensor(want)], rtol=0, atol=0)
+        pe.eval()
+        state = pe.generator.get_state()
+        assert int(pe.draw_digit_offset()) == 0 and pe.table_rows(places).tolist() == places.tolist()
+        assert torch.equal(pe.generator.get_state(), state)                              # eval draws nothing
+        assert pe.table_rows(places, digit_offset=3).tolist() == [[4, 5, 6, 0, 4, 5, 0, 4]]   # given: any mode
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: digit_offset must be a non-negative int, "
+                                             "got digit_offset=-1"):
+            pe.embed(places, digit_offset=-1)
+        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: digit_offset must be an int, got float 2.5"):
+            pe.table_rows(places, digit_offset=2.5)
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
+            pe.table_rows(places, digit_offset=29)
 
     def test_reference_state_dict_loads(self):
         # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
@@ -5581,6 +5679,41 @@ class TestRerotate:
         got = rope.rerotate(rope(k, old, seq_dim=-3), old, new, seq_dim=-3)
         torch.testing.assert_close(got, rope(k, new, seq_dim=-3), rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_per_head_positions_turn_each_head_by_its_own_difference(self, interleaved):
+        """Per-head positions [B, H, N] (kvpress's per-head eviction): against the float64 rotation-matrix
+        oracle run head by head, in both layouts (seq_dim=-3 included), old or new shared by every head."""
+        rope = RotaryPositionalEmbedding(8, base=100.0, interleaved=interleaved)
+        x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        old, new = torch.randint(-50, 1000, (2, 3, 5), generator=g), torch.randint(0, 40, (2, 3, 5), generator=g)
+        shared = torch.tensor([4, 0, 9, 2, 7])                                          # [N]: every head
+        for new_positions, diff in ((new, new - old), (shared, shared - old)):
+            want = torch.stack([torch.stack([rope_oracle(x[b, h], diff[b, h].tolist(), plain_inv_freq(8, 100.0),
+                                                         interleaved=interleaved) for h in range(3)]) for b in range(2)])
+            torch.testing.assert_close(rope.rerotate(x, old, new_positions), want, rtol=1e-12, atol=1e-12)
+            heads_last = rope.rerotate(x.transpose(1, 2), old, new_positions, seq_dim=-3)   # [B, N, H, Dh]
+            torch.testing.assert_close(heads_last.transpose(1, 2), want, rtol=1e-12, atol=1e-12)
+        one_head = rope.rerotate(x, old[:, :1], new[:, :1])                             # H = 1: shared by the heads
+        torch.testing.assert_close(one_head, rope.rerotate(x, old[:, :1].expand(2, 3, 5), new[:, :1].expand(2, 3, 5)))
+
+    @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("dynamic", "longrope")], ids=str)
+    def test_per_head_eviction_equals_rotating_each_head_at_its_new_positions(self, layout):
+        """kvpress-style: each key head keeps its own 6 of 16 cached keys (rotated at 0..15) and renumbers them
+        0..5; the moved cache equals each head's kept raw keys rotated at 0..5 from scratch."""
+        rope = RotaryPositionalEmbedding(16, **self.LAYOUTS[layout])
+        keys = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        g = torch.Generator().manual_seed(1)
+        kept = torch.rand(2, 3, 16, generator=g).argsort(-1)[..., :6].sort(-1).values   # [B, H, 6] per head
+        if rope.num_axes == 1:
+            old, new = kept, torch.arange(6)
+        else:   # grid positions per token: token t at (t, t // 4, t % 4)
+            grid = torch.stack([torch.arange(16), torch.arange(16) // 4, torch.arange(16) % 4], -1)   # [16, 3]
+            old, new = grid[kept], grid[:6]                                             # [B, H, 6, 3], [6, 3]
+        cached = rope(keys, grid if rope.num_axes > 1 else None).gather(2, kept[..., None].expand(-1, -1, -1, 16))
+        raw = keys.gather(2, kept[..., None].expand(-1, -1, -1, 16))                    # [B, H, 6, Dh]
+        torch.testing.assert_close(rope.rerotate(cached, old, new), rope(raw, new), rtol=1e-12, atol=1e-12)
+
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
         k = torch.randn(1, H, 4, DH)
@@ -5590,6 +5723,13 @@ class TestRerotate:
             rope.rerotate(k, torch.arange(3), torch.arange(4))
         with pytest.raises(ValueError, match="RotaryPositionalEmbedding: x"):
             rope.rerotate(torch.randn(1, H, 4, DH + 2), torch.arange(4), torch.arange(4))
+        with pytest.raises(ValueError, match=re.escape(f"RotaryPositionalEmbedding: per-head old_positions must have "
+                                                       f"shape [1, {H}, 4] (B or H may be 1) for x of shape (1, {H}, 4, "
+                                                       f"{DH}), got (1, {H + 1}, 4)")):
+            rope.rerotate(k, torch.zeros(1, H + 1, 4, dtype=torch.long), torch.arange(4))
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: per-head new_positions \\(\\[B, H, N\\]\\) "
+                                             "need a 4-D x, got x of shape \\(4, 32\\)"):
+            rope.rerotate(torch.randn(4, 32), torch.arange(4), torch.zeros(1, 1, 4, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------
@@ -5902,6 +6042,25 @@ class TestLayerEncodings:
         assert (large4[0].dim, large4[0].rotary_dim, large4[0].rotated_channels) == (128, 64, "trailing")
         with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported .*rope_alpha"):
             RotaryPositionalEmbedding.from_config(transformers.MistralLarge4TextConfig())
+
+    def test_each_layer_says_which_rope_parameters_it_got(self):
+        """Per-layer-type RoPEs carry their layer type (the key of the config's rope_parameters), in the repr
+        too; layers of one type share one module; a single RoPE for every layer has None."""
+        transformers = pytest.importorskip("transformers")
+        config = transformers.Gemma3TextConfig(num_hidden_layers=6)
+        gemma = layer_encodings(config)
+        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == \
+            ["sliding_attention"] * 5 + ["full_attention"]
+        assert "layer_type='full_attention'" in repr(gemma[5]) and gemma[0] is gemma[4]
+        assert gemma[5].base == config.rope_parameters["full_attention"]["rope_theta"]
+        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
+                                                                         "compressed_sparse_attention"] * 2,
+                                                            num_hidden_layers=4))
+        assert [pe.layer_type for pe in v4] == ["main", "compress"] * 2
+        smol = layer_encodings(transformers.SmolLM3Config(num_hidden_layers=4))
+        assert smol[0].layer_type is None and "layer_type" not in repr(smol[0])
+        assert RotaryPositionalEmbedding.from_config(config, layer_type="sliding_attention").layer_type == \
+            "sliding_attention"
 
     def test_mistral_large4_output_with_our_rope(self):
         """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
@@ -8281,6 +8440,17 @@ class TestForgetting:
             # a longer bound sequence: keys are its first Nk tokens
             torch.testing.assert_close(attention(q[..., t : t + 1, :], *keys, fox(x), causal=True), step)
 
+    def test_without_a_token_width_it_binds_log_forget_values_only(self):
+        """dim=None: no fgate_proj (nothing allocated); bound to log f it is the module with a projection."""
+        bare = ForgettingPositionalEmbedding(None, H)
+        assert bare.fgate_proj is None and list(bare.parameters()) == []
+        log_forget = F.logsigmoid(torch.randn(B, H, N) + 2)
+        full = ForgettingPositionalEmbedding(D, H)
+        torch.testing.assert_close(bare.bind(log_forget=log_forget)(N - 2, N),
+                                   full.bind(log_forget=log_forget)(N - 2, N), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="ForgettingPositionalEmbedding: built with dim=None, without projections"):
+            bare(torch.randn(B, N, D))
+
     def test_long_sequence_precision(self):
         # c_i - c_j after 2**18 tokens of log f ~ -1: a float32 cumsum loses eps * |c| ~ 0.03
         n = 2**18
@@ -8507,6 +8677,137 @@ class TestInkling:
             step = attention(q[..., t : t + 1, :], k[..., : t + 1, :], v[..., : t + 1, :], pe(x[:, : t + 1]),
                              causal=True)
             torch.testing.assert_close(step, full[..., t : t + 1, :])
+
+    @pytest.mark.parametrize("options", [dict(), dict(clip_threshold=0.3, log_scaling_n_floor=3, log_scaling_alpha=0.5)],
+                             ids=["inkling", "inkling2"])
+    def test_bound_at_an_offset_gives_the_full_pass_last_rows(self, options):
+        """A decoding step binds only its new tokens, at their offset: the bias is the full pass's last rows
+        (and the float64 loop oracle's), and attention the full pass's last outputs, dense and FlexAttention."""
+        pe = InklingPositionalEmbedding(12, 2, d_rel=3, max_distance=4, init_std=0.5, **options).double()
+        x = torch.randn(2, 9, 12, dtype=torch.float64)
+        full = pe(x)(9, 9)
+        for new in (1, 3):
+            step = pe.bind(x[:, 9 - new:], offset=9 - new)                              # tokens 9 - new .. 8
+            assert "from token" in repr(step)
+            torch.testing.assert_close(step(new, 9), full[..., -new:, :], rtol=0, atol=0)
+            torch.testing.assert_close(step(new, 9), inkling_oracle(pe, x, new, 9), rtol=1e-12, atol=1e-12)
+        middle = pe.bind(x[:, 5:], offset=5)                                            # tokens 5 .. 8 bound
+        torch.testing.assert_close(middle(2, 7), pe(x)(2, 7), rtol=0, atol=0)          # queries 5, 6; keys 0 .. 6
+        q, k, v = torch.randn(3, 2, 2, 9, 8, dtype=torch.float64).unbind(0)
+        want = attention(q, k, v, pe(x), causal=True)[..., -1:, :]
+        for flex in (False, True):
+            got = attention(q[..., -1:, :], k, v, pe.bind(x[:, -1:], offset=8), causal=True, use_flex=flex)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=re.escape("InklingPositionalEmbedding: the queries (tokens 4 .. 6, the "
+                                                       "last Nq=3 of Nk=7) must be bound, got tokens 5 .. 8 bound")):
+            middle(3, 7)
+        with pytest.raises(ValueError, match=re.escape("InklingPositionalEmbedding: k has more tokens than the bound "
+                                                       "encoding: keys are the bound tokens, got Nk=10 for [2, 4, 12] "
+                                                       "bound from token 5")):
+            middle(1, 10)
+        with pytest.raises(ValueError, match="InklingPositionalEmbedding: offset must be a non-negative int, got "
+                                             "offset=-1"):
+            pe.bind(x, offset=-1)
+
+    # model type -> (transformers models module, config class, full and sliding attention classes)
+    INKLING_MODULES = {
+        "inkling_text": ("inkling", "InklingTextConfig", "InklingAttention", "InklingAttention"),
+        "inkling2_text": ("inkling2", "Inkling2TextConfig", "Inkling2FullAttention", "Inkling2SlidingAttention"),
+        "inkling2_loop_text": ("inkling2_loop", "Inkling2LoopTextConfig", "Inkling2LoopFullAttention",
+                               "Inkling2LoopSlidingAttention"),
+    }
+
+    @pytest.mark.parametrize("model_type", list(INKLING_MODULES))
+    def test_from_config_matches_each_layer_types_module(self, model_type, monkeypatch):
+        """from_config(config, layer_type=...) against the bias of that layer type's transformers attention
+        (different head counts and extents per type), weights copied by transformers' names."""
+        package, config_name, full_name, sliding_name = self.INKLING_MODULES[model_type]
+        modeling = pytest.importorskip(f"transformers.models.{package}.modeling_{package}")
+        config_class = getattr(pytest.importorskip(f"transformers.models.{package}.configuration_{package}"),
+                               config_name)
+        extra = {} if package == "inkling" else dict(rel_l2_clip_threshold=0.4)
+        config = config_class(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=DH,
+                              swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=DH,
+                              sliding_window_size=4, d_rel=4, rel_extent=6, num_hidden_layers=2, vocab_size=64,
+                              layer_types=["hybrid", "hybrid_sliding"], log_scaling_n_floor=3, log_scaling_alpha=0.5,
+                              **extra)
+        config._attn_implementation = "eager"
+        seen = {}
+        original = modeling.eager_attention_forward
+
+        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+            seen["bias"] = position_bias
+            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
+        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        x, tokens = torch.randn(B, N, D), torch.arange(N)
+        for layer, (layer_type, attention_class) in enumerate((("hybrid", full_name), ("hybrid_sliding", sliding_name))):
+            theirs = getattr(modeling, attention_class)(config, layer)
+            for weight in theirs.parameters():
+                torch.nn.init.normal_(weight, std=0.3)
+            ours = InklingPositionalEmbedding.from_config(config.to_dict(), layer_type=layer_type)
+            assert ours.num_heads == (H if layer_type == "hybrid" else 2)
+            with torch.no_grad():
+                if package == "inkling":   # its bias reaches the attention function
+                    ours.r_proj.weight.copy_(theirs.r_proj.weight)
+                    ours.proj.copy_(theirs.rel_logits_proj.proj)
+                    theirs(x, attention_mask=None)
+                    want = seen["bias"]
+                else:
+                    module = theirs.relative_position_bias
+                    ours.r_proj.weight.copy_(module.linear.weight)
+                    ours.scale.copy_(module.norm.scale)
+                    ours.proj.copy_(module.proj)
+                    want = module(x, tokens[:, None] - tokens[None, :], tokens.expand(B, N))
+            torch.testing.assert_close(ours(x)(N, N), want, rtol=1e-5, atol=1e-6)
+        multimodal, extra = {"inkling_text": ("InklingConfig", {}),
+                             "inkling2_text": ("Inkling2Config", dict(vision_config={"text_hidden_size": D})),
+                             "inkling2_loop_text": ("Inkling2LoopConfig", dict(vision_config={"text_hidden_size": D}))
+                             }[model_type]
+        wrapper = getattr(importlib.import_module(f"transformers.models.{package}.configuration_{package}"),
+                          multimodal)(text_config=config.to_dict(), **extra)                # its text_config is read
+        for layer_type in ("hybrid", "hybrid_sliding"):
+            assert pe_lib._inkling_kwargs_from_config(wrapper, layer_type=layer_type) == \
+                pe_lib._inkling_kwargs_from_config(config, layer_type=layer_type)
+
+    @pytest.mark.parametrize("model_type", list(pe_lib._INKLING_MODELS))
+    def test_from_config_defaults_are_the_config_classes(self, model_type):
+        """A raw config.json that omits a field reads transformers' default for it."""
+        package = model_type.replace("_text", "").replace("_mm_model", "")
+        config_name = {"inkling": "InklingTextConfig", "inkling2": "Inkling2TextConfig",
+                       "inkling2_loop": "Inkling2LoopTextConfig"}[package]
+        config = getattr(pytest.importorskip(f"transformers.models.{package}.configuration_{package}"), config_name)()
+        for layer_type in ("hybrid", "hybrid_sliding"):
+            assert pe_lib._inkling_kwargs_from_config({"model_type": model_type}, layer_type=layer_type) == \
+                pe_lib._inkling_kwargs_from_config(config, layer_type=layer_type)
+
+    def test_checkpoint_names_load_inkling2s_saved_checkpoint(self, tmp_path):
+        """The names of checkpoint_names are those transformers writes for Inkling 2 (its save_pretrained converts
+        back to the released checkpoint's names): loaded by them, each layer's bias is the model's."""
+        modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+        config_module = pytest.importorskip("transformers.models.inkling2.configuration_inkling2")
+        safetensors = pytest.importorskip("safetensors.torch")
+        config = config_module.Inkling2TextConfig(
+            hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, swa_num_attention_heads=4,
+            swa_num_key_value_heads=1, swa_head_dim=16, sliding_window_size=4, d_rel=4, rel_extent=6,
+            num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], log_scaling_n_floor=3,
+            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, vocab_size=64,
+            unpadded_vocab_size=60, eos_token_id=1)
+        torch.manual_seed(0)
+        model = modeling.Inkling2ForCausalLM(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "relative_position_bias" in name:
+                    torch.nn.init.normal_(weight, std=0.3)
+        model.save_pretrained(tmp_path)
+        saved = safetensors.load_file(str(tmp_path / "model.safetensors"))
+        x, tokens = torch.randn(B, 7, 32), torch.arange(7)
+        for layer, layer_type in enumerate(config.layer_types):
+            ours = InklingPositionalEmbedding.from_config(config, layer_type=layer_type)
+            ours.load_state_dict({parameter: saved[f"model.llm.layers.{layer}.{name}"]
+                                  for name, parameter in InklingPositionalEmbedding.checkpoint_names.items()})
+            theirs = model.model.layers[layer].self_attn.relative_position_bias
+            want = theirs(x, tokens[:, None] - tokens[None, :], tokens.expand(B, 7))
+            torch.testing.assert_close(ours(x)(7, 7), want, rtol=1e-5, atol=1e-6)
 
     def test_zero_outside_the_look_back_window(self):
         pe = InklingPositionalEmbedding(D, H, d_rel=4, max_distance=3, init_std=0.5)
@@ -9646,6 +9947,34 @@ class TestRandomized:
         with pytest.raises(ValueError, match="a sequence of 17 tokens needs max_len >= 17, got max_len=16"):
             pe.draw(17)
 
+    def test_randomized_positions_are_the_wrappers_draws(self):
+        """The public sampler and the wrapper draw the same positions under one seed: in draw(), and in the
+        positions attention() uses in training (the wrapped RoPE at the function's draws, to the bit)."""
+        rope = RotaryPositionalEmbedding(DH)
+        pe = RandomizedPositionalEmbedding(rope, 50, generator=seeded(4))
+        mine = seeded(4)
+        for n in (1, 12, 50, 0):
+            assert torch.equal(pe.draw(n), randomized_positions(n, 50, generator=mine))
+        q, k, v = qkv(5, 12)
+        drawn = randomized_positions(12, 50, generator=mine)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True),
+                                   attention(q, k, v, rope, positions_q=drawn[7:], positions_k=drawn, causal=True),
+                                   rtol=0, atol=0)
+        torch.manual_seed(5)
+        unseeded = randomized_positions(7, 9)                                            # torch's global generator
+        torch.manual_seed(5)
+        assert torch.equal(unseeded, RandomizedPositionalEmbedding(rope, 9).draw(7))
+        assert randomized_positions(3, 10, device="meta").is_meta
+        owner = "randomized_positions: "
+        with pytest.raises(ValueError, match=owner + "n must be a non-negative int, got n=-1"):
+            randomized_positions(-1, 10)
+        with pytest.raises(TypeError, match=owner + "n must be an int, got float 2.5"):
+            randomized_positions(2.5, 10)
+        with pytest.raises(ValueError, match=owner + "a sequence of 11 tokens needs max_len >= 11, got max_len=10"):
+            randomized_positions(11, 10)
+        with pytest.raises(TypeError, match=owner + "generator must be a torch.Generator or None, got int"):
+            randomized_positions(1, 10, generator=0)
+
     def test_every_subset_is_equally_likely(self):
         # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
         # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
@@ -9976,6 +10305,40 @@ class TestPaTH:
         # the reference computes in float32 throughout (its own rounding, about 1e-6)
         torch.testing.assert_close(attention(q, k, v, bound, causal=True), layout(want), rtol=0, atol=2e-5)
 
+    @pytest.mark.parametrize("gate_scaled", [True, False])
+    def test_without_a_token_width_it_binds_precomputed_values_and_owns_nothing(self, gate_scaled):
+        """dim=None: no projections (no parameters at all, the forget gate's included); bound to precomputed
+        w, beta and log f it equals the float64 oracle and the full module bound to the same values."""
+        bare = PaTHPositionalEmbedding(None, H, DH, num_kv_heads=2, forget_gate=True, gate_scaled=gate_scaled,
+                                       block_size=4)
+        assert list(bare.parameters()) == [] and list(bare.state_dict()) == []
+        assert (bare.w_proj, bare.w_conv1d, bare.bt_proj, bare.forget.fgate_proj) == (None, None, None, None)
+        w, beta = random_transitions(B, 2, N, DH)
+        log_forget = F.logsigmoid(torch.randn(B, H, N, dtype=torch.float64) + 2)
+        q, k, v = (t.double() for t in qkv(N - 3, N))
+        k, v = k[:, :2], v[:, :2]
+        got = attention(q, k, v, bare.bind(w=w, beta=beta, log_forget=log_forget), causal=True)
+        want, _ = path_oracle(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), w, beta, log_forget, gate_scaled)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        full = PaTHPositionalEmbedding(D, H, num_kv_heads=2, forget_gate=True, gate_scaled=gate_scaled, block_size=4)
+        torch.testing.assert_close(got, attention(q, k, v, full.bind(w=w, beta=beta, log_forget=log_forget), causal=True),
+                                   rtol=0, atol=0)
+        plain = PaTHPositionalEmbedding(None, H, DH, block_size=4).bind(w=w.repeat_interleave(2, 1),
+                                                                        beta=beta.repeat_interleave(2, 1))
+        torch.testing.assert_close(plain(q, k.repeat_interleave(2, 1)),
+                                   path_oracle(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                               w.repeat_interleave(2, 1), beta.repeat_interleave(2, 1))[1],
+                                   rtol=1e-12, atol=1e-12)
+        owner = "PaTHPositionalEmbedding: "
+        with pytest.raises(ValueError, match=owner + "built with dim=None, without projections: it binds precomputed "
+                                                     "inputs only \\(see bind\\), got token states x"):
+            bare(torch.randn(B, N, D))
+        with pytest.raises(ValueError, match=owner + "not bound: built with dim=None"):
+            attention(q, k, v, bare, causal=True)
+        with pytest.raises(ValueError, match=owner + "dim=None \\(no projections: bind precomputed w and beta\\) needs "
+                                                     "head_dim and no layer, got head_dim=None"):
+            PaTHPositionalEmbedding(None, H)
+
     def test_no_reflection_is_plain_causal_attention(self):
         q, k, v = qkv()
         bound = PaTHPositionalEmbedding(D, H).bind(w=torch.randn(B, H, N, DH), beta=torch.zeros(B, H, N))
@@ -10044,13 +10407,14 @@ class TestPaTH:
 # ---------------------------------------------------------------------------
 
 
-def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded):
-    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length, pair p of head h
-    turned by C = sum_d A[h, d, p] cos(w_d m) and S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and
-    S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
+def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded, num_frequencies=None):
+    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length (or, as vLLM's
+    num_inv_freq, the first num_frequencies), pair p of head h turned by C = sum_d A[h, d, p] cos(w_d m) and
+    S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
     heads, n, dh = x.shape
     freqs = [base ** (-2 * i / dh) for i in range(dh // 2)]
-    freqs = [w for w in freqs if w >= 2 * math.pi / train_length]
+    freqs = freqs[:num_frequencies] if num_frequencies is not None else \
+        [w for w in freqs if w >= 2 * math.pi / train_length]
     pairs = cos_coef.shape[-1]
     out = torch.empty(heads, n, dh, dtype=torch.float64)
     for h in range(heads):
@@ -10075,6 +10439,23 @@ class TestFoPE:
         positions = [0, 3, 17, 250, 4000]
         want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
         torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("count", [1, 5, 8])
+    def test_the_number_of_kept_frequencies_is_vllms_num_inv_freq(self, count):
+        """num_frequencies=D keeps w_0 .. w_{D-1} (vLLM: inv_freq[:num_inv_freq], input and output dims D, the
+        rest C = 1, S = 0), whatever their periods; the same module as the train_length that keeps D."""
+        pe = FoPEPositionalEmbedding(16, 2, num_frequencies=count, base=100.0).double()
+        assert pe.num_frequencies == count and pe.cos_coef.shape == (2, count, count) and pe.train_length is None
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        positions = [0, 3, 17, 250, 4000]
+        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, None, 100.0, "identity", num_frequencies=count)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+        if count == 5:   # 100^(-8/16) >= 2 pi / 100 > 100^(-10/16): train_length=100 keeps the same five
+            torch.manual_seed(0)
+            by_count = FoPEPositionalEmbedding(16, 2, num_frequencies=5, base=100.0)
+            torch.manual_seed(0)
+            by_length = FoPEPositionalEmbedding(16, 2, train_length=100, base=100.0)
+            torch.testing.assert_close(by_count(x.float()), by_length(x.float()), rtol=0, atol=0)
 
     def test_without_noise_or_clipping_it_is_rope(self):
         fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
@@ -10130,6 +10511,14 @@ class TestFoPE:
             FoPEPositionalEmbedding(DH, H, 512, padded="zeros")
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: head_dim"):
             FoPEPositionalEmbedding(DH + 1, H, 512)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length .* and "
+                                            "num_frequencies .*, got train_length=512 and num_frequencies=4"):
+            FoPEPositionalEmbedding(DH, H, 512, num_frequencies=4)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length"):
+            FoPEPositionalEmbedding(DH, H)
+        with pytest.raises(ValueError, match=f"FoPEPositionalEmbedding: num_frequencies must be at most head_dim // 2 "
+                                             f"= {DH // 2}, got num_frequencies={DH // 2 + 1}"):
+            FoPEPositionalEmbedding(DH, H, num_frequencies=DH // 2 + 1)
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: sigma"):
             FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
         with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
@@ -11872,6 +12261,7 @@ def test_docs_list_the_from_config_model_types():
     assert docs_model_types("RoPE model types (") == set(pe_lib._ROPE_MODEL_TYPES)
     assert docs_model_types("T5 bias model types (") == set(pe_lib._T5_MODEL_TYPES)
     assert docs_model_types("ALiBi model types (") == set(pe_lib._ALIBI_MODEL_TYPES)
+    assert docs_model_types("Inkling bias model types (") == set(pe_lib._INKLING_MODELS)
     text = (pathlib.Path(__file__).parent / "docs" / "model_parity.md").read_text()
     for name in [*pe_lib._ROPE_REFUSED, *pe_lib._T5_REFUSED, *pe_lib._ALIBI_REFUSED]:
         assert f"- `{name}`" in text, f"{name}: refused without a reason in the docs"
