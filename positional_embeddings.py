@@ -1033,7 +1033,8 @@ def attention(
         v (Tensor): values ``[B, Hkv, Nk, Dv]``.
         pe (PositionalEmbedding, optional): the encoding. Default: None.
         positions_q, positions_k (Tensor, optional): ``[N]`` or ``[B, N]`` positions.
-            Default: keys ``arange(Nk)``, queries the last ``Nq`` of them.
+            Default: keys ``arange(Nk)``, queries the last ``Nq`` of them. A ValueError with
+            ``pe=None`` or an ``"input"`` encoding, which read no positions here.
         causal (bool, optional): mask keys after each query, bottom-right aligned when
             ``Nq < Nk`` (decoding with a cache). Index based, not position based.
             None follows the encoding: causal for a causal-mode encoding (``pe.is_causal``:
@@ -1072,6 +1073,10 @@ def attention(
     if use_flex is not None:
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
+    if pe is None or pe.kind == "input":  # nothing here reads positions: passing them is a mistake, not a no-op
+        why = ("no encoding is given" if pe is None else
+               f"{type(pe).__name__} is added to the tokens; pass its positions to forward_input")
+        _reject_positions(owner, positions_q, positions_k, why)
     flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
         and bool(use_flex)
     if document_ids is not None:

@@ -1312,6 +1312,17 @@ class TestAttention:
         q, k, v = qkv()
         torch.testing.assert_close(attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
+    @pytest.mark.parametrize("case", [c for c in CASES if c.make().kind == "input"] + [None],
+                             ids=lambda c: "none" if c is None else c.name)
+    def test_positions_with_no_or_an_input_encoding_raise(self, case):
+        """Issue 41: sinusoidal, learned, ... silently ignored them, Heinsen and the PEG raised: now all raise."""
+        pe = None if case is None else case.make()
+        q, k, v = qkv()
+        name = "no encoding is given" if pe is None else f"{type(pe).__name__} is added to the tokens"
+        for given in ({"positions_q": torch.arange(N)}, {"positions_k": torch.arange(N)}):
+            with pytest.raises(ValueError, match=f"^attention: {next(iter(given))} must be None: {name}"):
+                attention(q, k, v, pe, causal=True, **given)
+
     def test_causal_is_bottom_right_when_fewer_queries(self):
         q, k, v = qkv(N, N, dtype=torch.float64)
         full = attention(q, k, v, causal=True)
