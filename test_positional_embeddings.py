@@ -123,8 +123,11 @@ D = H * DH
 
 # PE_SLOW=1: the heavy tests run in full. Without it each keeps a representative subset; the rest carries the
 # ``slow`` marker and skips (PE_SLOW=1 python3 -m pytest -m slow runs exactly that rest, as .ci/run does).
+# A few slow parameters per base also carry ``sample``: on the oldest and newest torch, .ci/run runs the
+# default part and ``PE_SLOW=1 python3 -m pytest -m "slow and sample"`` (compile, export, flex per base).
 SLOW = bool(os.environ.get("PE_SLOW"))
 SLOW_MARKS = (pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="slow: runs with PE_SLOW=1"))
+SAMPLE_MARKS = (*SLOW_MARKS, pytest.mark.sample)
 
 
 def slow(test):
@@ -134,12 +137,15 @@ def slow(test):
     return test
 
 
-def quick_or_slow(values, quick, ids=None):
-    """``values`` as parameters: those whose id is in ``quick`` run by default, the others are slow."""
+def quick_or_slow(values, quick, ids=None, sample=()):
+    """``values`` as parameters: those whose id is in ``quick`` run by default, the others are slow; those in
+    ``sample`` are slow and also in the per-base sample of the slow part (marker ``sample``)."""
     ids = [str(v) for v in values] if ids is None else list(ids)
-    unknown = set(quick) - set(ids)
-    assert not unknown, f"quick ids not among the parameters: {sorted(unknown)}"
-    return [pytest.param(v, id=i, marks=() if i in quick else SLOW_MARKS) for v, i in zip(values, ids)]
+    unknown = (set(quick) | set(sample)) - set(ids)
+    assert not unknown, f"quick or sample ids not among the parameters: {sorted(unknown)}"
+    assert not set(quick) & set(sample), "a quick parameter runs by default: it needs no sample mark"
+    marks = lambda i: () if i in quick else SAMPLE_MARKS if i in sample else SLOW_MARKS   # noqa: E731
+    return [pytest.param(v, id=i, marks=marks(i)) for v, i in zip(values, ids)]
 
 
 @pytest.fixture(autouse=True)
@@ -1517,7 +1523,7 @@ class TestPackedDocuments:
         return [slice(s, s + n) for s, n in zip(starts, lengths)]
 
     @pytest.mark.parametrize("causal", [False, True])
-    @pytest.mark.parametrize("name", quick_or_slow(list(BIAS_MAKERS), QUICK))
+    @pytest.mark.parametrize("name", quick_or_slow(list(BIAS_MAKERS), QUICK, sample={"fire", "kerple"}))
     def test_flex_documents_equal_dense_and_each_document_alone(self, name, causal):
         pe = self.BIAS_MAKERS[name]()
         q, k, v = qkv()
@@ -1639,7 +1645,8 @@ class TestFlexAttention:
                    lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
                    lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True, num_buckets=8, max_distance=12)]
     # T5 on FlexAttention in the default run, every maker with PE_SLOW=1 (each flex call traces its score_mod)
-    BIAS_PARAMS = quick_or_slow(BIAS_MAKERS, {"t5"}, ids=["t5", "alibi", "alibi_bidirectional", "tupe"])
+    BIAS_PARAMS = quick_or_slow(BIAS_MAKERS, {"t5"}, ids=["t5", "alibi", "alibi_bidirectional", "tupe"],
+                                sample={"tupe"})
 
     @pytest.mark.parametrize("make", BIAS_PARAMS)
     @pytest.mark.parametrize("rows", ["batched", "shared", "narrow"])
@@ -11021,14 +11028,17 @@ def _attend(pe, q, k, v, *positions):
     return attention(q, k, v, pe, causal=True, **dict(zip(("positions_q", "positions_k"), positions)))
 
 
-# exported in the default run (one per kind); PE_SLOW=1 exports every case of EXPORT_CASES
+# exported in the default run (one per kind); PE_SLOW=1 exports every case of EXPORT_CASES; the sample adds one
+# per remaining base for the oldest and newest torch
 QUICK_EXPORT_CASES = {"learned", "rotary", "alibi", "enformer"}
+SAMPLE_EXPORT_CASES = {"heinsen", "algebraic_tree", "fire_bidirectional", "liere_blocks", "cope"}
 
 
 @pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="torch.export needs torch >= 2.6 here")
 class TestExport:
     @pytest.mark.parametrize("case", quick_or_slow([c for c in CASES if c.name in EXPORT_CASES], QUICK_EXPORT_CASES,
-                                                   ids=[c.name for c in CASES if c.name in EXPORT_CASES]))
+                                                   ids=[c.name for c in CASES if c.name in EXPORT_CASES],
+                                                   sample=SAMPLE_EXPORT_CASES))
     def test_dynamic_length_matches_eager(self, case):
         """attention() (forward_input for the input kinds) at two lengths the program was not traced at."""
         pe = case.make().eval()
@@ -11130,7 +11140,11 @@ def block_graphs(lengths, block_size: int) -> int:
     return len({(-(-n // block_size), n % block_size == 0) for n in lengths})
 # dynamo before torch 2.7 recompiles Heinsen's block once more (3 graphs; measured on torch 2.6.0, outputs equal)
 HEINSEN_GRAPHS = 3 if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 7) else 2
-COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES])
+# one case per remaining base (and the version-sensitive Heinsen graphs) on the oldest and newest torch
+SAMPLE_COMPILE_CASES = {"conv_peg_1d", "heinsen", "xpos_interleaved", "string_cayley", "algebraic_sequence",
+                        "relpos2d", "graphormer_token", "transformer_xl", "rerope_leaky", "randomized_alibi"}
+COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES],
+                              sample=SAMPLE_COMPILE_CASES)
 
 
 class TestCompile:
