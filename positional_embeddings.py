@@ -621,6 +621,7 @@ def _reject_positions(owner: str, positions_q, positions_k, why: str) -> None:
 def _token_positions(module: "PositionalEmbedding", positions: Optional[Tensor], x: Tensor, offset: int) -> Tensor:
     """Positions for the tokens of ``x`` ``[..., N, D]``: validated, or ``arange(N) + offset``."""
     owner, n, num_axes = type(module).__name__, x.shape[-2], module.num_axes
+    module._check_device("x", x)
     checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes,
                                module.integer_positions, x.device)
     return _or_default(owner, "positions", checked, n, offset, x.device, num_axes)
@@ -812,6 +813,7 @@ class PositionalEmbedding(nn.Module):
         if not self.takes_positions:
             _reject_positions(owner, positions_q, positions_k, self.order_from)
         _check_qk(owner, q, k, grouped)
+        self._check_device("q", q)
         self._check_heads(q)
         lead = tuple(q.shape[:-2])
         integer = self.integer_positions
@@ -831,6 +833,14 @@ class PositionalEmbedding(nn.Module):
             raise ValueError(f"{owner}: [B, N] positions need q and k of shape [B, ..., H, N, Dh], "
                              f"got q {tuple(q.shape)}")
         return positions_q, positions_k
+
+    def _check_device(self, name: str, x: Tensor) -> None:
+        """``x`` must be on this module's device (a module holding no tensors takes any): torch would fail
+        deep inside, or return an uninitialised result (a batched matmul of a meta and a CPU tensor)."""
+        device = self._buffer_device()
+        if device is not None and x.device != device:
+            raise ValueError(f"{type(self).__name__}: {name} must be on the module's device ({device}), "
+                             f"got {name} on {x.device}")
 
     def _check_heads(self, x: Tensor, name: str = "q and k") -> None:
         """x must be [..., H, N, Dh] with this module's H (per-head encodings) and Dh (those built for
@@ -894,9 +904,10 @@ class PositionalEmbedding(nn.Module):
         """Build the derived (non-persistent) buffers on ``device``; nothing by default."""
 
     def _buffer_device(self):
-        """The device of this module's own tensors (else of its submodules' parameters), or None."""
+        """The device of this module's own tensors (else of its submodules' parameters, else buffers), or None."""
         # lazily (called on every bias call); a loop, as dynamo before 2.7 cannot trace next() with a default
-        for tensor in itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False), self.parameters()):
+        for tensor in itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False), self.parameters(),
+                                      self.buffers()):
             return tensor.device
         return None
 
@@ -1763,6 +1774,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
         prefix = self.num_prefix_tokens
         if grid_shape is None:
             grid_shape = self.grid_shape
@@ -2653,6 +2665,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.d_emb)
+        self._check_device("x", x)
         using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
         if using_prev_context and state is not None:
             raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
@@ -3468,6 +3481,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
         _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
         checked = tuple(_check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
                                          device=x.device) for name, p in positions.items())
         return checked[0] if len(checked) == 1 else checked

@@ -504,6 +504,38 @@ class TestEveryClass:
         moved = copy.deepcopy(pe).to("meta")
         assert all(t.is_meta for t in list(moved.parameters()) + list(moved.buffers()))
 
+    @pytest.mark.parametrize("module_device, inputs_device", [("cpu", "meta"), ("meta", "cpu")])
+    def test_inputs_off_the_module_device_raise_value_error(self, case, module_device, inputs_device):
+        """q and k (x for input kinds) on another device than the module's tensors: a ValueError naming the
+        class and both devices, from attention(), forward_attn and the class's own call. (STRING returned an
+        uninitialised CPU tensor for meta q/k, a batched matmul of meta and CPU giving CPU; most classes
+        raised torch's own error.) A module holding no tensors takes inputs on any device."""
+        pe = case.make().to(module_device)
+        name = type(pe).__name__
+        q, k, v = (t.to(inputs_device) for t in qkv())
+        x = tokens(case).to(inputs_device)
+        positions_q, positions_k = (None if p is None else p.to(inputs_device) for p in case.positions(N, N))
+        if pe.kind == "input":
+            calls = {"forward_input": (lambda: pe.forward_input(x, positions_q), "x")}
+        else:
+            calls = {"forward_attn": (lambda: pe.forward_attn(q, k, positions_q, positions_k), "q"),
+                     "attention": (lambda: attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k),
+                                   "q")}
+        if pe.kind != "bias":   # a bias's own call takes lengths, and positions checked against the module's device
+            argument = "x" if pe.kind == "input" or (pe.kind == "qk" and not isinstance(case, PairCase)) else "q"
+            calls["forward"] = (lambda: _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k),
+                                argument)
+        holds_tensors = any(True for _ in itertools.chain(pe.parameters(), pe.buffers()))
+        for entry, (call, argument) in calls.items():
+            if not holds_tensors:
+                out = call()
+                assert all(t.device == torch.device(inputs_device) for t in (out if isinstance(out, tuple) else
+                                                                             (out,))), entry
+                continue
+            with pytest.raises(ValueError, match=re.escape(f"{name}: {argument} must be on the module's device "
+                                                           f"({module_device}), got {argument} on {inputs_device}")):
+                call()
+
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
     def test_cuda_matches_cpu(self, case):
         pe = case.make()
