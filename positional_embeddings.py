@@ -847,8 +847,9 @@ class PositionalEmbedding(nn.Module):
 
     def _check_device(self, name: str, x: Tensor) -> None:
         """``x`` must be on this module's device (a module holding no tensors takes any): torch would fail
-        deep inside, or return an uninitialised result (a batched matmul of a meta and a CPU tensor)."""
-        device = self._buffer_device()
+        deep inside, or return an uninitialised result (a batched matmul of a meta and a CPU tensor).
+        Eager mode only: dynamo cannot list the tensors of a module bound inside the compiled code."""
+        device = None if _is_compiling() else self._buffer_device()
         if device is not None and x.device != device:
             raise ValueError(f"{type(self).__name__}: {name} must be on the module's device ({device}), "
                              f"got {name} on {x.device}")
@@ -8378,10 +8379,17 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
     of the block before them and are carried through that block's whole product ``I - W^T w2``.
     """
     q_len, k_len, c = q.shape[-2], k.shape[-2], block_size
+    # while exporting, one block: the loop over blocks below is Python, so their number would pin the length
+    exporting = _is_exporting()
+    if exporting and not _surely(k_len <= c):
+        raise ValueError(f"PaTHPositionalEmbedding: torch.export with a dynamic length needs Nk <= block_size={c} "
+                         f"(one block: the blocks are a Python loop, whose count would pin the length), got a length "
+                         f"that may exceed it: export with a Dim of max <= {c}, or build with a larger block_size")
     w, beta = w.expand_as(k), beta.expand(k.shape[:-1])                                 # a shared batch of 1 too
-    pad = -k_len % c                                                                    # padded tokens: w = 0, H = I
+    pad = c - k_len if exporting else -k_len % c                                        # padded tokens: w = 0, H = I
     k, w, beta = F.pad(k, (0, 0, 0, pad)), F.pad(w, (0, 0, 0, pad)), F.pad(beta, (0, pad))
-    blocks, first = (k_len + pad) // c, (k_len - q_len) // c                            # query blocks: first..blocks-1
+    blocks, first = (1, 0) if exporting else ((k_len + pad) // c, (k_len - q_len) // c)
+    # query blocks: first .. blocks - 1
     rows = F.pad(q, (0, 0, k_len - q_len - first * c, pad))                             # queries on their blocks' rows
     split = lambda t: t.unflatten(-2, (-1, c))                                          # [..., n, c, Dh]
     k, w, rows = split(k), split(w), split(rows)
@@ -8404,7 +8412,12 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
         put(targets - first, keys, carried @ k_end[..., keys, :, :].transpose(-1, -2))
         carried = carried - (carried @ w[..., keys, :, :].transpose(-1, -2)) @ w2[..., keys, :, :]
     start = k_len - q_len - first * c
-    logits = out.flatten(-4, -3).flatten(-2)[..., start:start + q_len, :k_len]         # [..., Nq, Nk]
+    logits = out.flatten(-4, -3).flatten(-2)                                            # [..., rows, blocks c]
+    if exporting:  # gathered: a view's strides would pin Nk != c
+        logits = logits.index_select(-2, torch.arange(start, start + q_len, device=q.device)).index_select(
+            -1, torch.arange(k_len, device=q.device))                                   # [..., Nq, Nk]
+    else:
+        logits = logits[..., start:start + q_len, :k_len]                               # [..., Nq, Nk]
     own = torch.arange(q_len, device=q.device) + (k_len - q_len)
     return logits.masked_fill_(torch.arange(k_len, device=q.device) > own.unsqueeze(-1), float("-inf"))
 
@@ -8683,6 +8696,10 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     Explicit positions (and ``attention()``'s document positions) pass through unchanged. For
     calls that rotate q and k separately (``rope(q)``, ``rope(k)``), draw once with ``draw(n)``
     and pass the positions to both. ``generator`` seeds the draws (reproducible training).
+    ``torch.compile(fullgraph=True)`` traces the training draw from torch's global generator
+    (``generator=None``, seeded by ``torch.manual_seed``) but not from a seeded ``generator``, which
+    dynamo cannot pass to an op: draw outside the compiled code instead, ``p = pe.draw(Nk)``, and pass
+    ``positions_q=p[-Nq:], positions_k=p`` (without ``fullgraph`` the draw is a graph break).
 
     The reference's Transformer-XL and ALiBi variants draw relative distances instead of
     positions; they are not implemented (drawn positions give those encodings differences of

@@ -504,7 +504,10 @@ class TestEveryClass:
         moved = copy.deepcopy(pe).to("meta")
         assert all(t.is_meta for t in list(moved.parameters()) + list(moved.buffers()))
 
-    @pytest.mark.parametrize("module_device, inputs_device", [("cpu", "meta"), ("meta", "cpu")])
+    @pytest.mark.parametrize("module_device, inputs_device", [
+        ("cpu", "meta"), ("meta", "cpu"),
+        *(pytest.param(*devices, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+          for devices in (("cpu", "cuda:0"), ("cuda:0", "cpu")))])
     def test_inputs_off_the_module_device_raise_value_error(self, case, module_device, inputs_device):
         """q and k (x for input kinds) on another device than the module's tensors: a ValueError naming the
         class and both devices, from attention(), forward_attn and the class's own call. (STRING returned an
@@ -9720,6 +9723,37 @@ class TestRandomized:
         with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
             RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
 
+    def test_training_compiles_fullgraph_dynamic_as_documented(self):
+        """torch.compile(fullgraph=True, dynamic=True) in training (the docstring's seeded generator failed to
+        trace): the global generator's draw is in the graph (compiled equals eager under two seeds, at two
+        lengths); a seeded generator's draw made outside, passed as positions, compiles; without fullgraph the
+        seeded draw is a graph break and gives eager's values."""
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
+        fn = lambda q, k, v: attention(q, k, v, pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+        for n, seed in ((12, 3), (16, 4)):
+            q, k, v = qkv(n, n)
+            torch.manual_seed(seed)
+            got = compiled(q, k, v)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(got, fn(q, k, v))
+        seeded_pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded())
+        drawn = lambda q, k, v, p: attention(q, k, v, seeded_pe, causal=True, positions_q=p[-q.shape[-2]:],
+                                             positions_k=p)
+        torch._dynamo.reset()
+        compiled = torch.compile(drawn, fullgraph=True, dynamic=True, backend="eager")
+        q, k, v = qkv(N - 4, N)
+        p = seeded_pe.draw(N)
+        torch.testing.assert_close(compiled(q, k, v, p), drawn(q, k, v, p))
+        inside = lambda q, k, v: attention(q, k, v, seeded_pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(inside, dynamic=True, backend="eager")
+        seeded_pe.generator.manual_seed(5)
+        got = compiled(q, k, v)
+        seeded_pe.generator.manual_seed(5)
+        torch.testing.assert_close(got, inside(q, k, v))
+
     @pytest.mark.parametrize("training", [True, False])
     def test_tensors_without_a_token_axis_are_named(self, training):
         """q, k, v or the output of one dim: an IndexError (their lengths were read before any check)."""
@@ -10600,6 +10634,21 @@ class TestExport:
 
         export_and_compare(ForgettingPositionalEmbedding(D, H), fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)),
                            (2, 2, 2, 1))
+
+    def test_path_within_one_block(self):
+        """PaTH's blocks are a Python loop (their count pinned the length even within one block): while exporting
+        it takes one block, so a Dim up to block_size exports (the last length fills the block); a Dim that allows
+        more says so."""
+        pe = PaTHPositionalEmbedding(D, H, num_kv_heads=2, forget_gate=True, block_size=32)
+
+        def fn(pe, q, k, v, x):
+            return attention(q, k, v, pe(x), causal=True)
+
+        export_and_compare(pe, fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)), (2, 2, 2, 1), lengths=(9, 32),
+                           max_len=32)
+        with pytest.raises(ValueError, match=r"PaTHPositionalEmbedding: torch.export with a dynamic length needs "
+                                             r"Nk <= block_size=32 .*export with a Dim of max <= 32"):
+            export_and_compare(pe, fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)), (2, 2, 2, 1), max_len=33)
 
     @pytest.mark.parametrize("make", [lambda: RelativePositionBias2D(H, (4, 5)),
                                       lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32)],
