@@ -927,10 +927,12 @@ class PositionalEmbedding(nn.Module):
 
     def _buffer_device(self):
         """The device of this module's own tensors (else of its submodules' parameters, else buffers), or None."""
-        # lazily (called on every bias call); a loop, as dynamo before 2.7 cannot trace next() with a default
-        for tensor in itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False), self.parameters(),
+        # lazily (called on every call): its own dicts first, a sixth of the cost of parameters(); a loop, as
+        # dynamo before 2.7 cannot trace next() with a default
+        for tensor in itertools.chain(self._parameters.values(), self._buffers.values(), self.parameters(),
                                       self.buffers()):
-            return tensor.device
+            if tensor is not None:
+                return tensor.device
         return None
 
     def _gathered_call(self, fn, *args):
@@ -8388,8 +8390,8 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
     w, beta = w.expand_as(k), beta.expand(k.shape[:-1])                                 # a shared batch of 1 too
     pad = c - k_len if exporting else -k_len % c                                        # padded tokens: w = 0, H = I
     k, w, beta = F.pad(k, (0, 0, 0, pad)), F.pad(w, (0, 0, 0, pad)), F.pad(beta, (0, pad))
+    # query blocks: first .. blocks - 1 (while exporting, the one block)
     blocks, first = (1, 0) if exporting else ((k_len + pad) // c, (k_len - q_len) // c)
-    # query blocks: first .. blocks - 1
     rows = F.pad(q, (0, 0, k_len - q_len - first * c, pad))                             # queries on their blocks' rows
     split = lambda t: t.unflatten(-2, (-1, c))                                          # [..., n, c, Dh]
     k, w, rows = split(k), split(w), split(rows)
