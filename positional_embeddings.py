@@ -573,6 +573,17 @@ def _check_positions(
 _LARGEST_POSITION = 2**62 - 1
 
 
+def _in_base_form(positions, n: int, num_axes: int, device) -> bool:
+    """Positions as the base's checks return them, which attention() hands the hooks: None, or int64 /
+    float64 ``[N(, A)]`` or ``[B, 1, .., 1, N(, A)]`` on ``device`` (None: any). A hook called directly
+    with anything else (``[B, N]`` as ``forward`` takes them, another length) validates it."""
+    axes = int(num_axes > 1)
+    return positions is None or (isinstance(positions, Tensor) and positions.dtype in (torch.long, torch.float64)
+                                 and positions.dim() != 2 + axes and positions.dim() >= 1 + axes
+                                 and positions.shape[positions.dim() - 1 - axes] == n
+                                 and (device is None or positions.device == torch.device(device)))
+
+
 def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
     """Float positions must be finite (a NaN would give NaN features silently); skipped while tracing."""
     if positions.is_floating_point() and not _skip_value_checks(positions) and not torch.isfinite(positions).all():
@@ -622,6 +633,7 @@ def _reject_positions(owner: str, positions_q, positions_k, why: str) -> None:
 def _token_positions(module: "PositionalEmbedding", positions: Optional[Tensor], x: Tensor, offset: int) -> Tensor:
     """Positions for the tokens of ``x`` ``[..., N, D]``: validated, or ``arange(N) + offset``."""
     owner, n, num_axes = type(module).__name__, x.shape[-2], module.num_axes
+    module._check_device("x", x)
     checked = _check_positions(owner, "positions", positions, tuple(x.shape[:-2]), n, num_axes,
                                module.integer_positions, x.device)
     return _or_default(owner, "positions", checked, n, offset, x.device, num_axes)
@@ -738,7 +750,8 @@ class PositionalEmbedding(nn.Module):
     def encode_qk(
         self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None, positions_k: Optional[Tensor] = None
     ) -> tuple:
-        """Queries and keys carrying position, ready for a dot product (identity by default)."""
+        """Queries and keys carrying position, ready for a dot product (identity by default). Positions
+        ``[N]``, or for a batch ``[B, N]`` as ``forward`` takes them or ``[B, 1, N]`` as ``attention()`` passes them."""
         return q, k
 
     def attention_bias(
@@ -751,8 +764,7 @@ class PositionalEmbedding(nn.Module):
     def encode_v(self, v: Tensor, q_len: int, positions_q: Optional[Tensor] = None,
                  positions_k: Optional[Tensor] = None) -> Tensor:
         """Values carrying position, for ``q_len`` queries (identity by default; RoPE's ``rotate_values``).
-        Like ``encode_qk``, it takes positions as ``attention()`` passes them: ``[N]``, or ``[B, 1, N]``
-        for a batch (``forward`` takes ``[B, N]``)."""
+        Positions as ``encode_qk`` takes them: ``[N]``, ``[B, N]`` or ``[B, 1, N]``."""
         return v
 
     def decode_output(self, out: Tensor, k_len: int, positions_q: Optional[Tensor] = None,
@@ -813,6 +825,7 @@ class PositionalEmbedding(nn.Module):
         if not self.takes_positions:
             _reject_positions(owner, positions_q, positions_k, self.order_from)
         _check_qk(owner, q, k, grouped)
+        self._check_device("q", q)
         self._check_heads(q)
         lead = tuple(q.shape[:-2])
         integer = self.integer_positions
@@ -832,6 +845,25 @@ class PositionalEmbedding(nn.Module):
             raise ValueError(f"{owner}: [B, N] positions need q and k of shape [B, ..., H, N, Dh], "
                              f"got q {tuple(q.shape)}")
         return positions_q, positions_k
+
+    def _check_device(self, name: str, x: Tensor) -> None:
+        """``x`` must be on this module's device (a module holding no tensors takes any): torch would fail
+        deep inside, or return an uninitialised result (a batched matmul of a meta and a CPU tensor).
+        Eager mode only: dynamo cannot list the tensors of a module bound inside the compiled code."""
+        device = None if _is_compiling() else self._buffer_device()
+        if device is not None and x.device != device:
+            raise ValueError(f"{type(self).__name__}: {name} must be on the module's device ({device}), "
+                             f"got {name} on {x.device}")
+
+    def _hook_positions(self, lead: tuple, q_len: int, k_len: int, positions_q: Optional[Tensor],
+                        positions_k: Optional[Tensor], device) -> tuple:
+        """The positions of a hook (``encode_qk``, ``encode_v``, ``decode_output``) for inputs ``[*lead, N, ..]``:
+        attention()'s, in the base's form, pass as they are; others (``[B, N(, A)]`` as ``forward`` takes
+        them, a wrong length, not a tensor) are validated as ``forward`` does."""
+        owner = type(self).__name__
+        return tuple(p if _in_base_form(p, n, self.num_axes, device) else
+                     _check_positions(owner, name, p, lead, n, self.num_axes, self.integer_positions, device)
+                     for name, p, n in (("positions_q", positions_q, q_len), ("positions_k", positions_k, k_len)))
 
     def _check_heads(self, x: Tensor, name: str = "q and k") -> None:
         """x must be [..., H, N, Dh] with this module's H (per-head encodings) and Dh (those built for
@@ -896,10 +928,13 @@ class PositionalEmbedding(nn.Module):
         """Build the derived (non-persistent) buffers on ``device``; nothing by default."""
 
     def _buffer_device(self):
-        """The device of this module's own tensors (else of its submodules' parameters), or None."""
-        # lazily (called on every bias call); a loop, as dynamo before 2.7 cannot trace next() with a default
-        for tensor in itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False), self.parameters()):
-            return tensor.device
+        """The device of this module's own tensors (else of its submodules' parameters, else buffers), or None."""
+        # lazily (called on every call): its own dicts first, a sixth of the cost of parameters(); a loop, as
+        # dynamo before 2.7 cannot trace next() with a default
+        for tensor in itertools.chain(self._parameters.values(), self._buffers.values(), self.parameters(),
+                                      self.buffers()):
+            if tensor is not None:
+                return tensor.device
         return None
 
     def _gathered_call(self, fn, *args):
@@ -1770,6 +1805,7 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
         prefix = self.num_prefix_tokens
         if grid_shape is None:
             grid_shape = self.grid_shape
@@ -2777,6 +2813,7 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         owner = type(self).__name__
         _check_tensor(owner, "x", x, 2)
         _check_last_dim(owner, "x", x, self.d_emb)
+        self._check_device("x", x)
         using_prev_context = _check_flag(owner, "using_prev_context", using_prev_context)
         if using_prev_context and state is not None:
             raise ValueError(f"{owner}: pass either using_prev_context=True or state=, not both")
@@ -3288,7 +3325,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
     ``attention()`` rotates v at the key positions and the output back at the query
     positions, so query ``m`` reads ``sum_n w_mn R((n - m) theta) v_n``: a relative position
     in the values as well as in the logits (``encode_v(v, Nq)`` and ``decode_output(out, Nk)``
-    are the two steps, for your own attention, positions ``[N]`` or ``[B, 1, N]``).
+    are the two steps, for your own attention, positions ``[N]``, ``[B, N]`` or ``[B, 1, N]``).
 
     ``scaling`` takes a Hugging Face ``rope_parameters`` dict (``linear``, ``dynamic``,
     ``yarn``, ``longrope``, ``llama3``) and gives the same cos/sin, attention factor
@@ -3609,6 +3646,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
         _check_tensor(owner, "x", x, -seq_dim)
         _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
         checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
                         _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
                                          device=x.device) for name, p in positions.items())
@@ -3638,6 +3676,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
+        positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                                        q.device)
         cos_k, sin_k = self._call_cos_sin("k", q_len, k_len, positions_q, positions_k, k.device, dtype)
         if positions_q is None and positions_k is None and q_len == k_len:
             cos_q, sin_q = cos_k, sin_k
@@ -3649,7 +3689,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
         if not self.rotate_values:
             return v
-        _check_last_dim(type(self).__name__, "v (rotate_values=True turns the values as the keys)", v, self.dim)
+        q_len, positions_q, positions_k = self._check_value_hook("v", v, "q_len", q_len, positions_q, positions_k)
         cos, sin = self._call_cos_sin("k", q_len, v.shape[-2], positions_q, positions_k, v.device,
                                       _compute_dtype(v.dtype))
         return self._apply_rotation(v, cos, sin)
@@ -3659,9 +3699,23 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         it sums ``R(p_k - p_q) v`` over the keys (the rotated values seen from the query)."""
         if not self.rotate_values:
             return out
+        k_len, positions_q, positions_k = self._check_value_hook("out", out, "k_len", k_len, positions_q, positions_k)
         cos, sin = self._call_cos_sin("q", out.shape[-2], k_len, positions_q, positions_k, out.device,
                                       _compute_dtype(out.dtype))
         return self._apply_rotation(out, cos, -sin)
+
+    def _check_value_hook(self, name: str, x: Tensor, length_name: str, length, positions_q: Optional[Tensor],
+                          positions_k: Optional[Tensor]) -> tuple:
+        """``encode_v``'s v ``[..., Nk, Dh]`` and ``q_len``, or ``decode_output``'s out ``[..., Nq, Dh]`` and
+        ``k_len``, checked: ``(length, positions_q, positions_k)``, the positions as ``_hook_positions``'s."""
+        owner = type(self).__name__
+        _check_tensor(owner, name, x, 2)
+        turned = "the values as the keys" if name == "v" else "the output back by the query positions"
+        _check_last_dim(owner, f"{name} (rotate_values=True turns {turned})", x, self.dim)
+        length = _as_int(owner, length_name, length, minimum=0)
+        q_len, k_len = (length, x.shape[-2]) if name == "v" else (x.shape[-2], length)
+        return (length, *self._hook_positions(tuple(x.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                              x.device))
 
     def _call_cos_sin(self, side: str, q_len: int, k_len: int, positions_q, positions_k, device, dtype) -> tuple:
         """cos, sin of one ``attention()`` call's queries (``side="q"``, the last ``Nq`` keys by default) or
@@ -3829,6 +3883,15 @@ class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
         return torch.cat([inv_freq[:kept], torch.zeros_like(inv_freq[kept:])]), factor
 
 
+def _check_video_head_dim(owner: str, arguments: dict) -> None:
+    """VideoRoPE turns a pair each for t, h and w at least: ``Dh >= 6`` (checked before the default
+    sections are derived from it, so a small ``Dh`` is not blamed on sections the user never passed)."""
+    name = "dim" if arguments["dim"] is not None else "head_dim"
+    width = arguments[name]
+    if width is not None and width < 6:
+        raise ValueError(f"{owner}: {name} must be at least 6 (a pair each for t, h and w), got {name}={width}")
+
+
 class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
     """VideoRoPE: 3-D RoPE for video with the lowest frequencies on time and a diagonal spatial layout.
 
@@ -3875,6 +3938,7 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
     """
 
     arguments = {"temporal_spacing": _positive_float}
+    argument_rules = (_check_video_head_dim,)
     no_model_type = ("VideoRoPE", "head_dim, sections=..., temporal_spacing=...")
 
     def __init__(self, dim: Optional[int] = None, *, sections: Optional[list] = None, temporal_spacing: float = 2.0,
@@ -4188,6 +4252,8 @@ class _QKTransform(PositionalEmbedding):
     def _qk_positions(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
                       offset: int) -> tuple:
         """Validated positions on q's and k's devices, or the defaults (one tensor for both when equal)."""
+        positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q.shape[-2], k.shape[-2], positions_q,
+                                                        positions_k, q.device)
         return _pair_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, offset, q.device, k.device)
 
     def _axes(self, positions: Tensor) -> Tensor:
@@ -5753,15 +5819,9 @@ class _PairwiseBias(PositionalEmbedding):
         """``attention_bias``'s positions: those already in the base's form (int64 or float64, ``[N(, A)]``
         or ``[B, 1, .., 1, N(, A)]``, on ``device``) pass as they are; others (a direct call with
         ``[B, N]``, a narrower dtype, another device) are validated as ``forward`` does."""
-        axes = int(self.num_axes > 1)
         target = self._buffer_device() if device is None else torch.device(device)
-
-        def ready(p: Optional[Tensor], n: int) -> bool:
-            return p is None or (isinstance(p, Tensor) and p.dtype in (torch.long, torch.float64)
-                                 and p.dim() != 2 + axes and p.dim() >= 1 + axes and p.shape[p.dim() - 1 - axes] == n
-                                 and (target is None or p.device == target))
-
-        if ready(positions_q, q_len) and ready(positions_k, k_len):
+        if _in_base_form(positions_q, q_len, self.num_axes, target) and \
+                _in_base_form(positions_k, k_len, self.num_axes, target):
             return positions_q, positions_k
         return self._validated(q_len, k_len, positions_q, positions_k, device)
 
@@ -7427,8 +7487,9 @@ class GraphormerPositionalEmbedding(_PairwiseBias):
         ``[2, E]`` with ``num_nodes``), sharing this module's parameters."""
         owner = type(self).__name__
         weights = _dense_adjacency(owner, adjacency, edge_index, num_nodes, None)      # [(B,) N, N] float64
-        if weights.dim() > 3:
-            raise ValueError(f"{owner}: adjacency must be [N, N] or [B, N, N], got {tuple(weights.shape)}")
+        if weights.dim() > 3 or weights.shape[-1] == 0:
+            raise ValueError(f"{owner}: adjacency must be [N, N] or [B, N, N] with at least one node, "
+                             f"got {tuple(weights.shape)}")
         edges = (weights > 0).reshape(-1, *weights.shape[-2:])                         # [B, N, N] bool
         distances = _hop_distances(edges)                                               # [B, N, N]
         if self.graph_token:  # the virtual node is token 0: -1 marks its row and column
@@ -8619,10 +8680,17 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
     of the block before them and are carried through that block's whole product ``I - W^T w2``.
     """
     q_len, k_len, c = q.shape[-2], k.shape[-2], block_size
+    # while exporting, one block: the loop over blocks below is Python, so their number would pin the length
+    exporting = _is_exporting()
+    if exporting and not _surely(k_len <= c):
+        raise ValueError(f"PaTHPositionalEmbedding: torch.export with a dynamic length needs Nk <= block_size={c} "
+                         f"(one block: the blocks are a Python loop, whose count would pin the length), got a length "
+                         f"that may exceed it: export with a Dim of max <= {c}, or build with a larger block_size")
     w, beta = w.expand_as(k), beta.expand(k.shape[:-1])                                 # a shared batch of 1 too
-    pad = -k_len % c                                                                    # padded tokens: w = 0, H = I
+    pad = c - k_len if exporting else -k_len % c                                        # padded tokens: w = 0, H = I
     k, w, beta = F.pad(k, (0, 0, 0, pad)), F.pad(w, (0, 0, 0, pad)), F.pad(beta, (0, pad))
-    blocks, first = (k_len + pad) // c, (k_len - q_len) // c                            # query blocks: first..blocks-1
+    # query blocks: first .. blocks - 1 (while exporting, the one block)
+    blocks, first = (1, 0) if exporting else ((k_len + pad) // c, (k_len - q_len) // c)
     rows = F.pad(q, (0, 0, k_len - q_len - first * c, pad))                             # queries on their blocks' rows
     split = lambda t: t.unflatten(-2, (-1, c))                                          # [..., n, c, Dh]
     k, w, rows = split(k), split(w), split(rows)
@@ -8645,9 +8713,22 @@ def _path_logits(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, block_size: int)
         put(targets - first, keys, carried @ k_end[..., keys, :, :].transpose(-1, -2))
         carried = carried - (carried @ w[..., keys, :, :].transpose(-1, -2)) @ w2[..., keys, :, :]
     start = k_len - q_len - first * c
-    logits = out.flatten(-4, -3).flatten(-2)[..., start:start + q_len, :k_len]         # [..., Nq, Nk]
+    logits = out.flatten(-4, -3).flatten(-2)                                            # [..., rows, blocks c]
+    if exporting:  # gathered: a view's strides would pin Nk != c
+        logits = logits.index_select(-2, torch.arange(start, start + q_len, device=q.device)).index_select(
+            -1, torch.arange(k_len, device=q.device))                                   # [..., Nq, Nk]
+    else:
+        logits = logits[..., start:start + q_len, :k_len]                               # [..., Nq, Nk]
     own = torch.arange(q_len, device=q.device) + (k_len - q_len)
     return logits.masked_fill_(torch.arange(k_len, device=q.device) > own.unsqueeze(-1), float("-inf"))
+
+
+def _check_default_head_dim(owner: str, arguments: dict) -> None:
+    """``head_dim`` left to its default ``dim // num_heads`` must not be 0."""
+    dim, heads = arguments["dim"], arguments["num_heads"]
+    if arguments["head_dim"] is None and dim is not None and dim < heads:
+        raise ValueError(f"{owner}: dim must be at least num_heads when head_dim is not given (its default is "
+                         f"dim // num_heads), got dim={dim} and num_heads={heads}")
 
 
 class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
@@ -8728,6 +8809,7 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
                  "w_rank": _optional_size, "conv_size": _optional_size, "block_size": _check_positive_int,
                  "layer": _module_or_none, "conv_bias": _check_flag, "forget_gate": _check_flag,
                  "gate_scaled": _check_flag}
+    argument_rules = (_check_default_head_dim,)
 
     def __init__(self, dim: Optional[int], num_heads: int, head_dim: Optional[int] = None, *,
                  num_kv_heads: Optional[int] = None, w_rank: Optional[int] = 32, conv_size: Optional[int] = 3,
@@ -8902,6 +8984,9 @@ def _on_drawn_positions(name: str):
     encoding's hook of that name. Every hook takes ``(q, k)`` tensors or ``(q_len, k_len)`` lengths first."""
 
     def hook(self, q, k, positions_q=None, positions_k=None, **kwargs):
+        if isinstance(q, Tensor):   # read for their lengths before the wrapped encoding checks them
+            _check_tensor(type(self).__name__, "q", q, 2)
+            _check_tensor(type(self).__name__, "k", k, 2)
         lengths = (q.shape[-2], k.shape[-2]) if isinstance(q, Tensor) else (q, k)
         device = q.device if isinstance(q, Tensor) else kwargs.get("device")
         positions_q, positions_k = self._resolve_positions(*lengths, positions_q, positions_k, device)
@@ -8963,6 +9048,10 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     Explicit positions (and ``attention()``'s document positions) pass through unchanged. For
     calls that rotate q and k separately (``rope(q)``, ``rope(k)``), draw once with ``draw(n)``
     and pass the positions to both. ``generator`` seeds the draws (reproducible training).
+    ``torch.compile(fullgraph=True)`` traces the training draw from torch's global generator
+    (``generator=None``, seeded by ``torch.manual_seed``) but not from a seeded ``generator``, which
+    dynamo cannot pass to an op: draw outside the compiled code instead, ``p = pe.draw(Nk)``, and pass
+    ``positions_q=p[-Nq:], positions_k=p`` (without ``fullgraph`` the draw is a graph break).
 
     The reference's Transformer-XL and ALiBi variants draw relative distances instead of
     positions; they are not implemented (drawn positions give those encodings differences of
@@ -9079,10 +9168,12 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         return self._named(self.encoding.attention_values, weights, positions_q, positions_k)
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
+        _check_tensor(type(self).__name__, "v", v, 2)
         positions_q, positions_k = self._resolve_positions(q_len, v.shape[-2], positions_q, positions_k, v.device)
         return self._named(self.encoding.encode_v, v, q_len, positions_q, positions_k)
 
     def decode_output(self, out, k_len, positions_q=None, positions_k=None):
+        _check_tensor(type(self).__name__, "out", out, 2)
         positions_q, positions_k = self._resolve_positions(out.shape[-2], k_len, positions_q, positions_k, out.device)
         return self._named(self.encoding.decode_output, out, k_len, positions_q, positions_k)
 
@@ -9695,15 +9786,16 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     if model_type in _NO_ROPE_LAYER_MODELS:
         flags = _config_get(text, "no_rope_layers")
         if not flags:
-            interval = _config_get(text, "no_rope_layer_interval", 4)
+            interval = _as_int(owner, "no_rope_layer_interval", _config_get(text, "no_rope_layer_interval", 4))
             flags = [int((i + 1) % interval != 0) for i in range(layers)]
         if len(flags) < layers:
             raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
         rope = RotaryPositionalEmbedding.from_config(config)
         nope = NoPositionalEmbedding()
         if model_type.startswith("llama4") and _config_get(text, "attn_temperature_tuning", True):
-            nope = QueryTemperaturePositionalEmbedding(length=float(_config_get(text, "floor_scale", 8192)),
-                                                       scale=float(_config_get(text, "attn_scale", 0.1)))
+            nope = QueryTemperaturePositionalEmbedding(
+                length=_positive_float(owner, "floor_scale", _config_get(text, "floor_scale", 8192)),
+                scale=_non_negative_float(owner, "attn_scale", _config_get(text, "attn_scale", 0.1)))
         return [rope if flags[i] else nope for i in range(layers)]
     types = _config_get(text, "layer_types")
     params = _config_get(text, "rope_parameters") or {}

@@ -440,6 +440,12 @@ def case_outputs(case, pe, q, k, x):
     return case.forward_input(pe, x) if pe.kind == "input" else case.attn(pe, q, k)
 
 
+def attention_positions(pe, positions) -> dict:
+    """attention()'s position keywords for a case's ``(positions_q, positions_k)``: none for an input kind, whose
+    positions went to the tokens (attention() refuses them)."""
+    return {} if pe.kind == "input" else dict(zip(("positions_q", "positions_k"), positions))
+
+
 def skip_input_kind(pe, why: str) -> None:
     if pe.kind == "input":
         pytest.skip(f"input kind: forward_attn does not read the encoding ({why})")
@@ -523,6 +529,41 @@ class TestEveryClass:
         pe = case.make()
         moved = copy.deepcopy(pe).to("meta")
         assert all(t.is_meta for t in list(moved.parameters()) + list(moved.buffers()))
+
+    @pytest.mark.parametrize("module_device, inputs_device", [
+        ("cpu", "meta"), ("meta", "cpu"),
+        *(pytest.param(*devices, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+          for devices in (("cpu", "cuda:0"), ("cuda:0", "cpu")))])
+    def test_inputs_off_the_module_device_raise_value_error(self, case, module_device, inputs_device):
+        """q and k (x for input kinds) on another device than the module's tensors: a ValueError naming the
+        class and both devices, from attention(), forward_attn and the class's own call. (STRING returned an
+        uninitialised CPU tensor for meta q/k, a batched matmul of meta and CPU giving CPU; most classes
+        raised torch's own error.) A module holding no tensors takes inputs on any device."""
+        pe = case.make().to(module_device)
+        name = type(pe).__name__
+        q, k, v = (t.to(inputs_device) for t in qkv())
+        x = tokens(case).to(inputs_device)
+        positions_q, positions_k = (None if p is None else p.to(inputs_device) for p in case.positions(N, N))
+        if pe.kind == "input":
+            calls = {"forward_input": (lambda: pe.forward_input(x, positions_q), "x")}
+        else:
+            calls = {"forward_attn": (lambda: pe.forward_attn(q, k, positions_q, positions_k), "q"),
+                     "attention": (lambda: attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k),
+                                   "q")}
+        if pe.kind != "bias":   # a bias's own call takes lengths, and positions checked against the module's device
+            argument = "x" if pe.kind == "input" or (pe.kind == "qk" and not isinstance(case, PairCase)) else "q"
+            calls["forward"] = (lambda: _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k),
+                                argument)
+        holds_tensors = any(True for _ in itertools.chain(pe.parameters(), pe.buffers()))
+        for entry, (call, argument) in calls.items():
+            if not holds_tensors:
+                out = call()
+                assert all(t.device == torch.device(inputs_device) for t in (out if isinstance(out, tuple) else
+                                                                             (out,))), entry
+                continue
+            with pytest.raises(ValueError, match=re.escape(f"{name}: {argument} must be on the module's device "
+                                                           f"({module_device}), got {argument} on {inputs_device}")):
+                call()
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
     def test_cuda_matches_cpu(self, case):
@@ -654,7 +695,7 @@ class TestEveryClass:
             want = weights @ v
             extra = pe64.attention_values(weights, *positions)           # the value term, if the class has one
             want = want if extra is None else want + extra
-            got = attention(q, k, v, pe64, causal=causal, **dict(zip(("positions_q", "positions_k"), positions)))
+            got = attention(q, k, v, pe64, causal=causal, **attention_positions(pe, positions))
             torch.testing.assert_close(got, want)
 
     def test_low_precision_module_stays_finite_and_close(self, case):
@@ -713,7 +754,7 @@ class TestEveryClass:
         positions_q, positions_k = case.positions(1, N)
         if positions_q is not None:
             positions_q = positions_q[:0]
-        out = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k)
+        out = attention(q, k, v, pe, **attention_positions(pe, (positions_q, positions_k)))
         assert out.shape == (B, H, 0, DH)
 
     def test_wrong_head_count_is_value_error(self, case):
@@ -1131,6 +1172,7 @@ def _own_call_with_positions(pe, case, q, k, x, positions_q, positions_k):
 
 
 BIAS_CASES = [case for case in CASES if case.takes_positions and case.make().kind == "bias"]
+QK_CASES = [case for case in CASES if case.make().kind == "qk"]
 
 
 # Every class that takes float positions (the shared cases), plus options the cases leave out whose
@@ -1196,7 +1238,9 @@ class TestPositions:
             "forward": (lambda: _own_call_with_positions(pe, case, q, k, x, on_meta_q, positions_k),
                         "positions" if pe.kind == "input" else "positions_q"),
         }
-        if pe.kind != "input":
+        if pe.kind == "input":
+            del calls["attention"]         # attention() refuses positions for input kinds (TestAttention)
+        else:
             del calls["forward_input"]     # attention-side encodings leave the tokens alone
             if pe.kind == "qk" and not isinstance(case, PairCase):
                 calls["forward"] = (calls["forward"][0], "positions")
@@ -1225,6 +1269,28 @@ class TestPositions:
             torch.testing.assert_close(got[b], pe.attention_bias(n, n, rows_q[b], rows_k[b]))
             torch.testing.assert_close(got[b], pe(n, n, positions_q=rows_q[b], positions_k=rows_k[b]))
         torch.testing.assert_close(pe.attention_bias(n, n, rows_q.int(), rows_k.int()), got)
+
+    @pytest.mark.parametrize("case", QK_CASES, ids=repr)
+    def test_encode_qk_takes_forward_batched_positions(self, case):
+        """encode_qk given ``[B, N(, A)]`` positions, as ``forward`` takes them, equals one call per row with that
+        row's ``[N(, A)]`` (it wanted ``[B, 1, N]``: torch's broadcasting error, and B == H paired batch rows
+        with heads silently); the ``[B, 1, N]`` that attention() passes gives the same; a wrong length raises."""
+        pe = case.make()
+        q, k = torch.randn(H, H, N, DH), torch.randn(H, H, N, DH)                        # B == H
+        base_q, base_k = case.positions(N, N)
+        if base_q is None:
+            base_q = base_k = torch.arange(N)
+        rows_q = torch.stack([base_q.flip(0) if b % 2 else base_q for b in range(H)])   # [B, N(, A)]
+        rows_k = torch.stack([base_k.flip(0) if b % 2 else base_k for b in range(H)])
+        got = pe.encode_qk(q, k, rows_q, rows_k)
+        for b in range(H):
+            want = pe.encode_qk(q[b : b + 1], k[b : b + 1], rows_q[b], rows_k[b])
+            for side in range(2):
+                torch.testing.assert_close(got[side][b : b + 1], want[side])
+        for side, again in enumerate(pe.encode_qk(q, k, rows_q.unsqueeze(1), rows_k.unsqueeze(1))):   # [B, 1, N]
+            torch.testing.assert_close(again, got[side])
+        with pytest.raises(ValueError, match=f"{type(pe).__name__}: positions_k must have shape"):
+            pe.encode_qk(q, k, rows_q, rows_k[:, :-1])
 
     @pytest.mark.parametrize("case", BIAS_CASES, ids=repr)
     def test_attention_bias_with_wrong_positions_raises(self, case):
@@ -2978,8 +3044,14 @@ class TestGraphormer:
             bound.centrality(torch.randn(4, 3))
         with pytest.raises(ValueError, match=r"x must be \[4, 3\] \(the bound graph's nodes\), got \(5, 3\)"):
             GraphormerPositionalEmbedding(2, dim=3).bind(ring_with_chords(4)).centrality(torch.randn(5, 3))
-        with pytest.raises(ValueError, match=r"adjacency must be \[N, N\] or \[B, N, N\], got \(1, 1, 3, 3\)"):
+        with pytest.raises(ValueError, match=r"adjacency must be \[N, N\] or \[B, N, N\] with at least one node, "
+                                             r"got \(1, 1, 3, 3\)"):
             pe.bind(torch.zeros(1, 1, 3, 3))
+        for empty in (torch.zeros(0, 0), torch.zeros(2, 0, 0)):                         # torch's reshape error before
+            shape = re.escape(str(tuple(empty.shape)))
+            with pytest.raises(ValueError, match=r"GraphormerPositionalEmbedding: adjacency must be \[N, N\] or "
+                                                 rf"\[B, N, N\] with at least one node, got {shape}"):
+                pe.bind(empty)
         with pytest.raises(ValueError, match="positions_q must be None: a node's place comes from the bound graph"):
             bound(4, 4, positions_q=torch.arange(4))
 
@@ -4956,6 +5028,41 @@ class TestValueRotation:
                                              r"as the keys\) must have last dim 16, got shape \(1, 2, 5, 8\)"):
             attention(q, q, torch.randn(1, 2, 5, 8), values)
 
+    def test_value_hooks_check_their_inputs_and_take_forward_positions(self):
+        """encode_v and decode_output called directly: one check for both (the output's width as v's, the
+        other side's length an int, positions of the right length), and ``[B, N]`` positions as ``forward``
+        takes them equal ``[B, 1, N]`` (B == H broadcast batch rows against heads, silently)."""
+        rope = RotaryPositionalEmbedding(16, rotary_dim=8, interleaved=True, rotated_channels="trailing",
+                                         rotate_values=True)
+        v = torch.randn(2, 4, 6, 16)
+        owner = "RotaryPositionalEmbedding"
+        with pytest.raises(ValueError, match=rf"{owner}: out \(rotate_values=True turns the output back by the query "
+                                             r"positions\) must have last dim 16, got shape \(2, 4, 6, 12\)"):
+            rope.decode_output(torch.randn(2, 4, 6, 12), 6)
+        with pytest.raises(ValueError, match=rf"{owner}: positions_k must have shape \[6\] or \[2, 6\], got \(1,\)"):
+            rope.encode_v(v, 6, torch.arange(6), torch.arange(1))                     # broadcast, before
+        with pytest.raises(ValueError, match=rf"{owner}: positions_q must have shape \[6\] or \[2, 6\], got \(3,\)"):
+            rope.decode_output(v, 6, torch.arange(3), torch.arange(6))
+        with pytest.raises(TypeError, match=f"{owner}: q_len must be an int, got str '5'"):
+            rope.encode_v(v, "5")
+        with pytest.raises(TypeError, match=f"{owner}: k_len must be an int, got str '5'"):
+            rope.decode_output(v, "5")
+        x = torch.randn(4, 4, 6, 16, dtype=torch.float64)                               # B == H
+        rows = torch.stack([torch.arange(6) * (b + 1) for b in range(4)])               # [B, N]
+        for hook in (rope.encode_v, rope.decode_output):
+            got = hook(x, 6, rows, rows)
+            torch.testing.assert_close(hook(x, 6, rows[:, None], rows[:, None]), got)
+            for b in range(4):
+                torch.testing.assert_close(got[b], hook(x[b], 6, rows[b], rows[b]))
+        # the oracle: encode_v turns the trailing interleaved pairs of each row by that row's key positions
+        oracle = x.clone()
+        for b, h, n, i in itertools.product(range(4), range(4), range(6), range(4)):
+            angle = float(rows[b, n]) * 10000.0 ** (-2 * i / 8)
+            a, c = x[b, h, n, 8 + 2 * i], x[b, h, n, 9 + 2 * i]
+            oracle[b, h, n, 8 + 2 * i] = a * math.cos(angle) - c * math.sin(angle)
+            oracle[b, h, n, 9 + 2 * i] = c * math.cos(angle) + a * math.sin(angle)
+        torch.testing.assert_close(rope.encode_v(x, 6, rows, rows), oracle)
+
     def test_deepseek_v4_attention_layers(self):
         """Every attention layer of a tiny DeepSeek-V4 (sliding / CSA / HCA): the output our attention() gives from
         the layer's unrotated q and kv (k = v), with from_config's RoPE of the layer's type, equals the layer's
@@ -6079,6 +6186,30 @@ class TestLayerEncodings:
         assert smol[0].layer_type is None and "layer_type" not in repr(smol[0])
         assert RotaryPositionalEmbedding.from_config(config, layer_type="sliding_attention").layer_type == \
             "sliding_attention"
+
+    SMOLLM3_DICT = {"model_type": "smollm3", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                    "rope_theta": 2e6}
+    LLAMA4_DICT = {"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                   "head_dim": 8, "rope_theta": 5e5, "no_rope_layer_interval": 2}
+
+    def test_a_zero_no_rope_layer_interval_is_named(self):
+        """A ZeroDivisionError before."""
+        with pytest.raises(ValueError, match="layer_encodings: no_rope_layer_interval must be a positive int, "
+                                             "got no_rope_layer_interval=0"):
+            layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 0})
+        assert [type(pe).__name__ for pe in layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 2})] == \
+            ["RotaryPositionalEmbedding", "NoPositionalEmbedding"] * 2
+
+    def test_llama4_temperature_fields_are_named_as_the_config_names_them(self):
+        """floor_scale=0 blamed QueryTemperaturePositionalEmbedding's length, an argument the user never passed."""
+        with pytest.raises(ValueError, match=r"layer_encodings: floor_scale must be a finite number > 0\.0, "
+                                             r"got floor_scale=0"):
+            layer_encodings({**self.LLAMA4_DICT, "floor_scale": 0})
+        with pytest.raises(ValueError, match=r"layer_encodings: attn_scale must be a finite number >= 0\.0, "
+                                             r"got attn_scale=-1"):
+            layer_encodings({**self.LLAMA4_DICT, "attn_scale": -1})
+        temperature = layer_encodings({**self.LLAMA4_DICT, "floor_scale": 16, "attn_scale": 0.25})[1]
+        assert (temperature.length, temperature.scale) == (16.0, 0.25)
 
     def test_mistral_large4_output_with_our_rope(self):
         """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
@@ -10082,6 +10213,48 @@ class TestRandomized:
         with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
             RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
 
+    def test_training_compiles_fullgraph_dynamic_as_documented(self):
+        """torch.compile(fullgraph=True, dynamic=True) in training (the docstring's seeded generator failed to
+        trace): the global generator's draw is in the graph (compiled equals eager under two seeds, at two
+        lengths); a seeded generator's draw made outside, passed as positions, compiles; without fullgraph the
+        seeded draw is a graph break and gives eager's values."""
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
+        fn = lambda q, k, v: attention(q, k, v, pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+        for n, seed in ((12, 3), (16, 4)):
+            q, k, v = qkv(n, n)
+            torch.manual_seed(seed)
+            got = compiled(q, k, v)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(got, fn(q, k, v))
+        seeded_pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded())
+        drawn = lambda q, k, v, p: attention(q, k, v, seeded_pe, causal=True, positions_q=p[-q.shape[-2]:],
+                                             positions_k=p)
+        torch._dynamo.reset()
+        compiled = torch.compile(drawn, fullgraph=True, dynamic=True, backend="eager")
+        q, k, v = qkv(N - 4, N)
+        p = seeded_pe.draw(N)
+        torch.testing.assert_close(compiled(q, k, v, p), drawn(q, k, v, p))
+        inside = lambda q, k, v: attention(q, k, v, seeded_pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(inside, dynamic=True, backend="eager")
+        seeded_pe.generator.manual_seed(5)
+        got = compiled(q, k, v)
+        seeded_pe.generator.manual_seed(5)
+        torch.testing.assert_close(got, inside(q, k, v))
+
+    @pytest.mark.parametrize("training", [True, False])
+    def test_tensors_without_a_token_axis_are_named(self, training):
+        """q, k, v or the output of one dim: an IndexError (their lengths were read before any check)."""
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(8, rotate_values=True), 64).train(training)
+        flat, x = torch.randn(8), torch.randn(1, 2, 4, 8)
+        for call, name in ((lambda: pe.forward_attn(flat, x), "q"), (lambda: pe(x, flat), "k"),
+                           (lambda: pe.encode_v(flat, 4), "v"), (lambda: pe.decode_output(flat, 4), "out")):
+            with pytest.raises(ValueError, match=rf"RandomizedPositionalEmbedding: {name} must have at least 2 dims, "
+                                                 r"got shape \(8,\)"):
+                call()
+
 
 # ---------------------------------------------------------------------------
 # Stick-breaking attention
@@ -10400,6 +10573,10 @@ class TestPaTH:
             PaTHPositionalEmbedding(D, H, num_kv_heads=3)
         with pytest.raises(ValueError, match=owner + "w_rank must be a positive int, got w_rank=0"):
             PaTHPositionalEmbedding(D, H, w_rank=0)
+        with pytest.raises(ValueError, match=owner + r"dim must be at least num_heads when head_dim is not given "
+                                                     r"\(its default is dim // num_heads\), got dim=3 and num_heads=4"):
+            PaTHPositionalEmbedding(3, 4)                                               # Conv1d's groups=0 before
+        assert PaTHPositionalEmbedding(3, 4, head_dim=2).w_conv1d.groups == 8
         with pytest.raises(TypeError, match=owner + "gate_scaled must be a bool"):
             PaTHPositionalEmbedding(D, H, gate_scaled="yes")
         with pytest.raises(ValueError, match=owner + "bind takes either x or w and beta"):
@@ -10720,6 +10897,15 @@ class TestVideoRoPE:
             VideoRotaryPositionalEmbedding.from_config({"model_type": "qwen2_vl"})
         with pytest.raises(ValueError, match="VideoRotaryPositionalEmbedding: positions"):
             video(torch.randn(1, 2, 5, 32), torch.zeros(5, 2))
+
+    def test_a_head_dim_too_small_is_named_not_the_default_sections(self):
+        """VideoRotaryPositionalEmbedding(4) blamed sections=0, a default the user never passed."""
+        for args, kwargs, name in (((4,), {}, "dim"), ((), {"head_dim": 2}, "head_dim"),
+                                   ((4,), {"sections": [1, 1, 0]}, "dim")):
+            with pytest.raises(ValueError, match=rf"^VideoRotaryPositionalEmbedding: {name} must be at least 6 "
+                                                 rf"\(a pair each for t, h and w\), got {name}="):
+                VideoRotaryPositionalEmbedding(*args, **kwargs)
+        assert VideoRotaryPositionalEmbedding(6).sections == [1, 1, 1]                 # the smallest
 
 
 # ---------------------------------------------------------------------------
@@ -11090,6 +11276,21 @@ class TestExport:
 
         export_and_compare(ForgettingPositionalEmbedding(D, H), fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)),
                            (2, 2, 2, 1))
+
+    def test_path_within_one_block(self):
+        """PaTH's blocks are a Python loop (their count pinned the length even within one block): while exporting
+        it takes one block, so a Dim up to block_size exports (the last length fills the block); a Dim that allows
+        more says so."""
+        pe = PaTHPositionalEmbedding(D, H, num_kv_heads=2, forget_gate=True, block_size=32)
+
+        def fn(pe, q, k, v, x):
+            return attention(q, k, v, pe(x), causal=True)
+
+        export_and_compare(pe, fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)), (2, 2, 2, 1), lengths=(9, 32),
+                           max_len=32)
+        with pytest.raises(ValueError, match=r"PaTHPositionalEmbedding: torch.export with a dynamic length needs "
+                                             r"Nk <= block_size=32 .*export with a Dim of max <= 32"):
+            export_and_compare(pe, fn, lambda n: (*qkv(n, n), torch.randn(B, n, D)), (2, 2, 2, 1), max_len=33)
 
     @pytest.mark.parametrize("make", [lambda: RelativePositionBias2D(H, (4, 5)),
                                       lambda: ContinuousPositionBias(H, (4, 5), hidden_dim=32)],
