@@ -10224,8 +10224,11 @@ def _demo() -> None:
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
         positions = _demo_positions(pe, seq_len)
         start = time.perf_counter()
-        tokens = pe.forward_input(x, positions) if pe.kind == "input" else x
-        out = attention(q, k, v, pe, positions_q=positions, positions_k=positions, causal=pe.num_axes == 1)
+        if pe.kind == "input":  # its positions go to the tokens; attention() then reads none
+            tokens, out = pe.forward_input(x, positions), attention(q, k, v, pe, causal=pe.num_axes == 1)
+        else:
+            tokens, out = x, attention(q, k, v, pe, positions_q=positions, positions_k=positions,
+                                       causal=pe.num_axes == 1)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
         shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
