@@ -3084,7 +3084,7 @@ def _rotate_formula(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary
 
 
 _FUSED_ROTATION_DEVICES = ("cuda",)   # device types whose eager rotations run the compiled formula
-_FUSED_ROTATION_KINDS = 8             # kinds of call (dtype, layout, grad mode, ...) it compiles, at most
+_FUSED_ROTATION_KINDS = 16            # kinds of call (dtype, layout, grad mode, ...) it compiles, at most
 _FUSED_ROTATION = {}                  # "fn": the compiled formula (None: no torch.compile here); "kinds": those
                                       # compiled; "own_limit": it has a recompile limit of its own; "error": why it stopped
 
@@ -3120,7 +3120,8 @@ def _fused_rotation(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary
     kind = (interleaved, rotary_dim, trailing, torch.is_grad_enabled(),
             tuple((x.dtype, x.device, x.requires_grad, x.shape[-1], x.is_contiguous(),
                    tuple(size == 1 for size in x.shape[:-1]), x.shape[-2] == xs[0].shape[-2]) for x in xs),
-            tuple((c.dim(), c.shape[-2] == 1, c is cos[0], s is sin[0]) for c, s in zip(cos, sin)))
+            tuple((c.dim(), c.shape[-2] == 1, c is cos[0], s is sin[0], c.requires_grad, s.requires_grad)
+                  for c, s in zip(cos, sin)))
     kinds = _FUSED_ROTATION.setdefault("kinds", set())
     if kind not in kinds:
         limit = _FUSED_ROTATION_KINDS if _FUSED_ROTATION.get("own_limit") else \
@@ -3148,17 +3149,18 @@ def _rotate_all(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim
     ones with ``trailing``, DeepSeek-V4's; the rest pass) by its cos, sin [..., N, R/2] in the compute
     dtype -> a tuple of tensors in the dtypes of ``xs``; q and k go in one call.
 
-    Three routes compute the same formula: traced code and differentiable angles (learned
-    frequencies, float positions; also torch.func transforms) take it as written, for inductor to
-    fuse; eager calls on CUDA take it compiled once by the library (``_fused_rotation``); the other
-    eager calls take the allocation-free function.
+    Three routes compute the same formula: traced code (and torch.func transforms) takes it as
+    written, for the user's compiler to fuse; eager calls on CUDA take it compiled once by the library
+    (``_fused_rotation``); the other eager calls take the allocation-free function, or the formula
+    where the angles are differentiable (learned frequencies or coefficients, float positions).
     """
-    if _is_compiling() or _is_exporting() or any(t.requires_grad for t in (*cos, *sin)) \
-            or any(_functorch_wrapped(x) for x in xs):
+    if _is_compiling() or _is_exporting() or any(_functorch_wrapped(x) for x in xs):
         return _rotate_formula(xs, cos, sin, interleaved, rotary_dim, trailing)
     fused = _fused_rotation(xs, cos, sin, interleaved, rotary_dim, trailing)
     if fused is not None:
         return fused
+    if any(t.requires_grad for t in (*cos, *sin)):   # the eager function has no gradient for the angles
+        return _rotate_formula(xs, cos, sin, interleaved, rotary_dim, trailing)
     return _RotateFunction.apply((interleaved, rotary_dim, trailing, False),
                                  *[t for x, c, s in zip(xs, cos, sin) for t in (x, c, s)])
 
@@ -3685,10 +3687,9 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             return None
         if high >= length:
             cache = self._grow_cache(max(high + 1, 2 * length))
-        cos, sin = cache[0], cache[1]                                                   # [L, F] each
         if positions is None:  # views, no copy
-            return cos[offset : offset + n], sin[offset : offset + n]
-        return F.embedding(positions, cos), F.embedding(positions, sin)
+            return cache[:, offset : offset + n].unbind(0)                              # [N, F] each
+        return F.embedding(positions, cache[0]), F.embedding(positions, cache[1])
 
     def _grow_cache(self, length: int) -> Tensor:
         """Tabulate cos and sin for positions ``0 .. length - 1`` and swap them in as one tensor."""

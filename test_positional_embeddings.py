@@ -3997,6 +3997,18 @@ class TestRotary:
         for g, w in zip(torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
+    def test_torch_func_transforms_take_the_formula(self):
+        """torch.func's vmap and jvp see the plain formula (the eager autograd Function has no functorch rule:
+        both raised a RuntimeError): per-sample outputs and the tangent (a rotation is linear) equal the
+        float64 oracle's."""
+        rope = RotaryPositionalEmbedding(8, rotary_dim=6, interleaved=True)
+        x, tangent = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+        want = lambda t: rope_oracle(t, list(range(5)), plain_inv_freq(6), interleaved=True, rotary_dim=6).float()
+        torch.testing.assert_close(torch.func.vmap(rope)(x), want(x))
+        value, derivative = torch.func.jvp(rope, (x,), (tangent,))
+        torch.testing.assert_close(value, want(x))
+        torch.testing.assert_close(derivative, want(tangent))
+
     @pytest.mark.parametrize("kwargs, per_tensor", [({}, 4), ({"interleaved": True}, 4),
                                                     ({"rotary_dim": 16, "rotated_channels": "trailing"}, 5)],
                              ids=["half_split", "interleaved", "trailing"])
@@ -10144,6 +10156,33 @@ class TestFoPE:
         want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
         torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
 
+    @pytest.mark.parametrize("learnable", [False, True])
+    def test_q_and_k_take_ropes_rotation_compiled_or_not(self, monkeypatch, learnable):
+        """Issue 42: FoPE turns q and k in RoPE's one call: eagerly (fixed coefficients: the allocation-free
+        function, per-head angles broadcast) or through the library's compiled rotation (a counting
+        AOTAutograd backend here), with the same outputs and gradients for q, k and learned coefficients."""
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        fope = FoPEPositionalEmbedding(16, 3, train_length=64, learnable=learnable)
+        q, k = (torch.randn(2, 3, 10, 16, requires_grad=True) for _ in range(2))
+        leaves = [q, k, fope.cos_coef, fope.sin_coef] if learnable else [q, k]
+
+        def outputs_and_grads():
+            out = fope.encode_qk(q, k)
+            return [*out, *torch.autograd.grad(sum(o.square().sum() for o in out), leaves)]
+
+        want = outputs_and_grads()
+        oracle = [torch.stack([fope_oracle(row.double(), list(range(10)), fope.cos_coef, fope.sin_coef, 64, 10000.0,
+                                           "identity") for row in x.detach()]) for x in (q, k)]   # per batch row
+        counter = CompileCounterWithBackend("aot_eager")
+        fused_rotation_on_cpu(monkeypatch, torch.compile(fresh_rotation_formula(), backend=counter))
+        got = outputs_and_grads()
+        assert counter.frame_count == 1
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        for g, o in zip(got, oracle):
+            torch.testing.assert_close(g.double(), o, rtol=1e-5, atol=1e-5)
+
     def test_without_noise_or_clipping_it_is_rope(self):
         fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
         assert fope.num_frequencies == DH // 2
@@ -12017,6 +12056,24 @@ def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch
                 want.sections, want.reps, want.no_compile, regime), (argv, command)
     with pytest.raises(SystemExit):   # an abbreviation would escape the filter
         bench.parse_args(["rope", "--reg", "both"])
+
+
+def test_bench_rope_sections_run(capsys):
+    """Issue 42: ``bench.py rope`` ran into a NameError (``device``) where transformers is installed, and
+    ``rope_attention`` prints RoPE through attention() and the HF-style rotation as ratios to SDPA, forward and
+    forward + backward, fp32 and bf16 (tiny sizes here)."""
+    bench = _load_benchmark("bench")
+    bench.bench_rope(1, compile=False, sizes=(1, 2, 8, 16))
+    bench.bench_rope_attention(1, compile=False, sizes=(1, 2, 8, 16))
+    out = capsys.readouterr().out
+    assert "RoPE: rotate q and k [1, 2, 8, 16] fp32" in out
+    for mode in ("forward (no grad)", "forward + backward"):
+        for dtype in ("float32", "bfloat16"):
+            title = f"RoPE attention, {mode}, B=1, H=2, N=8, Dh=16 {dtype}, causal (ratio to SDPA)"
+            table = out.split(title)[1].split("\n\n")[0]
+            assert re.search(r"SDPA causal \(floor: no positions\) +[0-9.]+ +1\.00", table), table
+            assert "RoPE attention() (eager rotation: the CPU's default)" in table
+            assert "HF-style rotate_half + SDPA" in table
 
 
 @slow
