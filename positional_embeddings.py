@@ -3156,23 +3156,32 @@ def _complex_viewable(t: Tensor) -> bool:
             and all(s % 2 == 0 for s in t.stride()[:-1]))
 
 
-def _rotate_pairs_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, interleaved: bool) -> None:
-    """Write ``x`` with every pair rotated by its angle into ``out`` (eager fast path).
+def _rotate_pairs_into(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor, interleaved: bool,
+                       inverse: bool = False) -> None:
+    """Write ``x`` with every pair turned by its angle (by minus it with ``inverse``) into ``out`` (eager
+    fast path).
 
-    x, out: [..., N, R]; cos, sin: [..., N, R/2] (broadcastable), float32 or float64.
-    Interleaved float inputs take one complex multiply; otherwise one multiply per pair
-    member and one fused multiply-add over the whole width, with no temporaries.
+    x, out: [..., N, R] of one dtype; cos, sin: [..., N, R/2] (broadcastable), float32 or float64.
+    The arithmetic runs in cos's dtype and rounds once to out's, with no cast of x or of the result:
+    interleaved pairs in cos's dtype take one complex multiply; otherwise each member of the pair
+    takes one multiply and one fused multiply-add, in place in ``out`` or, when ``out`` is narrower
+    (bfloat16, float16), through one float32 temporary of half the width.
     """
-    if interleaved and x.dtype == out.dtype and _complex_viewable(x) and _complex_viewable(out):
+    if interleaved and x.dtype == cos.dtype and _complex_viewable(x) and _complex_viewable(out):
         as_complex = lambda t: torch.view_as_complex(t.unflatten(-1, (-1, 2)))            # [..., N, R/2]
-        torch.mul(as_complex(x), torch.complex(cos, sin), out=as_complex(out))
+        torch.mul(as_complex(x), torch.complex(cos, -sin if inverse else sin), out=as_complex(out))
         return
     a, b = _pair_views(x, interleaved)
     out_a, out_b = _pair_views(out, interleaved)
-    torch.mul(b, -sin, out=out_a)        # -b sin
-    torch.mul(a, sin, out=out_b)         #  a sin
-    cos_full = cos.repeat_interleave(2, dim=-1) if interleaved else torch.cat([cos, cos], dim=-1)  # [..., N, R]
-    out.addcmul_(x, cos_full)            # + (a cos, b cos): one contiguous fused multiply-add
+    sign = 1.0 if inverse else -1.0      # a' = a cos - b sin, b' = b cos + a sin (sin -> -sin for the inverse)
+    if out.dtype == cos.dtype:
+        torch.mul(a, cos, out=out_a).addcmul_(b, sin, value=sign)
+        torch.mul(b, cos, out=out_b).addcmul_(a, sin, value=-sign)
+        return
+    scratch = a * cos                                                                   # [..., N, R/2] float32
+    torch.addcmul(scratch, b, sin, value=sign, out=out_a)
+    torch.mul(b, cos, out=scratch)
+    torch.addcmul(scratch, a, sin, value=-sign, out=out_b)
 
 
 def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
@@ -3183,30 +3192,36 @@ def _rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Ten
 
 
 class _RotateFunction(torch.autograd.Function):
-    """Rotation of ``R`` channels (the first, or with ``trailing`` the last; the rest pass through) in
-    the compute dtype.
+    """Rotation of several tensors, each by its own angles: ``R`` channels of each (the first, or with
+    ``trailing`` the last; the rest pass through), written in the tensor's dtype.
 
-    Forward uses the allocation-free path; the backward of a rotation is the rotation
-    by minus the angle, so it runs the same fast path with ``-sin``.
+    Arguments: ``layout = (interleaved, rotary_dim, trailing, inverse)``, then ``x, cos, sin`` per
+    tensor; one output per ``x``. Forward uses the allocation-free path; the backward of a rotation
+    is the rotation by minus the angle, so it runs the same path with ``inverse`` flipped.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int,
-                trailing: bool = False) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved, ctx.rotary_dim, ctx.trailing = interleaved, rotary_dim, trailing
-        rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
-        out = torch.empty(x.shape, dtype=cos.dtype, device=x.device)                   # [..., N, Dh]
-        if rotary_dim < x.shape[-1]:
-            out[..., passed] = x[..., passed]
-        _rotate_pairs_into(x[..., rotated], cos, sin, out[..., rotated], interleaved)
-        return out
+    def forward(ctx, layout: tuple, *tensors: Tensor) -> tuple:
+        interleaved, rotary_dim, trailing, inverse = layout
+        ctx.layout = layout
+        ctx.save_for_backward(*[t for i, t in enumerate(tensors) if i % 3])                # every cos, sin
+        outs = []
+        for x, cos, sin in zip(tensors[0::3], tensors[1::3], tensors[2::3]):
+            rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)                  # [..., N, Dh]
+            if rotary_dim < x.shape[-1]:
+                out[..., passed] = x[..., passed]
+            _rotate_pairs_into(x[..., rotated], cos, sin, out[..., rotated], interleaved, inverse)
+            outs.append(out)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        cos, sin = ctx.saved_tensors
-        grad_x = _RotateFunction.apply(grad, cos, -sin, ctx.interleaved, ctx.rotary_dim, ctx.trailing)
-        return grad_x, None, None, None, None, None
+    def backward(ctx, *grads: Tensor):
+        interleaved, rotary_dim, trailing, inverse = ctx.layout
+        angles = ctx.saved_tensors
+        args = [t for grad, cos, sin in zip(grads, angles[0::2], angles[1::2]) for t in (grad, cos, sin)]
+        grads_x = _RotateFunction.apply((interleaved, rotary_dim, trailing, not inverse), *args)
+        return (None, *[t for grad in grads_x for t in (grad, None, None)])
 
 
 def _rotary_slices(width: int, rotary_dim: int, trailing: bool) -> tuple:
@@ -3215,21 +3230,105 @@ def _rotary_slices(width: int, rotary_dim: int, trailing: bool) -> tuple:
     return (slice(split, None), slice(0, split)) if trailing else (slice(0, split), slice(split, None))
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, trailing: bool = False) -> Tensor:
-    """Rotate the pairs of the first ``rotary_dim`` channels of x [..., N, Dh] (the last ones with
-    ``trailing``, DeepSeek-V4's; the rest pass), cos/sin [..., N, R/2] in the compute dtype -> x's dtype.
+def _rotate_formula(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim: int, trailing: bool) -> tuple:
+    """The rotation as one formula, what traced code runs and what ``_compiled_rotation`` compiles: each x
+    of ``xs`` turned by its cos, sin in their dtype, rounded once to x's dtype (autograd's backward)."""
+    turned = []
+    for x, c, s in zip(xs, cos, sin):
+        rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
+        out = _rotate_pairs(x[..., rotated].to(c.dtype), c, s, interleaved)              # [..., N, R]
+        if rotary_dim < x.shape[-1]:
+            kept = x[..., passed].to(c.dtype)
+            out = torch.cat([kept, out] if trailing else [out, kept], dim=-1)              # [..., N, Dh]
+        turned.append(out.to(x.dtype))
+    return tuple(turned)
 
-    Eager uses the allocation-free function; traced code (inductor fuses it into one kernel)
-    and differentiable angles (learned frequencies, float positions) use the plain formula.
+
+_FUSED_ROTATION_DEVICES = ("cuda",)   # device types whose eager rotations run the compiled formula
+_FUSED_ROTATION_KINDS = 16            # kinds of call (dtype, layout, grad mode, ...) it compiles, at most
+_FUSED_ROTATION = {}                  # "fn": the compiled formula (None: no torch.compile here); "kinds": those
+                                      # compiled; "own_limit": it has a recompile limit of its own; "error": why it stopped
+
+
+def _compiled_rotation():
+    """``_rotate_formula`` compiled once and reused, as ``flex_attention`` is (``_compiled_flex_attention``):
+    one kernel per rotated tensor, forward and backward, where the eager path launches four or more.
+
+    Each kind of call is one compilation, its sizes dynamic (``_fused_rotation`` marks them), so a new
+    length or batch size reuses it. Where ``torch.compile`` takes a ``recompile_limit`` (torch >= 2.12)
+    the rotation gets a limit of its own; before, its compilations count against
+    ``torch._dynamo.config.recompile_limit`` (8 by default), which ``_fused_rotation`` stays within."""
+    if "fn" not in _FUSED_ROTATION:
+        own = "recompile_limit" in inspect.signature(torch.compile).parameters
+        _FUSED_ROTATION["own_limit"] = own
+        _FUSED_ROTATION["fn"] = torch.compile(_rotate_formula, **({"recompile_limit": 2 * _FUSED_ROTATION_KINDS}
+                                                                  if own else {})) \
+            if torch._dynamo.is_dynamo_supported() else None
+    return _FUSED_ROTATION["fn"]
+
+
+def _fused_rotation(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim: int,
+                    trailing: bool) -> Optional[tuple]:
+    """The rotation of an eager call through ``_compiled_rotation``, or None where it does not serve: a
+    device not in ``_FUSED_ROTATION_DEVICES``, DTensors, no torch.compile, a compilation that failed
+    (warned once), or a new kind of call once ``_FUSED_ROTATION_KINDS`` kinds (half dynamo's recompile
+    limit, where the rotation has none of its own) are compiled: that kind runs eagerly instead of
+    recompiling (past its limit dynamo would run the formula unfused, with a warning)."""
+    if xs[0].device.type not in _FUSED_ROTATION_DEVICES or "error" in _FUSED_ROTATION \
+            or any(_is_dtensor(x) for x in xs) or _compiled_rotation() is None:
+        return None
+    # what dynamo specialises on: dtypes, ranks, sizes of 1, layouts, equal sizes, grad mode and flags
+    kind = (interleaved, rotary_dim, trailing, torch.is_grad_enabled(),
+            tuple((x.dtype, x.device, x.requires_grad, x.shape[-1], x.is_contiguous(),
+                   tuple(size == 1 for size in x.shape[:-1]), x.shape[-2] == xs[0].shape[-2]) for x in xs),
+            tuple((c.dim(), c.shape[-2] == 1, c is cos[0], s is sin[0], c.requires_grad, s.requires_grad)
+                  for c, s in zip(cos, sin)))
+    kinds = _FUSED_ROTATION.setdefault("kinds", set())
+    if kind not in kinds:
+        limit = _FUSED_ROTATION_KINDS if _FUSED_ROTATION.get("own_limit") else \
+            min(_FUSED_ROTATION_KINDS, torch._dynamo.config.recompile_limit // 2)
+        if len(kinds) >= limit:
+            return None
+        for t in (*xs, *cos, *sin):   # every size but the channels' dynamic from the first compilation
+            for dim in range(t.dim() - 1):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+        kinds.add(kind)
+    try:
+        return _FUSED_ROTATION["fn"](xs, cos, sin, interleaved, rotary_dim, trailing)
+    except torch._dynamo.exc.TorchDynamoException as error:   # no working compiler here: the eager path
+        import warnings
+        _FUSED_ROTATION["error"] = error
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"positional_embeddings: the compiled rotation failed ({type(error).__name__}: {reason}); "
+                      f"rotations run eagerly from now on")
+        return None
+
+
+def _rotate_all(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim: int,
+                trailing: bool = False) -> tuple:
+    """Rotate the pairs of the first ``rotary_dim`` channels of each x [..., N, Dh] of ``xs`` (the last
+    ones with ``trailing``, DeepSeek-V4's; the rest pass) by its cos, sin [..., N, R/2] in the compute
+    dtype -> a tuple of tensors in the dtypes of ``xs``; q and k go in one call.
+
+    Three routes compute the same formula: traced code (and torch.func transforms) takes it as
+    written, for the user's compiler to fuse; eager calls on CUDA take it compiled once by the library
+    (``_fused_rotation``); the other eager calls take the allocation-free function, or the formula
+    where the angles are differentiable (learned frequencies or coefficients, float positions).
     """
-    if not (_is_compiling() or cos.requires_grad or sin.requires_grad):
-        return _RotateFunction.apply(x, cos, sin, interleaved, rotary_dim, trailing).to(x.dtype)
-    rotated, passed = _rotary_slices(x.shape[-1], rotary_dim, trailing)
-    turned = _rotate_pairs(x[..., rotated].to(cos.dtype), cos, sin, interleaved)
-    if rotary_dim < x.shape[-1]:
-        kept = x[..., passed].to(cos.dtype)
-        turned = torch.cat([kept, turned] if trailing else [turned, kept], dim=-1)
-    return turned.to(x.dtype)
+    if _is_compiling() or _is_exporting() or any(_functorch_wrapped(x) for x in xs):
+        return _rotate_formula(xs, cos, sin, interleaved, rotary_dim, trailing)
+    fused = _fused_rotation(xs, cos, sin, interleaved, rotary_dim, trailing)
+    if fused is not None:
+        return fused
+    if any(t.requires_grad for t in (*cos, *sin)):   # the eager function has no gradient for the angles
+        return _rotate_formula(xs, cos, sin, interleaved, rotary_dim, trailing)
+    return _RotateFunction.apply((interleaved, rotary_dim, trailing, False),
+                                 *[t for x, c, s in zip(xs, cos, sin) for t in (x, c, s)])
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, trailing: bool = False) -> Tensor:
+    """``_rotate_all`` of one tensor: x [..., N, Dh], cos/sin [..., N, R/2] in the compute dtype -> x's dtype."""
+    return _rotate_all((x,), (cos,), (sin,), interleaved, rotary_dim, trailing)[0]
 
 
 def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_split", "interleaved"],
@@ -3683,7 +3782,8 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             cos_q, sin_q = cos_k, sin_k
         else:
             cos_q, sin_q = self._call_cos_sin("q", q_len, k_len, positions_q, positions_k, q.device, dtype)
-        return self._apply_rotation(q, cos_q, sin_q), self._apply_rotation(k, cos_k, sin_k)
+        return _rotate_all((q, k), (cos_q, cos_k), (sin_q, sin_k), self.interleaved, self.rotary_dim,
+                           self.rotated_channels == "trailing")
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
@@ -3740,12 +3840,13 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         when not given.
         """
         device = self.inv_freq.device if device is None else device
-        default = positions is None
+        offset = _as_int(type(self).__name__, "offset", offset, minimum=None)
         inv_freq, factor = self._frequencies(positions, n, offset, length, device)
-        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
-        cached = self._from_cache(None if default else positions, offset, n, inv_freq, factor, device, dtype)
-        if cached is not None:
+        positions = None if positions is None else positions.to(device)
+        cached = self._from_cache(positions, offset, n, inv_freq, factor, device, dtype)
+        if cached is not None:   # default positions: views of the table, no arange
             return cached
+        positions = _or_default(type(self).__name__, "positions", positions, n, offset, device, self.num_axes)
         angles = self._pair_angles(positions, inv_freq)                                 # [..., N, F] float64
         return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
@@ -3804,10 +3905,9 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             return None
         if high >= length:
             cache = self._grow_cache(max(high + 1, 2 * length))
-        cos, sin = cache[0], cache[1]                                                   # [L, F] each
         if positions is None:  # views, no copy
-            return cos[offset : offset + n], sin[offset : offset + n]
-        return F.embedding(positions, cos), F.embedding(positions, sin)
+            return cache[:, offset : offset + n].unbind(0)                              # [N, F] each
+        return F.embedding(positions, cache[0]), F.embedding(positions, cache[1])
 
     def _grow_cache(self, length: int) -> Tensor:
         """Tabulate cos and sin for positions ``0 .. length - 1`` and swap them in as one tensor."""
@@ -4369,15 +4469,16 @@ class XPosPositionalEmbedding(_QKPairTransform):
 
     def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
         self._check_range(q.dtype, pos_q, pos_k)
-        return self._scaled_rotation(q, pos_q, 1.0), self._scaled_rotation(k, pos_k, -1.0)
+        dtype = _compute_dtype(q.dtype)
+        cos_q, sin_q = self._scaled_cos_sin(pos_q, 1.0, dtype)
+        cos_k, sin_k = self._scaled_cos_sin(pos_k, -1.0, dtype)
+        return _rotate_all((q, k), (cos_q, cos_k), (sin_q, sin_k), self.interleaved, self.dim)   # RoPE's kernel
 
-    def _scaled_rotation(self, x: Tensor, positions: Tensor, sign: float) -> Tensor:
-        """Rotate by ``p theta`` and scale by ``zeta ** (sign p / scale_base)``: x [..., N, Dh]."""
+    def _scaled_cos_sin(self, positions: Tensor, sign: float, dtype: torch.dtype) -> tuple:
+        """The rotation by ``p theta`` scaled by ``zeta ** (sign p / scale_base)``: cos, sin ``[..., N, F]``."""
         angles = _angles(positions, self.inv_freq)                                        # [..., N, F] float64
         scale = torch.exp(positions.to(torch.float64).unsqueeze(-1) * (sign / self.scale_base) * self.log_zeta)
-        dtype = _compute_dtype(x.dtype)
-        cos, sin = (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)   # [..., N, F]
-        return _rotate(x, cos, sin, self.interleaved, self.dim)
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
     def _check_range(self, dtype: torch.dtype, pos_q: Tensor, pos_k: Tensor) -> None:
         """ValueError when a scale would leave the normal range of ``dtype`` (eager only)."""
@@ -4637,14 +4738,23 @@ class FoPEPositionalEmbedding(_QKTransform):
         self.register_buffer("inv_freq", kept, persistent=False)                          # [D] float64
 
     def transform(self, x: Tensor, positions: Tensor) -> Tensor:
+        return _rotate(x, *self._cos_sin(positions, _compute_dtype(x.dtype)), False, self.head_dim)
+
+    def transform_qk(self, q: Tensor, k: Tensor, pos_q: Tensor, pos_k: Tensor) -> tuple:
+        dtype = _compute_dtype(q.dtype)
+        cos_k, sin_k = self._cos_sin(pos_k, dtype)
+        cos_q, sin_q = (cos_k, sin_k) if pos_q is pos_k else self._cos_sin(pos_q, dtype)
+        return _rotate_all((q, k), (cos_q, cos_k), (sin_q, sin_k), False, self.head_dim)   # RoPE's kernel
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple:
+        """``C`` and ``S`` of every pair at ``positions``: two ``[.., H, N, Dh/2]`` in ``dtype``."""
         angles = _angles(positions, self.inv_freq)                                       # [..., N, D] float64
         cos = torch.matmul(angles.cos(), self.cos_coef.to(torch.float64))                  # [.., H, N, P]
         sin = torch.matmul(angles.sin(), self.sin_coef.to(torch.float64))
         free = self.head_dim // 2 - self.num_pairs
         cos = F.pad(cos, (0, free), value=1.0)                                            # [.., H, N, Dh/2]
         sin = F.pad(sin, (0, free), value=1.0 if self.padded == "ones" else 0.0)
-        dtype = _compute_dtype(x.dtype)
-        return _rotate_pairs(x.to(dtype), cos.to(dtype), sin.to(dtype), interleaved=False).to(x.dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _plane_blocks(a: Tensor, b: Tensor) -> Tensor:

@@ -3735,6 +3735,41 @@ def plain_inv_freq(dim, base=10000.0):
     return [base ** (-2 * i / dim) for i in range(dim // 2)]
 
 
+def aten_ops(fn) -> list:
+    """The aten ops ``fn()`` runs that do work (views and allocations left out), by name: one CUDA launch each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    free = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_local_scalar_dense"}
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in free:
+                ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    ops = []
+    with Recorder():
+        fn()
+    return ops
+
+
+def fused_rotation_on_cpu(monkeypatch, fn=None) -> dict:
+    """Let the library's compiled rotation serve the CPU, from a fresh state (``fn``: its compiled function,
+    default the library's own, with inductor); returns that state."""
+    state = {} if fn is None else {"fn": fn}
+    monkeypatch.setattr(pe_lib, "_FUSED_ROTATION_DEVICES", ("cpu",))
+    monkeypatch.setattr(pe_lib, "_FUSED_ROTATION", state)
+    return state
+
+
+def fresh_rotation_formula():
+    """``_rotate_formula`` with a code object of its own: dynamo's cache of it starts empty (that cache lives
+    on the code object, shared by every torch.compile of the function)."""
+    formula = pe_lib._rotate_formula
+    return type(formula)(formula.__code__.replace(), formula.__globals__, formula.__name__)
+
+
 def yarn_oracle(dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True, mscale=None,
                 mscale_all_dim=None):
     """YaRN, written from the paper and Hugging Face's definition, one pair at a time."""
@@ -4198,6 +4233,186 @@ class TestRotary:
         positions = torch.tensor([0.5, 2.0, 3.25], dtype=torch.float64, requires_grad=True)
         x = torch.randn(2, 3, 8, dtype=torch.float64)
         assert torch.autograd.gradcheck(lambda p: rope(x, p), (positions,))
+
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("rotary_dim, trailing", [(8, False), (6, False), (6, True)])
+    def test_q_and_k_turned_in_one_call_gradcheck_and_equal_the_formula(self, interleaved, rotary_dim, trailing):
+        """Issue 42: the eager rotation turns q and k in one autograd call, each by its own angles (q and k of
+        different lengths here); float64 gradcheck and gradgradcheck, and the plain formula's outputs and
+        gradients (autograd's through it)."""
+        q = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+        angles = [torch.rand(n, rotary_dim // 2, dtype=torch.float64) * 20 for n in (5, 3)]
+        cos, sin = tuple(a.cos() for a in angles), tuple(a.sin() for a in angles)
+        fast = lambda q, k: pe_lib._rotate_all((q, k), cos, sin, interleaved, rotary_dim, trailing)
+        plain = lambda q, k: pe_lib._rotate_formula((q, k), cos, sin, interleaved, rotary_dim, trailing)
+        assert torch.autograd.gradcheck(fast, (q, k))
+        assert torch.autograd.gradgradcheck(fast, (q, k))
+        grads = (torch.randn_like(q), torch.randn_like(k))
+        got, want = fast(q, k), plain(q, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        for g, w in zip(torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+    def test_torch_func_transforms_take_the_formula(self):
+        """torch.func's vmap and jvp see the plain formula (the eager autograd Function has no functorch rule:
+        both raised a RuntimeError): per-sample outputs and the tangent (a rotation is linear) equal the
+        float64 oracle's."""
+        rope = RotaryPositionalEmbedding(8, rotary_dim=6, interleaved=True)
+        x, tangent = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+        want = lambda t: rope_oracle(t, list(range(5)), plain_inv_freq(6), interleaved=True, rotary_dim=6).float()
+        torch.testing.assert_close(torch.func.vmap(rope)(x), want(x))
+        value, derivative = torch.func.jvp(rope, (x,), (tangent,))
+        torch.testing.assert_close(value, want(x))
+        torch.testing.assert_close(derivative, want(tangent))
+
+    @pytest.mark.parametrize("kwargs, per_tensor", [({}, 4), ({"interleaved": True}, 4),
+                                                    ({"rotary_dim": 16, "rotated_channels": "trailing"}, 5)],
+                             ids=["half_split", "interleaved", "trailing"])
+    def test_eager_rotation_stays_in_the_input_dtype(self, kwargs, per_tensor):
+        """Issue 42: the eager rotation (the CPU's path) of bf16 q and k casts neither to float32 nor the result
+        back, builds no default positions, and runs 4 full-size ops per tensor (2 multiplies, 2 fused
+        multiply-adds; plus the pass-through copy), as many backward: 8 and 16 for q and k, where it ran 13
+        forward and 29 forward + backward."""
+        rope = RotaryPositionalEmbedding(32, **kwargs)
+        q, k = (torch.randn(2, 4, 16, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        grads = (torch.randn_like(q), torch.randn_like(k))
+        forward = aten_ops(lambda: rope.encode_qk(q, k))
+        both = aten_ops(lambda: torch.autograd.grad(rope.encode_qk(q, k), (q, k), grads))
+        assert "_to_copy" not in both and "arange" not in both
+        assert (len(forward), len(both)) == (2 * per_tensor, 4 * per_tensor)
+
+    # (dtype, layout): the compiled rotation on the CPU (inductor compiles each for seconds: one runs by default)
+    FUSED = [(dtype, layout) for dtype in ("float32", "bfloat16") for layout in ("half_split", "interleaved", "trailing")]
+
+    @pytest.mark.parametrize("combo", quick_or_slow(FUSED, {"bfloat16-half_split"}, ids=[f"{d}-{l}" for d, l in FUSED]))
+    def test_compiled_rotation_equals_eager_on_cpu(self, monkeypatch, combo):
+        """Issue 42: the rotation the library compiles for CUDA, run with inductor on the CPU: q', k' and their
+        gradients equal the eager path's, the output rounded once from float32 (within half a bf16 ulp of the
+        float64 oracle), in one compilation."""
+        dtype, layout = getattr(torch, combo[0]), combo[1]
+        kwargs = {"half_split": {}, "interleaved": {"interleaved": True},
+                  "trailing": {"rotary_dim": 16, "rotated_channels": "trailing"}}[layout]
+        rope = RotaryPositionalEmbedding(32, **kwargs)
+        q, k = (torch.randn(2, 4, 24, 32, dtype=dtype, requires_grad=True) for _ in range(2))
+        grads = (torch.randn_like(q), torch.randn_like(k))
+
+        def rotated_and_grads():
+            out = rope.encode_qk(q, k)
+            return (*out, *torch.autograd.grad(out, (q, k), grads))
+
+        want = rotated_and_grads()
+        state = fused_rotation_on_cpu(monkeypatch)
+        got = rotated_and_grads()
+        assert len(state["kinds"]) == 1 and "error" not in state
+        for g, w in zip(got, want):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g, w)
+        if layout != "trailing":
+            oracle = rope_oracle(q.detach(), list(range(24)), plain_inv_freq(32), interleaved=layout == "interleaved")
+            spacing = 2.0 ** (torch.floor(torch.log2(oracle.abs().clamp_min(1e-30))) - (7 if dtype == torch.bfloat16 else 23))
+            assert ((got[0].double() - oracle).abs() <= 0.5 * spacing * 1.001 + 1e-6).all()
+
+    def test_compiled_rotation_compiles_once_per_kind_of_call(self, monkeypatch):
+        """Issue 42: the compiled rotation's sizes are dynamic, so new lengths and batch sizes reuse one
+        compilation (not one per length); decoding (one query), no_grad and float64 are new kinds, and the
+        kinds the library counts are dynamo's compilations (a counting backend)."""
+        from torch._dynamo.testing import CompileCounter
+
+        counter = CompileCounter()
+        state = fused_rotation_on_cpu(monkeypatch, torch.compile(fresh_rotation_formula(), backend=counter))
+        rope = RotaryPositionalEmbedding(16)
+
+        def check(q, k):
+            got = rope.encode_qk(q, k)
+            monkeypatch.setattr(pe_lib, "_FUSED_ROTATION_DEVICES", ())
+            want = rope.encode_qk(q, k)
+            monkeypatch.setattr(pe_lib, "_FUSED_ROTATION_DEVICES", ("cpu",))
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+
+        for batch, heads, n in ((2, 3, 24), (2, 3, 40), (3, 3, 100), (5, 6, 7)):
+            check(*(torch.randn(batch, heads, n, 16, requires_grad=True) for _ in range(2)))
+        assert counter.frame_count == 1
+        for cached in (10, 11, 30):   # decoding: one query after a cache of keys
+            check(torch.randn(2, 3, 1, 16, requires_grad=True), torch.randn(2, 3, cached, 16, requires_grad=True))
+        assert counter.frame_count == 2
+        with torch.no_grad():
+            check(torch.randn(2, 3, 24, 16), torch.randn(2, 3, 24, 16))
+        check(torch.randn(2, 3, 24, 16, dtype=torch.float64), torch.randn(2, 3, 24, 16, dtype=torch.float64))
+        assert counter.frame_count == len(state["kinds"]) == 4
+
+    def test_compiled_rotation_stays_within_its_budget(self, monkeypatch):
+        """Issue 42: past ``_FUSED_ROTATION_KINDS`` kinds of call a new kind runs eagerly instead of recompiling
+        (past dynamo's own recompile limit it would run the unfused formula, with a warning); the kinds
+        compiled keep the compiled path."""
+        from torch._dynamo.testing import CompileCounter
+
+        counter, calls = CompileCounter(), []
+        compiled = torch.compile(fresh_rotation_formula(), backend=counter)
+        state = fused_rotation_on_cpu(monkeypatch, lambda *args: calls.append(args) or compiled(*args))
+        monkeypatch.setattr(pe_lib, "_FUSED_ROTATION_KINDS", 2)
+        rope = RotaryPositionalEmbedding(16)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
+            x = torch.randn(2, 3, 8, 16, dtype=dtype)
+            want = rope_oracle(x, list(range(8)), plain_inv_freq(16)).to(dtype)
+            torch.testing.assert_close(rope.encode_qk(x, x)[1], want)
+        assert counter.frame_count == len(state["kinds"]) == 2
+        assert [args[0][0].dtype for args in calls] == [torch.float32, torch.float64, torch.float32]
+
+    def test_compiled_rotation_failure_warns_once_and_runs_eagerly(self, monkeypatch):
+        """Issue 42: where the compiler fails (no triton, no C++ compiler) the rotation warns once and takes the
+        eager path from then on."""
+        import warnings
+
+        def broken(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler")
+
+        state = fused_rotation_on_cpu(monkeypatch, broken)
+        rope = RotaryPositionalEmbedding(16)
+        q, k = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16)
+        with pytest.warns(UserWarning, match=r"compiled rotation failed \(TorchDynamoException: no working C\+\+"):
+            got = rope.encode_qk(q, k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = rope.encode_qk(q, k)
+        assert "error" in state
+        for g, a, x in zip(got, again, (q, k)):
+            want = rope_oracle(x, list(range(8)), plain_inv_freq(16)).float()
+            torch.testing.assert_close(g, want)
+            torch.testing.assert_close(a, want)
+
+    def test_rotation_traced_by_torch_compile_is_the_plain_formula(self, monkeypatch):
+        """Issue 42: inside the user's torch.compile the rotation is the plain formula, for the user's compiler
+        to fuse: the library's own compiled rotation is not called from traced code."""
+        state = fused_rotation_on_cpu(monkeypatch, lambda *args: pytest.fail("the library's compiled rotation ran"))
+        rope = RotaryPositionalEmbedding(16, interleaved=True)
+        q, k = torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16)
+        got = torch.compile(rope.encode_qk, backend="eager", fullgraph=True)(q, k)
+        for g, x in zip(got, (q, k)):
+            torch.testing.assert_close(g, rope_oracle(x, list(range(8)), plain_inv_freq(16), interleaved=True).float())
+        assert "kinds" not in state
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_cuda_rotation_is_compiled(self, monkeypatch, dtype):
+        """Issue 42: on CUDA eager RoPE runs the library's compiled rotation (q and k together, forward and
+        backward), with the eager path's outputs and gradients."""
+        monkeypatch.setattr(pe_lib, "_FUSED_ROTATION", {})
+        rope = RotaryPositionalEmbedding(64, rotary_dim=48).cuda()
+        q, k = (torch.randn(2, 4, 40, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        grads = (torch.randn_like(q), torch.randn_like(k))
+
+        def rotated_and_grads():
+            out = rope.encode_qk(q, k)
+            return (*out, *torch.autograd.grad(out, (q, k), grads))
+
+        got = rotated_and_grads()
+        assert len(pe_lib._FUSED_ROTATION["kinds"]) == 1 and "error" not in pe_lib._FUSED_ROTATION
+        monkeypatch.setattr(pe_lib, "_FUSED_ROTATION_DEVICES", ())
+        for g, w in zip(got, rotated_and_grads()):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g, w)
 
     def test_permuted_weights_give_same_attention(self):
         heads, head_dim, model_dim, n = 2, 8, 12, 6
@@ -10652,6 +10867,33 @@ class TestFoPE:
             by_length = FoPEPositionalEmbedding(16, 2, train_length=100, base=100.0)
             torch.testing.assert_close(by_count(x.float()), by_length(x.float()), rtol=0, atol=0)
 
+    @pytest.mark.parametrize("learnable", [False, True])
+    def test_q_and_k_take_ropes_rotation_compiled_or_not(self, monkeypatch, learnable):
+        """Issue 42: FoPE turns q and k in RoPE's one call: eagerly (fixed coefficients: the allocation-free
+        function, per-head angles broadcast) or through the library's compiled rotation (a counting
+        AOTAutograd backend here), with the same outputs and gradients for q, k and learned coefficients."""
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        fope = FoPEPositionalEmbedding(16, 3, train_length=64, learnable=learnable)
+        q, k = (torch.randn(2, 3, 10, 16, requires_grad=True) for _ in range(2))
+        leaves = [q, k, fope.cos_coef, fope.sin_coef] if learnable else [q, k]
+
+        def outputs_and_grads():
+            out = fope.encode_qk(q, k)
+            return [*out, *torch.autograd.grad(sum(o.square().sum() for o in out), leaves)]
+
+        want = outputs_and_grads()
+        oracle = [torch.stack([fope_oracle(row.double(), list(range(10)), fope.cos_coef, fope.sin_coef, 64, 10000.0,
+                                           "identity") for row in x.detach()]) for x in (q, k)]   # per batch row
+        counter = CompileCounterWithBackend("aot_eager")
+        fused_rotation_on_cpu(monkeypatch, torch.compile(fresh_rotation_formula(), backend=counter))
+        got = outputs_and_grads()
+        assert counter.frame_count == 1
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        for g, o in zip(got, oracle):
+            torch.testing.assert_close(g.double(), o, rtol=1e-5, atol=1e-5)
+
     def test_without_noise_or_clipping_it_is_rope(self):
         fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
         assert fope.num_frequencies == DH // 2
@@ -12665,6 +12907,24 @@ def test_bench_regime_both_passes_every_other_argument_to_each_child(monkeypatch
                 want.sections, want.reps, want.no_compile, regime), (argv, command)
     with pytest.raises(SystemExit):   # an abbreviation would escape the filter
         bench.parse_args(["rope", "--reg", "both"])
+
+
+def test_bench_rope_sections_run(capsys):
+    """Issue 42: ``bench.py rope`` ran into a NameError (``device``) where transformers is installed, and
+    ``rope_attention`` prints RoPE through attention() and the HF-style rotation as ratios to SDPA, forward and
+    forward + backward, fp32 and bf16 (tiny sizes here)."""
+    bench = _load_benchmark("bench")
+    bench.bench_rope(1, compile=False, sizes=(1, 2, 8, 16))
+    bench.bench_rope_attention(1, compile=False, sizes=(1, 2, 8, 16))
+    out = capsys.readouterr().out
+    assert "RoPE: rotate q and k [1, 2, 8, 16] fp32" in out
+    for mode in ("forward (no grad)", "forward + backward"):
+        for dtype in ("float32", "bfloat16"):
+            title = f"RoPE attention, {mode}, B=1, H=2, N=8, Dh=16 {dtype}, causal (ratio to SDPA)"
+            table = out.split(title)[1].split("\n\n")[0]
+            assert re.search(r"SDPA causal \(floor: no positions\) +[0-9.]+ +1\.00", table), table
+            assert "RoPE attention() (eager rotation: the CPU's default)" in table
+            assert "HF-style rotate_half + SDPA" in table
 
 
 @slow

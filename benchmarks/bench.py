@@ -6,6 +6,7 @@ same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when ab
 
     python benchmarks/bench.py                 # everything
     python benchmarks/bench.py rope --reps 50  # one section
+    python benchmarks/bench.py rope_attention --reps 3 --regime "reused memory"   # issue 42's RoPE size, CPU
     python benchmarks/bench.py all --only rotary,alibi   # a few encodings against the floor
     python benchmarks/bench.py gqa             # grouped-query attention against repeated k/v (time, peak memory)
     python benchmarks/bench.py bias_paths      # bias encodings: eager dense, compiled flex, compiled dense
@@ -110,9 +111,10 @@ def report(title: str, times: dict, baseline: str, memory: dict = None) -> None:
 # ---------------------------------------------------------------------------
 
 
-def bench_rope(reps: int, compile: bool) -> None:
-    b, h, n, d = 1, 32, 2048, 128
+def bench_rope(reps: int, compile: bool, sizes: tuple = (1, 32, 2048, 128)) -> None:
+    b, h, n, d = sizes
     q, k = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    device = q.device
     fns = {"clone q and k (memory-traffic floor)": lambda: (q.clone(), k.clone())}
     half, inter = pe_lib.RotaryPositionalEmbedding(d), pe_lib.RotaryPositionalEmbedding(d, interleaved=True)
     fns["ours, half-split (eager)"] = lambda: (half(q), half(k))
@@ -138,6 +140,74 @@ def bench_rope(reps: int, compile: bool) -> None:
         fns["rotary-embedding-torch rotate_queries_or_keys"] = lambda: (rotary.rotate_queries_or_keys(q),
                                                                         rotary.rotate_queries_or_keys(k))
     report(f"RoPE: rotate q and k [{b}, {h}, {n}, {d}] fp32", medians(fns, reps), baseline=next(iter(fns)))
+
+
+def hf_rope_tables(n: int, d: int, dtype: torch.dtype, device=None) -> tuple:
+    """cos, sin ``[N, Dh]`` of the Hugging Face-style rotation (``rotate_half``), in the input dtype as HF keeps them."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq                # [N, Dh/2]
+    both = torch.cat([angles, angles], dim=-1)                                                       # [N, Dh]
+    return both.cos().to(dtype), both.sin().to(dtype)
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``: what a user writes instead of the library (the issue-42 anchor)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def bench_rope_attention(reps: int, compile: bool, sizes: tuple = (2, 16, 4096, 128)) -> None:
+    """RoPE through attention() against plain SDPA and the HF-style rotation + SDPA, forward (no grad) and
+    forward + backward, causal, fp32 and bf16 (issue 42's size: B=2, H=16, N=4096, Dh=128); with ``compile``
+    also attention() through the rotation the library compiles for CUDA, here run by inductor on the CPU
+    (its first call compiles, outside the timing)."""
+    b, h, n, d = sizes
+    reps = max(1, reps // 10) if n * d >= 2**19 else reps   # one SDPA takes seconds on a CPU at the issue's size
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rope = pe_lib.RotaryPositionalEmbedding(d)
+    fused = pe_lib._FUSED_ROTATION_DEVICES
+
+    def with_fused(fn):   # the CUDA default path, taken on this device for the call
+        def call(*args):
+            pe_lib._FUSED_ROTATION_DEVICES = (*fused, args[0].device.type)
+            try:
+                return fn(*args)
+            finally:
+                pe_lib._FUSED_ROTATION_DEVICES = fused
+        return call
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
+        cos, sin = hf_rope_tables(n, d, dtype)
+        rows = {"SDPA causal (floor: no positions)": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+                "RoPE attention() (eager rotation: the CPU's default)":
+                    lambda q, k, v: pe_lib.attention(q, k, v, rope, causal=True),
+                "HF-style rotate_half + SDPA": lambda q, k, v: sdpa(hf_rope(q, cos, sin), hf_rope(k, cos, sin), v,
+                                                                    is_causal=True)}
+        if compile:
+            rows["RoPE attention(), compiled rotation (CUDA's default)"] = with_fused(
+                lambda q, k, v: pe_lib.attention(q, k, v, rope, causal=True))
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn_like(q)
+
+        def forward(fn):
+            def call():
+                with torch.no_grad():
+                    fn(q, k, v)
+            return call
+
+        def training(fn):
+            def step():
+                fn(*leaves).backward(grad)
+                for t in leaves:
+                    t.grad = None
+            return step
+
+        name = str(dtype).replace("torch.", "")
+        for mode, wrap in (("forward (no grad)", forward), ("forward + backward", training)):
+            times = medians({row: wrap(fn) for row, fn in rows.items()}, reps, warmup=1)
+            report(f"RoPE attention, {mode}, B={b}, H={h}, N={n}, Dh={d} {name}, causal (ratio to SDPA)",
+                   times, next(iter(times)))
 
 
 def _rope_float64(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -582,9 +652,63 @@ def bench_gpu(reps: int, compile: bool) -> None:
     memory = {name: gpu_peak(fn) for name, fn in train.items()}
     report(f"GPU, every encoding: attention forward + backward, B={b}, H={h}, N={n}, Dh={d} fp32",
            times, next(iter(times)), memory)
+    _gpu_rope_rows(reps)
 
 
-SECTIONS = {"all": bench_all, "rope": bench_rope, "rope_precision": bench_rope_precision, "t5": bench_t5,
+def _gpu_rope_rows(reps: int) -> None:
+    """Issue 42's RoPE rows on the GPU: plain SDPA, RoPE through attention() (the library's compiled rotation)
+    and the HF-style rotation + SDPA, bf16, causal, H=16, Dh=128, at N = 4096 (B=2), 16384 and 65536 (B=1):
+    forward (no grad) and forward + backward, each with its peak extra memory and its first call's time
+    (compilation included). A row that fails prints its error."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    h, d, dtype = 16, 128, torch.bfloat16
+    rope = pe_lib.RotaryPositionalEmbedding(d).cuda()
+    for b, n in ((2, 4096), (1, 16384), (1, 65536)):
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        cos, sin = hf_rope_tables(n, d, dtype, device="cuda")
+        rows = {"SDPA causal (floor)": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+                "RoPE attention()": lambda q, k, v: pe_lib.attention(q, k, v, rope, causal=True),
+                "HF-style rotate_half + SDPA": lambda q, k, v: sdpa(hf_rope(q, cos, sin), hf_rope(k, cos, sin), v,
+                                                                    is_causal=True)}
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        grad = torch.randn_like(q)
+        modes = {"forward": lambda fn: fn(q, k, v), "forward + backward": lambda fn: fn(*leaves).backward(grad)}
+        for mode, run in modes.items():
+            print(f"\nGPU RoPE, {mode}, B={b}, H={h}, N={n}, Dh={d} bf16, causal ({torch.cuda.get_device_name()})")
+            print(f"  {'implementation':<36}{'median ms':>10}{'ratio':>8}{'peak MiB':>10}{'first s':>9}")
+            floor = None
+            for name, fn in rows.items():
+                def call(fn=fn):
+                    with torch.set_grad_enabled(mode != "forward"):
+                        run(fn)
+                    for t in leaves:
+                        t.grad = None
+                    torch.cuda.synchronize()
+                try:
+                    start = time.perf_counter()
+                    call()
+                    first = time.perf_counter() - start
+                    seconds = medians({name: call}, max(3, reps // 3))[name]
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    call()
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                except Exception as error:  # noqa: BLE001  (out of memory, a failed compile: say so, go on)
+                    print(f"  {name:<36}ERROR {type(error).__name__}: {str(error).strip()[:120]}")
+                    torch.cuda.empty_cache()
+                    continue
+                floor = seconds if floor is None else floor
+                print(f"  {name:<36}{seconds * 1e3:>10.3f}{seconds / floor:>8.2f}{peak:>10.0f}{first:>9.1f}")
+        del q, k, v, leaves, grad
+        torch.cuda.empty_cache()
+    state = pe_lib._FUSED_ROTATION
+    print(f"  (the library's compiled rotation: {len(state.get('kinds', ()))} kinds of call compiled"
+          + (f"; it failed: {state['error']!r}" if "error" in state else "") + ")")
+
+
+SECTIONS = {"all": bench_all, "rope": bench_rope, "rope_attention": bench_rope_attention,
+            "rope_precision": bench_rope_precision, "t5": bench_t5,
             "heinsen": bench_heinsen, "heinsen_precision": bench_heinsen_precision, "algebraic": bench_algebraic,
             "gqa": bench_gqa, "bias_paths": bench_bias_paths, "gpu": bench_gpu}
 
