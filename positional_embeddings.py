@@ -3270,12 +3270,12 @@ def _compiled_rotation():
 def _fused_rotation(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim: int,
                     trailing: bool) -> Optional[tuple]:
     """The rotation of an eager call through ``_compiled_rotation``, or None where it does not serve: a
-    device not in ``_FUSED_ROTATION_DEVICES``, DTensors, no torch.compile, a compilation that failed
+    device not in ``_FUSED_ROTATION_DEVICES``, a tensor subclass (DTensor), no torch.compile, a compilation that failed
     (warned once), or a new kind of call once ``_FUSED_ROTATION_KINDS`` kinds (half dynamo's recompile
     limit, where the rotation has none of its own) are compiled: that kind runs eagerly instead of
     recompiling (past its limit dynamo would run the formula unfused, with a warning)."""
     if xs[0].device.type not in _FUSED_ROTATION_DEVICES or "error" in _FUSED_ROTATION \
-            or any(_is_dtensor(x) for x in xs) or _compiled_rotation() is None:
+            or any(type(x) is not Tensor for x in xs) or _compiled_rotation() is None:   # no DTensor, no subclass
         return None
     # what dynamo specialises on: dtypes, ranks, sizes of 1, layouts, equal sizes, grad mode and flags
     kind = (interleaved, rotary_dim, trailing, torch.is_grad_enabled(),
