@@ -128,6 +128,7 @@ import math
 import numbers
 import operator
 import sys
+import weakref
 from typing import Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -1250,29 +1251,104 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, po
     return out.reshape(*lead, *out.shape[-3:])
 
 
+_BLOCK_MASKS: dict = {}   # _block_mask's cache, oldest first: key -> (weak reference to the ids or None, their version, mask)
+_BLOCK_MASK_CACHE_SIZE = 8
+_FLEX_BLOCK = 128         # FlexAttention's default block size (queries and keys)
+
+
 def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device):
     """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (ids ``[N]``
     shared or ``[B, N]``; None: one document) and, with ``causal``, to keys at most
     ``_query_offset`` past it; None when nothing is masked.
 
-    It is built from a ``mask_mod``: blocks that are wholly masked are skipped by the kernel, and
-    under ``torch.compile`` no ``[Nq, Nk]`` mask is materialised.
+    The kernel skips the blocks wholly masked and applies the ``mask_mod`` inside the others. In
+    eager mode the blocks come from block indices (``_mask_blocks``: no ``[Nq, Nk]`` tensor, memory
+    ``O(N + (N / 128)^2)``) and the mask is cached (the last ``_BLOCK_MASK_CACHE_SIZE``) per lengths,
+    causality, device and ids: the same ids tensor, unchanged (its identity, held weakly, and its
+    version counter), so every layer of one forward shares one mask and new ids make a new one
+    (inference-mode ids have no version counter: their mask is rebuilt every call). Traced
+    (``torch.compile``), ``create_block_mask`` evaluates the ``mask_mod``, which inductor fuses
+    into its block reductions: no ``[Nq, Nk]`` tensor either, and nothing cached.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     if ids is None and not causal:
         return None
+    device = torch.device(device)
+    if _is_compiling():
+        batch = ids.shape[0] if ids is not None and ids.dim() == 2 else None
+        return create_block_mask(_keep_mod(ids, causal, q_len, k_len, device), batch, None, q_len, k_len,
+                                 device=device)
+    cached = ids is None or not ids.is_inference()
+    key = (q_len, k_len, causal, device, None if ids is None else (id(ids), tuple(ids.shape)))
+    entry = _BLOCK_MASKS.pop(key, None)
+    if entry is not None and (ids is None or entry[0]() is ids and entry[1] == ids._version):
+        _BLOCK_MASKS[key] = entry                                                       # now the newest
+        return entry[2]
+
+    def ordered(blocks: Tensor) -> tuple:  # [R, 1, Q, K] bool -> blocks per row [R, 1, Q], their indices first
+        blocks = blocks.to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), blocks.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    partial, full = _mask_blocks(ids, causal, q_len, k_len, device)                     # [R, 1, Q, K] each
+    mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=_FLEX_BLOCK,
+                                    mask_mod=_keep_mod(ids, causal, q_len, k_len, device), seq_lengths=(q_len, k_len))
+    if cached:
+        _BLOCK_MASKS[key] = (None if ids is None else weakref.ref(ids), None if ids is None else ids._version, mask)
+        while len(_BLOCK_MASKS) > _BLOCK_MASK_CACHE_SIZE:
+            del _BLOCK_MASKS[next(iter(_BLOCK_MASKS))]                                  # the oldest
+    return mask
+
+
+def _keep_mod(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device):
+    """``_block_mask``'s ``mask_mod``: same document and, with ``causal``, ``kv_idx <= q_idx + offset``.
+    A nonzero offset is a 0-d tensor: a Python int would be a size the compiled kernel specialises
+    on, then reads as a symbol (which inductor 2.11-2.13 fails to lower)."""
     offset = _query_offset(q_len, k_len)
+    shift = torch.tensor(offset, device=device) if offset else None
 
     def keep(b, h, q_idx, kv_idx):
-        seen = kv_idx <= q_idx + offset
+        seen = kv_idx <= (q_idx if shift is None else q_idx + shift)
         if ids is None:
             return seen
         same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
         return same & seen if causal else same
+    return keep
 
-    batch = ids.shape[0] if ids is not None and ids.dim() == 2 else None
-    return create_block_mask(keep, batch, None, q_len, k_len, device=device)
+
+def _mask_blocks(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, size: int = _FLEX_BLOCK) -> tuple:
+    """The ``size x size`` blocks of ``_keep_mod``'s mask that hold some kept pair (``partial``, to be masked
+    inside) and those wholly kept (``full``), from block indices: bool ``[R, 1, Q, K]`` each (R rows of
+    ``[R, N]`` ids, else 1), ``partial`` and ``full`` disjoint, as ``create_block_mask`` finds them.
+
+    Causal: a block holds a kept pair iff its first key is seen by its last query, and all are kept iff
+    its last key is seen by its first query. Documents: a block pair shares an id only if the id ranges
+    ``[min, max]`` of its query and key blocks overlap (exact for ids that do not decrease, as packed
+    documents are numbered; other ids may leave an extra block to the ``mask_mod``), and is wholly one
+    document iff both blocks hold one id, the same. With both, as ids need ``Nq == Nk``, a block on the
+    diagonal keeps its diagonal and one below it every causal pair, so the two tests combine exactly.
+    A block past either length's end is never full (torch pads the dense mask with False).
+    """
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    q_first = torch.arange(q_blocks, device=device)[:, None] * size                    # [Q, 1]
+    k_first = torch.arange(k_blocks, device=device) * size                              # [K]
+    full = (q_first + size <= q_len) & (k_first + size <= k_len)                        # [Q, K]: inside both lengths
+    partial = torch.ones_like(full)
+    if causal:
+        offset = _query_offset(q_len, k_len)
+        q_last, k_last = (q_first + size - 1).clamp(max=q_len - 1), (k_first + size - 1).clamp(max=k_len - 1)
+        partial = partial & (k_first <= q_last + offset)
+        full = full & (k_last <= q_first + offset)
+    if ids is not None:
+        rows = ids.reshape(-1, ids.shape[-1])                                           # [R, N]
+        index = torch.arange(q_blocks * size, device=device).clamp(max=rows.shape[-1] - 1)
+        blocks = rows[:, index].unflatten(-1, (q_blocks, size))                         # [R, Q, size]: last id repeated
+        low, high = blocks.amin(-1), blocks.amax(-1)                                    # [R, Q]
+        overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])   # [R, Q, K]
+        one = low == high
+        partial = partial & overlap
+        full = full & one[:, :, None] & one[:, None, :] & (low[:, :, None] == low[:, None, :])
+    return (partial & ~full).reshape(-1, 1, q_blocks, k_blocks), full.reshape(-1, 1, q_blocks, k_blocks)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:

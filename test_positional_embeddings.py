@@ -1573,6 +1573,37 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
         return out
 
 
+def peak_bytes(fn) -> int:
+    """Peak bytes of tensors allocated and not yet freed while ``fn`` runs (the profiler's memory events,
+    as ``benchmarks/bench.py``'s ``peak_memory``: independent of the allocator's reuse)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def block_oracle(keep, q_len, k_len, rows=1, size=128):
+    """The blocks of a token mask ``keep(b, q, k)`` (plain loops over a dense [Nq, Nk] mask, padded with False as
+    torch pads): (partial, full) bool [rows, Q, K], a block partial when some pair is kept but not all."""
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    partial = torch.zeros(rows, q_blocks, k_blocks, dtype=torch.bool)
+    full = torch.zeros_like(partial)
+    for b in range(rows):
+        dense = torch.zeros(q_blocks * size, k_blocks * size, dtype=torch.bool)
+        dense[:q_len, :k_len] = torch.tensor([[keep(b, i, j) for j in range(k_len)] for i in range(q_len)])
+        for i in range(q_blocks):
+            for j in range(k_blocks):
+                tile = dense[i * size:(i + 1) * size, j * size:(j + 1) * size]
+                full[b, i, j], partial[b, i, j] = bool(tile.all()), bool(tile.any() and not tile.all())
+    return partial, full
+
+
 class TestFlexAttention:
     @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H), lambda: ALiBiPositionalEmbedding(H),
                                       lambda: ALiBiPositionalEmbedding(H, bidirectional=True),
@@ -1686,6 +1717,75 @@ class TestFlexAttention:
         assert pe_lib._block_mask(None, False, 384, 384, torch.device("cpu")) is None
         tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
         assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
+
+    DOCS = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 200, 30, 50, 132]))          # 512 tokens
+
+    @pytest.mark.parametrize("ids, causal, q_len, k_len", [
+        (None, True, 384, 384), (None, True, 300, 300), (None, True, 200, 333), (None, True, 1, 300),
+        (DOCS, False, 512, 512), (DOCS[:300], True, 300, 300), (torch.stack([DOCS, DOCS.flip(0)]), True, 512, 512)],
+        ids=["causal", "causal_ragged", "causal_tail", "one_query", "documents", "documents_causal", "rows"])
+    def test_block_mask_from_block_indices(self, ids, causal, q_len, k_len):
+        """Issue 42.1: the blocks come from block indices, equal to those of the dense mask (a loop oracle),
+        with the same mask inside them; at multiples of 128, the very mask create_block_mask builds."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        pe_lib._BLOCK_MASKS.clear()
+        mask = pe_lib._block_mask(ids, causal, q_len, k_len, torch.device("cpu"))
+        offset = max(k_len - q_len, 0)
+        rows = None if ids is None else ids.reshape(-1, ids.shape[-1])
+
+        def keep(b, i, j):
+            same = rows is None or bool(rows[b, i] == rows[b, j])
+            return same and (not causal or j <= i + offset)
+
+        partial, full = block_oracle(keep, q_len, k_len, 1 if rows is None else rows.shape[0])
+        dense = mask.to_dense().bool()[:, 0]                                            # [R, Q, K] visited blocks
+        torch.testing.assert_close(dense, partial | full)
+        torch.testing.assert_close(mask.full_kv_num_blocks[:, 0], full.sum(-1, dtype=torch.int32))
+        b, q, k = (torch.tensor(x) for x in (rows.shape[0] - 1 if rows is not None else 0, q_len - 1, 0))
+        assert bool(mask.mask_mod(b, torch.tensor(0), q, k)) == keep(int(b), int(q), int(k))
+        if q_len % 128 == 0 and k_len % 128 == 0:
+            torch_mask = create_block_mask(lambda b, h, i, j: (rows is None or rows[b, i] == rows[b, j])
+                                           & ((j <= i + offset) if causal else True), None if rows is None else
+                                           rows.shape[0], None, q_len, k_len, device="cpu")
+            for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+                torch.testing.assert_close(getattr(mask, name), getattr(torch_mask, name))
+            torch.testing.assert_close(mask.to_dense(), torch_mask.to_dense())
+
+    def test_causal_block_mask_at_64k_tokens_is_small(self):
+        """Issue 42.1: the causal mask of 65536 tokens took an [N, N] mask (16 GiB; 2.5 GiB at 16384), now
+        its 512 x 512 blocks (measured: 10 MiB)."""
+        pe_lib._BLOCK_MASKS.clear()
+        n = 65536
+        assert peak_bytes(lambda: pe_lib._block_mask(None, True, n, n, torch.device("cpu"))) < 32 * 2**20
+        mask = pe_lib._block_mask(None, True, n, n, torch.device("cpu"))
+        assert mask.kv_indices.shape == (1, 1, 512, 512) and mask.seq_lengths == (n, n)
+        assert mask.kv_num_blocks.flatten().tolist() == [1] * 512                       # the diagonal block
+        assert mask.full_kv_num_blocks.flatten().tolist() == list(range(512))             # every block below it
+
+    def test_block_masks_are_cached(self):
+        """Issue 42.1: one mask per (lengths, causality, device, ids), the newest _BLOCK_MASK_CACHE_SIZE of them;
+        ids are the same tensor unchanged (identity and version), inference-mode ids are not cached."""
+        cpu = torch.device("cpu")
+        pe_lib._BLOCK_MASKS.clear()
+        first = pe_lib._block_mask(None, True, 256, 256, cpu)
+        assert pe_lib._block_mask(None, True, 256, 256, cpu) is first
+        assert pe_lib._block_mask(None, True, 128, 256, cpu) is not first
+        ids = self.DOCS.clone()
+        by_ids = pe_lib._block_mask(ids, False, 512, 512, cpu)
+        assert pe_lib._block_mask(ids, False, 512, 512, cpu) is by_ids
+        assert pe_lib._block_mask(ids.clone(), False, 512, 512, cpu) is not by_ids      # equal ids, another tensor
+        assert by_ids.full_kv_num_blocks[0, 0, 3] == 1                                  # the last block: one document
+        ids[-1] = 9                                                                     # in place: a new version
+        changed = pe_lib._block_mask(ids, False, 512, 512, cpu)
+        assert changed is not by_ids and changed.full_kv_num_blocks[0, 0, 3] == 0
+        with torch.inference_mode():
+            frozen = self.DOCS.clone()
+        assert pe_lib._block_mask(frozen, True, 512, 512, cpu) is not pe_lib._block_mask(frozen, True, 512, 512, cpu)
+        for n in range(1, 2 * pe_lib._BLOCK_MASK_CACHE_SIZE):
+            pe_lib._block_mask(None, True, n, n, cpu)
+        assert len(pe_lib._BLOCK_MASKS) == pe_lib._BLOCK_MASK_CACHE_SIZE
+        assert pe_lib._block_mask(None, True, 256, 256, cpu) is not first                # the oldest went first
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
