@@ -5511,14 +5511,18 @@ class _PairwiseBias(PositionalEmbedding):
         """A FlexAttention ``score_mod`` adding this bias: ``flex_attention(q, k, v, score_mod=...)``.
 
         Default positions of a ``distance_only`` bias close over its ``Nq + Nk - 1`` per-distance
-        values; other positions are looked up per element, and a ``pointwise`` bias is evaluated
-        there; any other bias is read from its dense ``[(B,) H, Nq, Nk]`` tensor.
+        values, read with one gather; other positions are looked up per element, and a ``pointwise``
+        bias is evaluated there; any other bias is read from its dense ``[(B,) H, Nq, Nk]`` tensor.
+        The ``score_mod`` holds tensors only, no Python size: a compiled kernel would specialise on an
+        int, then read it as a symbol at the next length, which inductor 2.11-2.13 fails to lower
+        ("'ShapeAsConstantBuffer' object has no attribute 'dtype'" on CUDA, a C++ error on the CPU).
         """
         positions_q, positions_k = self._validated(q_len, k_len, positions_q, positions_k)
         device = self._buffer_device()
         if positions_q is None and positions_k is None and self.distance_only:
             values = self._per_distance(q_len, k_len, device)                            # [H, Nq + Nk - 1]
-            return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + q_len - 1].to(score.dtype)
+            shift = torch.tensor(q_len - 1, device=device)                               # column of kv_idx == q_idx
+            return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + shift].to(score.dtype)
         pos_q, pos_k = self._positions(q_len, k_len, positions_q, positions_k, device)
         if not (self.pointwise and self.num_axes == 1):
             return _dense_score_mod(self.dense_bias(pos_q, pos_k))

@@ -1718,6 +1718,52 @@ class TestFlexAttention:
         tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
         assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
 
+    @staticmethod
+    def captured_ints(fn, seen=None) -> list:
+        """The Python ints a function closes over, through nested functions, tuples and lists (not modules)."""
+        seen = set() if seen is None else seen
+        if id(fn) in seen:
+            return []
+        seen.add(id(fn))
+        found = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, int) and not isinstance(value, bool):
+                found.append(value)
+            elif callable(value) and not isinstance(value, torch.nn.Module) or isinstance(value, (tuple, list)):
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    found += TestFlexAttention.captured_ints(item, seen)
+        return found
+
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_score_mod_and_mask_mod_hold_no_sizes(self, case):
+        """Issue 42.2: a score_mod (or mask_mod) closing over a length made compiled flex_attention specialise
+        on it, then fail to lower it as a symbol at the next length (T5 and ALiBi, 16384 after 65536 on CUDA)."""
+        pe = case.make()
+        for q_len, k_len in ((N - 3, N), (N - 6, N - 1)):
+            if case.required_positions is None:
+                assert self.captured_ints(pe.score_mod(q_len, k_len)) == [], (q_len, k_len)
+            assert self.captured_ints(pe.score_mod(q_len, k_len, *case.positions(q_len, k_len))) == []
+            assert self.captured_ints(pe_lib._block_mask(None, True, q_len, k_len, torch.device("cpu")).mask_mod) == []
+
+    @slow   # two inductor compilations of the CPU FlexAttention kernel (about a minute each on a loaded CPU)
+    @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                        reason="inductor's CPU FlexAttention kernel needs AVX2")
+    def test_compiled_flex_at_a_second_length(self):
+        """Issue 42.2: the same compiled flex_attention at a second length recompiles with symbolic sizes; a
+        score_mod closing over Nq - 1 failed there (C++ compile error on the CPU, a LoweringException on CUDA)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
+        pe = ALiBiPositionalEmbedding(H)
+        for n in (256, 128):
+            q, k, v = (torch.randn(1, H, n, DH) for _ in range(3))
+            mask = pe_lib._block_mask(None, True, n, n, q.device)
+            with torch.no_grad():
+                got = flex(q, k, v, score_mod=pe.score_mod(n, n), block_mask=mask)
+            torch.testing.assert_close(got, attention(q, k, v, pe, causal=True, use_flex=False))
+
     DOCS = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 200, 30, 50, 132]))          # 512 tokens
 
     @pytest.mark.parametrize("ids, causal, q_len, k_len", [
