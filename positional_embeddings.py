@@ -6230,10 +6230,13 @@ class FIREPositionalEmbedding(_PairwiseBias):
         with torch.no_grad():
             self.init_L.fill_(self.initial_L)
 
-    def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
-        """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
+    def _inputs(self, pos_q: Tensor, pos_k: Tensor, c: Optional[Tensor] = None,
+                threshold: Optional[Tensor] = None) -> Tensor:
+        """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype (``c`` and ``L``:
+        ``|c|`` and ``L`` read per head by ``pair_bias``; default the parameters', 0-d)."""
         dtype = _compute_dtype(self.c.dtype)
-        c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.to(dtype).squeeze(0)            # 0-d (L is |.|)
+        if c is None:
+            c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.to(dtype).squeeze(0)    # 0-d (L is |.|)
         distance = _causal_distance(pos_k - pos_q, self.bidirectional).to(dtype)
         top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
@@ -6241,18 +6244,33 @@ class FIREPositionalEmbedding(_PairwiseBias):
     def _first_layer(self, dtype) -> tuple:
         return self.mlp[0].weight[:, 0].to(dtype), self.mlp[0].bias.to(dtype)          # [hidden], [hidden]
 
-    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
-        """``f_h(u)``, the MLP written out over its hidden units: pointwise operations only, which
-        inductor lowers inside a FlexAttention ``score_mod`` (a reduction there does not compile)."""
-        u = self._inputs(pos_q, pos_k)
-        w1, b1 = self._first_layer(u.dtype)
-        # FlexAttention's backward (CUDA, torch 2.11) takes one int/tensor index per tensor that needs a
-        # gradient, and none of a tensor made inside the score_mod: the parameters w2 and b2 are indexed
-        # once each before any cast, and the units are read with [..., unit] (a view, not an index)
-        second = self.mlp[2]
-        rows, out = second.weight[head].to(u.dtype), second.bias[head].to(u.dtype)      # [..., hidden], [...]
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
+        """Every number ``pair_bias`` reads, as its own ``[H]`` tensor made here, outside the ``score_mod``:
+        ``|c|``, ``L``, the output bias, then per hidden unit the first layer's weight and bias and the
+        output layer's weight. FlexAttention's backward gives a ``score_mod``'s tensor a gradient only
+        through one index by a per-logit tensor: a view (``w[..., unit]``) or an operation on a parameter
+        inside the ``score_mod`` failed to lower ("Buffers cannot be created while lowering a pointwise
+        subgraph", CUDA, torch 2.11; the same on the CPU, torch 2.13)."""
+        heads = self.num_heads
+        w1, b1 = self.mlp[0].weight[:, 0], self.mlp[0].bias                             # [hidden] each
+        w2, b2 = self.mlp[2].weight, self.mlp[2].bias                                   # [H, hidden], [H]
+        units = [t for unit in range(self.hidden_dim)
+                 for t in (w1[unit].expand(heads), b1[unit].expand(heads), w2[:, unit])]
+        # copies, not views: torch.compile would rebuild a view of a parameter inside its graph, and
+        # inductor's CPU kernel reads only tensors that come from outside it
+        return tuple(t.clone() for t in (self.c.abs().expand(heads), self.L.expand(heads), b2, *units))   # [H] each
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, c: Tensor, threshold: Tensor, b2: Tensor,
+                  *units: Tensor) -> Tensor:
+        """``f_h(u)``, the MLP written out over its hidden units from ``bias_inputs``: pointwise operations
+        only (inductor lowers no reduction inside a FlexAttention ``score_mod``), each tensor indexed once,
+        by the head, before its cast."""
+        dtype = _compute_dtype(self.c.dtype)
+        u = self._inputs(pos_q, pos_k, c[head].to(dtype), threshold[head].to(dtype))
+        out = b2[head].to(dtype)
         for unit in range(self.hidden_dim):
-            out = out + rows[..., unit] * torch.relu(u * w1[..., unit] + b1[..., unit])
+            w1, b1, w2 = (t[head].to(dtype) for t in units[3 * unit: 3 * unit + 3])
+            out = out + w2 * torch.relu(u * w1 + b1)
         return out
 
     def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
@@ -7236,24 +7254,29 @@ class GraphormerPositionalEmbedding(_PairwiseBias):
 
     def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
                    device) -> tuple:
-        """Token ``i`` of graph ``b`` is row ``b T + i`` of the distances: keys are the first ``Nk`` tokens of
-        each graph and queries the last ``Nq`` of them (bottom-right, as everywhere here)."""
+        """Token ``i`` of graph ``b`` is row ``b T + i`` of the distances and key ``j`` their column ``j``: keys
+        are the first ``Nk`` tokens of each graph and queries the last ``Nq`` of them (bottom-right, as
+        everywhere here)."""
         distances = self._bound_distances()
         tokens = distances.shape[-1]
         if k_len > tokens or q_len > k_len:
             raise ValueError(f"{type(self).__name__}: k must have at most the bound graph's {tokens} tokens "
                              f"({'nodes + the graph token' if self.graph_token else 'nodes'}) and q at most as "
                              f"many as k, got Nq={q_len}, Nk={k_len}")
-        return _bound_rows(distances.shape[0] if distances.dim() == 3 else None, tokens, q_len, k_len, device)
+        rows, _ = _bound_rows(distances.shape[0] if distances.dim() == 3 else None, tokens, q_len, k_len, device)
+        return rows, torch.arange(k_len, device=device)
 
-    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
-        tokens = self.distances.shape[-1]
-        distance = self.distances.reshape(-1, tokens)[pos_q, pos_k % tokens]            # hops; -1: graph token
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
+        """The graph token's learned value per head, ``[H]`` (with ``graph_token``): a copy made outside the
+        ``score_mod``, which indexes it once, by the head (what FlexAttention's backward takes)."""
+        return (self.graph_token_virtual_distance.weight[0].clone(),) if self.graph_token else ()
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, *virtual: Tensor) -> Tensor:
+        distance = self.distances.flatten(0, -2)[pos_q, pos_k]                          # hops; -1: graph token
         table = self.spatial_pos_encoder.weight
         bias = table[distance.clamp(0, self.num_spatial - 2) + 1, head].to(_compute_dtype(table.dtype))
         if self.graph_token:
-            virtual = self.graph_token_virtual_distance.weight                          # [1, H]
-            bias = torch.where(distance < 0, virtual[torch.zeros_like(head), head].to(bias.dtype), bias)
+            bias = torch.where(distance < 0, virtual[0][head].to(bias.dtype), bias)
         if self.attend_within is not None:
             bias = torch.where(distance >= self.attend_within, float("-inf"), bias)
         return bias

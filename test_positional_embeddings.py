@@ -1548,7 +1548,9 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
     Inside a ``score_mod`` torch turns ``t[ints or tensors]`` into an op whose gradient must flow
     straight into ``t``'s own gradient. So a tensor that needs a gradient may be indexed so at most
     once, and never one made inside the ``score_mod`` (its gradient would pass through another op).
-    ``t[..., i]`` and slices stay views and are allowed."""
+    Nor may it be viewed (``t[..., i]``, slices): the view's gradient needs a buffer the backward
+    kernel cannot make ("Buffers cannot be created while lowering a pointwise subgraph": FIRE on CUDA,
+    torch 2.11, and the same lowering on the CPU, torch 2.13)."""
 
     def __init__(self):
         super().__init__()
@@ -1559,7 +1561,9 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
         target = args[0] if args else None
         if func is torch.Tensor.__getitem__ and isinstance(target, torch.Tensor) and target.requires_grad:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if all(isinstance(i, (torch.Tensor, int)) for i in index):
+            if not all(isinstance(i, (torch.Tensor, int)) for i in index):
+                self.problems.append(f"a {tuple(target.shape)} tensor that needs a gradient is viewed")
+            else:
                 if id(target) in self.indexed:
                     self.problems.append(f"a {tuple(target.shape)} tensor indexed twice")
                 if id(target) in self.made:
@@ -1708,7 +1712,10 @@ class TestFlexAttention:
             (weight * 2)[torch.tensor(1)]
         assert recorder.problems == ["a (4,) tensor made inside the score_mod is indexed"]
         with _ScoreModIndexRecorder() as recorder:
-            weight[..., 1] + weight[..., 2] + weight[torch.tensor(0)]
+            weight[..., 1] + weight[torch.tensor(0)]
+        assert recorder.problems == ["a (4,) tensor that needs a gradient is viewed"]
+        with _ScoreModIndexRecorder() as recorder:
+            weight.detach()[..., 1] + weight[torch.tensor(0)]
         assert recorder.problems == []
 
     def test_causal_flex_skips_blocks_above_the_diagonal(self):
