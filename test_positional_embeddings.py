@@ -1360,6 +1360,53 @@ class TestAttention:
         with pytest.raises(ValueError, match="attention: k and v must have as many heads as q or divide them"):
             attention(q, k, k)
 
+    BLOCKED = {"t5": lambda: T5PositionalEmbedding(H, bidirectional=False),
+               "alibi": lambda: ALiBiPositionalEmbedding(H),
+               "fire": lambda: FIREPositionalEmbedding(H, hidden_dim=4),
+               "dpb": lambda: DynamicPositionBias(H, hidden_dim=8),
+               "tupe": lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True),
+               "swin": lambda: RelativePositionBias2D(H, (4, 5))}
+
+    @pytest.mark.parametrize("name", list(BLOCKED))
+    def test_dense_bias_in_query_blocks_equals_the_whole(self, name, monkeypatch):
+        """Issue 42.4: without gradient a large dense bias is built and used one block of queries at a time
+        (here blocks of 3 rows, 2 with batched positions); every output equals the whole bias's."""
+        pe = self.BLOCKED[name]()
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 2 % 20, torch.arange(N) + 3])
+        calls = [dict(causal=pe.is_causal or None), dict(attn_mask=torch.rand(B, 1, N, N) > 0.3, causal=True),
+                 dict(attn_mask=torch.randn(N, N)), dict(document_ids=torch.tensor([0] * 5 + [1] * 7 + [2] * 4)),
+                 dict(positions_q=positions, positions_k=positions), dict(q=q[..., 5:, :], causal=True),
+                 dict(k=k[:, :2], v=v[:, :2])]
+        for call in calls:
+            call = {"q": q, "k": k, "v": v, **call}
+            if pe.is_causal and call.get("causal") is False or name == "swin" and "positions_q" in call:
+                continue
+            with torch.no_grad():
+                want = attention(pe=pe, use_flex=False, **call)
+                monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 3 * H * N * 4 * 2 + 1)
+                got = attention(pe=pe, use_flex=False, **call)
+                monkeypatch.undo()
+            torch.testing.assert_close(got, want)
+        calls_made = []
+        monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 3 * H * N * 4)
+        monkeypatch.setattr(pe_lib, "_sdpa", lambda *args, **kwargs: calls_made.append(args[0].shape[-2]) or
+                            F.scaled_dot_product_attention(*args, **kwargs))
+        with torch.no_grad():
+            attention(q, k, v, pe, use_flex=False)
+        assert calls_made == [3, 3, 3, 3, 3, 1]                                         # the blocks were used
+
+    def test_dense_bias_memory_is_bounded_without_grad(self, monkeypatch):
+        """Issue 42.4: T5's dense bias at 1024 tokens is 16 MiB; with a 1 MiB block budget the call holds a few
+        blocks of it (T5 at 32768 tokens asked for 32 GiB; bench.py bias_paths measures it). With gradient the
+        whole bias is kept (the backward needs it)."""
+        pe, n = T5PositionalEmbedding(H, bidirectional=False), 1024
+        q, k, v = (torch.randn(1, H, n, DH) for _ in range(3))
+        monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 2**20)
+        with torch.no_grad():
+            assert peak_bytes(lambda: attention(q, k, v, pe)) < 6 * 2**20
+        assert peak_bytes(lambda: attention(q, k, v, pe)) > 16 * 2**20
+
 
 CAUSAL_MODE_EXTRA = {
     "fire_causal": lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0),
@@ -1584,7 +1631,8 @@ def peak_bytes(fn) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
     current = peak = 0
     for event in events:
         current += event.nbytes()
@@ -1674,19 +1722,89 @@ class TestFlexAttention:
         with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
             T5PositionalEmbedding(H).score_mod(4, 4, torch.arange(4.0), None)
 
-    def test_cpu_default_is_the_dense_bias_eager_and_compiled(self, monkeypatch):
-        """Issue 22.2: on the CPU the default never runs (unfused) FlexAttention, traced or not."""
-        def no_flex(*args, **kwargs):
-            raise AssertionError("FlexAttention was called")
+    def test_cpu_default_path(self, monkeypatch):
+        """Issues 22.2 and 42.3: on the CPU the default runs the dense bias eagerly (eager FlexAttention is
+        unfused), and FlexAttention when traced without gradient for a bias read per logit (inductor's CPU
+        kernel lowers it; torch 2.13 has no CPU FlexAttention backward)."""
+        flex, calls = pe_lib._flex_attention, []
 
-        monkeypatch.setattr(pe_lib, "_flex_attention", no_flex)
+        def spy(*args):
+            calls.append(1)
+            return flex(*args)
+
+        monkeypatch.setattr(pe_lib, "_flex_attention", spy)
         pe, (q, k, v) = T5PositionalEmbedding(H, bidirectional=False), qkv()
         want = attention(q, k, v, pe, use_flex=False)
         torch.testing.assert_close(attention(q, k, v, pe), want)
+        assert calls == []
         torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
         with torch.no_grad():
-            compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
             torch.testing.assert_close(compiled(q, k, v), want)
+        assert calls == [1]
+        torch.testing.assert_close(compiled(q, k, v), want)                             # the table needs a gradient
+        assert calls == [1]
+
+    def test_bias_path_rule(self):
+        """Issue 42.3: attention()'s one rule for a bias, every branch (CUDA as a device object: no GPU needed)."""
+        cuda, cpu, meta = torch.device("cuda"), torch.device("cpu"), torch.device("meta")
+
+        def path(device, **changes):
+            options = dict(use_flex=None, grad=False, compiling=False, float_mask=False, dropout=False, q_len=8,
+                           k_len=8, head_dim=16, indexes_first=True)
+            return pe_lib._bias_path(device, **{**options, **changes})
+
+        assert path(cuda) == path(cuda, grad=True) == path(cuda, compiling=True) == "flex"
+        assert path(cuda, indexes_first=False, q_len=3) == "flex" and path(cuda, head_dim=8) == "dense"
+        assert path(cuda, dropout=True) == path(cuda, float_mask=True) == "dense"
+        assert path(cuda, use_flex=True, dropout=True) == "dense"
+        assert path(cuda, use_flex=False) == "dense" and path(cpu, use_flex=True) == "flex"
+        assert path(cpu) == path(cpu, grad=True) == "dense"                             # eager: unfused
+        assert path(cpu, compiling=True) == "flex"
+        assert path(cpu, compiling=True, grad=True) == path(cpu, compiling=True, q_len=3) == "dense"
+        assert path(cpu, compiling=True, indexes_first=False) == path(cpu, compiling=True, float_mask=True) == "dense"
+        assert path(meta, compiling=True) == "dense"
+
+    def test_flex_kernel_options_for_learned_tables(self):
+        """Issue 42.5: one pipeline stage on CUDA for a score_mod reading a tensor that needs a gradient (the
+        default stages overflow an H100's or H200's shared memory), torch's defaults otherwise."""
+        assert pe_lib._flex_kernel_options(torch.device("cuda"), True) == {"num_stages": 1}
+        assert pe_lib._flex_kernel_options(torch.device("cuda"), False) is None
+        assert pe_lib._flex_kernel_options(torch.device("cpu"), True) is None
+        assert pe_lib._reads_learned(T5PositionalEmbedding(H))
+        assert not pe_lib._reads_learned(ALiBiPositionalEmbedding(H))
+        assert not pe_lib._reads_learned(T5PositionalEmbedding(H).requires_grad_(False))
+
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H, bidirectional=False),
+                                      lambda: KerplePositionalEmbedding(H),
+                                      lambda: FIREPositionalEmbedding(H, hidden_dim=4),
+                                      lambda: GraphormerPositionalEmbedding(H, num_spatial=4, graph_token=True,
+                                                                            attend_within=3).bind(GRAPH[:-1, :-1])],
+                             ids=["t5", "kerple", "fire", "graphormer_token"])
+    def test_learned_table_gradient_through_flex_equals_dense(self, make, monkeypatch):
+        """Issue 42.5: a learned table's gradient through (eager) FlexAttention is the dense path's, in float64;
+        the kernel options attention() asks for are the pure function's (None on the CPU)."""
+        import torch.nn.attention.flex_attention as flex_module
+
+        pe = make().double()
+        q, k, v = (t.double() for t in qkv(N - 3, N))
+        seen, flex = [], flex_module.flex_attention
+
+        def recording(*args, **kwargs):
+            seen.append(kwargs.get("kernel_options"))
+            return flex(*args, **kwargs)
+
+        monkeypatch.setattr(flex_module, "flex_attention", recording)
+        grads = []
+        for use_flex in (False, True):
+            pe.zero_grad()
+            attention(q, k, v, pe, causal=True, use_flex=use_flex).square().sum().backward()
+            grads.append([p.grad for p in pe.parameters()])
+        assert seen == [None]
+        for got, want in zip(grads[1], grads[0]):
+            assert (got is None) == (want is None)
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
     @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
     def test_score_mod_has_a_flex_backward(self, case):
@@ -1770,6 +1888,55 @@ class TestFlexAttention:
             with torch.no_grad():
                 got = flex(q, k, v, score_mod=pe.score_mod(n, n), block_mask=mask)
             torch.testing.assert_close(got, attention(q, k, v, pe, causal=True, use_flex=False))
+
+    @slow   # an inductor compilation per class (a minute each on a loaded CPU)
+    @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                        reason="inductor's CPU FlexAttention kernel needs AVX2")
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_score_mod_compiles_with_inductor_on_cpu(self, case, monkeypatch):
+        """Issue 42.6: every bias's score_mod lowers in inductor's CPU FlexAttention kernel (forward: torch 2.13
+        has no CPU backward) with the dense path's output. Its tensors come from outside the compiled function,
+        as in attention()'s eager call: inside a graph, that kernel takes no tensor made there."""
+        import torch.nn.attention.flex_attention as flex_module
+
+        torch._dynamo.reset()
+        monkeypatch.setattr(flex_module, "flex_attention", torch.compile(flex_module.flex_attention))
+        pe = case.make()
+        positions_q, positions_k = case.positions(N - 3, N)
+        q, k, v = qkv(N - 3, N)
+        with torch.no_grad():
+            got = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=True, use_flex=True)
+        monkeypatch.undo()
+        want = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=True, use_flex=False)
+        torch.testing.assert_close(got, want)
+
+    @pytest.mark.parametrize("q_shape, mask_shape", [((B, H, N, DH), (N, N)), ((B, H, N, DH), (B, 1, N, N)),
+                                                      ((B, H, N, DH), (1, H, N, N)), ((B, H, N, DH), (B, H, N, N)),
+                                                      ((H, N, DH), (N, N)), ((B, 3, H, N, DH), (3, H, N, N))])
+    def test_flex_takes_a_boolean_mask(self, q_shape, mask_shape):
+        """Issue 42.3: a boolean attn_mask runs on FlexAttention too (with causality and documents), as the
+        dense path (every query keeps a key: there FlexAttention gives 0 and SDPA NaN)."""
+        pe = T5PositionalEmbedding(H, num_buckets=8, max_distance=12)
+        q, k, v = (torch.randn(q_shape) for _ in range(3))
+        allowed = (torch.rand(mask_shape) > 0.5) | torch.eye(N, dtype=torch.bool)
+        for extra in (dict(causal=False), dict(causal=True), dict(document_ids=torch.tensor([0] * 9 + [1] * 7)) if
+                      len(q_shape) == 4 else dict(causal=True)):
+            want = attention(q, k, v, pe, attn_mask=allowed, use_flex=False, **extra)
+            torch.testing.assert_close(attention(q, k, v, pe, attn_mask=allowed, use_flex=True, **extra), want)
+
+    def test_block_mask_of_a_boolean_mask(self):
+        """Issue 42.3: a boolean mask's blocks (with causality): those with a kept pair, those all kept."""
+        allowed = torch.ones(2, 1, 256, 384, dtype=torch.bool)
+        allowed[0, 0, :128, 256:] = False                                               # a block wholly masked
+        allowed[1, 0, 200, 5] = False                                                   # one pair masked
+        pe_lib._BLOCK_MASKS.clear()
+        pe_lib._block_mask(None, True, 256, 384, torch.device("cpu"))                   # cached, without the mask
+        mask = pe_lib._block_mask(None, True, 256, 384, torch.device("cpu"), allowed)
+        keep = lambda b, i, j: bool(allowed[b, 0, i, j]) and j <= i + 128
+        partial, full = block_oracle(keep, 256, 384, rows=2)
+        torch.testing.assert_close(mask.to_dense().bool()[:, 0], partial | full)
+        torch.testing.assert_close(mask.full_kv_num_blocks[:, 0], full.sum(-1, dtype=torch.int32))
+        assert len(pe_lib._BLOCK_MASKS) == 1                                            # a tensor mask is not cached
 
     DOCS = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 200, 30, 50, 132]))          # 512 tokens
 
