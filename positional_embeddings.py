@@ -128,6 +128,7 @@ import math
 import numbers
 import operator
 import sys
+import weakref
 from typing import Literal, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -979,10 +980,12 @@ def _check_same_kind(owner: str, name: str, value: Tensor, reference_name: str, 
                          f"({reference.dtype} on {reference.device}), got {value.dtype} on {value.device}")
 
 
-def _causal_mask(q_len: int, k_len: int, device) -> Tensor:
+def _causal_mask(q_len: int, k_len: int, device, rows: Optional[tuple] = None) -> Tensor:
     """Boolean [Nq, Nk]; True where key j may be seen by query i (bottom-right aligned). Compared
-    positions, not ``tril``: ``torch.export`` 2.8 bakes tril's diagonal, a dynamic size, in as a constant."""
-    last_key = torch.arange(q_len, device=device) + _query_offset(q_len, k_len)        # [Nq]
+    positions, not ``tril``: ``torch.export`` 2.8 bakes tril's diagonal, a dynamic size, in as a constant.
+    ``rows``: ``(start, stop)``, those rows only."""
+    start, stop = (0, q_len) if rows is None else rows
+    last_key = torch.arange(start, stop, device=device) + _query_offset(q_len, k_len)  # [rows]
     return torch.arange(k_len, device=device) <= last_key[:, None]
 
 
@@ -1001,16 +1004,19 @@ def _check_mask(attn_mask: Optional[Tensor], q: Tensor, k: Tensor) -> None:
 
 
 def _merge_masks(bias: Optional[Tensor], attn_mask: Optional[Tensor], causal: bool,
-                 q_len: int, k_len: int, dtype: torch.dtype, device) -> Optional[Tensor]:
-    """One additive float mask (or boolean mask, or None) from a bias, a user mask and causality."""
+                 q_len: int, k_len: int, dtype: torch.dtype, device, rows: Optional[tuple] = None) -> Optional[Tensor]:
+    """One additive float mask (or boolean mask, or None) from a bias, a user mask and causality
+    (``rows``: ``(start, stop)``, the bias holds those query rows only)."""
     mask = bias
+    if attn_mask is not None and rows is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == q_len:
+        attn_mask = attn_mask[..., rows[0]:rows[1], :]                                 # its rows (else broadcast)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             mask = attn_mask if mask is None else mask.masked_fill(~attn_mask, float("-inf"))
         else:
             mask = attn_mask if mask is None else mask + attn_mask
     if causal:
-        allowed = _causal_mask(q_len, k_len, device)
+        allowed = _causal_mask(q_len, k_len, device, rows)
         if mask is None:
             mask = allowed
         elif mask.dtype == torch.bool:
@@ -1041,7 +1047,8 @@ def attention(
 
     ``"input"`` encodings (already added to the tokens) and ``pe=None`` run plain
     ``scaled_dot_product_attention``; ``"qk"`` encodings transform q and k and then
-    run SDPA; ``"bias"`` encodings pass their bias as a float mask to SDPA;
+    run SDPA; ``"bias"`` encodings run FlexAttention with their ``score_mod`` on CUDA and
+    pass their bias as a float mask to SDPA elsewhere (``use_flex``);
     ``"logits"`` encodings compute their logits explicitly and apply the softmax.
 
     Grouped-query and multi-query attention: k and v may have fewer heads than q
@@ -1053,10 +1060,10 @@ def attention(
     Packed sequences: ``document_ids`` ``[N]`` or ``[B, N]`` (self-attention, ``Nq == Nk``)
     stops every token from attending across documents, and default positions restart at 0
     in every document (``document_positions``); explicit positions win. The FlexAttention
-    path masks documents with a ``BlockMask`` (blocks that cross documents are skipped; under
-    ``torch.compile`` no ``[N, N]`` mask exists), the other paths with a boolean ``[N, N]``
-    mask. Input encodings take the same positions: ``pe.forward_input(x,
-    document_positions(document_ids))`` (Heinsen's recurrence restarts at every 0).
+    path masks documents with a ``BlockMask`` (blocks that cross documents are skipped; no
+    ``[N, N]`` mask exists), the other paths with a boolean ``[N, N]`` mask. Input encodings
+    take the same positions: ``pe.forward_input(x, document_positions(document_ids))``
+    (Heinsen's recurrence restarts at every 0).
 
     FSDP2: an encoding that was ``fully_shard``-ed by itself has its parameters gathered for
     this call as for its ``forward`` (nothing to register). Its other methods called directly
@@ -1081,13 +1088,18 @@ def attention(
         scale (float, optional): logit scale. Default: ``1 / sqrt(Dh)`` (the encoding's own
             default where it has one).
         dropout_p (float): dropout on the attention weights, in ``[0, 1)``. Default: 0.0.
-        use_flex (bool, optional): True runs ``"bias"`` encodings through FlexAttention with
-            their ``score_mod``: no dense bias, O(N) memory (needs no ``attn_mask`` and no
-            dropout). On CUDA it runs fused (traced when ``torch.compile`` traces the call,
-            else through a ``flex_attention`` the library compiles once); on the CPU it is
-            unfused, for testing. None or False: the dense bias through SDPA, faster at
-            moderate lengths (on an H100, torch 2.11, N = 4096, fp32: 3.1x plain SDPA
-            against 7.4x) and the only path that compiled in bfloat16 there. Default: None.
+        use_flex (bool, optional): how a ``"bias"`` encoding runs. FlexAttention with its
+            ``score_mod`` (no dense bias: O(N) memory; causality, documents and a boolean
+            ``attn_mask`` as a block mask) or its dense bias as SDPA's float mask (``[H, Nq,
+            Nk]``; without gradient, built and used one block of queries at a time past 256
+            MiB). None: FlexAttention on CUDA (``Dh >= 16``), fused (traced when
+            ``torch.compile`` traces the call, else through a ``flex_attention`` the library
+            compiles once); on the CPU the dense bias, except traced by ``torch.compile``
+            without gradient, ``Nq == Nk``, default positions, no documents and no mask, for
+            T5, ALiBi and KERPLE, where inductor's CPU FlexAttention kernel lowers it (other
+            compile backends run it unfused). True: FlexAttention (on the CPU unfused unless
+            compiled: for testing); False: the dense bias. Dropout or a float ``attn_mask``
+            always take the dense bias (FlexAttention takes neither). Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
 
@@ -1112,8 +1124,11 @@ def attention(
         why = ("no encoding is given" if pe is None else
                f"{type(pe).__name__} is added to the tokens; pass its positions to forward_input")
         _reject_positions(owner, positions_q, positions_k, why)
-    flex = pe is not None and pe.kind == "bias" and attn_mask is None and dropout_p == 0.0 \
-        and bool(use_flex)
+    flex = pe is not None and pe.kind == "bias" and _bias_path(
+        q.device, use_flex=use_flex, grad=_needs_grad(pe, q, k, v), compiling=_is_compiling() and not _is_exporting(),
+        float_mask=attn_mask is not None and attn_mask.dtype != torch.bool, dropout=dropout_p > 0.0,
+        q_len=q.shape[-2], k_len=k.shape[-2], head_dim=q.shape[-1], indexes_first=getattr(pe, "indexes_first", False)
+        and positions_q is None and positions_k is None and document_ids is None and attn_mask is None) == "flex"
     if document_ids is not None:
         document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
         if not flex:  # the flex path masks documents block-wise instead
@@ -1144,6 +1159,55 @@ def _causal_for(pe: Optional[PositionalEmbedding], causal) -> bool:
         raise ValueError(f"attention: causal=False with {name}, a causal-mode encoding ({name}.is_causal=True, "
                          f"defined for causal attention only); pass causal=True or leave causal unset, or {fix}")
     return causal
+
+
+def _bias_path(device: torch.device, *, use_flex: Optional[bool], grad: bool, compiling: bool, float_mask: bool,
+               dropout: bool, q_len: int, k_len: int, head_dim: int, indexes_first: bool) -> str:
+    """attention()'s path for a ``"bias"`` encoding: ``"flex"`` (FlexAttention with its ``score_mod``) or
+    ``"dense"`` (its bias as SDPA's float mask, ``_attend``).
+
+    Dense where FlexAttention cannot run (dropout, a float ``attn_mask``), else as ``use_flex`` says; by
+    default FlexAttention on CUDA (fused: compiled once by the library, or traced by the caller's
+    ``torch.compile``; its kernel needs ``Dh >= 16``), and on the CPU where inductor's CPU kernel
+    lowers it: traced by ``torch.compile``, without gradient (torch 2.13 has no CPU FlexAttention
+    backward), ``Nq == Nk``, default positions and no documents or mask, for a bias read per logit
+    from its own tensors (``indexes_first``). Eager on the CPU, dense: FlexAttention runs unfused there.
+    """
+    if dropout or float_mask:
+        return "dense"
+    if use_flex is not None:
+        return "flex" if use_flex else "dense"
+    if device.type == "cuda" and head_dim >= 16:
+        return "flex"
+    if device.type == "cpu" and compiling and not grad and q_len == k_len and indexes_first:
+        return "flex"
+    return "dense"
+
+
+def _needs_grad(pe: PositionalEmbedding, *tensors: Tensor) -> bool:
+    """Whether autograd records this call: grad mode on and a tensor, or the encoding's, needs a gradient."""
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or _reads_learned(pe))
+
+
+def _reads_learned(module: nn.Module) -> bool:
+    """Whether ``module`` holds a tensor that needs a gradient (a learned table; bound token states). It
+    walks the module's own dicts: ``torch.compile`` refuses ``.parameters()`` on a module made inside
+    its graph ("getattr() on nn.Module with pending mutation": a bound encoding)."""
+    own = (*module._parameters.values(), *module._buffers.values())
+    return any(t is not None and t.requires_grad for t in own) or \
+        any(_reads_learned(child) for child in module._modules.values() if child is not None)
+
+
+def _flex_kernel_options(device: torch.device, learned: bool) -> Optional[dict]:
+    """FlexAttention's ``kernel_options``: one pipeline stage (``num_stages=1``, forward and backward) on
+    CUDA when the ``score_mod`` reads a tensor that needs a gradient, else torch's defaults (None).
+
+    With the default stages, the kernels that also accumulate that tensor's gradient ask for more shared
+    memory than an H100 or H200 has: "No valid triton configs ... Required: 262144 Hardware limit: 232448"
+    for T5's table at Dh = 128 (H200, torch 2.11; at Dh = 64 the forward kernel too). One stage compiled
+    and ran there (smaller blocks did too, slower).
+    """
+    return {"num_stages": 1} if device.type == "cuda" and learned else None
 
 
 _COMPILED_FLEX = []   # [torch.compile(flex_attention)], built on first use
@@ -1177,23 +1241,66 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], 
     if flex:
         pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids)
+        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids, attn_mask)
     bias = None
+    gqa = {"enable_gqa": True} if group > 1 else {}
     if pe is not None:
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
         positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         q, k = pe.encode_qk(q, k, positions_q, positions_k)
         v = pe.encode_v(v, q_len, positions_q, positions_k)
+        rows = _bias_chunk_rows(pe, q, k, v, positions_q, positions_k)
+        if rows < q_len:  # without gradient, a large bias is built and used one block of queries at a time
+            out = _attend_in_query_blocks(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
+                                          rows, gqa)
+            return pe.decode_output(out, k_len, positions_q, positions_k)
         bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
-    gqa = {"enable_gqa": True} if group > 1 else {}
     if bias is None and attn_mask is None and causal and q_len == k_len:
         out = _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
     else:
-        mask = _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device)
-        if mask is not None and mask.dim() < q.dim():  # SDPA's fused CPU kernel wants a mask with q's rank
-            mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+        mask = _as_sdpa_mask(q, _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device))
         out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
     return out if pe is None else pe.decode_output(out, k_len, positions_q, positions_k)
+
+
+_DENSE_BIAS_BUDGET = 2**28   # bytes of dense float32 bias per query block, without gradient (256 MiB)
+
+
+def _bias_chunk_rows(pe: PositionalEmbedding, q: Tensor, k: Tensor, v: Tensor, positions_q, positions_k) -> int:
+    """Query rows per block of the dense bias path: all of them (``Nq``), or without gradient, where the
+    ``[(B,) H, Nq, Nk]`` float32 bias would pass ``_DENSE_BIAS_BUDGET``, as many as fit in it (at least
+    one), for a bias that can build its rows alone (``_PairwiseBias._bias_rows``: positions taken, not
+    traced). Each block's output is SDPA's on its rows: the same as the whole bias's."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if not hasattr(pe, "_bias_rows") or not pe.takes_positions or _is_compiling() or _needs_grad(pe, q, k, v):
+        return q_len
+    batch = max([p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor)
+                 and p.dim() > (1 if pe.num_axes == 1 else 2)] + [1])
+    row_bytes = batch * pe.num_heads * k_len * 4
+    return q_len if row_bytes * q_len <= _DENSE_BIAS_BUDGET else max(1, _DENSE_BIAS_BUDGET // row_bytes)
+
+
+def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                            causal: bool, attn_mask: Optional[Tensor], scale: float, dropout_p: float, rows: int,
+                            gqa: dict) -> Tensor:
+    """``_attend``'s dense bias path ``rows`` queries at a time: each block's rows of the bias, of ``attn_mask``
+    and of the causal mask, and SDPA on its queries; ``[..., Nq, Dv]``, what the whole bias gives."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    bias_rows = pe._bias_rows(q_len, k_len, positions_q, positions_k, q.device)
+    out = []
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        mask = _merge_masks(bias_rows(start, stop), attn_mask, causal, q_len, k_len, q.dtype, q.device, (start, stop))
+        out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=dropout_p,
+                         scale=scale, **gqa))                                           # [..., stop - start, Dv]
+    return torch.cat(out, dim=-2)
+
+
+def _as_sdpa_mask(q: Tensor, mask: Optional[Tensor]) -> Optional[Tensor]:
+    """``mask`` with q's rank: SDPA's fused CPU kernel takes no lower-rank mask."""
+    if mask is not None and mask.dim() < q.dim():
+        mask = mask.reshape((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
+    return mask
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
@@ -1258,13 +1365,15 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                    causal: bool, scale: float, document_ids: Optional[Tensor] = None) -> Tensor:
+                    causal: bool, scale: float, document_ids: Optional[Tensor] = None,
+                    attn_mask: Optional[Tensor] = None) -> Tensor:
     """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask).
 
     FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
     one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
-    ids repeated). Causality and documents go into a ``BlockMask`` (masked blocks are
-    skipped). In eager mode on CUDA the call goes through ``_compiled_flex_attention``.
+    ids repeated). Causality, documents and a boolean ``attn_mask`` go into a ``BlockMask``
+    (masked blocks are skipped; a query with no key left gets 0, where SDPA gives NaN). In
+    eager mode on CUDA the call goes through ``_compiled_flex_attention``.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -1279,42 +1388,166 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, po
             return p[0]
         return p.repeat_interleave(per_row, dim=0) if per_row > 1 else p
 
-    if q.dim() != 4:
-        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
     batched_dim = 2 if pe.num_axes == 1 else 3
     positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
     document_ids = rows(document_ids, 2)
+    allowed = None if attn_mask is None else _flex_mask(attn_mask, q.shape, k.shape[-2])     # [1 or B, 1 or H, Nq, Nk]
+    if q.dim() != 4:
+        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
     add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
-    block_mask = _block_mask(document_ids, causal, q.shape[-2], k.shape[-2], q.device)
+    block_mask = _block_mask(document_ids, causal, q.shape[-2], k.shape[-2], q.device, allowed)
     attend = _compiled_flex_attention() if q.is_cuda and not _is_compiling() else flex_attention
+    options = _flex_kernel_options(q.device, torch.is_grad_enabled() and _reads_learned(pe))
     out = attend(q, k, v, score_mod=add_bias, block_mask=block_mask, scale=scale,
-                 enable_gqa=q.shape[-3] != k.shape[-3])
+                 enable_gqa=q.shape[-3] != k.shape[-3], kernel_options=options)
     return out.reshape(*lead, *out.shape[-3:])
 
 
-def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device):
+_BLOCK_MASKS: dict = {}   # _block_mask's cache, oldest first: key -> (weak reference to the ids or None, version, mask)
+_BLOCK_MASK_CACHE_SIZE = 8
+_FLEX_BLOCK = 128         # FlexAttention's default block size (queries and keys)
+
+
+def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device,
+                allowed: Optional[Tensor] = None):
     """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (ids ``[N]``
-    shared or ``[B, N]``; None: one document) and, with ``causal``, to keys at most
-    ``_query_offset`` past it; None when nothing is masked.
+    shared or ``[B, N]``; None: one document), with ``causal`` to keys at most ``_query_offset``
+    past it, and to the keys ``allowed`` allows (bool ``[1 or B, 1 or H, Nq, Nk]``, never cached);
+    None when nothing is masked.
 
-    It is built from a ``mask_mod``: blocks that are wholly masked are skipped by the kernel, and
-    under ``torch.compile`` no ``[Nq, Nk]`` mask is materialised.
+    The kernel skips the blocks wholly masked and applies the ``mask_mod`` inside the others. In
+    eager mode the blocks come from block indices (``_mask_blocks``: no ``[Nq, Nk]`` tensor, memory
+    ``O(N + (N / 128)^2)``) and the mask is cached (the last ``_BLOCK_MASK_CACHE_SIZE``) per lengths,
+    causality, device and ids: the same ids tensor, unchanged (its identity, held weakly, and its
+    version counter), so every layer of one forward shares one mask and new ids make a new one
+    (inference-mode ids have no version counter: their mask is rebuilt every call). Traced
+    (``torch.compile``), ``create_block_mask`` evaluates the ``mask_mod``, which inductor fuses
+    into its block reductions: no ``[Nq, Nk]`` tensor either, and nothing cached.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-    if ids is None and not causal:
+    if ids is None and not causal and allowed is None:
         return None
+    device = torch.device(device)
+    if _is_compiling():
+        batch = max(ids.shape[0] if ids is not None and ids.dim() == 2 else 1,
+                    1 if allowed is None else allowed.shape[0])
+        return create_block_mask(_keep_mod(ids, causal, q_len, k_len, device, allowed), batch if batch > 1 else None,
+                                 None if allowed is None or allowed.shape[1] == 1 else allowed.shape[1], q_len, k_len,
+                                 device=device)
+    cached = allowed is None and (ids is None or not ids.is_inference())
+    key = (q_len, k_len, causal, device, None if ids is None else (id(ids), tuple(ids.shape)))
+    entry = _BLOCK_MASKS.pop(key, None) if cached else None
+    if entry is not None and (ids is None or entry[0]() is ids and entry[1] == ids._version):
+        _BLOCK_MASKS[key] = entry                                                       # now the newest
+        return entry[2]
+
+    def ordered(blocks: Tensor) -> tuple:  # [R, H, Q, K] bool -> blocks per row [R, H, Q], their indices first
+        blocks = blocks.to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), blocks.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    partial, full = _mask_blocks(ids, causal, q_len, k_len, device)                     # [R, 1, Q, K] each
+    if allowed is not None:  # and its blocks: some pair kept by both is possible, all kept by both is sure
+        some, every = _tensor_mask_blocks(allowed)                                      # [Bm, Hm, Q, K] each
+        full, partial = full & every, (partial | full) & some
+        partial = partial & ~full                                                       # [max(R, Bm), Hm, Q, K]
+    mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=_FLEX_BLOCK,
+                                    mask_mod=_keep_mod(ids, causal, q_len, k_len, device, allowed),
+                                    seq_lengths=(q_len, k_len))
+    if cached:
+        _BLOCK_MASKS[key] = (None if ids is None else weakref.ref(ids), None if ids is None else ids._version, mask)
+        while len(_BLOCK_MASKS) > _BLOCK_MASK_CACHE_SIZE:
+            del _BLOCK_MASKS[next(iter(_BLOCK_MASKS))]                                  # the oldest
+    return mask
+
+
+def _keep_mod(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, allowed: Optional[Tensor] = None):
+    """``_block_mask``'s ``mask_mod``: same document, with ``causal`` ``kv_idx <= q_idx + offset``, and
+    ``allowed``. A nonzero offset is a 0-d tensor: a Python int would be a size the compiled kernel
+    specialises on, then reads as a symbol (which inductor 2.11-2.13 fails to lower)."""
     offset = _query_offset(q_len, k_len)
+    shift = torch.tensor(offset, device=device) if offset else None
+    look_up = None if allowed is None else _mask_lookup(allowed)
 
     def keep(b, h, q_idx, kv_idx):
-        seen = kv_idx <= q_idx + offset
-        if ids is None:
-            return seen
-        same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
-        return same & seen if causal else same
+        kept = kv_idx <= (q_idx if shift is None else q_idx + shift) if causal else None
+        if ids is not None:
+            same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
+            kept = same if kept is None else kept & same
+        if look_up is not None:
+            kept = look_up(b, h, q_idx, kv_idx) if kept is None else kept & look_up(b, h, q_idx, kv_idx)
+        return kept
+    return keep
 
-    batch = ids.shape[0] if ids is not None and ids.dim() == 2 else None
-    return create_block_mask(keep, batch, None, q_len, k_len, device=device)
+
+def _flex_mask(attn_mask: Tensor, q_shape: tuple, k_len: int) -> Tensor:
+    """A boolean ``attn_mask`` (broadcasting to ``[..., H, Nq, Nk]``) as FlexAttention's batch of rows: ``[1 or
+    B, 1 or H, Nq, Nk]`` (``B`` the flattened leading dims), views where it broadcasts."""
+    shape = (*q_shape[:-1], k_len)                                                      # [..., H, Nq, Nk]
+    mask = attn_mask.reshape((1,) * (len(shape) - attn_mask.dim()) + tuple(attn_mask.shape))
+    lead = shape[:-3] if any(size > 1 for size in mask.shape[:-3]) else (1,) * len(shape[:-3])
+    mask = mask.expand(*lead, mask.shape[-3], *shape[-2:])
+    return mask.reshape(-1, *mask.shape[-3:])
+
+
+def _mask_lookup(allowed: Tensor):
+    """``(b, h, q_idx, kv_idx) -> allowed`` for a ``[1 or B, 1 or H, Nq, Nk]`` mask (a broadcast dim is taken
+    outside the ``mask_mod``: an int beside a tensor index does not trace on torch <= 2.8)."""
+    if allowed.shape[0] == 1 and allowed.shape[1] == 1:
+        plane = allowed[0, 0]                                                           # [Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: plane[q_idx, kv_idx]
+    if allowed.shape[0] == 1:
+        heads = allowed[0]                                                              # [H, Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: heads[h, q_idx, kv_idx]
+    if allowed.shape[1] == 1:
+        rows = allowed[:, 0]                                                            # [B, Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: rows[b, q_idx, kv_idx]
+    return lambda b, h, q_idx, kv_idx: allowed[b, h, q_idx, kv_idx]
+
+
+def _tensor_mask_blocks(allowed: Tensor, size: int = _FLEX_BLOCK) -> tuple:
+    """The blocks of a boolean mask ``[Bm, Hm, Nq, Nk]`` holding some allowed pair and those all allowed: bool
+    ``[Bm, Hm, Q, K]`` each (padded with False past the lengths, as torch pads: such a block is never all)."""
+    q_len, k_len = allowed.shape[-2:]
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    padded = F.pad(allowed, (0, k_blocks * size - k_len, 0, q_blocks * size - q_len))   # [Bm, Hm, Q size, K size]
+    tiles = padded.reshape(*padded.shape[:2], q_blocks, size, k_blocks, size)
+    return tiles.any(-1).any(-2), tiles.all(-1).all(-2)
+
+
+def _mask_blocks(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, size: int = _FLEX_BLOCK) -> tuple:
+    """The ``size x size`` blocks of ``_keep_mod``'s mask that hold some kept pair (``partial``, to be masked
+    inside) and those wholly kept (``full``), from block indices: bool ``[R, 1, Q, K]`` each (R rows of
+    ``[R, N]`` ids, else 1), ``partial`` and ``full`` disjoint, as ``create_block_mask`` finds them.
+
+    Causal: a block holds a kept pair iff its first key is seen by its last query, and all are kept iff
+    its last key is seen by its first query. Documents: a block pair shares an id only if the id ranges
+    ``[min, max]`` of its query and key blocks overlap (exact for ids that do not decrease, as packed
+    documents are numbered; other ids may leave an extra block to the ``mask_mod``), and is wholly one
+    document iff both blocks hold one id, the same. With both, as ids need ``Nq == Nk``, a block on the
+    diagonal keeps its diagonal and one below it every causal pair, so the two tests combine exactly.
+    A block past either length's end is never full (torch pads the dense mask with False).
+    """
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    q_first = torch.arange(q_blocks, device=device)[:, None] * size                    # [Q, 1]
+    k_first = torch.arange(k_blocks, device=device) * size                              # [K]
+    full = (q_first + size <= q_len) & (k_first + size <= k_len)                        # [Q, K]: inside both lengths
+    partial = torch.ones_like(full)
+    if causal:
+        offset = _query_offset(q_len, k_len)
+        q_last, k_last = (q_first + size - 1).clamp(max=q_len - 1), (k_first + size - 1).clamp(max=k_len - 1)
+        partial = partial & (k_first <= q_last + offset)
+        full = full & (k_last <= q_first + offset)
+    if ids is not None:
+        rows = ids.reshape(-1, ids.shape[-1])                                           # [R, N]
+        index = torch.arange(q_blocks * size, device=device).clamp(max=rows.shape[-1] - 1)
+        blocks = rows[:, index].unflatten(-1, (q_blocks, size))                         # [R, Q, size]: last id repeated
+        low, high = blocks.amin(-1), blocks.amax(-1)                                    # [R, Q]
+        overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])   # [R, Q, K]
+        one = low == high
+        partial = partial & overlap
+        full = full & one[:, :, None] & one[:, None, :] & (low[:, :, None] == low[:, None, :])
+    return (partial & ~full).reshape(-1, 1, q_blocks, k_blocks), full.reshape(-1, 1, q_blocks, k_blocks)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
@@ -5826,6 +6059,7 @@ class _PairwiseBias(PositionalEmbedding):
     kind = "bias"
     distance_only = False   # pair_bias(pos_q, pos_k, h) == bias_at(pos_k - pos_q, h): Toeplitz for defaults
     pointwise = True        # pair_bias is made of pointwise ops: score_mod evaluates it per logit
+    indexes_first = False   # bias_at indexes the module's own tensors before any arithmetic: see score_mod
 
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
         """The bias at key - query ``distance`` for head ``head`` (broadcasting): ``distance_only`` biases."""
@@ -5863,19 +6097,43 @@ class _PairwiseBias(PositionalEmbedding):
             return _toeplitz(self._per_distance(q_len, k_len, device), q_len, k_len)     # [H, Nq, Nk]
         return self.dense_bias(*self._positions(q_len, k_len, positions_q, positions_k, device))
 
+    def _bias_rows(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                   device):
+        """``rows(start, stop)``: rows ``start:stop`` of ``attention_bias``'s ``[(B,) H, Nq, Nk]``, each block made
+        alone (attention()'s query-blocked dense path): the per-distance values of default positions once,
+        then a Toeplitz window of them per block, else the pair grid of the block's query positions."""
+        positions_q, positions_k = self._prepared(q_len, k_len, positions_q, positions_k, device)
+        if positions_q is None and positions_k is None and self.distance_only:
+            values = self._per_distance(q_len, k_len, device)                            # [H, Nq + Nk - 1]
+            # rows start..stop read the values of distances t - (Nq - 1) for t in [Nq - stop, Nq - start + Nk - 1)
+            return lambda start, stop: _toeplitz(values[:, q_len - stop:q_len - start + k_len - 1], stop - start, k_len)
+        pos_q, pos_k = self._positions(q_len, k_len, positions_q, positions_k, device)
+        axis = -2 if self.num_axes > 1 else -1
+        return lambda start, stop: self.dense_bias(pos_q.narrow(axis, start, stop - start), pos_k)
+
     def score_mod(self, q_len: int, k_len: int, positions_q: Optional[Tensor] = None,
                   positions_k: Optional[Tensor] = None):
         """A FlexAttention ``score_mod`` adding this bias: ``flex_attention(q, k, v, score_mod=...)``.
 
         Default positions of a ``distance_only`` bias close over its ``Nq + Nk - 1`` per-distance
-        values; other positions are looked up per element, and a ``pointwise`` bias is evaluated
-        there; any other bias is read from its dense ``[(B,) H, Nq, Nk]`` tensor.
+        values, read with one gather; other positions are looked up per element, and a ``pointwise``
+        bias is evaluated there; any other bias is read from its dense ``[(B,) H, Nq, Nk]`` tensor.
+        The ``score_mod`` holds tensors only, no Python size: a compiled kernel would specialise on an
+        int, then read it as a symbol at the next length, which inductor 2.11-2.13 fails to lower
+        ("'ShapeAsConstantBuffer' object has no attribute 'dtype'" on CUDA, a C++ error on the CPU).
+        Traced by ``torch.compile`` for the CPU with ``Nq == Nk``, a bias whose ``bias_at`` indexes its
+        own tensors first (``indexes_first``: T5, ALiBi, KERPLE) is evaluated per logit instead.
         """
         positions_q, positions_k = self._validated(q_len, k_len, positions_q, positions_k)
         device = self._buffer_device()
         if positions_q is None and positions_k is None and self.distance_only:
+            if self.indexes_first and q_len == k_len and _is_compiling() and getattr(device, "type", "cpu") == "cpu":
+                # traced for the CPU: inductor's CPU kernel reads no tensor made inside the compiled graph
+                # (torch 2.13: "No choices exist"), so bias_at reads the module's own tensors, per logit
+                return lambda score, b, h, q_idx, kv_idx: score + self.bias_at(kv_idx - q_idx, h).to(score.dtype)
             values = self._per_distance(q_len, k_len, device)                            # [H, Nq + Nk - 1]
-            return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + q_len - 1].to(score.dtype)
+            shift = torch.tensor(q_len - 1, device=device)                               # column of kv_idx == q_idx
+            return lambda score, b, h, q_idx, kv_idx: score + values[h, kv_idx - q_idx + shift].to(score.dtype)
         pos_q, pos_k = self._positions(q_len, k_len, positions_q, positions_k, device)
         if not (self.pointwise and self.num_axes == 1):
             return _dense_score_mod(self.dense_bias(pos_q, pos_k))
@@ -6032,7 +6290,7 @@ class T5PositionalEmbedding(_PairwiseBias):
         torch.Size([8, 16, 16])
     """
 
-    distance_only = translation_invariant = True
+    distance_only = translation_invariant = indexes_first = True
     integer_positions = True   # distances index buckets
 
     def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
@@ -6143,7 +6401,7 @@ class ALiBiPositionalEmbedding(_PairwiseBias):
         tensor([0.5000, 0.2500])
     """
 
-    distance_only = translation_invariant = True
+    distance_only = translation_invariant = indexes_first = True
     arguments = {"num_heads": functools.partial(_check_positive_int, maximum=_MAX_HEADS),
                  "max_bias": _positive_float, "num_alibi_heads": _check_positive_int, "slopes": _slope_list}
     argument_rules = (_check_alibi_heads,)
@@ -6369,7 +6627,7 @@ class KerplePositionalEmbedding(_PairwiseBias):
         torch.Size([8, 16, 16])
     """
 
-    distance_only = translation_invariant = True
+    distance_only = translation_invariant = indexes_first = True
     arguments = {"kernel": functools.partial(_check_choice, choices=("log", "power")),
                  "eps": functools.partial(_as_float, minimum=0.0, maximum=2.0, exclusive=True)}
 
@@ -6391,11 +6649,15 @@ class KerplePositionalEmbedding(_PairwiseBias):
         self.bias_p.clamp_(min=self.eps, max=2.0 if self.kernel == "power" else None)
         self.bias_a.clamp_(min=self.eps)
 
-    def _clamped(self) -> tuple:
-        """``(bias_p, bias_a)`` clamped, flattened to ``[H]``, in the compute dtype."""
+    def _clamped(self, head: Optional[Tensor] = None) -> tuple:
+        """``(bias_p, bias_a)`` clamped, flattened to ``[H]`` (or read at ``head``, broadcasting), in the compute
+        dtype. The parameters are indexed before any operation, as a ``score_mod`` must read them."""
         dtype = _compute_dtype(self.bias_p.dtype)
-        p = _clamp_straight_through(self.bias_p.view(-1), self.eps, 2.0 if self.kernel == "power" else None)
-        a = _clamp_straight_through(self.bias_a.view(-1), self.eps)
+        if head is None:
+            head = torch.arange(self.num_heads, device=self.bias_p.device)
+        p, a = (t[head].squeeze(-1).squeeze(-1) for t in (self.bias_p, self.bias_a))  # [H, 1, 1] -> head's shape
+        p = _clamp_straight_through(p, self.eps, 2.0 if self.kernel == "power" else None)
+        a = _clamp_straight_through(a, self.eps)
         return p.to(dtype), a.to(dtype)
 
     @property
@@ -6411,8 +6673,7 @@ class KerplePositionalEmbedding(_PairwiseBias):
         return (a if self.kernel == "log" else p).detach()
 
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
-        p, a = self._clamped()
-        p, a = p[head], a[head]
+        p, a = self._clamped(head)
         d = _causal_distance(distance, self.bidirectional).to(p.dtype)
         if self.kernel == "log":
             return -p * torch.log1p(a * d)
@@ -6577,10 +6838,13 @@ class FIREPositionalEmbedding(_PairwiseBias):
         with torch.no_grad():
             self.init_L.fill_(self.initial_L)
 
-    def _inputs(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
-        """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype."""
+    def _inputs(self, pos_q: Tensor, pos_k: Tensor, c: Optional[Tensor] = None,
+                threshold: Optional[Tensor] = None) -> Tensor:
+        """``psi(d) / psi(max(L, i, j))`` for broadcastable positions, in the compute dtype (``c`` and ``L``:
+        ``|c|`` and ``L`` read per head by ``pair_bias``; default the parameters', 0-d)."""
         dtype = _compute_dtype(self.c.dtype)
-        c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.to(dtype).squeeze(0)            # 0-d (L is |.|)
+        if c is None:
+            c, threshold = self.c.abs().to(dtype).squeeze(0), self.L.to(dtype).squeeze(0)    # 0-d (L is |.|)
         distance = _causal_distance(pos_k - pos_q, self.bidirectional).to(dtype)
         top = torch.maximum(torch.maximum(pos_q, pos_k).to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * top).clamp_min(torch.finfo(dtype).tiny)
@@ -6588,18 +6852,33 @@ class FIREPositionalEmbedding(_PairwiseBias):
     def _first_layer(self, dtype) -> tuple:
         return self.mlp[0].weight[:, 0].to(dtype), self.mlp[0].bias.to(dtype)          # [hidden], [hidden]
 
-    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
-        """``f_h(u)``, the MLP written out over its hidden units: pointwise operations only, which
-        inductor lowers inside a FlexAttention ``score_mod`` (a reduction there does not compile)."""
-        u = self._inputs(pos_q, pos_k)
-        w1, b1 = self._first_layer(u.dtype)
-        # FlexAttention's backward (CUDA, torch 2.11) takes one int/tensor index per tensor that needs a
-        # gradient, and none of a tensor made inside the score_mod: the parameters w2 and b2 are indexed
-        # once each before any cast, and the units are read with [..., unit] (a view, not an index)
-        second = self.mlp[2]
-        rows, out = second.weight[head].to(u.dtype), second.bias[head].to(u.dtype)      # [..., hidden], [...]
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
+        """Every number ``pair_bias`` reads, as its own ``[H]`` tensor made here, outside the ``score_mod``:
+        ``|c|``, ``L``, the output bias, then per hidden unit the first layer's weight and bias and the
+        output layer's weight. FlexAttention's backward gives a ``score_mod``'s tensor a gradient only
+        through one index by a per-logit tensor: a view (``w[..., unit]``) or an operation on a parameter
+        inside the ``score_mod`` failed to lower ("Buffers cannot be created while lowering a pointwise
+        subgraph", CUDA, torch 2.11; the same on the CPU, torch 2.13)."""
+        heads = self.num_heads
+        w1, b1 = self.mlp[0].weight[:, 0], self.mlp[0].bias                             # [hidden] each
+        w2, b2 = self.mlp[2].weight, self.mlp[2].bias                                   # [H, hidden], [H]
+        units = [t for unit in range(self.hidden_dim)
+                 for t in (w1[unit].expand(heads), b1[unit].expand(heads), w2[:, unit])]
+        # copies, not views: torch.compile would rebuild a view of a parameter inside its graph, and
+        # inductor's CPU kernel reads only tensors that come from outside it
+        return tuple(t.clone() for t in (self.c.abs().expand(heads), self.L.expand(heads), b2, *units))   # [H] each
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, c: Tensor, threshold: Tensor, b2: Tensor,
+                  *units: Tensor) -> Tensor:
+        """``f_h(u)``, the MLP written out over its hidden units from ``bias_inputs``: pointwise operations
+        only (inductor lowers no reduction inside a FlexAttention ``score_mod``), each tensor indexed once,
+        by the head, before its cast."""
+        dtype = _compute_dtype(self.c.dtype)
+        u = self._inputs(pos_q, pos_k, c[head].to(dtype), threshold[head].to(dtype))
+        out = b2[head].to(dtype)
         for unit in range(self.hidden_dim):
-            out = out + rows[..., unit] * torch.relu(u * w1[..., unit] + b1[..., unit])
+            w1, b1, w2 = (t[head].to(dtype) for t in units[3 * unit: 3 * unit + 3])
+            out = out + w2 * torch.relu(u * w1 + b1)
         return out
 
     def dense_bias(self, pos_q: Tensor, pos_k: Tensor) -> Tensor:
@@ -7626,24 +7905,29 @@ class GraphormerPositionalEmbedding(_PairwiseBias):
 
     def _positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
                    device) -> tuple:
-        """Token ``i`` of graph ``b`` is row ``b T + i`` of the distances: keys are the first ``Nk`` tokens of
-        each graph and queries the last ``Nq`` of them (bottom-right, as everywhere here)."""
+        """Token ``i`` of graph ``b`` is row ``b T + i`` of the distances and key ``j`` their column ``j``: keys
+        are the first ``Nk`` tokens of each graph and queries the last ``Nq`` of them (bottom-right, as
+        everywhere here)."""
         distances = self._bound_distances()
         tokens = distances.shape[-1]
         if k_len > tokens or q_len > k_len:
             raise ValueError(f"{type(self).__name__}: k must have at most the bound graph's {tokens} tokens "
                              f"({'nodes + the graph token' if self.graph_token else 'nodes'}) and q at most as "
                              f"many as k, got Nq={q_len}, Nk={k_len}")
-        return _bound_rows(distances.shape[0] if distances.dim() == 3 else None, tokens, q_len, k_len, device)
+        rows, _ = _bound_rows(distances.shape[0] if distances.dim() == 3 else None, tokens, q_len, k_len, device)
+        return rows, torch.arange(k_len, device=device)
 
-    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor) -> Tensor:
-        tokens = self.distances.shape[-1]
-        distance = self.distances.reshape(-1, tokens)[pos_q, pos_k % tokens]            # hops; -1: graph token
+    def bias_inputs(self, q_len: int, k_len: int, device) -> tuple:
+        """The graph token's learned value per head, ``[H]`` (with ``graph_token``): a copy made outside the
+        ``score_mod``, which indexes it once, by the head (what FlexAttention's backward takes)."""
+        return (self.graph_token_virtual_distance.weight[0].clone(),) if self.graph_token else ()
+
+    def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, *virtual: Tensor) -> Tensor:
+        distance = self.distances.flatten(0, -2)[pos_q, pos_k]                          # hops; -1: graph token
         table = self.spatial_pos_encoder.weight
         bias = table[distance.clamp(0, self.num_spatial - 2) + 1, head].to(_compute_dtype(table.dtype))
         if self.graph_token:
-            virtual = self.graph_token_virtual_distance.weight                          # [1, H]
-            bias = torch.where(distance < 0, virtual[torch.zeros_like(head), head].to(bias.dtype), bias)
+            bias = torch.where(distance < 0, virtual[0][head].to(bias.dtype), bias)
         if self.attend_within is not None:
             bias = torch.where(distance >= self.attend_within, float("-inf"), bias)
         return bias
@@ -10377,10 +10661,11 @@ def _demo_today(batch: int, heads: int, head_dim: int, seq_len: int) -> None:
 # same thing; what then goes unused drops out.
 
 def _vendor_dense_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                            causal: bool, scale: float, document_ids: Optional[Tensor] = None) -> Tensor:
+                            causal: bool, scale: float, document_ids: Optional[Tensor] = None,
+                            attn_mask: Optional[Tensor] = None) -> Tensor:
     """This file was vendored without FlexAttention: a bias takes the dense path (``use_flex`` is ignored)."""
     return attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=causal, scale=scale,
-                     use_flex=False, document_ids=document_ids)
+                     use_flex=False, document_ids=document_ids, attn_mask=attn_mask)
 
 
 def _vendor_direct_call(pe: Optional[PositionalEmbedding], fn, *args):

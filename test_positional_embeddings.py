@@ -1470,6 +1470,53 @@ class TestAttention:
         with pytest.raises(ValueError, match="attention: k and v must have as many heads as q or divide them"):
             attention(q, k, k)
 
+    BLOCKED = {"t5": lambda: T5PositionalEmbedding(H, bidirectional=False),
+               "alibi": lambda: ALiBiPositionalEmbedding(H),
+               "fire": lambda: FIREPositionalEmbedding(H, hidden_dim=4),
+               "dpb": lambda: DynamicPositionBias(H, hidden_dim=8),
+               "tupe": lambda: UnifiedPositionalEmbedding(64, H, DH, cls_token=True),
+               "swin": lambda: RelativePositionBias2D(H, (4, 5))}
+
+    @pytest.mark.parametrize("name", list(BLOCKED))
+    def test_dense_bias_in_query_blocks_equals_the_whole(self, name, monkeypatch):
+        """Issue 42.4: without gradient a large dense bias is built and used one block of queries at a time
+        (here blocks of 3 rows, 2 with batched positions); every output equals the whole bias's."""
+        pe = self.BLOCKED[name]()
+        q, k, v = qkv()
+        positions = torch.stack([torch.arange(N) * 2 % 20, torch.arange(N) + 3])
+        calls = [dict(causal=pe.is_causal or None), dict(attn_mask=torch.rand(B, 1, N, N) > 0.3, causal=True),
+                 dict(attn_mask=torch.randn(N, N)), dict(document_ids=torch.tensor([0] * 5 + [1] * 7 + [2] * 4)),
+                 dict(positions_q=positions, positions_k=positions), dict(q=q[..., 5:, :], causal=True),
+                 dict(k=k[:, :2], v=v[:, :2])]
+        for call in calls:
+            call = {"q": q, "k": k, "v": v, **call}
+            if pe.is_causal and call.get("causal") is False or name == "swin" and "positions_q" in call:
+                continue
+            with torch.no_grad():
+                want = attention(pe=pe, use_flex=False, **call)
+                monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 3 * H * N * 4 * 2 + 1)
+                got = attention(pe=pe, use_flex=False, **call)
+                monkeypatch.undo()
+            torch.testing.assert_close(got, want)
+        calls_made = []
+        monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 3 * H * N * 4)
+        monkeypatch.setattr(pe_lib, "_sdpa", lambda *args, **kwargs: calls_made.append(args[0].shape[-2]) or
+                            F.scaled_dot_product_attention(*args, **kwargs))
+        with torch.no_grad():
+            attention(q, k, v, pe, use_flex=False)
+        assert calls_made == [3, 3, 3, 3, 3, 1]                                         # the blocks were used
+
+    def test_dense_bias_memory_is_bounded_without_grad(self, monkeypatch):
+        """Issue 42.4: T5's dense bias at 1024 tokens is 16 MiB; with a 1 MiB block budget the call holds a few
+        blocks of it (T5 at 32768 tokens asked for 32 GiB; bench.py bias_paths measures it). With gradient the
+        whole bias is kept (the backward needs it)."""
+        pe, n = T5PositionalEmbedding(H, bidirectional=False), 1024
+        q, k, v = (torch.randn(1, H, n, DH) for _ in range(3))
+        monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", 2**20)
+        with torch.no_grad():
+            assert peak_bytes(lambda: attention(q, k, v, pe)) < 6 * 2**20
+        assert peak_bytes(lambda: attention(q, k, v, pe)) > 16 * 2**20
+
 
 CAUSAL_MODE_EXTRA = {
     "fire_causal": lambda: FIREPositionalEmbedding(H, hidden_dim=8, init_L=4.0),
@@ -1658,7 +1705,9 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
     Inside a ``score_mod`` torch turns ``t[ints or tensors]`` into an op whose gradient must flow
     straight into ``t``'s own gradient. So a tensor that needs a gradient may be indexed so at most
     once, and never one made inside the ``score_mod`` (its gradient would pass through another op).
-    ``t[..., i]`` and slices stay views and are allowed."""
+    Nor may it be viewed (``t[..., i]``, slices): the view's gradient needs a buffer the backward
+    kernel cannot make ("Buffers cannot be created while lowering a pointwise subgraph": FIRE on CUDA,
+    torch 2.11, and the same lowering on the CPU, torch 2.13)."""
 
     def __init__(self):
         super().__init__()
@@ -1669,7 +1718,9 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
         target = args[0] if args else None
         if func is torch.Tensor.__getitem__ and isinstance(target, torch.Tensor) and target.requires_grad:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if all(isinstance(i, (torch.Tensor, int)) for i in index):
+            if not all(isinstance(i, (torch.Tensor, int)) for i in index):
+                self.problems.append(f"a {tuple(target.shape)} tensor that needs a gradient is viewed")
+            else:
                 if id(target) in self.indexed:
                     self.problems.append(f"a {tuple(target.shape)} tensor indexed twice")
                 if id(target) in self.made:
@@ -1681,6 +1732,38 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
             if isinstance(o, torch.Tensor) and id(o) not in inputs:
                 self.made[id(o)] = o
         return out
+
+
+def peak_bytes(fn) -> int:
+    """Peak bytes of tensors allocated and not yet freed while ``fn`` runs (the profiler's memory events,
+    as ``benchmarks/bench.py``'s ``peak_memory``: independent of the allocator's reuse)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def block_oracle(keep, q_len, k_len, rows=1, size=128):
+    """The blocks of a token mask ``keep(b, q, k)`` (plain loops over a dense [Nq, Nk] mask, padded with False as
+    torch pads): (partial, full) bool [rows, Q, K], a block partial when some pair is kept but not all."""
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    partial = torch.zeros(rows, q_blocks, k_blocks, dtype=torch.bool)
+    full = torch.zeros_like(partial)
+    for b in range(rows):
+        dense = torch.zeros(q_blocks * size, k_blocks * size, dtype=torch.bool)
+        dense[:q_len, :k_len] = torch.tensor([[keep(b, i, j) for j in range(k_len)] for i in range(q_len)])
+        for i in range(q_blocks):
+            for j in range(k_blocks):
+                tile = dense[i * size:(i + 1) * size, j * size:(j + 1) * size]
+                full[b, i, j], partial[b, i, j] = bool(tile.all()), bool(tile.any() and not tile.all())
+    return partial, full
 
 
 class TestFlexAttention:
@@ -1750,19 +1833,89 @@ class TestFlexAttention:
         with pytest.raises(TypeError, match="T5PositionalEmbedding: positions_q must be an integer tensor"):
             T5PositionalEmbedding(H).score_mod(4, 4, torch.arange(4.0), None)
 
-    def test_cpu_default_is_the_dense_bias_eager_and_compiled(self, monkeypatch):
-        """Issue 22.2: on the CPU the default never runs (unfused) FlexAttention, traced or not."""
-        def no_flex(*args, **kwargs):
-            raise AssertionError("FlexAttention was called")
+    def test_cpu_default_path(self, monkeypatch):
+        """Issues 22.2 and 42.3: on the CPU the default runs the dense bias eagerly (eager FlexAttention is
+        unfused), and FlexAttention when traced without gradient for a bias read per logit (inductor's CPU
+        kernel lowers it; torch 2.13 has no CPU FlexAttention backward)."""
+        flex, calls = pe_lib._flex_attention, []
 
-        monkeypatch.setattr(pe_lib, "_flex_attention", no_flex)
+        def spy(*args):
+            calls.append(1)
+            return flex(*args)
+
+        monkeypatch.setattr(pe_lib, "_flex_attention", spy)
         pe, (q, k, v) = T5PositionalEmbedding(H, bidirectional=False), qkv()
         want = attention(q, k, v, pe, use_flex=False)
         torch.testing.assert_close(attention(q, k, v, pe), want)
+        assert calls == []
         torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
         with torch.no_grad():
-            compiled = torch.compile(lambda q, k, v: attention(q, k, v, pe), fullgraph=True, backend="eager")
             torch.testing.assert_close(compiled(q, k, v), want)
+        assert calls == [1]
+        torch.testing.assert_close(compiled(q, k, v), want)                             # the table needs a gradient
+        assert calls == [1]
+
+    def test_bias_path_rule(self):
+        """Issue 42.3: attention()'s one rule for a bias, every branch (CUDA as a device object: no GPU needed)."""
+        cuda, cpu, meta = torch.device("cuda"), torch.device("cpu"), torch.device("meta")
+
+        def path(device, **changes):
+            options = dict(use_flex=None, grad=False, compiling=False, float_mask=False, dropout=False, q_len=8,
+                           k_len=8, head_dim=16, indexes_first=True)
+            return pe_lib._bias_path(device, **{**options, **changes})
+
+        assert path(cuda) == path(cuda, grad=True) == path(cuda, compiling=True) == "flex"
+        assert path(cuda, indexes_first=False, q_len=3) == "flex" and path(cuda, head_dim=8) == "dense"
+        assert path(cuda, dropout=True) == path(cuda, float_mask=True) == "dense"
+        assert path(cuda, use_flex=True, dropout=True) == "dense"
+        assert path(cuda, use_flex=False) == "dense" and path(cpu, use_flex=True) == "flex"
+        assert path(cpu) == path(cpu, grad=True) == "dense"                             # eager: unfused
+        assert path(cpu, compiling=True) == "flex"
+        assert path(cpu, compiling=True, grad=True) == path(cpu, compiling=True, q_len=3) == "dense"
+        assert path(cpu, compiling=True, indexes_first=False) == path(cpu, compiling=True, float_mask=True) == "dense"
+        assert path(meta, compiling=True) == "dense"
+
+    def test_flex_kernel_options_for_learned_tables(self):
+        """Issue 42.5: one pipeline stage on CUDA for a score_mod reading a tensor that needs a gradient (the
+        default stages overflow an H100's or H200's shared memory), torch's defaults otherwise."""
+        assert pe_lib._flex_kernel_options(torch.device("cuda"), True) == {"num_stages": 1}
+        assert pe_lib._flex_kernel_options(torch.device("cuda"), False) is None
+        assert pe_lib._flex_kernel_options(torch.device("cpu"), True) is None
+        assert pe_lib._reads_learned(T5PositionalEmbedding(H))
+        assert not pe_lib._reads_learned(ALiBiPositionalEmbedding(H))
+        assert not pe_lib._reads_learned(T5PositionalEmbedding(H).requires_grad_(False))
+
+    @pytest.mark.parametrize("make", [lambda: T5PositionalEmbedding(H, bidirectional=False),
+                                      lambda: KerplePositionalEmbedding(H),
+                                      lambda: FIREPositionalEmbedding(H, hidden_dim=4),
+                                      lambda: GraphormerPositionalEmbedding(H, num_spatial=4, graph_token=True,
+                                                                            attend_within=3).bind(GRAPH[:-1, :-1])],
+                             ids=["t5", "kerple", "fire", "graphormer_token"])
+    def test_learned_table_gradient_through_flex_equals_dense(self, make, monkeypatch):
+        """Issue 42.5: a learned table's gradient through (eager) FlexAttention is the dense path's, in float64;
+        the kernel options attention() asks for are the pure function's (None on the CPU)."""
+        import torch.nn.attention.flex_attention as flex_module
+
+        pe = make().double()
+        q, k, v = (t.double() for t in qkv(N - 3, N))
+        seen, flex = [], flex_module.flex_attention
+
+        def recording(*args, **kwargs):
+            seen.append(kwargs.get("kernel_options"))
+            return flex(*args, **kwargs)
+
+        monkeypatch.setattr(flex_module, "flex_attention", recording)
+        grads = []
+        for use_flex in (False, True):
+            pe.zero_grad()
+            attention(q, k, v, pe, causal=True, use_flex=use_flex).square().sum().backward()
+            grads.append([p.grad for p in pe.parameters()])
+        assert seen == [None]
+        for got, want in zip(grads[1], grads[0]):
+            assert (got is None) == (want is None)
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
     @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
     def test_score_mod_has_a_flex_backward(self, case):
@@ -1788,7 +1941,10 @@ class TestFlexAttention:
             (weight * 2)[torch.tensor(1)]
         assert recorder.problems == ["a (4,) tensor made inside the score_mod is indexed"]
         with _ScoreModIndexRecorder() as recorder:
-            weight[..., 1] + weight[..., 2] + weight[torch.tensor(0)]
+            weight[..., 1] + weight[torch.tensor(0)]
+        assert recorder.problems == ["a (4,) tensor that needs a gradient is viewed"]
+        with _ScoreModIndexRecorder() as recorder:
+            weight.detach()[..., 1] + weight[torch.tensor(0)]
         assert recorder.problems == []
 
     def test_causal_flex_skips_blocks_above_the_diagonal(self):
@@ -1797,6 +1953,170 @@ class TestFlexAttention:
         assert pe_lib._block_mask(None, False, 384, 384, torch.device("cpu")) is None
         tail = pe_lib._block_mask(None, True, 128, 384, torch.device("cpu")).to_dense().reshape(1, 3)
         assert tail.tolist() == [[1, 1, 1]]                              # bottom-right: the last query sees every key
+
+    @staticmethod
+    def captured_ints(fn, seen=None) -> list:
+        """The Python ints a function closes over, through nested functions, tuples and lists (not modules)."""
+        seen = set() if seen is None else seen
+        if id(fn) in seen:
+            return []
+        seen.add(id(fn))
+        found = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, int) and not isinstance(value, bool):
+                found.append(value)
+            elif callable(value) and not isinstance(value, torch.nn.Module) or isinstance(value, (tuple, list)):
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    found += TestFlexAttention.captured_ints(item, seen)
+        return found
+
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_score_mod_and_mask_mod_hold_no_sizes(self, case):
+        """Issue 42.2: a score_mod (or mask_mod) closing over a length made compiled flex_attention specialise
+        on it, then fail to lower it as a symbol at the next length (T5 and ALiBi, 16384 after 65536 on CUDA)."""
+        pe = case.make()
+        for q_len, k_len in ((N - 3, N), (N - 6, N - 1)):
+            if case.required_positions is None:
+                assert self.captured_ints(pe.score_mod(q_len, k_len)) == [], (q_len, k_len)
+            assert self.captured_ints(pe.score_mod(q_len, k_len, *case.positions(q_len, k_len))) == []
+            assert self.captured_ints(pe_lib._block_mask(None, True, q_len, k_len, torch.device("cpu")).mask_mod) == []
+
+    @slow   # two inductor compilations of the CPU FlexAttention kernel (about a minute each on a loaded CPU)
+    @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                        reason="inductor's CPU FlexAttention kernel needs AVX2")
+    def test_compiled_flex_at_a_second_length(self):
+        """Issue 42.2: the same compiled flex_attention at a second length recompiles with symbolic sizes; a
+        score_mod closing over Nq - 1 failed there (C++ compile error on the CPU, a LoweringException on CUDA)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
+        pe = ALiBiPositionalEmbedding(H)
+        for n in (256, 128):
+            q, k, v = (torch.randn(1, H, n, DH) for _ in range(3))
+            mask = pe_lib._block_mask(None, True, n, n, q.device)
+            with torch.no_grad():
+                got = flex(q, k, v, score_mod=pe.score_mod(n, n), block_mask=mask)
+            torch.testing.assert_close(got, attention(q, k, v, pe, causal=True, use_flex=False))
+
+    @slow   # an inductor compilation per class (a minute each on a loaded CPU)
+    @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                        reason="inductor's CPU FlexAttention kernel needs AVX2")
+    @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)
+    def test_score_mod_compiles_with_inductor_on_cpu(self, case, monkeypatch):
+        """Issue 42.6: every bias's score_mod lowers in inductor's CPU FlexAttention kernel (forward: torch 2.13
+        has no CPU backward) with the dense path's output. Its tensors come from outside the compiled function,
+        as in attention()'s eager call: inside a graph, that kernel takes no tensor made there."""
+        import torch.nn.attention.flex_attention as flex_module
+
+        torch._dynamo.reset()
+        monkeypatch.setattr(flex_module, "flex_attention", torch.compile(flex_module.flex_attention))
+        pe = case.make()
+        positions_q, positions_k = case.positions(N - 3, N)
+        q, k, v = qkv(N - 3, N)
+        with torch.no_grad():
+            got = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=True, use_flex=True)
+        monkeypatch.undo()
+        want = attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=True, use_flex=False)
+        torch.testing.assert_close(got, want)
+
+    @pytest.mark.parametrize("q_shape, mask_shape", [((B, H, N, DH), (N, N)), ((B, H, N, DH), (B, 1, N, N)),
+                                                      ((B, H, N, DH), (1, H, N, N)), ((B, H, N, DH), (B, H, N, N)),
+                                                      ((H, N, DH), (N, N)), ((B, 3, H, N, DH), (3, H, N, N))])
+    def test_flex_takes_a_boolean_mask(self, q_shape, mask_shape):
+        """Issue 42.3: a boolean attn_mask runs on FlexAttention too (with causality and documents), as the
+        dense path (every query keeps a key: there FlexAttention gives 0 and SDPA NaN)."""
+        pe = T5PositionalEmbedding(H, num_buckets=8, max_distance=12)
+        q, k, v = (torch.randn(q_shape) for _ in range(3))
+        allowed = (torch.rand(mask_shape) > 0.5) | torch.eye(N, dtype=torch.bool)
+        for extra in (dict(causal=False), dict(causal=True), dict(document_ids=torch.tensor([0] * 9 + [1] * 7)) if
+                      len(q_shape) == 4 else dict(causal=True)):
+            want = attention(q, k, v, pe, attn_mask=allowed, use_flex=False, **extra)
+            torch.testing.assert_close(attention(q, k, v, pe, attn_mask=allowed, use_flex=True, **extra), want)
+
+    def test_block_mask_of_a_boolean_mask(self):
+        """Issue 42.3: a boolean mask's blocks (with causality): those with a kept pair, those all kept."""
+        allowed = torch.ones(2, 1, 256, 384, dtype=torch.bool)
+        allowed[0, 0, :128, 256:] = False                                               # a block wholly masked
+        allowed[1, 0, 200, 5] = False                                                   # one pair masked
+        pe_lib._BLOCK_MASKS.clear()
+        pe_lib._block_mask(None, True, 256, 384, torch.device("cpu"))                   # cached, without the mask
+        mask = pe_lib._block_mask(None, True, 256, 384, torch.device("cpu"), allowed)
+        keep = lambda b, i, j: bool(allowed[b, 0, i, j]) and j <= i + 128
+        partial, full = block_oracle(keep, 256, 384, rows=2)
+        torch.testing.assert_close(mask.to_dense().bool()[:, 0], partial | full)
+        torch.testing.assert_close(mask.full_kv_num_blocks[:, 0], full.sum(-1, dtype=torch.int32))
+        assert len(pe_lib._BLOCK_MASKS) == 1                                            # a tensor mask is not cached
+
+    DOCS = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 200, 30, 50, 132]))          # 512 tokens
+
+    @pytest.mark.parametrize("ids, causal, q_len, k_len", [
+        (None, True, 384, 384), (None, True, 300, 300), (None, True, 200, 333), (None, True, 1, 300),
+        (DOCS, False, 512, 512), (DOCS[:300], True, 300, 300), (torch.stack([DOCS, DOCS.flip(0)]), True, 512, 512)],
+        ids=["causal", "causal_ragged", "causal_tail", "one_query", "documents", "documents_causal", "rows"])
+    def test_block_mask_from_block_indices(self, ids, causal, q_len, k_len):
+        """Issue 42.1: the blocks come from block indices, equal to those of the dense mask (a loop oracle),
+        with the same mask inside them; at multiples of 128, the very mask create_block_mask builds."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        pe_lib._BLOCK_MASKS.clear()
+        mask = pe_lib._block_mask(ids, causal, q_len, k_len, torch.device("cpu"))
+        offset = max(k_len - q_len, 0)
+        rows = None if ids is None else ids.reshape(-1, ids.shape[-1])
+
+        def keep(b, i, j):
+            same = rows is None or bool(rows[b, i] == rows[b, j])
+            return same and (not causal or j <= i + offset)
+
+        partial, full = block_oracle(keep, q_len, k_len, 1 if rows is None else rows.shape[0])
+        dense = mask.to_dense().bool()[:, 0]                                            # [R, Q, K] visited blocks
+        torch.testing.assert_close(dense, partial | full)
+        torch.testing.assert_close(mask.full_kv_num_blocks[:, 0], full.sum(-1, dtype=torch.int32))
+        b, q, k = (torch.tensor(x) for x in (rows.shape[0] - 1 if rows is not None else 0, q_len - 1, 0))
+        assert bool(mask.mask_mod(b, torch.tensor(0), q, k)) == keep(int(b), int(q), int(k))
+        if q_len % 128 == 0 and k_len % 128 == 0:
+            torch_mask = create_block_mask(lambda b, h, i, j: (rows is None or rows[b, i] == rows[b, j])
+                                           & ((j <= i + offset) if causal else True), None if rows is None else
+                                           rows.shape[0], None, q_len, k_len, device="cpu")
+            for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+                torch.testing.assert_close(getattr(mask, name), getattr(torch_mask, name))
+            torch.testing.assert_close(mask.to_dense(), torch_mask.to_dense())
+
+    def test_causal_block_mask_at_64k_tokens_is_small(self):
+        """Issue 42.1: the causal mask of 65536 tokens took an [N, N] mask (16 GiB; 2.5 GiB at 16384), now
+        its 512 x 512 blocks (measured: 10 MiB)."""
+        pe_lib._BLOCK_MASKS.clear()
+        n = 65536
+        assert peak_bytes(lambda: pe_lib._block_mask(None, True, n, n, torch.device("cpu"))) < 32 * 2**20
+        mask = pe_lib._block_mask(None, True, n, n, torch.device("cpu"))
+        assert mask.kv_indices.shape == (1, 1, 512, 512) and mask.seq_lengths == (n, n)
+        assert mask.kv_num_blocks.flatten().tolist() == [1] * 512                       # the diagonal block
+        assert mask.full_kv_num_blocks.flatten().tolist() == list(range(512))             # every block below it
+
+    def test_block_masks_are_cached(self):
+        """Issue 42.1: one mask per (lengths, causality, device, ids), the newest _BLOCK_MASK_CACHE_SIZE of them;
+        ids are the same tensor unchanged (identity and version), inference-mode ids are not cached."""
+        cpu = torch.device("cpu")
+        pe_lib._BLOCK_MASKS.clear()
+        first = pe_lib._block_mask(None, True, 256, 256, cpu)
+        assert pe_lib._block_mask(None, True, 256, 256, cpu) is first
+        assert pe_lib._block_mask(None, True, 128, 256, cpu) is not first
+        ids = self.DOCS.clone()
+        by_ids = pe_lib._block_mask(ids, False, 512, 512, cpu)
+        assert pe_lib._block_mask(ids, False, 512, 512, cpu) is by_ids
+        assert pe_lib._block_mask(ids.clone(), False, 512, 512, cpu) is not by_ids      # equal ids, another tensor
+        assert by_ids.full_kv_num_blocks[0, 0, 3] == 1                                  # the last block: one document
+        ids[-1] = 9                                                                     # in place: a new version
+        changed = pe_lib._block_mask(ids, False, 512, 512, cpu)
+        assert changed is not by_ids and changed.full_kv_num_blocks[0, 0, 3] == 0
+        with torch.inference_mode():
+            frozen = self.DOCS.clone()
+        assert pe_lib._block_mask(frozen, True, 512, 512, cpu) is not pe_lib._block_mask(frozen, True, 512, 512, cpu)
+        for n in range(1, 2 * pe_lib._BLOCK_MASK_CACHE_SIZE):
+            pe_lib._block_mask(None, True, n, n, cpu)
+        assert len(pe_lib._BLOCK_MASKS) == pe_lib._BLOCK_MASK_CACHE_SIZE
+        assert pe_lib._block_mask(None, True, 256, 256, cpu) is not first                # the oldest went first
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     @pytest.mark.parametrize("case", [case for case in CASES if case.make().kind == "bias"], ids=repr)

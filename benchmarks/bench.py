@@ -9,7 +9,8 @@ same loop. Peers (Hugging Face transformers, torchtune, ...) are skipped when ab
     python benchmarks/bench.py rope_attention --reps 3 --regime "reused memory"   # issue 42's RoPE size, CPU
     python benchmarks/bench.py all --only rotary,alibi   # a few encodings against the floor
     python benchmarks/bench.py gqa             # grouped-query attention against repeated k/v (time, peak memory)
-    python benchmarks/bench.py bias_paths      # bias encodings: eager dense, compiled flex, compiled dense
+    python benchmarks/bench.py bias_paths      # bias encodings on the CPU: eager dense, compiled flex, compiled
+                                               # attention(), compiled dense; T5 at 32768 tokens (peak memory)
     python benchmarks/bench.py gpu --regime "reused memory"   # the GPU table (says "no GPU" without one)
 
 glibc's malloc decides, from its history, whether a large tensor gets fresh pages (the
@@ -551,8 +552,11 @@ def bench_bias_paths(reps: int, compile: bool) -> None:
     """A bias encoding's attention, no grad, causal (ratios to SDPA causal): attention()'s eager
     dense bias (the CPU default), ``flex_attention`` compiled once (the library's
     ``_compiled_flex_attention``, the CUDA default in eager mode) with the encoding's score_mod
-    and a causal block mask built once outside the timing, and attention() compiled whole (dense:
-    inductor's CPU FlexAttention does not lower score_mod tensors made inside the graph)."""
+    and a causal block mask built once outside the timing, attention() compiled whole with its
+    defaults (FlexAttention for T5, ALiBi and KERPLE: their score_mod reads the module's own tensors,
+    which inductor's CPU kernel takes; the dense bias for FIRE) and compiled whole with the dense
+    bias (``use_flex=False``). Then T5 at 32768 tokens through attention()'s defaults, eager: the dense
+    bias built a block of queries at a time (the whole ``[8, 32768, 32768]`` float32 bias is 32 GiB)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     b, h, d = 1, 8, 64
     for n, names in ((1024, ("T5", "ALiBi", "KERPLE", "FIRE")), (8192, ("T5",))):
@@ -565,16 +569,29 @@ def bench_bias_paths(reps: int, compile: bool) -> None:
             if compile:
                 torch._dynamo.reset()
                 flex, mask = pe_lib._compiled_flex_attention(), pe_lib._block_mask(None, True, n, n, q.device)
+                default = torch.compile(lambda q, k, v, pe=pe: pe_lib.attention(q, k, v, pe, causal=True),
+                                        dynamic=False)
                 dense = torch.compile(lambda q, k, v, pe=pe: pe_lib.attention(q, k, v, pe, causal=True,
                                                                               use_flex=False), dynamic=False)
                 calls[f"{name}: compiled flex_attention + score_mod"] = lambda pe=pe: flex(
                     q, k, v, score_mod=pe.score_mod(n, n), block_mask=mask, scale=d ** -0.5)
+                calls[f"{name}: compiled attention(), defaults"] = lambda f=default: f(q, k, v)
                 calls[f"{name}: compiled, dense bias"] = lambda f=dense: f(q, k, v)
         with torch.no_grad():
             times = medians(calls, max(3, reps // 3))
             memory = {name: peak_memory(fn) for name, fn in calls.items()}
         report(f"Bias encodings, attention() paths: forward, no grad, B={b}, H={h}, N={n}, Dh={d} fp32, causal "
                f"(ratio to SDPA causal)", times, next(iter(times)), memory)
+    n = 32768
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    t5 = pe_lib.T5PositionalEmbedding(h, bidirectional=False)
+    calls = {"SDPA causal (no positions)": lambda: sdpa(q, k, v, is_causal=True),
+             "T5: attention(), defaults (dense bias, query blocks)": lambda: pe_lib.attention(q, k, v, t5)}
+    with torch.no_grad():
+        times = medians(calls, 1, warmup=0)
+        memory = {name: peak_memory(fn) for name, fn in calls.items()}
+    report(f"T5 at N={n}: forward, no grad, B={b}, H={h}, Dh={d} fp32, causal, one call each (the whole dense bias "
+           f"would be {h * n * n * 4 / 2**30:.0f} GiB)", times, next(iter(times)), memory)
 
 
 def bench_gpu(reps: int, compile: bool) -> None:
@@ -652,7 +669,97 @@ def bench_gpu(reps: int, compile: bool) -> None:
     memory = {name: gpu_peak(fn) for name, fn in train.items()}
     report(f"GPU, every encoding: attention forward + backward, B={b}, H={h}, N={n}, Dh={d} fp32",
            times, next(iter(times)), memory)
+    del q, k, v, x
+    for b, n in ((2, 4096), (1, 16384), (1, 65536)):   # issue 42's table: bf16, H=16, Dh=128
+        _flex_rows(device, torch.bfloat16, b, 16, n, 128, max(3, reps // 10))
+        torch.cuda.empty_cache()
     _gpu_rope_rows(reps)
+
+
+def _flex_rows(device, dtype, b: int, h: int, n: int, d: int, reps: int) -> None:
+    """Bias kinds on FlexAttention against what a user writes from attention-gym (``torch.compile(flex_attention)``,
+    a causal BlockMask built once, a score_mod reading a per-distance table or a slope): forward and forward +
+    backward (the T5 table learned, with its gradient and one pipeline stage, as attention() runs it), median
+    time, ratio to SDPA causal, peak extra memory, first-call time (compilation included) and the largest
+    difference from attention()'s output. ``device`` "cpu" runs the forward alone, unfused (a smoke test)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    cuda = device.type == "cuda"
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flex = torch.compile(flex_attention) if cuda else flex_attention
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
+    t5 = pe_lib.T5PositionalEmbedding(h, bidirectional=False).to(device)
+    alibi = pe_lib.ALiBiPositionalEmbedding(h).to(device)
+    with torch.no_grad():
+        t5.relative_attention_bias.weight.normal_()
+    causal = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, n, n, device=device)
+    table = t5.relative_attention_bias.weight.detach().clone().requires_grad_()          # [buckets, H], learned
+    bucket = t5.bucket_of_distance[(-torch.arange(n, device=device)).clamp(-t5.max_distance - 1) + t5.max_distance + 1]
+    slopes = alibi.slopes
+    options = {"num_stages": 1} if cuda else None
+
+    def t5_by_hand(q, k, v):
+        per_distance = table[bucket].T.float()                                          # [H, N]: bias at q - kv
+        return flex(q, k, v, score_mod=lambda s, b_, h_, i, j: s + per_distance[h_, i - j], block_mask=causal,
+                    kernel_options=options if torch.is_grad_enabled() else None)
+
+    rows = {"SDPA causal (floor)": lambda q, k, v: sdpa(q, k, v, is_causal=True),
+            "T5 attention(), defaults": lambda q, k, v: pe_lib.attention(q, k, v, t5),
+            "T5 attention() in torch.compile": torch.compile(lambda q, k, v: pe_lib.attention(q, k, v, t5)),
+            "T5 hand-written flex (table lookup)": t5_by_hand,
+            "ALiBi attention(), defaults": lambda q, k, v: pe_lib.attention(q, k, v, alibi),
+            "ALiBi attention() in torch.compile": torch.compile(lambda q, k, v: pe_lib.attention(q, k, v, alibi)),
+            "ALiBi hand-written flex (slope)": lambda q, k, v: flex(
+                q, k, v, score_mod=lambda s, b_, h_, i, j: s - slopes[h_] * (i - j), block_mask=causal)}
+    if not cuda:   # the smoke test: nothing compiled
+        rows = {name: fn for name, fn in rows.items() if "torch.compile" not in name}
+    reference = {"T5": lambda: pe_lib.attention(q, k, v, t5), "ALiBi": lambda: pe_lib.attention(q, k, v, alibi)}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def peak(fn) -> int:
+        if not cuda:
+            return peak_memory(fn)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        return torch.cuda.max_memory_allocated() - base
+
+    for mode in ("forward", "forward + backward") if cuda else ("forward",):
+        inputs = (q, k, v) if mode == "forward" else tuple(t.detach().requires_grad_() for t in (q, k, v))
+        grad_out = torch.randn_like(q)
+        calls, first, diffs = {}, {}, {}
+        for name, fn in rows.items():
+            def call(fn=fn):
+                if mode == "forward":
+                    with torch.no_grad():
+                        out = fn(*inputs)
+                else:
+                    out = fn(*inputs)
+                    out.backward(grad_out)
+                sync()
+                return out
+            try:
+                start = time.perf_counter()
+                out = call()
+                first[name] = time.perf_counter() - start
+                family = name.split()[0]
+                if family in reference and "hand-written" in name and mode == "forward":
+                    with torch.no_grad():
+                        diffs[name] = (out.float() - reference[family]().float()).abs().max().item()
+                calls[name] = call
+            except Exception as error:  # noqa: BLE001 (a row that fails is reported, the others still run)
+                print(f"  {mode}, {name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        times = medians(calls, reps, warmup=1)
+        memory = {name: peak(fn) for name, fn in calls.items()}
+        report(f"{device.type}, bias kinds against hand-written FlexAttention: {mode}, B={b}, H={h}, N={n}, Dh={d} "
+               f"{str(dtype).replace('torch.', '')}, causal", times, next(iter(times)), memory)
+        print("  first call (s): " + ", ".join(f"{name} {t:.1f}" for name, t in first.items()))
+        if diffs:
+            print("  max |hand-written - attention()|: " + ", ".join(f"{name} {x:.1e}" for name, x in diffs.items()))
 
 
 def _gpu_rope_rows(reps: int) -> None:
