@@ -11924,7 +11924,8 @@ class TestCompile:
             "forward_attn": (pe.forward_attn, lambda: (q, k, *positions.values())),
             "forward_input": (pe.forward_input, lambda: (x, *node_positions)),
             "forward": (pe.forward, lambda: case.own_call_args(pe, q, k, x)),
-            "attention": (lambda *a: attention(*a, pe, causal=True, **positions), lambda: (q, k, v)),
+            "attention": (lambda *a: attention(*a, pe, causal=True, **attention_positions(pe, positions.values())),
+                          lambda: (q, k, v)),
         }
         for name, (fn, args) in entry_points.items():
             torch._dynamo.reset()
@@ -12537,7 +12538,7 @@ class _Layer(torch.nn.Module):
         if self.pe.kind == "input":
             x = self.pe.forward_input(x, positions) if self.case.takes_positions else self.pe(x)
         q, k, v = self.qkv(x).unflatten(-1, (3, H, DH)).permute(2, 0, 3, 1, 4)          # [B, H, N, Dh] each
-        return attention(q, k, v, self.pe, positions_q=positions, positions_k=positions, causal=True)
+        return attention(q, k, v, self.pe, causal=True, **attention_positions(self.pe, (positions, positions)))
 
 
 def _reference(model: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> tuple:
@@ -12699,8 +12700,8 @@ def run(module, pe, use_flex=None):
     q, k, v = (torch.randn(2, heads, n, dh, requires_grad=True) for _ in range(3))
     positions = None if pe is None else lib._demo_positions(pe, n)
     tokens = pe.forward_input(x, positions) if pe is not None and pe.kind == "input" else x
-    out = module.attention(q, k, v, pe, positions_q=positions, positions_k=positions, use_flex=use_flex,
-                           causal=pe is None or pe.num_axes == 1)
+    given = {} if pe is None or pe.kind == "input" else dict(positions_q=positions, positions_k=positions)
+    out = module.attention(q, k, v, pe, use_flex=use_flex, causal=pe is None or pe.num_axes == 1, **given)
     params = [] if pe is None else [p for p in pe.parameters() if p.requires_grad]
     loss = (tokens * torch.randn_like(tokens)).sum() + (out * torch.randn_like(out)).sum()
     return [tokens, out, *torch.autograd.grad(loss, [x, q, k, v, *params], allow_unused=True)]
