@@ -1042,6 +1042,7 @@ def attention(
     dropout_p: float = 0.0,
     use_flex: Optional[bool] = None,
     document_ids: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Softmax attention with positional encoding ``pe``, through the cheapest correct path.
 
@@ -1102,6 +1103,15 @@ def attention(
             always take the dense bias (FlexAttention takes neither). Default: None.
         document_ids (Tensor, optional): integer ``[N]`` or ``[B, N]`` ids of the packed
             documents, contiguous runs of equal ids. Default: None.
+        sinks (Tensor, optional): attention sinks, one finite logit per query head ``[H]``
+            (gpt-oss's learned ``sinks``; 0 for StreamingLLM's zero sink): every query's softmax
+            also covers one key of logit ``sinks[h]`` and value 0, so its weights on the real
+            keys sum to less than 1 (``softmax([logits, sinks[h]])`` without the last column,
+            then ``@ v``). A query with every key masked gets 0. FlexAttention rescales its
+            output by ``sigmoid(lse - sinks[h])`` (no extra memory); the SDPA paths add the
+            sink as a zero key and value with a float mask column (a dense ``[H, Nq, Nk + 1]``
+            mask); ``"logits"`` kinds append the column to their logits (softmax-weighted
+            kinds only: stick-breaking is a ValueError). Default: None.
 
     Shape:
         - Output: ``[B, H, Nq, Dv]``.
@@ -1120,6 +1130,7 @@ def attention(
     if use_flex is not None:
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
+    _check_sinks(sinks, q, pe)
     if pe is None or pe.kind == "input":  # nothing here reads positions: passing them is a mistake, not a no-op
         why = ("no encoding is given" if pe is None else
                f"{type(pe).__name__} is added to the tokens; pass its positions to forward_input")
@@ -1142,7 +1153,28 @@ def attention(
     if pe is not None and pe.kind != "input":
         positions_q, positions_k = pe._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
     return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
-                            flex, document_ids, group)
+                            flex, document_ids, group, sinks)
+
+
+def _check_sinks(sinks: Optional[Tensor], q: Tensor, pe: Optional[PositionalEmbedding]) -> None:
+    """attention()'s ``sinks``: None, or finite floats ``[H]`` (q's heads) on q's device, for an encoding whose
+    weights are a softmax (a sink is one more softmax term)."""
+    owner = "attention"
+    if sinks is None:
+        return
+    _check_tensor(owner, "sinks", sinks, 1)
+    heads = q.shape[-3] if q.dim() >= 3 else 1
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"{owner}: sinks must have shape [H] = ({heads},), one logit per query head, "
+                         f"got shape {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"{owner}: sinks must be on q's device ({q.device}), got sinks on {sinks.device}")
+    _check_finite_positions(owner, "sinks", sinks)
+    encoding = getattr(pe, "encoding", pe)   # a wrapper's weights are its encoding's
+    if pe is not None and pe.kind == "logits" and \
+            type(encoding).attention_weights is not PositionalEmbedding.attention_weights:
+        raise ValueError(f"{owner}: sinks need softmax attention weights; {type(encoding).__name__} replaces the "
+                         f"softmax (attention_weights), so a sink logit has no meaning there: pass sinks=None")
 
 
 def _causal_for(pe: Optional[PositionalEmbedding], causal) -> bool:
@@ -1229,21 +1261,24 @@ def _compiled_flex_attention():
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], positions_q, positions_k,
             causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
-            flex: bool, document_ids: Optional[Tensor], group: int) -> Tensor:
+            flex: bool, document_ids: Optional[Tensor], group: int, sinks: Optional[Tensor] = None) -> Tensor:
     """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head);
-    ``flex``: a bias through FlexAttention, documents (if any) masked block-wise there."""
+    ``flex``: a bias through FlexAttention, documents (if any) masked block-wise there; ``sinks``: each
+    head's sink logit ``[H]`` or None."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     if group > 1 and pe is not None and (pe.kind == "logits" or pe.kind == "qk" and getattr(pe, "num_heads", None)):
         # explicit logits, or per-head q/k maps: every query head meets its own copy of k and v
         k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1
     if pe is not None and pe.kind == "logits":
-        return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p)
+        return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p, sinks)
     if flex:
         pe._check_qk(q, k, positions_q, positions_k, grouped=True)
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids, attn_mask)
+        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids, attn_mask, sinks)
     bias = None
-    gqa = {"enable_gqa": True} if group > 1 else {}
+    extra = {"enable_gqa": True} if group > 1 else {}   # SDPA's grouped heads, the sinks
+    if sinks is not None:
+        extra["sinks"] = sinks
     if pe is not None:
         scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
         positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k, grouped=True)
@@ -1252,14 +1287,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], 
         rows = _bias_chunk_rows(pe, q, k, v, positions_q, positions_k)
         if rows < q_len:  # without gradient, a large bias is built and used one block of queries at a time
             out = _attend_in_query_blocks(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
-                                          rows, gqa)
+                                          rows, extra)
             return pe.decode_output(out, k_len, positions_q, positions_k)
         bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
-    if bias is None and attn_mask is None and causal and q_len == k_len:
-        out = _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+    if bias is None and attn_mask is None and causal and q_len == k_len and sinks is None:
+        out = _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
     else:
         mask = _as_sdpa_mask(q, _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device))
-        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
     return out if pe is None else pe.decode_output(out, k_len, positions_q, positions_k)
 
 
@@ -1282,7 +1317,7 @@ def _bias_chunk_rows(pe: PositionalEmbedding, q: Tensor, k: Tensor, v: Tensor, p
 
 def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
                             causal: bool, attn_mask: Optional[Tensor], scale: float, dropout_p: float, rows: int,
-                            gqa: dict) -> Tensor:
+                            extra: dict) -> Tensor:
     """``_attend``'s dense bias path ``rows`` queries at a time: each block's rows of the bias, of ``attn_mask``
     and of the causal mask, and SDPA on its queries; ``[..., Nq, Dv]``, what the whole bias gives."""
     q_len, k_len = q.shape[-2], k.shape[-2]
@@ -1292,7 +1327,7 @@ def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbed
         stop = min(start + rows, q_len)
         mask = _merge_masks(bias_rows(start, stop), attn_mask, causal, q_len, k_len, q.dtype, q.device, (start, stop))
         out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=dropout_p,
-                         scale=scale, **gqa))                                           # [..., stop - start, Dv]
+                         scale=scale, **extra))                                           # [..., stop - start, Dv]
     return torch.cat(out, dim=-2)
 
 
@@ -1303,14 +1338,35 @@ def _as_sdpa_mask(q: Tensor, mask: Optional[Tensor]) -> Optional[Tensor]:
     return mask
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor] = None, **options) -> Tensor:
     """``scaled_dot_product_attention``. A v narrower than q and k (PoPE's doubled q/k) is zero-padded
     to their width and the output cut back: SDPA fuses only equal widths, and its unfused path
-    holds every ``[Nq, Nk]`` logit (3-4x slower at N = 1024 on the CPU)."""
+    holds every ``[Nq, Nk]`` logit (3-4x slower at N = 1024 on the CPU). ``sinks`` ``[H]``: one
+    more key per head (``_sink_key``)."""
+    if sinks is not None:
+        k, v, options = _sink_key(q, k, v, sinks, **options)
     width = v.shape[-1]
     if q.shape[-1] <= width:
         return F.scaled_dot_product_attention(q, k, v, **options)
     return F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), **options)[..., :width]
+
+
+def _sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, attn_mask: Optional[Tensor] = None,
+              is_causal: bool = False, **options) -> tuple:
+    """The sinks as a last key of SDPA: k and v gain a zero row (``q . 0 = 0``), the mask a last column of
+    ``sinks[h]`` (its other columns the boolean or float mask as a float mask; ``is_causal`` as the causal
+    mask). Returns k, v and SDPA's options with the float mask ``[..., H, Nq, Nk + 1]``."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if is_causal:
+        attn_mask = _causal_mask(q_len, k_len, q.device)                                 # [Nq, Nk] bool
+    mask = torch.zeros(q_len, k_len, dtype=q.dtype, device=q.device) if attn_mask is None else attn_mask
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    lead = torch.broadcast_shapes(mask.shape[:-2], sinks.shape)                          # (..., H)
+    column = sinks.to(q.dtype).reshape(-1, 1, 1).expand(*lead, q_len, 1)                # [..., H, Nq, 1]
+    mask = torch.cat([mask.to(q.dtype).expand(*lead, q_len, k_len), column], dim=-1)     # [..., H, Nq, Nk + 1]
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))                                # [..., Nk + 1, D]
+    return k, v, dict(options, attn_mask=_as_sdpa_mask(q, mask))
 
 
 def _with_parameters(pe: Optional[PositionalEmbedding], fn, *args):
@@ -1349,14 +1405,20 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
 
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                        causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float) -> Tensor:
-    """The "logits" path: the encoding's float32 logits, masks, a float32 softmax, weights @ v."""
+                        causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
+                        sinks: Optional[Tensor] = None) -> Tensor:
+    """The "logits" path: the encoding's float32 logits, masks, a float32 softmax (over one more column,
+    each head's sink logit, dropped after it), weights @ v."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     logits = pe.full_precision_logits(q, k, positions_q, positions_k, scale=scale)      # [B, H, Nq, Nk] float32
     mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    weights = pe.attention_weights(logits)                                              # [B, H, Nq, Nk]
+    if sinks is None:
+        weights = pe.attention_weights(logits)                                          # [B, H, Nq, Nk]
+    else:
+        column = sinks.to(logits.dtype).reshape(-1, 1, 1).expand(*logits.shape[:-1], 1)    # [B, H, Nq, 1]
+        weights = pe.attention_weights(torch.cat([logits, column], dim=-1))[..., :k_len]
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     out = torch.matmul(weights.to(v.dtype), v)                                          # [B, H, Nq, Dv]
@@ -1366,8 +1428,9 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
                     causal: bool, scale: float, document_ids: Optional[Tensor] = None,
-                    attn_mask: Optional[Tensor] = None) -> Tensor:
-    """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask).
+                    attn_mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
+    """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask); ``sinks`` ``[H]``
+    rescale each query's output by ``sigmoid(lse - sinks[h])``, the share of its softmax the sink leaves.
 
     FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
     one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
@@ -1399,8 +1462,25 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, po
     attend = _compiled_flex_attention() if q.is_cuda and not _is_compiling() else flex_attention
     options = _flex_kernel_options(q.device, torch.is_grad_enabled() and _reads_learned(pe))
     out = attend(q, k, v, score_mod=add_bias, block_mask=block_mask, scale=scale,
-                 enable_gqa=q.shape[-3] != k.shape[-3], kernel_options=options)
+                 enable_gqa=q.shape[-3] != k.shape[-3], kernel_options=options,
+                 **({} if sinks is None else _lse_request()))
+    if sinks is not None:
+        out, aux = out
+        lse = getattr(aux, "lse", aux)                                                  # [B, H, Nq] (out [B, H, Nq, Dv])
+        dtype = _compute_dtype(out.dtype)
+        kept = torch.sigmoid(lse.to(dtype) - sinks.to(dtype).reshape(-1, 1))            # e^lse / (e^lse + e^sink)
+        out = (out.to(dtype) * kept.unsqueeze(-1)).to(out.dtype)
     return out.reshape(*lead, *out.shape[-3:])
+
+
+def _lse_request() -> dict:
+    """flex_attention's keyword for the log-sum-exp of each query's logits: ``return_aux`` (torch >= 2.9;
+    ``return_lse`` is deprecated there) or ``return_lse``."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 _BLOCK_MASKS: dict = {}   # _block_mask's cache, oldest first: key -> (weak reference to the ids or None, version, mask)
@@ -6121,15 +6201,18 @@ class _PairwiseBias(PositionalEmbedding):
         The ``score_mod`` holds tensors only, no Python size: a compiled kernel would specialise on an
         int, then read it as a symbol at the next length, which inductor 2.11-2.13 fails to lower
         ("'ShapeAsConstantBuffer' object has no attribute 'dtype'" on CUDA, a C++ error on the CPU).
-        Traced by ``torch.compile`` for the CPU with ``Nq == Nk``, a bias whose ``bias_at`` indexes its
-        own tensors first (``indexes_first``: T5, ALiBi, KERPLE) is evaluated per logit instead.
+        With ``Nq == Nk``, a bias whose ``bias_at`` indexes its own tensors first (``indexes_first``: T5,
+        ALiBi, KERPLE) is evaluated per logit instead where that is cheaper or the only way: without a
+        learned tensor (ALiBi: a slope times the distance costs less on the GPU than a gather from the
+        per-distance table), and traced by ``torch.compile`` for the CPU.
         """
         positions_q, positions_k = self._validated(q_len, k_len, positions_q, positions_k)
         device = self._buffer_device()
         if positions_q is None and positions_k is None and self.distance_only:
-            if self.indexes_first and q_len == k_len and _is_compiling() and getattr(device, "type", "cpu") == "cpu":
-                # traced for the CPU: inductor's CPU kernel reads no tensor made inside the compiled graph
-                # (torch 2.13: "No choices exist"), so bias_at reads the module's own tensors, per logit
+            # traced for the CPU, inductor's CPU kernel reads no tensor made inside the compiled graph
+            # (torch 2.13: "No choices exist"), so bias_at reads the module's own tensors, per logit
+            cpu_traced = _is_compiling() and getattr(device, "type", "cpu") == "cpu"
+            if self.indexes_first and q_len == k_len and (cpu_traced or not _reads_learned(self)):
                 return lambda score, b, h, q_idx, kv_idx: score + self.bias_at(kv_idx - q_idx, h).to(score.dtype)
             values = self._per_distance(q_len, k_len, device)                            # [H, Nq + Nk - 1]
             shift = torch.tensor(q_len - 1, device=device)                               # column of kv_idx == q_idx
@@ -10662,10 +10745,10 @@ def _demo_today(batch: int, heads: int, head_dim: int, seq_len: int) -> None:
 
 def _vendor_dense_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
                             causal: bool, scale: float, document_ids: Optional[Tensor] = None,
-                            attn_mask: Optional[Tensor] = None) -> Tensor:
+                            attn_mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
     """This file was vendored without FlexAttention: a bias takes the dense path (``use_flex`` is ignored)."""
     return attention(q, k, v, pe, positions_q=positions_q, positions_k=positions_k, causal=causal, scale=scale,
-                     use_flex=False, document_ids=document_ids, attn_mask=attn_mask)
+                     use_flex=False, document_ids=document_ids, attn_mask=attn_mask, sinks=sinks)
 
 
 def _vendor_direct_call(pe: Optional[PositionalEmbedding], fn, *args):

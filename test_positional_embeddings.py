@@ -1413,6 +1413,161 @@ class TestAttention:
         want = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v
         torch.testing.assert_close(attention(q, k, v, causal=True), want)
 
+    # one case per attention() path: plain SDPA (an input kind), q/k transforms, a bias (dense and
+    # FlexAttention), explicit logits
+    SINK_CASES = ("sinusoidal", "rotary", "rotary_yarn", "alibi", "t5_causal", "kerple_log", "transformer_xl", "cope")
+
+    @staticmethod
+    def sink_oracle(logits, v, sinks, allowed):
+        """float64 loop: each query's softmax over its allowed logits and one more term, ``sinks[h]``,
+        whose value is 0; ``allowed`` ``[Nq, Nk]`` bool."""
+        batch, heads, q_len, k_len = logits.shape
+        group = heads // v.shape[1]
+        out = torch.zeros(batch, heads, q_len, v.shape[-1], dtype=torch.float64)
+        for b, h, i in itertools.product(range(batch), range(heads), range(q_len)):
+            terms = [(logits[b, h, i, j].item(), v[b, h // group, j]) for j in range(k_len)
+                     if allowed[i, j] and logits[b, h, i, j] > -math.inf]
+            top = max([t for t, _ in terms] + [sinks[h].item()])
+            total = sum(math.exp(t - top) for t, _ in terms) + math.exp(sinks[h].item() - top)
+            for t, value in terms:
+                out[b, h, i] += math.exp(t - top) / total * value
+        return out
+
+    @pytest.mark.parametrize("name", SINK_CASES)
+    def test_sinks_equal_a_float64_softmax_with_one_more_term(self, name):
+        """Issue 41: learned per-head sink logits (gpt-oss), on every path, causal and not, fewer queries
+        than keys, against the loop above on the encoding's own logits."""
+        case = next(c for c in CASES if c.name == name)
+        pe = case.make().double()
+        q, k, v = qkv(N - 3, N, dtype=torch.float64)
+        sinks = torch.randn(H, dtype=torch.float64) * 2
+        input_kind = pe.kind == "input"
+        logits = q @ k.transpose(-1, -2) / math.sqrt(DH) if input_kind else case.attn(pe, q, k)
+        given = attention_positions(pe, case.positions(N - 3, N))
+        paths = [{}] + ([{"use_flex": True}, {"use_flex": False}] if pe.kind == "bias" else [])
+        for causal, path in itertools.product((True, False), paths):
+            if not causal and pe.is_causal:
+                continue
+            allowed = torch.ones(N - 3, N, dtype=torch.bool)
+            allowed = allowed.tril(diagonal=3) if causal else allowed
+            got = attention(q, k, v, pe, causal=causal, sinks=sinks, **given, **path)
+            torch.testing.assert_close(got, self.sink_oracle(logits, v, sinks, allowed), msg=f"{causal} {path}")
+
+    @pytest.mark.parametrize("name", ["none", "rotary", "alibi"])
+    def test_sinks_with_grouped_heads_documents_and_a_mask(self, name):
+        """GQA (2 query heads per key head), packed documents and a boolean mask that hides every key
+        from one query: that query gets 0 (all its softmax on the sink), as the oracle says."""
+        pe = None if name == "none" else next(c for c in CASES if c.name == name).make().double()
+        q, _, _ = qkv(dtype=torch.float64)
+        _, k, v = (t[:, : H // 2] for t in qkv(dtype=torch.float64))
+        sinks = torch.randn(H, dtype=torch.float64)
+        ids = torch.tensor([0] * 6 + [1] * (N - 6))
+        mask = torch.rand(N, N) > 0.3
+        mask[9] = False
+        allowed = mask & (ids[:, None] == ids[None]) & torch.ones(N, N, dtype=torch.bool).tril()
+        logits = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(DH)
+        if pe is not None and pe.kind == "bias":
+            logits = logits + pe.attention_bias(N, N, document_positions(ids), document_positions(ids))
+        elif pe is not None:
+            positions = document_positions(ids)
+            rotated_q, rotated_k = pe.encode_qk(q, k.repeat_interleave(2, 1), positions, positions)
+            logits = rotated_q @ rotated_k.transpose(-1, -2) / math.sqrt(DH)
+        want = self.sink_oracle(logits, v, sinks, allowed)
+        for path in ([{}, {"use_flex": True}] if name == "alibi" else [{}]):
+            got = attention(q, k, v, pe, causal=True, attn_mask=mask, document_ids=ids, sinks=sinks, **path)
+            torch.testing.assert_close(got, want, msg=str(path))
+            assert got[:, :, 9].abs().max() == 0
+
+    @pytest.mark.parametrize("name", ["none", "alibi", "transformer_xl"])
+    def test_sink_gradients_pass_gradcheck(self, name):
+        """The sinks' and the queries' gradients on the SDPA path (a zero key) and the logits path (a column)."""
+        pe = None if name == "none" else next(c for c in CASES if c.name == name).make().double()
+        q, k, v = (t[:1, :, :5] for t in qkv(dtype=torch.float64))
+        q, sinks = q.requires_grad_(), torch.randn(H, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda q, s: attention(q, k, v, pe, causal=True, sinks=s), (q, sinks))
+
+    def test_sinks_equal_gpt_oss_attention_layers(self):
+        """transformers 5.24's GPT-OSS (eager: its logits, the sink column, softmax, the column dropped): every
+        layer's attention (sliding and full, 2 query heads per key head) from the layer's own rotated q, k, v,
+        mask and learned sinks."""
+        transformers = pytest.importorskip("transformers")
+        modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+        torch.manual_seed(0)
+        config = transformers.GptOssConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"], attn_implementation="eager")
+        model = modeling.GptOssModel(config).eval()
+        for layer in model.layers:
+            layer.self_attn.sinks.data.normal_(0.0, 2.0)
+        calls, eager = [], modeling.eager_attention_forward
+
+        def eager_spy(module, query, key, value, attention_mask, *args, **kwargs):
+            out = eager(module, query, key, value, attention_mask, *args, **kwargs)
+            calls.append((module, query, key, value, attention_mask, out[0]))
+            return out
+
+        modeling.eager_attention_forward = eager_spy
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.randint(0, 64, (2, 9)), use_cache=False)
+        finally:
+            modeling.eager_attention_forward = eager
+        assert len(calls) == 2
+        for module, query, key, value, mask, theirs in calls:
+            ours = attention(query, key, value, attn_mask=mask, scale=module.scaling, sinks=module.sinks)
+            family = f"gpt_oss {module.layer_type} attention with sinks"
+            MAX_DIFF[family] = (ours.transpose(1, 2) - theirs).abs().max().item()
+            assert MAX_DIFF[family] < 1e-6, family
+            without = attention(query, key, value, attn_mask=mask, scale=module.scaling)
+            assert (without.transpose(1, 2) - theirs).abs().max() > 1e-2   # the sinks matter here
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.parametrize("name", ["t5_causal", "alibi", "rotary"])
+    def test_cuda_sinks_outputs_and_gradients_equal_the_cpu(self, name):
+        """FlexAttention's backward through its log-sum-exp (bias kinds on CUDA), and the zero key on the SDPA
+        path: output and gradients (q, k, v, the sinks, a learned table) against the CPU's dense path, float32."""
+        pe = next(c for c in CASES if c.name == name).make()
+        q, k, v = qkv()
+        sinks = torch.randn(H)
+
+        def run(device, use_flex):
+            module = copy.deepcopy(pe).to(device)
+            leaves = [t.to(device).requires_grad_() for t in (q, k, v, sinks)] + list(module.parameters())
+            flex = {} if module.kind != "bias" else {"use_flex": use_flex}
+            out = attention(*leaves[:3], module, causal=True, sinks=leaves[3], **flex)
+            out.square().sum().backward()
+            return [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+        for got, want in zip(run("cuda", True), run("cpu", False)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    def test_sinks_compile_fullgraph_on_the_flex_path(self):
+        pe = ALiBiPositionalEmbedding(H)
+        q, k, v = qkv()
+        sinks = torch.randn(H)
+        call = lambda q, k, v, s: attention(q, k, v, pe, sinks=s, use_flex=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(call, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v, sinks), attention(q, k, v, pe, sinks=sinks, use_flex=False))
+
+    def test_bad_sinks_raise(self):
+        q, k, v = qkv()
+        for sinks, error, says in [
+            ([0.0] * H, TypeError, "sinks must be a torch.Tensor, got list"),
+            (torch.zeros(H, dtype=torch.long), TypeError, "sinks must be a floating tensor, got dtype=torch.int64"),
+            (torch.zeros(H + 1), ValueError, rf"sinks must have shape \[H\] = \({H},\), one logit per query head, "
+                                             rf"got shape \({H + 1},\)"),
+            (torch.zeros(1, H), ValueError, r"sinks must have shape \[H\] = \(4,\), .*got shape \(1, 4\)"),
+            (torch.zeros(H, device="meta"), ValueError, r"sinks must be on q's device \(cpu\), got sinks on meta"),
+            (torch.tensor([0.0, math.nan, 0.0, 0.0]), ValueError, r"sinks must be finite, got \[nan\]"),
+        ]:
+            with pytest.raises(error, match="^attention: " + says):
+                attention(q, k, v, sinks=sinks)
+        with pytest.raises(ValueError, match="^attention: sinks need softmax attention weights; "
+                                             "StickBreakingPositionalEmbedding replaces the softmax"):
+            attention(q, k, v, StickBreakingPositionalEmbedding(), causal=True, sinks=torch.zeros(H))
+
     def test_boolean_and_float_masks(self):
         q, k, v = qkv(dtype=torch.float64)
         keep = torch.rand(N, N) > 0.3
@@ -5606,7 +5761,8 @@ class TestValueRotation:
     def test_deepseek_v4_attention_layers(self):
         """Every attention layer of a tiny DeepSeek-V4 (sliding / CSA / HCA): the output our attention() gives from
         the layer's unrotated q and kv (k = v), with from_config's RoPE of the layer's type, equals the layer's
-        output after its inverse rotation. Sinks are -inf (attention() has none; they are zero after init)."""
+        output after its inverse rotation. The layers' learned sinks (drawn here: zero after init) go to
+        attention(sinks=)."""
         transformers = pytest.importorskip("transformers")
         modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
         torch.manual_seed(0)
@@ -5622,7 +5778,7 @@ class TestValueRotation:
                              "beta_fast": 32, "beta_slow": 1})
         model = modeling.DeepseekV4Model(config).eval()
         for layer in model.layers:
-            layer.self_attn.sinks.data.fill_(float("-inf"))
+            layer.self_attn.sinks.data.normal_(0.0, 2.0)
         rotations, cores, outputs = [], [], {}
         apply, eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
 
@@ -5662,7 +5818,7 @@ class TestValueRotation:
                 keys = torch.cat([positions, torch.arange(entries.shape[-2]) * ratio])
             mask = next(mask for layer_index, mask, _ in cores if layer_index == index)
             ours = attention(q, kv, kv, rope, positions_q=positions, positions_k=keys, attn_mask=mask == 0,
-                             scale=attn.scaling)
+                             scale=attn.scaling, sinks=attn.sinks)
             theirs = outputs[index].reshape(1, n, heads, dh).transpose(1, 2)
             family = f"deepseek_v4 {attn.layer_type} attention output"
             MAX_DIFF[family] = (ours - theirs).abs().max().item()
