@@ -3102,6 +3102,128 @@ class TestTime2Vec:
 
 
 # ---------------------------------------------------------------------------
+# Numbers: Abacus embeddings, digit places for position coupling
+# ---------------------------------------------------------------------------
+
+
+def digit_places_oracle(tokens: list, digits: set, count_from: str = "start") -> list:
+    """Each token's place in its run of digits (1, 2, ...), 0 elsewhere, by walking the list."""
+    order = tokens if count_from == "start" else tokens[::-1]
+    places, run = [], 0
+    for token in order:
+        run = run + 1 if token in digits else 0
+        places.append(run)
+    return places if count_from == "start" else places[::-1]
+
+
+class TestAbacus:
+    @pytest.mark.parametrize("count_from", ["start", "end"])
+    def test_digit_positions_match_the_oracle(self, count_from):
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 14, (3, 40), generator=g)                                 # 0..9 digits, 10..13 others
+        got = digit_positions(tokens, range(10), count_from=count_from)
+        want = [digit_places_oracle(row, set(range(10)), count_from) for row in tokens.tolist()]
+        assert got.tolist() == want and got.dtype == torch.int64
+        assert digit_positions(tokens[0], torch.arange(10), count_from=count_from).tolist() == want[0]
+
+    def test_position_coupling_aligns_significance(self):
+        # "0653+0049=0702", most significant digit first: digits of equal significance share a place
+        plus, equals = 10, 11
+        tokens = torch.tensor([0, 6, 5, 3, plus, 0, 0, 4, 9, equals, 0, 7, 0, 2])
+        assert digit_positions(tokens, range(10), count_from="end").tolist() == \
+            [4, 3, 2, 1, 0, 4, 3, 2, 1, 0, 4, 3, 2, 1]
+
+    def test_embed_eval_and_training_offsets(self):
+        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        places = digit_positions(torch.tensor([[3, 5, 6, 10, 9, 4, 11, 2]]), range(10))      # [[1, 2, 3, 0, 1, 2, 0, 1]]
+        table = pe.embedding.weight
+        torch.testing.assert_close(pe.eval().embed(places), table[places], rtol=0, atol=0)
+        pe.train()
+        offsets = set()
+        for _ in range(60):
+            codes = pe.embed(places)
+            ks = [k for k in range(6) if torch.equal(codes, table[torch.where(places > 0, places + k, places)])]
+            assert len(ks) == 1                                                             # one k moves every digit
+            offsets.add(ks[0])
+        assert offsets == set(range(6))                                                     # k is uniform on 0..max_k
+        x = torch.randn(1, 8, 6)
+        pe.eval()
+        torch.testing.assert_close(pe(x, places), x + table[places])
+
+    @pytest.mark.parametrize("digit_ids", [[1.5, 2.7], "0123456789", "0123", [], [True, False], 7,
+                                           torch.tensor([1.0, 2.0]), torch.zeros(2, 5, dtype=torch.long)],
+                             ids=["floats", "string", "short_string", "empty", "bools", "int", "float_tensor", "2d"])
+    def test_digit_ids_are_one_check_for_the_module_and_the_function(self, digit_ids):
+        # the module truncated floats, took a string's characters as ids and accepted no digits at all
+        want = "digit_ids must be a non-empty sequence of ints, got "
+        with pytest.raises(TypeError, match="^AbacusPositionalEmbedding: " + want):
+            AbacusPositionalEmbedding(4, digit_ids)
+        with pytest.raises(TypeError, match="^digit_positions: " + want):
+            digit_positions(torch.tensor([1, 2]), digit_ids)
+
+    def test_digit_ids_accepted_forms(self):
+        np = pytest.importorskip("numpy")
+        for ids in (range(3), (0, 1, 2), torch.arange(3), [np.int64(0), np.int64(1), np.int64(2)]):
+            pe = AbacusPositionalEmbedding(4, ids)
+            assert pe.digit_ids == (0, 1, 2) and all(type(i) is int for i in pe.digit_ids)
+            assert digit_positions(torch.tensor([2, 5, 0, 1]), ids).tolist() == [1, 0, 1, 2]
+
+    def test_the_offset_and_the_rows_read_are_public(self):
+        """draw_digit_offset() draws the k a training call uses (the same generator stream), table_rows gives the
+        rows read (p + k for digits, 0 for other tokens: a plain loop), and embed takes an explicit k."""
+        places = torch.tensor([[1, 2, 3, 0, 1, 2, 0, 1]])
+        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        twin = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
+        table = pe.embedding.weight
+        for _ in range(20):
+            k = twin.draw_digit_offset()
+            assert k.dtype == torch.int64 and k.dim() == 0 and 0 <= int(k) <= 5
+            want = [[p + int(k) if p > 0 else 0 for p in row] for row in places.tolist()]
+            assert pe.table_rows(places).tolist() == want                               # the draw it makes itself
+            torch.testing.assert_close(pe.embed(places, digit_offset=k), table[torch.tensor(want)], rtol=0, atol=0)
+        pe.eval()
+        state = pe.generator.get_state()
+        assert int(pe.draw_digit_offset()) == 0 and pe.table_rows(places).tolist() == places.tolist()
+        assert torch.equal(pe.generator.get_state(), state)                              # eval draws nothing
+        assert pe.table_rows(places, digit_offset=3).tolist() == [[4, 5, 6, 0, 4, 5, 0, 4]]   # given: any mode
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: digit_offset must be a non-negative int, "
+                                             "got digit_offset=-1"):
+            pe.embed(places, digit_offset=-1)
+        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: digit_offset must be an int, got float 2.5"):
+            pe.table_rows(places, digit_offset=2.5)
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
+            pe.table_rows(places, digit_offset=29)
+
+    def test_reference_state_dict_loads(self):
+        # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
+        reference = {"embedding.weight": torch.randn(40, 8)}
+        pe = AbacusPositionalEmbedding(8, range(10), max_len=40, max_k=9)
+        pe.load_state_dict(reference)
+        assert torch.equal(pe.eval().embed(torch.tensor([0, 1, 2])), reference["embedding.weight"][:3])
+
+    def test_bad_input(self):
+        pe = AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=3)
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions is required \\(no default\\): "
+                                             "digit_positions\\(token_ids\\)"):
+            pe(torch.randn(1, 5, 4))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions must lie in \\[0, max_len=8\\), "
+                                             "got position 8"):
+            pe.eval().embed(torch.tensor([1, 8]))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
+            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=6).embed(torch.tensor([7] * 50))
+        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: positions must be an integer tensor"):
+            pe.embed(torch.tensor([1.0]))
+        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: max_k must be below max_len - 1"):
+            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=7)
+        with pytest.raises(TypeError, match="digit_positions: token_ids must be an integer tensor"):
+            digit_positions(torch.tensor([1.0, 2.0]), range(10))
+        with pytest.raises(TypeError, match="digit_positions: digit_ids must be a non-empty sequence of ints"):
+            digit_positions(torch.tensor([1, 2]), [])
+        with pytest.raises(ValueError, match="digit_positions: count_from must be one of 'start', 'end'"):
+            digit_positions(torch.tensor([1, 2]), range(10), count_from="left")
+
+
+# ---------------------------------------------------------------------------
 # Graphs: Laplacian eigenvectors, random walks
 # ---------------------------------------------------------------------------
 
@@ -3366,296 +3488,6 @@ class TestGraphEncodings:
             lap(torch.randn(3, 8))
         with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
             RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
-
-
-# ---------------------------------------------------------------------------
-# Graphormer: shortest-path-distance bias and centrality
-# ---------------------------------------------------------------------------
-
-
-def hop_distances_oracle(adjacency: torch.Tensor) -> list:
-    """Hop counts of the directed graph ``adjacency != 0`` by a breadth-first search from each node (a queue
-    of plain ints): ``[N][N]``, None where no path exists."""
-    n = adjacency.shape[-1]
-    out = []
-    for source in range(n):
-        found = [None] * n
-        found[source] = 0
-        queue = collections.deque([source])
-        while queue:
-            node = queue.popleft()
-            for nxt in range(n):
-                if adjacency[node, nxt] != 0 and found[nxt] is None:
-                    found[nxt] = found[node] + 1
-                    queue.append(nxt)
-        out.append(found)
-    return out
-
-
-def graphormer_bias_oracle(pe, adjacency: torch.Tensor) -> torch.Tensor:
-    """The bias of one graph, entry by entry in float64: ``[H, T, T]``."""
-    table = pe.spatial_pos_encoder.weight.detach().double()
-    hops = hop_distances_oracle(adjacency)
-    first = int(pe.graph_token)
-    tokens = len(hops) + first
-    bias = torch.empty(pe.num_heads, tokens, tokens, dtype=torch.float64)
-    for h in range(pe.num_heads):
-        for i in range(tokens):
-            for j in range(tokens):
-                if min(i, j) < first:
-                    bias[h, i, j] = pe.graph_token_virtual_distance.weight[0, h].item()
-                    continue
-                d = hops[i - first][j - first]
-                row = pe.num_spatial - 1 if d is None else min(d, pe.num_spatial - 2) + 1
-                far = pe.attend_within is not None and (d is None or d >= pe.attend_within)
-                bias[h, i, j] = float("-inf") if far else table[row, h].item()
-    return bias
-
-
-class TestGraphormer:
-    def test_distances_are_breadth_first_hop_counts(self):
-        split = torch.zeros(7, 7)
-        split[0, 1] = split[1, 2] = split[3, 4] = split[4, 3] = split[5, 5] = 1.0       # pieces, a self-loop
-        graphs = [random_graph(11, 0.2, seed, directed=True) for seed in range(3)] + [split]
-        for adjacency in graphs:
-            got = GraphormerPositionalEmbedding(2).bind(adjacency).distances
-            want = hop_distances_oracle(adjacency)
-            assert got.tolist() == [[pe_lib._UNREACHABLE if d is None else d for d in row] for row in want]
-        batch = torch.stack(graphs[:3])
-        got = GraphormerPositionalEmbedding(2).bind(batch).distances
-        assert got.shape == (3, 11, 11)
-        assert all(got[b].tolist() == GraphormerPositionalEmbedding(2).bind(graphs[b]).distances.tolist()
-                   for b in range(3))
-        twice = torch.tensor([[0, 0, 1, 2], [1, 1, 2, 0]])                              # 0 -> 1 twice
-        dense = torch.tensor([[0.0, 1, 0], [0, 0, 1], [1, 0, 0]])
-        assert GraphormerPositionalEmbedding(2).bind(edge_index=twice, num_nodes=3).distances.tolist() == \
-            GraphormerPositionalEmbedding(2).bind(dense).distances.tolist() == [[0, 1, 2], [2, 0, 1], [1, 2, 0]]
-
-    @pytest.mark.parametrize("graph_token, attend_within, num_spatial", [(False, None, 512), (True, None, 4),
-                                                                         (True, 2, 5), (False, 3, 3)])
-    def test_bias_matches_the_loop_oracle(self, graph_token, attend_within, num_spatial):
-        torch.manual_seed(0)
-        pe = GraphormerPositionalEmbedding(3, num_spatial=num_spatial, graph_token=graph_token,
-                                           attend_within=attend_within, init_std=1.0)
-        split = random_graph(9, 0.15, 4, directed=True)
-        split[:, 7:] = split[7:, :] = 0.0                                               # nodes 7, 8 unreachable
-        graphs = torch.stack([random_graph(9, 0.2, 5, directed=True), split])
-        bound = pe.bind(graphs)
-        tokens = 9 + graph_token
-        want = torch.stack([graphormer_bias_oracle(pe, g) for g in graphs])             # [2, H, T, T]
-        torch.testing.assert_close(bound(tokens, tokens).double(), want, rtol=0, atol=1e-7)
-        torch.testing.assert_close(bound(4, tokens).double(), want[..., -4:, :], rtol=0, atol=1e-7)
-        q, k, v = (torch.randn(2, 3, tokens, 8, dtype=torch.float64) for _ in range(3))
-        dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + want, dim=-1) @ v
-        torch.testing.assert_close(attention(q, k, v, bound.double()), dense)
-        torch.testing.assert_close(attention(q, k, v, bound.double(), use_flex=True), dense)
-
-    def test_the_authors_table_rows(self):
-        # their code: distance d reads row d + 1, unreachable pairs are 510 and read row 511 (num_spatial 512)
-        pe = GraphormerPositionalEmbedding(1)
-        with torch.no_grad():
-            pe.spatial_pos_encoder.weight[:, 0] = torch.arange(512.0)                  # row r holds r
-            pe.spatial_pos_encoder.weight[0, 0] = float("nan")                          # the padding row: never read
-        path = torch.diag(torch.ones(11), 1)                                            # 0 -> 1 -> ... -> 11
-        got = pe.bind(path)(12, 12)[0]
-        assert got[0].tolist() == [float(d + 1) for d in range(12)]
-        assert got[11, 0] == 511.0 and torch.isfinite(got).all()
-        assert pe.spatial_pos_encoder.padding_idx == 0 and "spatial_pos_encoder.weight" in pe.state_dict()
-
-    def test_matches_attention_gym_score_mod(self):
-        gym = pytest.importorskip("attn_gym.mods.graphormer")
-        from torch.nn.attention.flex_attention import flex_attention
-
-        max_distance, heads = 3, 4
-        adjacency = torch.stack([random_graph(12, 0.15, seed, directed=True) for seed in (6, 7)]).bool()
-        adjacency[1, :, 10:] = adjacency[1, 10:, :] = False                             # unreachable pairs
-        table = torch.randn(heads, max_distance + 2, generator=torch.Generator().manual_seed(0))
-        distances = gym.shortest_path_distances(adjacency, max_distance)                # [2, 12, 12]
-        pe = GraphormerPositionalEmbedding(heads, num_spatial=max_distance + 3)
-        with torch.no_grad():
-            pe.spatial_pos_encoder.weight[1:] = table.T                                 # their bucket d is our row d + 1
-        bound = pe.bind(adjacency)
-        assert bound.distances.clamp_max(max_distance + 1).tolist() == distances.tolist()
-        q, k, v = (torch.randn(2, heads, 12, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
-        want = flex_attention(q, k, v, score_mod=gym.generate_graphormer_spatial_bias(table, distances))
-        torch.testing.assert_close(attention(q, k, v, bound), want, rtol=0, atol=1e-6)
-
-    def test_centrality_adds_in_and_out_degree_rows(self):
-        torch.manual_seed(0)
-        pe = GraphormerPositionalEmbedding(2, dim=6, num_degree=4, init_std=1.0)
-        graphs = torch.stack([random_graph(8, 0.3, 8, directed=True), random_graph(8, 0.2, 9)])
-        graphs[0, 3, 3] = 1.0                                                           # a self-loop counts
-        x = torch.randn(2, 8, 6, dtype=torch.float64)
-        got = pe.bind(graphs).centrality(x)
-        for b in range(2):
-            for v in range(8):
-                into = sum(int(graphs[b, u, v] != 0) for u in range(8))
-                out = sum(int(graphs[b, v, u] != 0) for u in range(8))
-                want = x[b, v] + pe.in_degree_encoder.weight[min(into, 2) + 1].double() \
-                    + pe.out_degree_encoder.weight[min(out, 2) + 1].double()
-                torch.testing.assert_close(got[b, v], want)
-        one = pe.bind(graphs[1])                                                        # undirected: in = out
-        assert one.in_degrees.tolist() == one.out_degrees.tolist()
-        assert one.centrality(x[1]).shape == (8, 6)
-
-    def test_bound_encodings_share_the_parameters(self):
-        pe = GraphormerPositionalEmbedding(2, graph_token=True, dim=4)
-        bound = pe.bind(ring_with_chords(5))
-        assert dict(bound.named_parameters()).keys() == dict(pe.named_parameters()).keys()
-        assert all(a is b for a, b in zip(bound.parameters(), pe.parameters()))
-        assert pe.distances is None and bound.distances.shape == (6, 6)
-        q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
-        attention(q, k, v, bound).square().sum().backward()
-        grad = pe.spatial_pos_encoder.weight.grad
-        assert grad[0].abs().sum() == 0 and grad[1:4].abs().sum() > 0 and grad[4:].abs().sum() == 0   # rows 1..3 read
-        assert pe.graph_token_virtual_distance.weight.grad.abs().sum() > 0
-
-    def test_errors_name_the_fix(self):
-        pe = GraphormerPositionalEmbedding(2)
-        q = k = v = torch.randn(1, 2, 5, 4)
-        with pytest.raises(ValueError, match=r"^GraphormerPositionalEmbedding: not bound to a graph: .*pe\.bind\(adjacency\)"):
-            attention(q, k, v, pe)
-        bound = pe.bind(ring_with_chords(4))
-        with pytest.raises(ValueError, match="k must have at most the bound graph's 4 tokens"):
-            attention(q, k, v, bound)
-        with pytest.raises(ValueError, match=r"q must be \[B=2, H, T, Dh\] for the 2 bound graphs"):
-            attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], pe.bind(torch.stack([ring_with_chords(4)] * 2)))
-        with pytest.raises(ValueError, match="centrality needs the degree tables: build with dim=D"):
-            bound.centrality(torch.randn(4, 3))
-        with pytest.raises(ValueError, match=r"x must be \[4, 3\] \(the bound graph's nodes\), got \(5, 3\)"):
-            GraphormerPositionalEmbedding(2, dim=3).bind(ring_with_chords(4)).centrality(torch.randn(5, 3))
-        with pytest.raises(ValueError, match=r"adjacency must be \[N, N\] or \[B, N, N\] with at least one node, "
-                                             r"got \(1, 1, 3, 3\)"):
-            pe.bind(torch.zeros(1, 1, 3, 3))
-        for empty in (torch.zeros(0, 0), torch.zeros(2, 0, 0)):                         # torch's reshape error before
-            shape = re.escape(str(tuple(empty.shape)))
-            with pytest.raises(ValueError, match=r"GraphormerPositionalEmbedding: adjacency must be \[N, N\] or "
-                                                 rf"\[B, N, N\] with at least one node, got {shape}"):
-                pe.bind(empty)
-        with pytest.raises(ValueError, match="positions_q must be None: a node's place comes from the bound graph"):
-            bound(4, 4, positions_q=torch.arange(4))
-
-
-# ---------------------------------------------------------------------------
-# Numbers: Abacus embeddings, digit places for position coupling
-# ---------------------------------------------------------------------------
-
-
-def digit_places_oracle(tokens: list, digits: set, count_from: str = "start") -> list:
-    """Each token's place in its run of digits (1, 2, ...), 0 elsewhere, by walking the list."""
-    order = tokens if count_from == "start" else tokens[::-1]
-    places, run = [], 0
-    for token in order:
-        run = run + 1 if token in digits else 0
-        places.append(run)
-    return places if count_from == "start" else places[::-1]
-
-
-class TestAbacus:
-    @pytest.mark.parametrize("count_from", ["start", "end"])
-    def test_digit_positions_match_the_oracle(self, count_from):
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, 14, (3, 40), generator=g)                                 # 0..9 digits, 10..13 others
-        got = digit_positions(tokens, range(10), count_from=count_from)
-        want = [digit_places_oracle(row, set(range(10)), count_from) for row in tokens.tolist()]
-        assert got.tolist() == want and got.dtype == torch.int64
-        assert digit_positions(tokens[0], torch.arange(10), count_from=count_from).tolist() == want[0]
-
-    def test_position_coupling_aligns_significance(self):
-        # "0653+0049=0702", most significant digit first: digits of equal significance share a place
-        plus, equals = 10, 11
-        tokens = torch.tensor([0, 6, 5, 3, plus, 0, 0, 4, 9, equals, 0, 7, 0, 2])
-        assert digit_positions(tokens, range(10), count_from="end").tolist() == \
-            [4, 3, 2, 1, 0, 4, 3, 2, 1, 0, 4, 3, 2, 1]
-
-    def test_embed_eval_and_training_offsets(self):
-        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
-        places = digit_positions(torch.tensor([[3, 5, 6, 10, 9, 4, 11, 2]]), range(10))      # [[1, 2, 3, 0, 1, 2, 0, 1]]
-        table = pe.embedding.weight
-        torch.testing.assert_close(pe.eval().embed(places), table[places], rtol=0, atol=0)
-        pe.train()
-        offsets = set()
-        for _ in range(60):
-            codes = pe.embed(places)
-            ks = [k for k in range(6) if torch.equal(codes, table[torch.where(places > 0, places + k, places)])]
-            assert len(ks) == 1                                                             # one k moves every digit
-            offsets.add(ks[0])
-        assert offsets == set(range(6))                                                     # k is uniform on 0..max_k
-        x = torch.randn(1, 8, 6)
-        pe.eval()
-        torch.testing.assert_close(pe(x, places), x + table[places])
-
-    @pytest.mark.parametrize("digit_ids", [[1.5, 2.7], "0123456789", "0123", [], [True, False], 7,
-                                           torch.tensor([1.0, 2.0]), torch.zeros(2, 5, dtype=torch.long)],
-                             ids=["floats", "string", "short_string", "empty", "bools", "int", "float_tensor", "2d"])
-    def test_digit_ids_are_one_check_for_the_module_and_the_function(self, digit_ids):
-        # the module truncated floats, took a string's characters as ids and accepted no digits at all
-        want = "digit_ids must be a non-empty sequence of ints, got "
-        with pytest.raises(TypeError, match="^AbacusPositionalEmbedding: " + want):
-            AbacusPositionalEmbedding(4, digit_ids)
-        with pytest.raises(TypeError, match="^digit_positions: " + want):
-            digit_positions(torch.tensor([1, 2]), digit_ids)
-
-    def test_digit_ids_accepted_forms(self):
-        np = pytest.importorskip("numpy")
-        for ids in (range(3), (0, 1, 2), torch.arange(3), [np.int64(0), np.int64(1), np.int64(2)]):
-            pe = AbacusPositionalEmbedding(4, ids)
-            assert pe.digit_ids == (0, 1, 2) and all(type(i) is int for i in pe.digit_ids)
-            assert digit_positions(torch.tensor([2, 5, 0, 1]), ids).tolist() == [1, 0, 1, 2]
-
-    def test_the_offset_and_the_rows_read_are_public(self):
-        """draw_digit_offset() draws the k a training call uses (the same generator stream), table_rows gives the
-        rows read (p + k for digits, 0 for other tokens: a plain loop), and embed takes an explicit k."""
-        places = torch.tensor([[1, 2, 3, 0, 1, 2, 0, 1]])
-        pe = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
-        twin = AbacusPositionalEmbedding(6, range(10), max_len=32, max_k=5, generator=torch.Generator().manual_seed(0))
-        table = pe.embedding.weight
-        for _ in range(20):
-            k = twin.draw_digit_offset()
-            assert k.dtype == torch.int64 and k.dim() == 0 and 0 <= int(k) <= 5
-            want = [[p + int(k) if p > 0 else 0 for p in row] for row in places.tolist()]
-            assert pe.table_rows(places).tolist() == want                               # the draw it makes itself
-            torch.testing.assert_close(pe.embed(places, digit_offset=k), table[torch.tensor(want)], rtol=0, atol=0)
-        pe.eval()
-        state = pe.generator.get_state()
-        assert int(pe.draw_digit_offset()) == 0 and pe.table_rows(places).tolist() == places.tolist()
-        assert torch.equal(pe.generator.get_state(), state)                              # eval draws nothing
-        assert pe.table_rows(places, digit_offset=3).tolist() == [[4, 5, 6, 0, 4, 5, 0, 4]]   # given: any mode
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: digit_offset must be a non-negative int, "
-                                             "got digit_offset=-1"):
-            pe.embed(places, digit_offset=-1)
-        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: digit_offset must be an int, got float 2.5"):
-            pe.table_rows(places, digit_offset=2.5)
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
-            pe.table_rows(places, digit_offset=29)
-
-    def test_reference_state_dict_loads(self):
-        # the reference module keeps its table as self.embedding (nn.Embedding(max_seq_length, dim))
-        reference = {"embedding.weight": torch.randn(40, 8)}
-        pe = AbacusPositionalEmbedding(8, range(10), max_len=40, max_k=9)
-        pe.load_state_dict(reference)
-        assert torch.equal(pe.eval().embed(torch.tensor([0, 1, 2])), reference["embedding.weight"][:3])
-
-    def test_bad_input(self):
-        pe = AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=3)
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions is required \\(no default\\): "
-                                             "digit_positions\\(token_ids\\)"):
-            pe(torch.randn(1, 5, 4))
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions must lie in \\[0, max_len=8\\), "
-                                             "got position 8"):
-            pe.eval().embed(torch.tensor([1, 8]))
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: positions \\+ the training offset k must lie"):
-            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=6).embed(torch.tensor([7] * 50))
-        with pytest.raises(TypeError, match="AbacusPositionalEmbedding: positions must be an integer tensor"):
-            pe.embed(torch.tensor([1.0]))
-        with pytest.raises(ValueError, match="AbacusPositionalEmbedding: max_k must be below max_len - 1"):
-            AbacusPositionalEmbedding(4, range(10), max_len=8, max_k=7)
-        with pytest.raises(TypeError, match="digit_positions: token_ids must be an integer tensor"):
-            digit_positions(torch.tensor([1.0, 2.0]), range(10))
-        with pytest.raises(TypeError, match="digit_positions: digit_ids must be a non-empty sequence of ints"):
-            digit_positions(torch.tensor([1, 2]), [])
-        with pytest.raises(ValueError, match="digit_positions: count_from must be one of 'start', 'end'"):
-            digit_positions(torch.tensor([1, 2]), range(10), count_from="left")
 
 
 # ---------------------------------------------------------------------------
@@ -6554,6 +6386,454 @@ class TestRerotate:
 
 
 # ---------------------------------------------------------------------------
+# HoPE
+# ---------------------------------------------------------------------------
+
+
+class TestHoPE:
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_matches_loop_oracle(self, interleaved):
+        # RoPE with every frequency below 2 pi / L set to 0, rotation matrices built per position in float64
+        pe = HoPEPositionalEmbedding(16, train_length=100, base=100.0, interleaved=interleaved).double()
+        freqs = [w if w >= 2 * math.pi / 100 else 0.0 for w in plain_inv_freq(16, 100.0)]
+        assert pe.removed_pairs == sum(w == 0.0 for w in freqs) == 3                     # 100^(-i/8) < 0.0628: i >= 5
+        x = torch.randn(2, 3, 6, 16, dtype=torch.float64)
+        positions = [0, 1, 7, 99, 1000, 123456]
+        want = rope_oracle(x, positions, freqs, interleaved=interleaved)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    def test_p_rope_at_the_same_fraction_and_not_otherwise(self):
+        x = torch.randn(2, H, 40, 64)
+        hope = HoPEPositionalEmbedding(64, train_length=512)                             # removes 16 of 32 pairs
+        assert hope.removed_pairs == 16
+        p_rope = RotaryPositionalEmbedding(64, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5})
+        torch.testing.assert_close(hope(x), p_rope(x), rtol=0, atol=0)
+        longer = HoPEPositionalEmbedding(64, train_length=8192)                          # the boundary moves with L
+        assert longer.removed_pairs == 7                                                 # 10^4^(-i/32) < 7.7e-4: i >= 25
+        assert (longer(x) - p_rope(x)).abs().max() > 0.1
+
+    def test_fope_without_noise_is_hope(self):
+        x = torch.randn(2, H, 30, DH)
+        fope = FoPEPositionalEmbedding(DH, H, train_length=64, sigma=0.0)
+        torch.testing.assert_close(fope(x, torch.arange(30) * 7), HoPEPositionalEmbedding(DH, train_length=64)(
+            x, torch.arange(30) * 7), rtol=1e-5, atol=1e-6)
+
+    def test_no_long_term_decay_in_the_removed_pairs(self):
+        # A q/k living only in the removed pairs has the same logit at every distance.
+        pe = HoPEPositionalEmbedding(DH, train_length=64)
+        q, k = torch.zeros(2, 1, 1, 1, DH).unbind(0)
+        removed = [i for i in range(DH // 2) if pe.inv_freq[i] == 0]
+        for i in removed:
+            q[..., i], k[..., i + DH // 2] = 1.0, 1.0
+            q[..., i + DH // 2], k[..., i] = 0.5, -2.0
+        logits = [pe.forward_attn(q, k, torch.tensor([t]), torch.tensor([0])).item() for t in (0, 1, 100, 10**6)]
+        assert max(logits) - min(logits) < 1e-6 and removed
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: train_length"):
+            HoPEPositionalEmbedding(DH, train_length=0)
+        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: dim"):
+            HoPEPositionalEmbedding(DH + 1, train_length=64)
+        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: no Hugging Face model type uses HoPE"):
+            HoPEPositionalEmbedding.from_config(LLAMA3_DICT)
+        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: HoPE takes no scaling"):
+            HoPEPositionalEmbedding(DH, train_length=64).scaling = {"rope_type": "linear", "factor": 2.0}
+
+
+# ---------------------------------------------------------------------------
+# VideoRoPE
+# ---------------------------------------------------------------------------
+
+
+def video_positions_oracle(segments, spacing):
+    """The diagonal layout by plain loops: rows (t, h, w) per token."""
+    rows, start = [], 0.0
+    for segment in segments:
+        if isinstance(segment, int):
+            rows += [(start + i,) * 3 for i in range(segment)]
+            start += segment
+            continue
+        frames, height, width = segment
+        for f in range(frames):
+            for y in range(height):
+                for x in range(width):
+                    t = start + spacing * f
+                    rows.append((t, t + y - math.floor((height - 1) / 2), t + x - math.floor((width - 1) / 2)))
+        start += spacing * (frames - 1) + 1
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+class TestVideoRoPE:
+    def test_time_takes_the_slowest_pairs_and_h_w_alternate(self):
+        video = VideoRotaryPositionalEmbedding(128)                                          # sections [16, 24, 24]
+        axes = video.axis_of_pair.tolist()
+        assert video.sections == [16, 24, 24]
+        assert axes == [1 if k % 2 == 0 else 2 for k in range(48)] + [0] * 16
+        slowest = video.inv_freq.argsort()[:16].sort().values.tolist()                     # the 16 lowest frequencies
+        assert [k for k in range(64) if axes[k] == 0] == slowest
+        # M-RoPE gives time the fastest pairs, Qwen3-VL cycles t, h, w from pair 0
+        mrope = RotaryPositionalEmbedding(128, sections=[16, 24, 24]).axis_of_pair.tolist()
+        qwen3 = RotaryPositionalEmbedding(128, sections=[24, 20, 20], section_layout="interleaved").axis_of_pair.tolist()
+        assert mrope[:16] == [0] * 16 and qwen3[:3] == [0, 1, 2]
+        assert len({tuple(axes), tuple(mrope), tuple(qwen3)}) == 3
+
+    def test_a_spatial_split_the_alternation_cannot_honour_raises(self):
+        # the reference alternates h and w over sections[1] + sections[2] pairs whatever their split: h gets
+        # ceil, w floor of half of them, so any other split would be silently ignored
+        a = VideoRotaryPositionalEmbedding(64, sections=[8, 12, 12]).axis_of_pair
+        assert a.tolist() == [1, 2] * 12 + [0] * 8
+        assert VideoRotaryPositionalEmbedding(64, sections=[9, 12, 11]).axis_of_pair.tolist() == [1, 2] * 11 + [1] + [0] * 9
+        with pytest.raises(ValueError, match=r"need h == w or h == w \+ 1, got sections=\[8, 20, 4\]"):
+            VideoRotaryPositionalEmbedding(64, sections=[8, 20, 4])
+
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+    def test_rotation_matches_loop_oracle(self, dtype):
+        video = VideoRotaryPositionalEmbedding(16, sections=[2, 3, 3], base=100.0)
+        positions = video.positions([2, (2, 2, 2), 1])                                      # [11, 3]
+        x = torch.randn(1, 2, 11, 16, dtype=torch.float64)
+        got = video(x.to(dtype), positions)
+        want = torch.empty_like(x)
+        for n in range(11):
+            for k in range(8):                                                               # pair (k, k + 8)
+                axis = 0 if k >= 6 else 1 + k % 2
+                angle = float(positions[n, axis]) * 100.0 ** (-2 * k / 16)
+                a, b = x[..., n, k], x[..., n, k + 8]
+                want[..., n, k] = a * math.cos(angle) - b * math.sin(angle)
+                want[..., n, k + 8] = b * math.cos(angle) + a * math.sin(angle)
+        tol = 1e-12 if dtype == torch.float64 else 2e-6
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+
+    @pytest.mark.parametrize("spacing", [2.0, 0.5, 1.0, 3.0])
+    def test_positions_match_loop_oracle(self, spacing):
+        segments = [3, (2, 3, 4), 1, (1, 4, 5), (3, 2, 1), 2]
+        got = VideoRotaryPositionalEmbedding(DH, temporal_spacing=spacing).positions(segments, start=0)
+        torch.testing.assert_close(got, video_positions_oracle(segments, spacing), rtol=0, atol=0)
+
+    def test_positions_match_the_reference(self):
+        # get_t_scale_rope_index of Wiselnn570/VideoRoPE (videorope-transformer/modeling_videorope.py,
+        # HEAD 7712ca3) run on this machine for these prompts (vision start/end tokens counted as text;
+        # merged grids): ids copied from its output
+        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=2.0)
+        got = video.positions([4, (2, 3, 4), 3])
+        want = [[0, 1, 2, 3] + [4] * 12 + [6] * 12 + [7, 8, 9],
+                [0, 1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 8, 9],
+                [0, 1, 2, 3] + [3, 4, 5, 6] * 3 + [5, 6, 7, 8] * 3 + [7, 8, 9]]
+        assert got.T.tolist() == want
+        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=0.5)
+        got = video.positions([2, (1, 2, 2), 3, (3, 2, 3), 3])
+        want = [[0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6.5, 6.5, 6.5, 6.5, 6.5, 6.5, 7, 7, 7, 7, 7, 7, 8, 9, 10],
+                [0, 1, 2, 2, 3, 3, 3, 4, 5, 6, 6, 6, 7, 7, 7, 6.5, 6.5, 6.5, 7.5, 7.5, 7.5, 7, 7, 7, 8, 8, 8, 8, 9, 10],
+                [0, 1, 2, 3, 2, 3, 3, 4, 5, 5, 6, 7, 5, 6, 7, 5.5, 6.5, 7.5, 5.5, 6.5, 7.5, 6, 7, 8, 6, 7, 8, 8, 9, 10]]
+        assert got.T.tolist() == want
+
+    def test_text_after_a_video_resumes_from_the_time_row(self):
+        positions = VideoRotaryPositionalEmbedding(DH, temporal_spacing=1.0).positions([1, (2, 5, 5), 1])
+        last_frame = positions[1:-1]
+        assert positions[-1, 0] == last_frame[:, 0].max() + 1 == 3
+        assert last_frame[:, 1:].max() == 4                                 # M-RoPE would resume at 4 + 1 = 5
+
+    def test_text_alone_is_plain_rope(self):
+        video = VideoRotaryPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        p = video.positions([N])
+        torch.testing.assert_close(video.forward_attn(q, k, p, p), RotaryPositionalEmbedding(DH).forward_attn(q, k))
+
+    def test_differs_from_mrope_on_video(self):
+        video = VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        mrope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
+        q, k, _ = qkv()
+        p = video_tthw(N)
+        assert (video.forward_attn(q, k, p, p) - mrope.forward_attn(q, k, p, p)).abs().max() > 0.1
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match=r"^VideoRotaryPositionalEmbedding: section_layout=.alternating. "
+                                             r"\(ERNIE-4.5-VL, VideoRoPE\) needs three sections"):
+            VideoRotaryPositionalEmbedding(32, sections=[8, 8])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be positive and sum to"):
+            VideoRotaryPositionalEmbedding(32, sections=[4, 4, 4])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: temporal_spacing must be a finite number > 0"):
+            VideoRotaryPositionalEmbedding(32, temporal_spacing=0.0)
+        video = VideoRotaryPositionalEmbedding(32)
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a sequence of 3 positive ints, got segments=\\(2, 3\\)"):
+            video.positions([3, (2, 3)])
+        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a non-negative int, got segments=-1"):
+            video.positions([-1])
+        with pytest.raises(TypeError, match="^VideoRotaryPositionalEmbedding: no Hugging Face model type uses VideoRoPE"):
+            VideoRotaryPositionalEmbedding.from_config({"model_type": "qwen2_vl"})
+        with pytest.raises(ValueError, match="VideoRotaryPositionalEmbedding: positions"):
+            video(torch.randn(1, 2, 5, 32), torch.zeros(5, 2))
+
+    def test_a_head_dim_too_small_is_named_not_the_default_sections(self):
+        """VideoRotaryPositionalEmbedding(4) blamed sections=0, a default the user never passed."""
+        for args, kwargs, name in (((4,), {}, "dim"), ((), {"head_dim": 2}, "head_dim"),
+                                   ((4,), {"sections": [1, 1, 0]}, "dim")):
+            with pytest.raises(ValueError, match=rf"^VideoRotaryPositionalEmbedding: {name} must be at least 6 "
+                                                 rf"\(a pair each for t, h and w\), got {name}="):
+                VideoRotaryPositionalEmbedding(*args, **kwargs)
+        assert VideoRotaryPositionalEmbedding(6).sections == [1, 1, 1]                 # the smallest
+
+
+# ---------------------------------------------------------------------------
+# multimodal_position_ids: the M-RoPE ids of mixed text, image and video prompts
+# ---------------------------------------------------------------------------
+
+# each model's get_rope_index in transformers 5.24: (config class, module class, its keyword for seconds)
+ROPE_INDEX_MODELS = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLConfig", "Qwen2VLModel", None),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLModel", "second_per_grid_ts"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLModel", None),
+    "glm4v": ("glm4v", "Glm4vConfig", "Glm4vModel", None),
+    "qwen2_5_omni": ("qwen2_5_omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
+                     "second_per_grids"),
+    "qwen3_omni": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                   "second_per_grids"),
+}
+TEXT_ID, PAD_ID, VISION_START, VISION_END = 100, 0, 151652, 151653
+
+
+def rope_index_prompt(model: str, config, segments: list) -> tuple:
+    """Token ids and ``mm_token_type_ids`` of one prompt as the model's processor lays it out. ``segments``:
+    ints (text runs) and ``("image" | "video", (t, h, w))``; the config's merge. Qwen3-VL and GLM-4V put a
+    timestamp (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
+    ids, types = [], []
+    merge = config.vision_config.spatial_merge_size
+
+    def add(tokens, kind=0):
+        ids.extend(tokens)
+        types.extend([kind] * len(tokens))
+
+    for segment in segments:
+        if isinstance(segment, int):
+            add([TEXT_ID] * segment)
+            continue
+        what, (t, h, w) = segment
+        per_frame = (h // merge) * (w // merge)
+        if model == "glm4v":
+            frames = 1 if what == "image" else t
+            if what == "video":
+                add([config.video_start_token_id])
+            for _ in range(frames):
+                add([config.image_start_token_id])
+                add([config.image_token_id] * (per_frame * (t if what == "image" else 1)), 1 if what == "image" else 2)
+                add([config.image_end_token_id] + ([TEXT_ID] if what == "video" else []))
+            if what == "video":
+                add([config.video_end_token_id])
+        elif model == "qwen3_vl" and what == "video":
+            for _ in range(t):
+                add([TEXT_ID] * 3 + [VISION_START])                                      # "<0.5 seconds>" + start
+                add([config.video_token_id] * per_frame, 2)
+                add([VISION_END])
+        else:
+            token = config.image_token_id if what == "image" else config.video_token_id
+            add([VISION_START])
+            add([token] * (t * per_frame), 1 if what == "image" else 2)
+            add([VISION_END])
+    return ids, types
+
+
+def rope_index_batch(model: str, config, prompts: list) -> tuple:
+    """Left-padded ids, types and attention mask ``[B, L]`` of several prompts."""
+    rows = [rope_index_prompt(model, config, prompt) for prompt in prompts]
+    length = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), length), PAD_ID)
+    types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for b, (row_ids, row_types) in enumerate(rows):
+        ids[b, length - len(row_ids):] = torch.tensor(row_ids)
+        types[b, length - len(row_ids):] = torch.tensor(row_types)
+        mask[b, length - len(row_ids):] = 1
+    return ids, types, mask
+
+
+def rope_index_config(model: str, tokens_per_second=None, spatial_merge_size=None):
+    """The model's transformers config: its defaults, or these video timing and merge sizes."""
+    import importlib
+    package, config_name, _, _ = ROPE_INDEX_MODELS[model]
+    configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
+    extra = {"vision_start_token_id": VISION_START} if "omni" in model else {}
+    config = getattr(configuration, config_name)(**extra)
+    if tokens_per_second is not None:
+        if "omni" in model:
+            config.position_id_per_seconds = tokens_per_second
+        else:
+            config.vision_config.tokens_per_second = tokens_per_second
+    if spatial_merge_size is not None:
+        config.vision_config.spatial_merge_size = spatial_merge_size
+    return config
+
+
+def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
+                            tokens_per_second=None, config=None) -> tuple:
+    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them
+    (a module built from ``config``, else from ``rope_index_config(model, tokens_per_second)``)."""
+    import importlib
+    package, _, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    config = rope_index_config(model, tokens_per_second) if config is None else config
+    ids, types, mask = rope_index_batch(model, config, prompts)
+    with torch.device("meta"):                                                          # no weights allocated
+        module = getattr(modeling, module_name)(config)
+    kwargs = dict(image_grid_thw=torch.tensor(images) if images else None,
+                  video_grid_thw=torch.tensor(videos) if videos else None, attention_mask=mask)
+    if seconds_keyword is not None and videos:
+        kwargs[seconds_keyword] = torch.tensor(seconds if seconds is not None else [1.0] * len(videos))
+    if "omni" not in model:
+        kwargs["mm_token_type_ids"] = types
+    return ids, types, mask, module.get_rope_index(ids, **kwargs)
+
+
+class TestMultimodalPositionIds:
+    """Against each model's own get_rope_index (transformers 5.24, on prompts with several images and videos and
+    left padding), every token and the rope_deltas; and the layout rules by hand."""
+
+    PROMPTS = [[3, ("image", (1, 4, 6)), 2, ("image", (1, 8, 4)), 4],
+               [2, ("video", (3, 4, 4)), 3, ("image", (1, 2, 2)), 1],
+               [1, ("video", (2, 6, 2)), ("video", (4, 2, 4)), 5]]
+    IMAGES = [(1, 4, 6), (1, 8, 4), (1, 2, 2)]
+    VIDEOS = [(3, 4, 4), (2, 6, 2), (4, 2, 4)]
+
+    @pytest.mark.parametrize("model", list(ROPE_INDEX_MODELS))
+    @pytest.mark.parametrize("seconds, tokens_per_second", [(None, None), ([0.5, 1.5, 0.3], 2)],
+                             ids=["defaults", "timed"])
+    def test_matches_transformers_get_rope_index(self, model, seconds, tokens_per_second):
+        pytest.importorskip("transformers")
+        if model in ("qwen3_vl", "glm4v", "qwen2_vl") and seconds is not None:
+            pytest.skip("no video timing: the time index is the frame index")
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, self.PROMPTS, self.IMAGES, self.VIDEOS,
+                                                                        seconds, tokens_per_second)
+        got, deltas = multimodal_position_ids(types, torch.tensor(self.IMAGES), torch.tensor(self.VIDEOS),
+                                              attention_mask=mask, model=model, tokens_per_second=tokens_per_second,
+                                              video_seconds=seconds)
+        assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
+        if model == "qwen3_omni":  # its float32 max + 1 - n rounds once more than our float64 one
+            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(deltas, want_deltas)
+        assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
+
+    CONFIG_PROMPTS = [[2, ("image", (2, 6, 9)), 3, ("video", (3, 6, 6)), 1],
+                      [1, ("video", (2, 3, 9)), 2, ("image", (1, 3, 3)), 4]]
+    CONFIG_IMAGES = [(2, 6, 9), (1, 3, 3)]
+    CONFIG_VIDEOS = [(3, 6, 6), (2, 3, 9)]
+
+    @pytest.mark.parametrize("model, tokens_per_second", [("qwen2_vl", None), ("qwen2_5_vl", 3), ("qwen3_vl", None),
+                                                          ("qwen2_5_omni", 10), ("qwen3_omni", 7)])
+    def test_config_gives_the_models_own_ids(self, model, tokens_per_second):
+        # spatial merge 3 and the video timing set in the config alone (the function's defaults are 2 and 4 / 25):
+        # the ids read from the config object, its config.json dict (and an Omni's full config around the
+        # thinker's) equal the model's own get_rope_index on a left-padded batch
+        pytest.importorskip("transformers")
+        config = rope_index_config(model, tokens_per_second, spatial_merge_size=3)
+        seconds = [0.5, 1.5] if tokens_per_second else None
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(
+            model, self.CONFIG_PROMPTS, self.CONFIG_IMAGES, self.CONFIG_VIDEOS, seconds, config=config)
+        inputs = dict(image_grid_thw=torch.tensor(self.CONFIG_IMAGES), video_grid_thw=torch.tensor(self.CONFIG_VIDEOS),
+                      attention_mask=mask, video_seconds=seconds)
+        configs = [config, config.to_dict()]
+        if "omni" in model:                                                                  # the full Omni config
+            configs.append({"model_type": ROPE_INDEX_MODELS[model][0], "thinker_config": config.to_dict()})
+        for given in configs:
+            got, deltas = multimodal_position_ids(types, **inputs, config=given)
+            assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
+            tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
+            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
+        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
+            multimodal_position_ids(types, **inputs, model=model)
+        if tokens_per_second:                                                                # the default timing
+            default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
+            assert not torch.equal(default, got)
+
+    def test_config_and_keywords_must_agree(self):
+        pytest.importorskip("transformers")
+        config = rope_index_config("qwen2_5_vl", 3, spatial_merge_size=3)
+        types, grid = torch.tensor([[0] + [2] * 8]), torch.tensor([[2, 6, 6]])
+        got, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config)
+        same, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_5_vl",
+                                          spatial_merge_size=3, tokens_per_second=3.0)        # agreeing: fine
+        assert torch.equal(same, got) and got[0, 1:, 0].unique().tolist() == [1, 4]         # 1 + 3 tokens/s * 1 s
+        owner = "^multimodal_position_ids: "
+        with pytest.raises(ValueError, match=owner + r"spatial_merge_size=2 disagrees with the config's "
+                                                     r"vision_config.spatial_merge_size \(3\); pass one of them"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, spatial_merge_size=2)
+        with pytest.raises(ValueError, match=owner + r"tokens_per_second=2.0 disagrees with the config's "
+                                                     r"vision_config.tokens_per_second \(3.0\)"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, tokens_per_second=2)
+        with pytest.raises(ValueError, match=owner + "model='qwen2_vl' disagrees with the config's "
+                                                     "model_type='qwen2_5_vl'"):
+            multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config must be one of .*, got model_type='llama'"):
+            multimodal_position_ids(types, config={"model_type": "llama"})
+        with pytest.raises(ValueError, match=owner + r"config \(model_type='qwen2_vl'\) has no vision_config"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_vl"})
+        with pytest.raises(TypeError, match=owner + "config must be a Hugging Face config object"):
+            multimodal_position_ids(types, config="qwen2_vl")
+        with pytest.raises(ValueError, match=owner + "config's position_id_per_seconds must be a finite number > 0"):
+            multimodal_position_ids(types, config={"model_type": "qwen2_5_omni_thinker", "position_id_per_seconds": 0,
+                                                   "vision_config": {"spatial_merge_size": 2}})
+
+    @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+    @pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen2_5_omni", "qwen3_omni"])
+    def test_video_seconds_must_be_finite_and_non_negative(self, model, bad):
+        # -1 s gave time ids going back (-3), NaN a raw int64 overflow
+        types, grids = torch.tensor([[0] + [2] * 4 + [0] + [2] * 12]), torch.tensor([[1, 4, 4], [3, 4, 4]])
+        with pytest.raises(ValueError, match=r"^multimodal_position_ids: video_seconds\[1\] must be a finite number "
+                                             rf">= 0.0, got video_seconds\[1\]={bad!r}$"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, bad])
+        still, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, 0.0])
+        assert still[0, 6:, 0].unique().tolist() == [still[0, 6, 0].item()]                # 0 s: one time id
+        tensor, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                            video_seconds=torch.tensor([1.0, 0.5]))         # second_per_grid_ts
+        assert torch.equal(tensor, multimodal_position_ids(types, video_grid_thw=grids, model=model,
+                                                           video_seconds=[1.0, 0.5])[0])
+        with pytest.raises(TypeError, match=r"^multimodal_position_ids: video_seconds must be a list, got str"):
+            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds="12")
+
+    @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+    def test_text_only_matches_transformers(self, model):
+        pytest.importorskip("transformers")
+        prompts = [[5], [2]]
+        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, prompts, [], [])
+        got, deltas = multimodal_position_ids(types, attention_mask=mask, model=model)
+        assert torch.equal(got.permute(2, 0, 1), want) and torch.equal(deltas, want_deltas)
+        assert torch.equal(got[0, :, 0], torch.arange(5)) and (deltas == 0).all()
+
+    def test_text_resumes_after_the_spatial_extent_not_the_last_frame(self):
+        # Qwen2.5-VL, one 3 x 4 x 4 video at 2 tokens per second and 2 s per grid step: time ids 2 + 0, 4, 8;
+        # the text after it starts at 2 + max(2, 2) = 4, while rope_deltas points past the largest id (10)
+        types = torch.tensor([[0, 0] + [2] * 12 + [0, 0]])
+        positions, deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
+                                                    model="qwen2_5_vl", tokens_per_second=2, video_seconds=[2.0])
+        assert positions[0, 2:14, 0].unique().tolist() == [2, 6, 10]
+        assert positions[0, 14:, 0].tolist() == [4, 5]
+        assert deltas.tolist() == [[10 + 1 - 16]]
+        omni, omni_deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
+                                                    model="qwen2_5_omni", video_seconds=[0.5])
+        assert omni[0, 2:14, 0].unique().tolist() == [2, 14, 27]                      # floor(k * 0.5 * 25)
+        assert omni[0, 14:, 0].tolist() == [28, 29]                                      # the block's max + 1
+        fractional, _ = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]), model="qwen3_omni",
+                                                video_seconds=[0.5])
+        assert fractional[0, 2:14, 0].unique().tolist() == [2.0, 14.5, 27.0]
+
+    def test_bad_input(self):
+        owner = "multimodal_position_ids: "
+        with pytest.raises(ValueError, match=owner + "token_types must be a \\[B, N\\] integer tensor"):
+            multimodal_position_ids(torch.tensor([[0, 3]]))
+        with pytest.raises(ValueError, match=owner + "a run of 3 image tokens in row 0 does not match its grid"):
+            multimodal_position_ids(torch.tensor([[0, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
+        with pytest.raises(ValueError, match=owner + "row 0 has more runs of image tokens than there are grids"):
+            multimodal_position_ids(torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
+        with pytest.raises(ValueError, match=owner + "more video grids than runs"):
+            multimodal_position_ids(torch.tensor([[0, 0]]), video_grid_thw=torch.tensor([[1, 2, 2]]))
+        with pytest.raises(ValueError, match=owner + "model must be one of"):
+            multimodal_position_ids(torch.tensor([[0, 0]]), model="qwen4")
+        with pytest.raises(ValueError, match=owner + "model='qwen3_vl' has no video timing"):
+            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
+                                    model="qwen3_vl", tokens_per_second=2)
+        with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
+            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
+                                    model="qwen2_5_vl", video_seconds=[1.0, 2.0])
+
+
+# ---------------------------------------------------------------------------
 # xPos
 # ---------------------------------------------------------------------------
 
@@ -6718,7 +6998,7 @@ class TestXPos:
 
 
 # ---------------------------------------------------------------------------
-# Query temperature (Llama 4's NoPE layers) and layer_encodings (per-layer schedules from a config)
+# Query temperature (Llama 4's NoPE layers)
 # ---------------------------------------------------------------------------
 
 LLAMA4_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
@@ -6820,162 +7100,6 @@ class TestQueryTemperature:
         assert (without - want).abs().max() > 1e-4                                         # the temperature matters
 
 
-class TestLayerEncodings:
-    """layer_encodings against the models: which layers rotate, and the logits with our encodings swapped in."""
-
-    def test_smollm3_logits(self):
-        config, model, modeling, ids, want = tiny_causal_lm("SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3_TINY)
-        encodings = layer_encodings(config)
-        got, called = logits_with_our_rope(model, modeling, "apply_rotary_pos_emb", encodings, -2, ids)
-        assert called == [i for i, pe in enumerate(encodings) if isinstance(pe, RotaryPositionalEmbedding)] \
-            == [0, 2, 3, 5]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-    def test_llama4_rope_layers_logits(self):
-        config, model, modeling, ids, want = tiny_causal_lm("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4_TINY)
-        # want: the model's own temperature on its NoPE layers stays on
-        encodings = layer_encodings(config)
-        got, called = logits_with_our_rope(model, modeling, "apply_rotary_emb", encodings, -3, ids)
-        assert called == [0, 2] and [type(pe).__name__ for pe in encodings][1::2] == \
-            ["QueryTemperaturePositionalEmbedding"] * 2
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-    def test_schedules_of_the_default_configs(self):
-        transformers = pytest.importorskip("transformers")
-        smol = layer_encodings(transformers.SmolLM3Config())
-        assert len(smol) == 36 and [i for i, pe in enumerate(smol) if isinstance(pe, NoPositionalEmbedding)] == \
-            list(range(3, 36, 4))
-        llama4 = layer_encodings(transformers.Llama4Config())                          # the multimodal config
-        temperatures = [pe for pe in llama4 if isinstance(pe, QueryTemperaturePositionalEmbedding)]
-        assert len(llama4) == 48 and len(temperatures) == 12
-        assert (temperatures[0].length, temperatures[0].scale, temperatures[0].shift) == (8192.0, 0.1, 1)
-        assert llama4[0].interleaved and llama4[0].base == 500000.0
-        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
-                                                                         "compressed_sparse_attention"] * 2,
-                                                            num_hidden_layers=4))
-        assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].rotary_dim == 64 and v4[0].rotate_values
-        gemma = layer_encodings(transformers.Gemma3TextConfig(num_hidden_layers=6))
-        assert [pe.base for pe in gemma] == [1e4] * 5 + [1e6]                          # five sliding, one full
-        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
-            layer_encodings(transformers.MistralLarge4TextConfig())
-        large4 = layer_encodings(transformers.MistralLarge4TextConfig(), rope_alpha=torch.zeros(32))
-        assert [isinstance(pe, NoPositionalEmbedding) for pe in large4[:4]] == [False, False, False, True]
-        assert (large4[0].dim, large4[0].rotary_dim, large4[0].rotated_channels) == (128, 64, "trailing")
-        with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported .*rope_alpha"):
-            RotaryPositionalEmbedding.from_config(transformers.MistralLarge4TextConfig())
-
-    def test_each_layer_says_which_rope_parameters_it_got(self):
-        """Per-layer-type RoPEs carry their layer type (the key of the config's rope_parameters), in the repr
-        too; layers of one type share one module; a single RoPE for every layer has None."""
-        transformers = pytest.importorskip("transformers")
-        config = transformers.Gemma3TextConfig(num_hidden_layers=6)
-        gemma = layer_encodings(config)
-        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == \
-            ["sliding_attention"] * 5 + ["full_attention"]
-        assert "layer_type='full_attention'" in repr(gemma[5]) and gemma[0] is gemma[4]
-        assert gemma[5].base == config.rope_parameters["full_attention"]["rope_theta"]
-        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
-                                                                         "compressed_sparse_attention"] * 2,
-                                                            num_hidden_layers=4))
-        assert [pe.layer_type for pe in v4] == ["main", "compress"] * 2
-        smol = layer_encodings(transformers.SmolLM3Config(num_hidden_layers=4))
-        assert smol[0].layer_type is None and "layer_type" not in repr(smol[0])
-        assert RotaryPositionalEmbedding.from_config(config, layer_type="sliding_attention").layer_type == \
-            "sliding_attention"
-
-    SMOLLM3_DICT = {"model_type": "smollm3", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
-                    "rope_theta": 2e6}
-    LLAMA4_DICT = {"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
-                   "head_dim": 8, "rope_theta": 5e5, "no_rope_layer_interval": 2}
-
-    def test_a_zero_no_rope_layer_interval_is_named(self):
-        """A ZeroDivisionError before."""
-        with pytest.raises(ValueError, match="layer_encodings: no_rope_layer_interval must be a positive int, "
-                                             "got no_rope_layer_interval=0"):
-            layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 0})
-        assert [type(pe).__name__ for pe in layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 2})] == \
-            ["RotaryPositionalEmbedding", "NoPositionalEmbedding"] * 2
-
-    def test_llama4_temperature_fields_are_named_as_the_config_names_them(self):
-        """floor_scale=0 blamed QueryTemperaturePositionalEmbedding's length, an argument the user never passed."""
-        with pytest.raises(ValueError, match=r"layer_encodings: floor_scale must be a finite number > 0\.0, "
-                                             r"got floor_scale=0"):
-            layer_encodings({**self.LLAMA4_DICT, "floor_scale": 0})
-        with pytest.raises(ValueError, match=r"layer_encodings: attn_scale must be a finite number >= 0\.0, "
-                                             r"got attn_scale=-1"):
-            layer_encodings({**self.LLAMA4_DICT, "attn_scale": -1})
-        temperature = layer_encodings({**self.LLAMA4_DICT, "floor_scale": 16, "attn_scale": 0.25})[1]
-        assert (temperature.length, temperature.scale) == (16.0, 0.25)
-
-    def test_mistral_large4_output_with_our_rope(self):
-        """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
-        rotation swapped in for its apply_rotary_pos_emb_interleave equals its own, and our whole-head module
-        on [nope | rope] equals the rope slice turned."""
-        transformers = pytest.importorskip("transformers")
-        modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
-        torch.manual_seed(0)
-        config = transformers.MistralLarge4TextConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
-            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0, 1, 0],
-            max_position_embeddings=64, rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-                "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0})
-        model = modeling.MistralLarge4TextModel(config).eval()
-        with torch.no_grad():
-            model.rotary_emb.alpha.normal_(0, 0.3)           # a trained checkpoint's factors (zero at init)
-            for layer in model.layers:
-                layer.self_attn.softmax_scaling.scale.normal_(0, 0.1)
-                layer.self_attn.softmax_scaling.bias.fill_(1.0)
-        layers = layer_encodings(config, rope_alpha=model.rotary_emb.alpha)
-        assert [isinstance(pe, NoPositionalEmbedding) for pe in layers] == [False, True, False, True]
-        rope = layers[0]
-        slice_rope = RotaryPositionalEmbedding(8, interleaved=True, frequencies=rope.frequencies)
-        positions, calls = torch.arange(12), []
-
-        def ours(q, k, cos, sin, unsqueeze_dim=1):       # [B, H, N, R] (attention) or [B, N, H, R] (indexer)
-            seq_dim = -2 if unsqueeze_dim == 1 else -3
-            calls.append(seq_dim)
-            turn = lambda x: None if x is None else slice_rope(x, positions[-x.shape[seq_dim]:], seq_dim=seq_dim)  # noqa: E731
-            return turn(q), turn(k)
-
-        ids = torch.randint(0, 64, (1, 12))
-        with torch.no_grad():
-            theirs = model(input_ids=ids).last_hidden_state
-            original = modeling.apply_rotary_pos_emb_interleave
-            modeling.apply_rotary_pos_emb_interleave = ours
-            try:
-                swapped = model(input_ids=ids).last_hidden_state
-            finally:
-                modeling.apply_rotary_pos_emb_interleave = original
-        MAX_DIFF["mistral_large4 model output"] = (swapped - theirs).abs().max().item()
-        assert calls and MAX_DIFF["mistral_large4 model output"] < 2e-6
-        head = torch.randn(1, 2, 12, 16)                                                  # [nope 8 | rope 8]
-        torch.testing.assert_close(rope(head), torch.cat([head[..., :8], slice_rope(head[..., 8:])], -1),
-                                   atol=0, rtol=0)
-
-    def test_raw_dicts_and_bad_input(self):
-        raw = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-               "rope_theta": 1e4, "no_rope_layer_interval": 3}
-        assert [isinstance(pe, NoPositionalEmbedding) for pe in layer_encodings(raw)] == [False, False, True]
-        with pytest.raises(ValueError, match="layer_encodings: config must set num_hidden_layers"):
-            layer_encodings({"model_type": "llama", "rope_theta": 1e4})
-        with pytest.raises(ValueError, match="no_rope_layers must have num_hidden_layers=3 entries, got 2"):
-            layer_encodings({**raw, "no_rope_layers": [1, 0]})
-        with pytest.raises(ValueError, match="layer_encodings: rope_alpha is Mistral Large 4's learned frequency "
-                                             "factor; model_type='smollm3' has none"):
-            layer_encodings(raw, rope_alpha=torch.zeros(8))
-        large4 = {"model_type": "mistral_large4_text", "num_hidden_layers": 2, "head_dim": 16, "qk_rope_head_dim": 16,
-                  "qk_nope_head_dim": 16, "rope_theta": 1e4}
-        with pytest.raises(ValueError, match=r"rope_alpha must have qk_rope_head_dim / 2 = 8 entries .*got a tensor "
-                                             r"of shape \[7\]"):
-            layer_encodings(large4, rope_alpha=torch.zeros(7))
-        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
-            layer_encodings(large4, rope_alpha=[0.0] * 8)
-        assert layer_encodings(large4, rope_alpha=torch.zeros(8))[1].frequencies == \
-            RotaryPositionalEmbedding(16).inv_freq.tolist()                              # alpha 0: plain RoPE
-
-
 # ---------------------------------------------------------------------------
 # PoPE (polar coordinates)
 # ---------------------------------------------------------------------------
@@ -7067,6 +7191,626 @@ class TestPolar:
         pope = PolarPositionalEmbedding(DH, H)
         with pytest.raises(ValueError, match="PolarPositionalEmbedding: q"):
             pope(torch.randn(1, H + 1, 4, DH), torch.randn(1, H + 1, 4, DH))
+
+
+# ---------------------------------------------------------------------------
+# FoPE
+# ---------------------------------------------------------------------------
+
+
+def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded, num_frequencies=None):
+    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length (or, as vLLM's
+    num_inv_freq, the first num_frequencies), pair p of head h turned by C = sum_d A[h, d, p] cos(w_d m) and
+    S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
+    heads, n, dh = x.shape
+    freqs = [base ** (-2 * i / dh) for i in range(dh // 2)]
+    freqs = freqs[:num_frequencies] if num_frequencies is not None else \
+        [w for w in freqs if w >= 2 * math.pi / train_length]
+    pairs = cos_coef.shape[-1]
+    out = torch.empty(heads, n, dh, dtype=torch.float64)
+    for h in range(heads):
+        for t, m in enumerate(positions):
+            for p in range(dh // 2):
+                if p < pairs:
+                    c = sum(float(cos_coef[h, d, p]) * math.cos(w * m) for d, w in enumerate(freqs))
+                    s = sum(float(sin_coef[h, d, p]) * math.sin(w * m) for d, w in enumerate(freqs))
+                else:
+                    c, s = 1.0, (1.0 if padded == "ones" else 0.0)
+                a, b = float(x[h, t, p]), float(x[h, t, p + dh // 2])
+                out[h, t, p], out[h, t, p + dh // 2] = a * c - b * s, b * c + a * s
+    return out
+
+
+class TestFoPE:
+    @pytest.mark.parametrize("num_pairs, padded", [(None, "identity"), (None, "ones"), (2, "ones"), (3, "identity")])
+    def test_matches_loop_oracle(self, num_pairs, padded):
+        pe = FoPEPositionalEmbedding(16, 2, train_length=300, base=100.0, num_pairs=num_pairs, padded=padded).double()
+        assert pe.num_frequencies == 7                                                  # 100^(-14/16) < 2 pi / 300
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        positions = [0, 3, 17, 250, 4000]
+        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+
+    @pytest.mark.parametrize("count", [1, 5, 8])
+    def test_the_number_of_kept_frequencies_is_vllms_num_inv_freq(self, count):
+        """num_frequencies=D keeps w_0 .. w_{D-1} (vLLM: inv_freq[:num_inv_freq], input and output dims D, the
+        rest C = 1, S = 0), whatever their periods; the same module as the train_length that keeps D."""
+        pe = FoPEPositionalEmbedding(16, 2, num_frequencies=count, base=100.0).double()
+        assert pe.num_frequencies == count and pe.cos_coef.shape == (2, count, count) and pe.train_length is None
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        positions = [0, 3, 17, 250, 4000]
+        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, None, 100.0, "identity", num_frequencies=count)
+        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+        if count == 5:   # 100^(-8/16) >= 2 pi / 100 > 100^(-10/16): train_length=100 keeps the same five
+            torch.manual_seed(0)
+            by_count = FoPEPositionalEmbedding(16, 2, num_frequencies=5, base=100.0)
+            torch.manual_seed(0)
+            by_length = FoPEPositionalEmbedding(16, 2, train_length=100, base=100.0)
+            torch.testing.assert_close(by_count(x.float()), by_length(x.float()), rtol=0, atol=0)
+
+    @pytest.mark.parametrize("learnable", [False, True])
+    def test_q_and_k_take_ropes_rotation_compiled_or_not(self, monkeypatch, learnable):
+        """Issue 42: FoPE turns q and k in RoPE's one call: eagerly (fixed coefficients: the allocation-free
+        function, per-head angles broadcast) or through the library's compiled rotation (a counting
+        AOTAutograd backend here), with the same outputs and gradients for q, k and learned coefficients."""
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        fope = FoPEPositionalEmbedding(16, 3, train_length=64, learnable=learnable)
+        q, k = (torch.randn(2, 3, 10, 16, requires_grad=True) for _ in range(2))
+        leaves = [q, k, fope.cos_coef, fope.sin_coef] if learnable else [q, k]
+
+        def outputs_and_grads():
+            out = fope.encode_qk(q, k)
+            return [*out, *torch.autograd.grad(sum(o.square().sum() for o in out), leaves)]
+
+        want = outputs_and_grads()
+        oracle = [torch.stack([fope_oracle(row.double(), list(range(10)), fope.cos_coef, fope.sin_coef, 64, 10000.0,
+                                           "identity") for row in x.detach()]) for x in (q, k)]   # per batch row
+        counter = CompileCounterWithBackend("aot_eager")
+        fused_rotation_on_cpu(monkeypatch, torch.compile(fresh_rotation_formula(), backend=counter))
+        got = outputs_and_grads()
+        assert counter.frame_count == 1
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        for g, o in zip(got, oracle):
+            torch.testing.assert_close(g.double(), o, rtol=1e-5, atol=1e-5)
+
+    def test_without_noise_or_clipping_it_is_rope(self):
+        fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
+        assert fope.num_frequencies == DH // 2
+        q, k, v = qkv(12, 12)
+        torch.testing.assert_close(attention(q, k, v, fope, causal=True),
+                                   attention(q, k, v, RotaryPositionalEmbedding(DH), causal=True), rtol=1e-5, atol=1e-6)
+
+    def test_clipped_frequencies_and_the_padded_pairs(self):
+        # base 10^4, Dh = 32, L = 512: w_i = 10^(-i/4) >= 2 pi / 512 keeps i <= 7, so 8 of 16 frequencies.
+        pe = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0)
+        assert pe.num_frequencies == 8 and pe.cos_coef.shape == (1, 8, 8)
+        x = torch.randn(1, 6, 32, dtype=torch.float64)
+        pe = pe.double()
+        out = pe(x, torch.arange(6) * 37)
+        free = [*range(8, 16), *range(24, 32)]                                          # the pairs past P
+        torch.testing.assert_close(out[..., free], x[..., free], rtol=0, atol=0)       # identity
+        ones = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0, padded="ones").double()
+        q, k = torch.randn(2, 1, 1, 32, dtype=torch.float64).unbind(0)
+        keep = torch.zeros(32, dtype=torch.bool)
+        keep[free] = True
+        q, k = q * keep, k * keep
+        for m in (0, 5, 300):                                                           # twice the dot product
+            dot = (ones(q, torch.tensor([m])) * ones(k, torch.tensor([0]))).sum()
+            torch.testing.assert_close(dot, 2 * (q * k).sum())
+
+    def test_authors_initialisation(self):
+        # eye_xavier_norm: Xavier-normal noise of gain sigma (std sigma sqrt(2 / (D P + H P))) plus 1 on
+        # each pair's frequency, i * ceil(D / P); the noise is torch's xavier_normal_ draw (sin, then cos).
+        torch.manual_seed(0)
+        pe = FoPEPositionalEmbedding(64, 8, train_length=512, num_pairs=16)
+        assert pe.num_frequencies == 16 and not pe.cos_coef.requires_grad
+        eye = torch.zeros(16, 16)
+        eye[torch.arange(16), torch.arange(16)] = 1.0
+        noise = torch.cat([pe.cos_coef - eye, pe.sin_coef - eye]).flatten()
+        expected = 0.3 * math.sqrt(2 / (16 * 16 + 8 * 16))
+        assert abs(noise.std().item() / expected - 1) < 0.05
+        torch.manual_seed(0)
+        sin_noise = torch.nn.init.xavier_normal_(torch.empty(8, 16, 16), gain=0.3)
+        torch.testing.assert_close(pe.sin_coef - eye, sin_noise, rtol=0, atol=1e-7)
+        stepped = FoPEPositionalEmbedding(64, 1, train_length=1024, num_pairs=16, sigma=0.0)
+        assert stepped.num_frequencies == 18                                           # ceil(18 / 16) = 2
+        nonzero = stepped.cos_coef[0].nonzero().tolist()
+        assert nonzero == [[2 * i, i] for i in range(9)]                               # pairs 9..15: no frequency
+        assert FoPEPositionalEmbedding(DH, H, 64, learnable=True).cos_coef.requires_grad
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: train_length=6 clips every frequency"):
+            FoPEPositionalEmbedding(DH, H, 6)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: num_pairs must be at most"):
+            FoPEPositionalEmbedding(DH, H, 512, num_pairs=DH)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: padded"):
+            FoPEPositionalEmbedding(DH, H, 512, padded="zeros")
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: head_dim"):
+            FoPEPositionalEmbedding(DH + 1, H, 512)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length .* and "
+                                            "num_frequencies .*, got train_length=512 and num_frequencies=4"):
+            FoPEPositionalEmbedding(DH, H, 512, num_frequencies=4)
+        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length"):
+            FoPEPositionalEmbedding(DH, H)
+        with pytest.raises(ValueError, match=f"FoPEPositionalEmbedding: num_frequencies must be at most head_dim // 2 "
+                                             f"= {DH // 2}, got num_frequencies={DH // 2 + 1}"):
+            FoPEPositionalEmbedding(DH, H, num_frequencies=DH // 2 + 1)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: sigma"):
+            FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
+        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
+            attention(*qkv(dh=DH + 2), FoPEPositionalEmbedding(DH, H, 512), causal=True)
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: sequences
+# ---------------------------------------------------------------------------
+
+
+def random_rotations(*shape, dtype=torch.float64):
+    """Special orthogonal matrices matrix_exp(P - P^T) with random P: [*shape[:-1], n, n]."""
+    p = torch.randn(*shape, shape[-1], dtype=dtype)
+    return torch.matrix_exp(p - p.mT)
+
+
+def orthogonality_error(w):
+    return (w @ w.mT - torch.eye(w.shape[-1], dtype=w.dtype)).abs().max().item()
+
+
+def train_a_few_steps(pe, case_positions):
+    optimiser = torch.optim.AdamW(pe.parameters(), lr=0.05)
+    for _ in range(5):
+        q, k = torch.randn(2, H, N, DH), torch.randn(2, H, N, DH)
+        loss = pe.forward_attn(q, k, *case_positions).logsumexp(-1).mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+
+
+def sequence_oracle(w, q, k, pos_q, pos_k):
+    """scores[h, i, j] = q_i^T W_h^(r_j - p_i) k_j, with explicit matrix powers in float64."""
+    out = torch.zeros(w.shape[0], len(pos_q), len(pos_k), dtype=torch.float64)
+    for h in range(w.shape[0]):
+        for i, p in enumerate(pos_q):
+            for j, r in enumerate(pos_k):
+                out[h, i, j] = q[h, i] @ torch.linalg.matrix_power(w[h], r - p) @ k[h, j]
+    return out
+
+
+class TestAlgebraicSequence:
+    def test_scores_equal_rope_at_init(self):
+        ape, rope = AlgebraicSequencePositionalEmbedding(DH, H), RotaryPositionalEmbedding(DH)
+        q, k, _ = qkv()
+        torch.testing.assert_close(ape.forward_attn(q, k), rope.forward_attn(q, k), rtol=1e-5, atol=1e-5)
+        assert (ape.basis_generator == 0).all()
+
+    def test_primitives_orthogonal_before_and_after_training(self):
+        ape = AlgebraicSequencePositionalEmbedding(DH, H)
+        assert orthogonality_error(ape.primitives) < 1e-5
+        before = ape.primitives.detach().clone()
+        train_a_few_steps(ape, (None, None))
+        assert orthogonality_error(ape.primitives) < 1e-5
+        assert (ape.primitives - before).abs().max() > 1e-3        # training moved them
+
+    def test_matches_matrix_power_oracle_after_set_primitives(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        w = random_rotations(2, 8)
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+        q, k = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
+        pos_q, pos_k = [3, 0, 7, 2, 11], [0, 1, 5, 9, 4, 2]
+        got = ape.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k), scale=1.0)
+        torch.testing.assert_close(got[0], sequence_oracle(w, q[0], k[0], pos_q, pos_k))
+
+    def test_forward_applies_w_to_the_power_p(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 1).double()
+        w = random_rotations(1, 6)
+        ape.set_primitives(w)
+        x = torch.randn(1, 4, 6, dtype=torch.float64)
+        got = ape(x, offset=3)
+        for i, p in enumerate(range(3, 7)):
+            torch.testing.assert_close(got[0, i], torch.linalg.matrix_power(w[0], p) @ x[0, i])
+
+    def test_scores_depend_only_on_distance(self):
+        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
+        ape.set_primitives(random_rotations(2, 8))
+        q, k = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64)
+        scores = [ape.forward_attn(q, k, torch.tensor([p]), torch.tensor([p + 4])) for p in (0, 9, 1000)]
+        torch.testing.assert_close(scores[1], scores[0])
+        torch.testing.assert_close(scores[2], scores[0])
+
+    def test_set_primitives_handles_repeated_and_trivial_angles(self):
+        ape = AlgebraicSequencePositionalEmbedding(6, 3).double()
+        rotation_pi = torch.block_diag(-torch.eye(2), torch.eye(4)).double()            # angles pi, 0, 0
+        w = torch.stack([torch.eye(6, dtype=torch.float64), rotation_pi, random_rotations(1, 6)[0]])
+        ape.set_primitives(w)
+        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
+
+    def test_rejects_non_orthogonal_and_reflections(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: every primitive must be orthogonal"):
+            ape.set_primitives(torch.randn(1, 4, 4))
+        with pytest.raises(ValueError, match="determinant \\+1"):
+            ape.set_primitives(torch.diag(torch.tensor([1.0, 1.0, 1.0, -1.0]))[None])
+        with pytest.raises(ValueError, match="primitives must have shape \\[1, 4, 4\\], got \\[2, 4, 4\\]"):
+            ape.set_primitives(random_rotations(2, 4))
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 2 .*got head_dim=7"):
+            AlgebraicSequencePositionalEmbedding(7, 2)
+        with pytest.raises(ValueError, match="x must be \\[..., H=2, N, Dh=8\\]"):
+            AlgebraicSequencePositionalEmbedding(8, 2)(torch.randn(1, 3, 5, 8))
+
+    @pytest.mark.parametrize("cls", [AlgebraicSequencePositionalEmbedding, AlgebraicTreePositionalEmbedding])
+    def test_float32_checkpoint_loads_accurately_at_position_1000(self, cls):
+        # RoPE-like primitives (the reference's initialisation: many angles near 0, nearly repeated
+        # eigenvalues of W + W^T) in a random basis; rounding them to float32 used to cost 1.3e-4 here
+        dh = 32
+        theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
+        basis = random_rotations(2, dh)
+        w = basis @ torch.block_diag(*[torch.tensor([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]],
+                                                    dtype=torch.float64) for t in theta.tolist()]) @ basis.mT
+        q, k = torch.randn(1, 2, 1, dh, dtype=torch.float64), torch.randn(1, 2, 1, dh, dtype=torch.float64)
+        if cls is AlgebraicSequencePositionalEmbedding:
+            pe = cls(dh, 2).double()
+            pe.set_primitives(w.float())                                                # a float32 checkpoint
+            got = pe.forward_attn(q, k, torch.tensor([0]), torch.tensor([1000]), scale=1.0)[0, :, 0, 0]
+            want = sequence_oracle(w, q[0], k[0], [0], [1000])[:, 0, 0]
+        else:  # 10 levels of branch 0 then branch 1 alternately: the node's map is a product of 10 primitives
+            pe = cls(dh, 2, branching_factor=2, max_depth=10).double()
+            pe.set_primitives(w.float()[None].expand(2, -1, -1, -1))
+            node = pe.node_ids_from_paths([[0, 1] * 5])
+            got = pe.forward_attn(q, k, torch.tensor([0]), node, scale=1.0)[0, :, 0, 0]
+            want = torch.stack([q[0, h, 0] @ tree_map_oracle(w[None, h].expand(2, -1, -1), int(node), 2)
+                                @ k[0, h, 0] for h in range(2)])
+        scale = q.norm(dim=-1).flatten() * k.norm(dim=-1).flatten()
+        assert ((got - want).abs() / scale).max() < 1e-5
+        assert orthogonality_error(pe.primitives.double()) < 1e-12
+
+    def test_set_primitives_rejects_nan_inf_and_non_orthogonal(self):
+        ape = AlgebraicSequencePositionalEmbedding(4, 1)
+        w = random_rotations(1, 4).float()
+        for bad in (float("nan"), float("inf")):
+            broken = w.clone()
+            broken[0, 1, 2] = bad
+            with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: primitives must be finite, "
+                                                 "got 1 NaN or infinite entries"):
+                ape.set_primitives(broken)
+        with pytest.raises(ValueError, match="every primitive must be orthogonal .*got max \\|W W\\^T - I\\| = "):
+            ape.set_primitives(w * 1.001)
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: primitives must be finite"):
+            tree.set_primitives(torch.full((2, 1, 4, 4), float("nan")))
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: grids
+# ---------------------------------------------------------------------------
+
+
+class TestAlgebraicGrid:
+    def test_matches_blockwise_matrix_power_oracle(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 2, num_axes=2).double()
+        w = random_rotations(2, 2, 4)                                                   # [A, H, 4, 4]
+        grid.set_primitives(w)
+        torch.testing.assert_close(grid.primitives, w, rtol=0, atol=1e-10)
+        pos_q = torch.tensor([[0, 0], [2, 5], [1, 3]])
+        pos_k = torch.tensor([[4, 1], [0, 0], [3, 3], [1, 7]])
+        q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
+        got = grid.forward_attn(q, k, pos_q, pos_k, scale=1.0)
+        for h in range(2):
+            for i in range(3):
+                for j in range(4):
+                    blocks = [torch.linalg.matrix_power(w[a, h], int(pos_k[j, a] - pos_q[i, a])) for a in range(2)]
+                    want = q[0, h, i] @ torch.block_diag(*blocks) @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_queries_and_keys_use_their_own_positions(self):
+        grid = AlgebraicGridPositionalEmbedding(8, 1).double()
+        grid.set_primitives(random_rotations(2, 1, 4))
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda pq, pk: grid.forward_attn(q, k, torch.tensor([pq]), torch.tensor([pk]))
+        torch.testing.assert_close(at([1, 2], [4, 9]), at([11, 7], [14, 14]))          # same per-axis differences
+        assert not torch.allclose(at([1, 2], [4, 9]), at([1, 2], [9, 4]))
+
+    def test_three_axes_volume(self):
+        volume = AlgebraicGridPositionalEmbedding(12, 2, num_axes=3)
+        assert volume.primitives.shape == (3, 2, 4, 4)
+        positions = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
+        assert volume(torch.randn(1, 2, 12, 12), positions.reshape(12, 3)).shape == (1, 2, 12, 12)
+
+    def test_orthogonal_after_training(self):
+        grid = AlgebraicGridPositionalEmbedding(DH, H)
+        positions = torch.stack([torch.arange(N) // 4, torch.arange(N) % 4], -1)
+        train_a_few_steps(grid, (positions, positions))
+        assert orthogonality_error(grid.primitives) < 1e-5
+
+    def test_bad_arguments(self):
+        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 6"):
+            AlgebraicGridPositionalEmbedding(8, 2, num_axes=3)
+        grid = AlgebraicGridPositionalEmbedding(8, 2)
+        with pytest.raises(ValueError, match="positions must have shape \\[5, 2\\]"):
+            grid(torch.randn(1, 2, 5, 8), torch.zeros(5, 3, dtype=torch.long))
+        with pytest.raises(ValueError, match="positions is required for 2 axes"):
+            grid(torch.randn(1, 2, 5, 8))
+
+
+# ---------------------------------------------------------------------------
+# Algebraic: trees
+# ---------------------------------------------------------------------------
+
+
+def tree_map_oracle(w, node, b):
+    """M(node) for breadth-first ids: M(root) = I, M(child c of n) = M(n) @ W_c (float64 loop)."""
+    path = []
+    while node > 0:
+        path.append((node - 1) % b)
+        node = (node - 1) // b
+    m = torch.eye(w.shape[-1], dtype=torch.float64)
+    for branch in reversed(path):
+        m = m @ w[branch]
+    return m
+
+
+def ape_reference_node_map(w, path):
+    """konstantinosKokos/ape ``Branching.embed_positions`` for one node, as plain loops in float64:
+    ``maps = I`` then, step by step from the root, ``maps = linear(maps, W_branch) = maps @ W_branch^T``."""
+    n = w.shape[-1]
+    m = [[float(r == c) for c in range(n)] for r in range(n)]
+    for branch in path:
+        wt = w[branch].tolist()
+        m = [[sum(m[r][t] * wt[c][t] for t in range(n)) for c in range(n)] for r in range(n)]
+    return torch.tensor(m, dtype=torch.float64)
+
+
+def ape_reference_score(w, q, k, path_q, path_k):
+    """The reference's score: queries and keys mapped by ``einsum('bqBh,bqhAB->bqAh')`` (M x), then dotted."""
+    mq, mk = ape_reference_node_map(w, path_q), ape_reference_node_map(w, path_k)
+    q2 = [sum(mq[a, b].item() * q[b].item() for b in range(len(q))) for a in range(len(q))]
+    k2 = [sum(mk[a, b].item() * k[b].item() for b in range(len(k))) for a in range(len(k))]
+    return sum(x * y for x, y in zip(q2, k2))
+
+
+class TestAlgebraicTree:
+    def test_matches_path_product_oracle(self):
+        tree = AlgebraicTreePositionalEmbedding(6, 2, branching_factor=3, max_depth=3).double()
+        w = random_rotations(3, 2, 6)                                                   # [b, H, 6, 6]
+        tree.set_primitives(w)
+        torch.testing.assert_close(tree.primitives, w, rtol=0, atol=1e-10)
+        nodes_q, nodes_k = [0, 5, 17, 39], [3, 0, 12, 17, 2]
+        q, k = torch.randn(1, 2, 4, 6, dtype=torch.float64), torch.randn(1, 2, 5, 6, dtype=torch.float64)
+        got = tree.forward_attn(q, k, torch.tensor(nodes_q), torch.tensor(nodes_k), scale=1.0)
+        for h in range(2):
+            for i, n in enumerate(nodes_q):
+                for j, m in enumerate(nodes_k):
+                    mq, mk = tree_map_oracle(w[:, h], n, 3), tree_map_oracle(w[:, h], m, 3)
+                    want = q[0, h, i] @ mq.T @ mk @ k[0, h, j]
+                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
+
+    def test_scores_depend_only_on_the_path(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 1, branching_factor=2, max_depth=6).double()
+        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+        at = lambda a, b: tree.forward_attn(q, k, tree.node_ids_from_paths([a]), tree.node_ids_from_paths([b]))
+        # the same two steps (up one, down branch 1) from different ancestors
+        torch.testing.assert_close(at([0], [1]), at([1, 1, 0], [1, 1, 1]))
+        torch.testing.assert_close(at([0, 1], [0, 0, 1]), at([1, 0, 1, 1], [1, 0, 1, 0, 1]))
+        assert not torch.allclose(at([0], [1]), at([1], [0]))
+
+    def test_node_id_helpers(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=4)
+        assert tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]]).tolist() == [0, 1, 2, 4, 13]
+        #        0            parents: node 1 and 2 are children of 0, node 3 child of 2, node 4 child of 3
+        #       / \
+        #      1   2
+        #          |
+        #          3 - 4
+        assert tree.node_ids_from_parents([-1, 0, 0, 2, 3]).tolist() == [0, 1, 2, 5, 11]
+        with pytest.raises(ValueError, match="more than branching_factor=2 children"):
+            tree.node_ids_from_parents([-1, 0, 0, 0])
+        with pytest.raises(ValueError, match="exactly one root"):
+            tree.node_ids_from_parents([-1, -1])
+
+    def test_orthogonal_after_training(self):
+        tree = AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)
+        assert orthogonality_error(tree.primitives) < 1e-5
+        train_a_few_steps(tree, (None, None))
+        assert orthogonality_error(tree.primitives) < 1e-5
+
+    def test_any_number_of_leading_dims(self):
+        tree = AlgebraicTreePositionalEmbedding(8, 2, branching_factor=2, max_depth=4).double()
+        x = torch.randn(3, 2, 2, 6, 8, dtype=torch.float64)
+        nodes = torch.tensor([0, 3, 4, 9, 2, 1])
+        want = torch.stack([tree(x[i], nodes) for i in range(3)])
+        torch.testing.assert_close(tree(x, nodes), want)
+        torch.testing.assert_close(tree(x[0, 0], nodes), want[0, 0])
+
+    def test_bad_nodes(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
+        x = torch.randn(1, 1, 2, 4)
+        with pytest.raises(ValueError, match="node ids must lie in \\[0, 6\\] \\(depth <= max_depth=2 of a 2-ary tree\\), got 7"):
+            tree(x, torch.tensor([0, 7]))
+        with pytest.raises(ValueError, match="got -1"):
+            tree(x, torch.tensor([-1, 0]))
+        with pytest.raises(TypeError, match="positions must be an integer tensor .*got dtype=torch.float32"):
+            tree(x, torch.tensor([0.0, 1.0]))
+
+    def test_tree_reference_convention_equals_reference_path_products(self):
+        b, heads, dh = 2, 2, 4
+        tree = AlgebraicTreePositionalEmbedding(dh, heads, branching_factor=b, max_depth=3).double()
+        p = torch.randn(b, heads, dh, dh, dtype=torch.float64)
+        w_ref = torch.matrix_exp(p - p.mT)                                              # the reference's primitives
+        paths_q, paths_k = [[], [1], [0, 1], [1, 1, 0]], [[0], [], [1, 0, 1], [0, 0], [1]]
+        q, k = torch.randn(1, heads, 4, dh, dtype=torch.float64), torch.randn(1, heads, 5, dh, dtype=torch.float64)
+        nodes_q, nodes_k = tree.node_ids_from_paths(paths_q), tree.node_ids_from_paths(paths_k)
+        want = torch.tensor([[[ape_reference_score(w_ref[:, h], q[0, h, i], k[0, h, j], pq, pk)
+                               for j, pk in enumerate(paths_k)] for i, pq in enumerate(paths_q)]
+                             for h in range(heads)], dtype=torch.float64)
+        tree.set_primitives(w_ref, convention="reference")
+        got = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        tree.set_primitives(w_ref)                                                      # the paper's convention
+        wrong = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
+        assert (wrong - want).abs().max() > 0.1                                         # transposed: not the reference
+        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: convention must be one of 'paper', "
+                                             "'reference', got convention='ref'"):
+            tree.set_primitives(w_ref, convention="ref")
+
+    def test_node_ids_from_paths_rejects_non_integer_steps(self):
+        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=3)
+        for bad in (1.5, 1.0, True, "1", torch.tensor(1.0)):
+            with pytest.raises(TypeError, match="AlgebraicTreePositionalEmbedding: paths must hold integer branch "
+                                                "indices, got .* in path"):
+                tree.node_ids_from_paths([[0], [bad]])
+        assert tree.node_ids_from_paths([[torch.tensor(1), 0]]).tolist() == [5]
+        empty = tree.node_ids_from_paths([])
+        assert empty.dtype == torch.long and empty.numel() == 0
+
+
+# ---------------------------------------------------------------------------
+# rope_coordinates (DINOv3)
+# ---------------------------------------------------------------------------
+
+
+def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
+    """facebookresearch/dinov3 RopePositionEmbedding.forward's coordinates (ported, float32, training)."""
+    dd = {"dtype": torch.float32}
+    if normalize == "max":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / max(h, w), torch.arange(0.5, w, **dd) / max(h, w)
+    elif normalize == "min":
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / min(h, w), torch.arange(0.5, w, **dd) / min(h, w)
+    else:
+        coords_h, coords_w = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
+    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
+    coords = 2.0 * coords - 1.0
+    if shift is not None:
+        coords += torch.empty(2, **dd).uniform_(-shift, shift)[None, :]
+    if jitter is not None:
+        coords *= torch.empty(2, **dd).uniform_(-math.log(jitter), math.log(jitter)).exp()[None, :]
+    if rescale is not None:
+        coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
+    return coords
+
+
+def cape_oracle(positions: torch.Tensor, seed: int, shift: float, local_shift: float, scaling: float) -> torch.Tensor:
+    """CAPE on one-axis positions ``[B, N]``, entry by entry in float64: ``lambda_b (p_bi + delta_b + eps_bi)``, the
+    draws taken as the PyTorch port of CAPE takes them (float32, in this order: delta ``[B, 1]`` from
+    ``U(-shift, shift)``, eps ``[B, N]`` from ``U(-local_shift, local_shift)``, log lambda ``[B, 1]``)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, n = positions.shape
+    delta = torch.empty(rows, 1).uniform_(-shift, shift, generator=g).tolist()
+    eps = torch.empty(rows, n).uniform_(-local_shift, local_shift, generator=g).tolist()
+    log_scale = torch.empty(rows, 1).uniform_(-math.log(scaling), math.log(scaling), generator=g).tolist()
+    return torch.tensor([[math.exp(log_scale[b][0]) * (float(positions[b, i]) + delta[b][0] + eps[b][i])
+                          for i in range(n)] for b in range(rows)], dtype=torch.float64)
+
+
+class TestRopeCoordinates:
+    @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
+    @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
+    def test_matches_dinov3(self, normalize, augment):
+        torch.manual_seed(5)
+        want = dinov3_coords(3, 5, normalize, **augment)
+        torch.manual_seed(5)
+        got = rope_coordinates((3, 5), normalize=normalize, **augment)
+        assert got.dtype == torch.float64 and got.shape == (15, 2)
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)
+        generator = torch.Generator().manual_seed(5)
+        torch.testing.assert_close(rope_coordinates((3, 5), normalize=normalize, generator=generator, **augment), got)
+
+    def test_video_and_plain_values(self):
+        coords = rope_coordinates((2, 2, 4))
+        assert coords.shape == (16, 3)
+        torch.testing.assert_close(coords[1], torch.tensor([-0.5, -0.5, -0.25], dtype=torch.float64))
+        torch.testing.assert_close(rope_coordinates((4,))[:, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75],
+                                                                               dtype=torch.float64))
+
+    def test_feeds_every_multi_axis_rotary(self):
+        q, k, v = qkv(dtype=torch.float64)
+        p = rope_coordinates((4, 4), jitter=1.2)
+        for pe in (RotaryPositionalEmbedding(DH, sections=[8, 8], base=100.0), MixedRotaryPositionalEmbedding(DH, H),
+                   LieREPositionalEmbedding(DH, H, block_size=4)):
+            out = attention(q, k, v, pe.double(), positions_q=p, positions_k=p)
+            assert out.shape == v.shape and torch.isfinite(out).all()
+
+    def test_bad_input(self):
+        with pytest.raises(ValueError, match="rope_coordinates: normalize must be one of 'separate', 'max', 'min'"):
+            rope_coordinates((2, 2), normalize="mean")
+        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0, got jitter=0.5"):
+            rope_coordinates((2, 2), jitter=0.5)
+        with pytest.raises(ValueError, match="rope_coordinates: grid_shape\\[1\\] must be a positive int, got grid_shape\\[1\\]=0"):
+            rope_coordinates((2, 0))
+        with pytest.raises(TypeError, match="rope_coordinates: grid_shape\\[1\\] must be an int, got float 2.5"):
+            rope_coordinates((2, 2.5))
+
+
+class TestAugmentPositions:
+    def test_cape_matches_the_entry_by_entry_oracle(self):
+        positions = torch.arange(12.0).expand(3, 12)
+        got = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
+                                generator=torch.Generator().manual_seed(4))
+        assert got.dtype == torch.float64 and got.shape == (3, 12)
+        torch.testing.assert_close(got, cape_oracle(positions, 4, 5.0, 0.5, 1.03), rtol=0, atol=1e-12)
+        again = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
+                                  generator=torch.Generator().manual_seed(4))
+        torch.testing.assert_close(again, got, rtol=0, atol=0)                          # seeded: reproducible
+
+    def test_local_shift_is_the_ports_max_local_shift_times_the_spacing(self):
+        # gcambara/cape CAPE1d.augment_positions (HEAD eed7480) on positions of spacing s (its positions_delta),
+        # written out: from the global generator, in float32 and in this order, a global shift U(-G, G) [B, 1],
+        # a local shift U(-m, m) [B, N] times s, a log scale U(-log L, log L) [B, 1]
+        rows, n, s, m, big_g, big_l = 3, 10, 0.25, 0.5, 2.0, 1.1
+        positions = torch.arange(n, dtype=torch.float32).expand(rows, n) * s
+        torch.manual_seed(7)
+        delta = torch.empty(rows, 1).uniform_(-big_g, big_g)
+        delta_local = torch.empty(rows, n).uniform_(-m, m) * s
+        log_lambdas = torch.empty(rows, 1).uniform_(-math.log(big_l), math.log(big_l))
+        want = (positions + delta + delta_local) * torch.exp(log_lambdas)
+        torch.manual_seed(7)
+        got = augment_positions(positions, shift=big_g, local_shift=m * s, rescale=big_l)      # local_shift = m s
+        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)                     # the port's float32
+
+    def test_non_finite_positions_raise(self):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            with pytest.raises(ValueError, match=r"augment_positions: positions must be finite, got \[-?(nan|inf)\]"):
+                augment_positions(torch.tensor([0.0, bad, 2.0]), shift=1.0)
+        with pytest.raises(ValueError, match=r"augment_positions: positions must be finite"):
+            augment_positions(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), num_axes=2, jitter=1.5)
+
+    def test_each_augmentation_keeps_what_it_should(self):
+        g = torch.Generator().manual_seed(0)
+        p = torch.arange(10.0).expand(4, 10)
+        shifted = augment_positions(p, shift=3.0, generator=g)
+        torch.testing.assert_close(shifted.diff(dim=-1), torch.ones(4, 9, dtype=torch.float64))   # distances kept
+        assert len({round(row[0], 9) for row in shifted.tolist()}) == 4                            # one shift per row
+        scaled = augment_positions(p + 1, rescale=2.0, generator=g)
+        ratios = scaled / (p + 1)
+        torch.testing.assert_close(ratios, ratios[:, :1].expand(4, 10))                             # one scale per row
+        assert ((ratios >= 0.5) & (ratios <= 2.0)).all()
+        jiggled = augment_positions(p, local_shift=0.4, generator=g)
+        assert ((jiggled - p).abs() <= 0.4).all() and (jiggled.diff(dim=-1) > 0).all()             # order kept
+        grid = rope_coordinates((4, 4))                                                 # no coordinate is 0
+        per_axis = augment_positions(grid, num_axes=2, jitter=1.5, generator=g) / grid
+        assert torch.allclose(per_axis, per_axis[:1]) and not torch.allclose(per_axis[0, 0], per_axis[0, 1])
+
+    def test_feeds_absolute_and_rotary_encodings(self):
+        q, k, v = qkv(dtype=torch.float64)
+        p = augment_positions(torch.arange(float(N)), shift=2.0, local_shift=0.3, rescale=1.1,
+                              generator=torch.Generator().manual_seed(1))
+        x = torch.randn(B, N, D, dtype=torch.float64)
+        assert SinusoidalPositionalEmbedding(D)(x, p).shape == x.shape
+        out = attention(q, k, v, RotaryPositionalEmbedding(DH).double(), positions_q=p, positions_k=p)
+        assert out.shape == v.shape and torch.isfinite(out).all()
+
+    def test_errors_name_the_argument(self):
+        with pytest.raises(ValueError, match="augment_positions: local_shift must be a finite number >= 0.0"):
+            augment_positions(torch.arange(3.0), local_shift=-1.0)
+        with pytest.raises(ValueError, match="augment_positions: rescale must be a finite number >= 1.0"):
+            augment_positions(torch.arange(3.0), rescale=0.5)
+        with pytest.raises(ValueError, match=r"augment_positions: positions must be \[\.\.\., N, A=2\], got \(4, 3\)"):
+            augment_positions(torch.zeros(4, 3), num_axes=2)
+        with pytest.raises(TypeError, match="augment_positions: positions must be a torch.Tensor, got list"):
+            augment_positions([1.0, 2.0])
 
 
 # ---------------------------------------------------------------------------
@@ -7444,476 +8188,6 @@ class TestSTRING:
             STRINGPositionalEmbedding(16, 2, 3)
         with pytest.raises(ValueError, match="^STRINGPositionalEmbedding: head_dim must be divisible by 2 for variant='circulant', got head_dim=15"):
             STRINGPositionalEmbedding(15, 2, 3, variant="circulant")
-
-
-# ---------------------------------------------------------------------------
-# rope_coordinates (DINOv3)
-# ---------------------------------------------------------------------------
-
-
-def dinov3_coords(h, w, normalize, shift=None, jitter=None, rescale=None):
-    """facebookresearch/dinov3 RopePositionEmbedding.forward's coordinates (ported, float32, training)."""
-    dd = {"dtype": torch.float32}
-    if normalize == "max":
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / max(h, w), torch.arange(0.5, w, **dd) / max(h, w)
-    elif normalize == "min":
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / min(h, w), torch.arange(0.5, w, **dd) / min(h, w)
-    else:
-        coords_h, coords_w = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
-    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
-    coords = 2.0 * coords - 1.0
-    if shift is not None:
-        coords += torch.empty(2, **dd).uniform_(-shift, shift)[None, :]
-    if jitter is not None:
-        coords *= torch.empty(2, **dd).uniform_(-math.log(jitter), math.log(jitter)).exp()[None, :]
-    if rescale is not None:
-        coords *= torch.empty(1, **dd).uniform_(-math.log(rescale), math.log(rescale)).exp()
-    return coords
-
-
-def cape_oracle(positions: torch.Tensor, seed: int, shift: float, local_shift: float, scaling: float) -> torch.Tensor:
-    """CAPE on one-axis positions ``[B, N]``, entry by entry in float64: ``lambda_b (p_bi + delta_b + eps_bi)``, the
-    draws taken as the PyTorch port of CAPE takes them (float32, in this order: delta ``[B, 1]`` from
-    ``U(-shift, shift)``, eps ``[B, N]`` from ``U(-local_shift, local_shift)``, log lambda ``[B, 1]``)."""
-    g = torch.Generator().manual_seed(seed)
-    rows, n = positions.shape
-    delta = torch.empty(rows, 1).uniform_(-shift, shift, generator=g).tolist()
-    eps = torch.empty(rows, n).uniform_(-local_shift, local_shift, generator=g).tolist()
-    log_scale = torch.empty(rows, 1).uniform_(-math.log(scaling), math.log(scaling), generator=g).tolist()
-    return torch.tensor([[math.exp(log_scale[b][0]) * (float(positions[b, i]) + delta[b][0] + eps[b][i])
-                          for i in range(n)] for b in range(rows)], dtype=torch.float64)
-
-
-class TestAugmentPositions:
-    def test_cape_matches_the_entry_by_entry_oracle(self):
-        positions = torch.arange(12.0).expand(3, 12)
-        got = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
-                                generator=torch.Generator().manual_seed(4))
-        assert got.dtype == torch.float64 and got.shape == (3, 12)
-        torch.testing.assert_close(got, cape_oracle(positions, 4, 5.0, 0.5, 1.03), rtol=0, atol=1e-12)
-        again = augment_positions(positions, shift=5.0, local_shift=0.5, rescale=1.03,
-                                  generator=torch.Generator().manual_seed(4))
-        torch.testing.assert_close(again, got, rtol=0, atol=0)                          # seeded: reproducible
-
-    def test_local_shift_is_the_ports_max_local_shift_times_the_spacing(self):
-        # gcambara/cape CAPE1d.augment_positions (HEAD eed7480) on positions of spacing s (its positions_delta),
-        # written out: from the global generator, in float32 and in this order, a global shift U(-G, G) [B, 1],
-        # a local shift U(-m, m) [B, N] times s, a log scale U(-log L, log L) [B, 1]
-        rows, n, s, m, big_g, big_l = 3, 10, 0.25, 0.5, 2.0, 1.1
-        positions = torch.arange(n, dtype=torch.float32).expand(rows, n) * s
-        torch.manual_seed(7)
-        delta = torch.empty(rows, 1).uniform_(-big_g, big_g)
-        delta_local = torch.empty(rows, n).uniform_(-m, m) * s
-        log_lambdas = torch.empty(rows, 1).uniform_(-math.log(big_l), math.log(big_l))
-        want = (positions + delta + delta_local) * torch.exp(log_lambdas)
-        torch.manual_seed(7)
-        got = augment_positions(positions, shift=big_g, local_shift=m * s, rescale=big_l)      # local_shift = m s
-        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)                     # the port's float32
-
-    def test_non_finite_positions_raise(self):
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            with pytest.raises(ValueError, match=r"augment_positions: positions must be finite, got \[-?(nan|inf)\]"):
-                augment_positions(torch.tensor([0.0, bad, 2.0]), shift=1.0)
-        with pytest.raises(ValueError, match=r"augment_positions: positions must be finite"):
-            augment_positions(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), num_axes=2, jitter=1.5)
-
-    def test_each_augmentation_keeps_what_it_should(self):
-        g = torch.Generator().manual_seed(0)
-        p = torch.arange(10.0).expand(4, 10)
-        shifted = augment_positions(p, shift=3.0, generator=g)
-        torch.testing.assert_close(shifted.diff(dim=-1), torch.ones(4, 9, dtype=torch.float64))   # distances kept
-        assert len({round(row[0], 9) for row in shifted.tolist()}) == 4                            # one shift per row
-        scaled = augment_positions(p + 1, rescale=2.0, generator=g)
-        ratios = scaled / (p + 1)
-        torch.testing.assert_close(ratios, ratios[:, :1].expand(4, 10))                             # one scale per row
-        assert ((ratios >= 0.5) & (ratios <= 2.0)).all()
-        jiggled = augment_positions(p, local_shift=0.4, generator=g)
-        assert ((jiggled - p).abs() <= 0.4).all() and (jiggled.diff(dim=-1) > 0).all()             # order kept
-        grid = rope_coordinates((4, 4))                                                 # no coordinate is 0
-        per_axis = augment_positions(grid, num_axes=2, jitter=1.5, generator=g) / grid
-        assert torch.allclose(per_axis, per_axis[:1]) and not torch.allclose(per_axis[0, 0], per_axis[0, 1])
-
-    def test_feeds_absolute_and_rotary_encodings(self):
-        q, k, v = qkv(dtype=torch.float64)
-        p = augment_positions(torch.arange(float(N)), shift=2.0, local_shift=0.3, rescale=1.1,
-                              generator=torch.Generator().manual_seed(1))
-        x = torch.randn(B, N, D, dtype=torch.float64)
-        assert SinusoidalPositionalEmbedding(D)(x, p).shape == x.shape
-        out = attention(q, k, v, RotaryPositionalEmbedding(DH).double(), positions_q=p, positions_k=p)
-        assert out.shape == v.shape and torch.isfinite(out).all()
-
-    def test_errors_name_the_argument(self):
-        with pytest.raises(ValueError, match="augment_positions: local_shift must be a finite number >= 0.0"):
-            augment_positions(torch.arange(3.0), local_shift=-1.0)
-        with pytest.raises(ValueError, match="augment_positions: rescale must be a finite number >= 1.0"):
-            augment_positions(torch.arange(3.0), rescale=0.5)
-        with pytest.raises(ValueError, match=r"augment_positions: positions must be \[\.\.\., N, A=2\], got \(4, 3\)"):
-            augment_positions(torch.zeros(4, 3), num_axes=2)
-        with pytest.raises(TypeError, match="augment_positions: positions must be a torch.Tensor, got list"):
-            augment_positions([1.0, 2.0])
-
-
-class TestRopeCoordinates:
-    @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
-    @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
-    def test_matches_dinov3(self, normalize, augment):
-        torch.manual_seed(5)
-        want = dinov3_coords(3, 5, normalize, **augment)
-        torch.manual_seed(5)
-        got = rope_coordinates((3, 5), normalize=normalize, **augment)
-        assert got.dtype == torch.float64 and got.shape == (15, 2)
-        torch.testing.assert_close(got, want.double(), rtol=0, atol=1e-6)
-        generator = torch.Generator().manual_seed(5)
-        torch.testing.assert_close(rope_coordinates((3, 5), normalize=normalize, generator=generator, **augment), got)
-
-    def test_video_and_plain_values(self):
-        coords = rope_coordinates((2, 2, 4))
-        assert coords.shape == (16, 3)
-        torch.testing.assert_close(coords[1], torch.tensor([-0.5, -0.5, -0.25], dtype=torch.float64))
-        torch.testing.assert_close(rope_coordinates((4,))[:, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75],
-                                                                               dtype=torch.float64))
-
-    def test_feeds_every_multi_axis_rotary(self):
-        q, k, v = qkv(dtype=torch.float64)
-        p = rope_coordinates((4, 4), jitter=1.2)
-        for pe in (RotaryPositionalEmbedding(DH, sections=[8, 8], base=100.0), MixedRotaryPositionalEmbedding(DH, H),
-                   LieREPositionalEmbedding(DH, H, block_size=4)):
-            out = attention(q, k, v, pe.double(), positions_q=p, positions_k=p)
-            assert out.shape == v.shape and torch.isfinite(out).all()
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match="rope_coordinates: normalize must be one of 'separate', 'max', 'min'"):
-            rope_coordinates((2, 2), normalize="mean")
-        with pytest.raises(ValueError, match="rope_coordinates: jitter must be a finite number >= 1.0, got jitter=0.5"):
-            rope_coordinates((2, 2), jitter=0.5)
-        with pytest.raises(ValueError, match="rope_coordinates: grid_shape\\[1\\] must be a positive int, got grid_shape\\[1\\]=0"):
-            rope_coordinates((2, 0))
-        with pytest.raises(TypeError, match="rope_coordinates: grid_shape\\[1\\] must be an int, got float 2.5"):
-            rope_coordinates((2, 2.5))
-
-
-# ---------------------------------------------------------------------------
-# Algebraic: sequences
-# ---------------------------------------------------------------------------
-
-
-def random_rotations(*shape, dtype=torch.float64):
-    """Special orthogonal matrices matrix_exp(P - P^T) with random P: [*shape[:-1], n, n]."""
-    p = torch.randn(*shape, shape[-1], dtype=dtype)
-    return torch.matrix_exp(p - p.mT)
-
-
-def orthogonality_error(w):
-    return (w @ w.mT - torch.eye(w.shape[-1], dtype=w.dtype)).abs().max().item()
-
-
-def train_a_few_steps(pe, case_positions):
-    optimiser = torch.optim.AdamW(pe.parameters(), lr=0.05)
-    for _ in range(5):
-        q, k = torch.randn(2, H, N, DH), torch.randn(2, H, N, DH)
-        loss = pe.forward_attn(q, k, *case_positions).logsumexp(-1).mean()
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-
-
-def sequence_oracle(w, q, k, pos_q, pos_k):
-    """scores[h, i, j] = q_i^T W_h^(r_j - p_i) k_j, with explicit matrix powers in float64."""
-    out = torch.zeros(w.shape[0], len(pos_q), len(pos_k), dtype=torch.float64)
-    for h in range(w.shape[0]):
-        for i, p in enumerate(pos_q):
-            for j, r in enumerate(pos_k):
-                out[h, i, j] = q[h, i] @ torch.linalg.matrix_power(w[h], r - p) @ k[h, j]
-    return out
-
-
-class TestAlgebraicSequence:
-    def test_scores_equal_rope_at_init(self):
-        ape, rope = AlgebraicSequencePositionalEmbedding(DH, H), RotaryPositionalEmbedding(DH)
-        q, k, _ = qkv()
-        torch.testing.assert_close(ape.forward_attn(q, k), rope.forward_attn(q, k), rtol=1e-5, atol=1e-5)
-        assert (ape.basis_generator == 0).all()
-
-    def test_primitives_orthogonal_before_and_after_training(self):
-        ape = AlgebraicSequencePositionalEmbedding(DH, H)
-        assert orthogonality_error(ape.primitives) < 1e-5
-        before = ape.primitives.detach().clone()
-        train_a_few_steps(ape, (None, None))
-        assert orthogonality_error(ape.primitives) < 1e-5
-        assert (ape.primitives - before).abs().max() > 1e-3        # training moved them
-
-    def test_matches_matrix_power_oracle_after_set_primitives(self):
-        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
-        w = random_rotations(2, 8)
-        ape.set_primitives(w)
-        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
-        q, k = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 6, 8, dtype=torch.float64)
-        pos_q, pos_k = [3, 0, 7, 2, 11], [0, 1, 5, 9, 4, 2]
-        got = ape.forward_attn(q, k, torch.tensor(pos_q), torch.tensor(pos_k), scale=1.0)
-        torch.testing.assert_close(got[0], sequence_oracle(w, q[0], k[0], pos_q, pos_k))
-
-    def test_forward_applies_w_to_the_power_p(self):
-        ape = AlgebraicSequencePositionalEmbedding(6, 1).double()
-        w = random_rotations(1, 6)
-        ape.set_primitives(w)
-        x = torch.randn(1, 4, 6, dtype=torch.float64)
-        got = ape(x, offset=3)
-        for i, p in enumerate(range(3, 7)):
-            torch.testing.assert_close(got[0, i], torch.linalg.matrix_power(w[0], p) @ x[0, i])
-
-    def test_scores_depend_only_on_distance(self):
-        ape = AlgebraicSequencePositionalEmbedding(8, 2).double()
-        ape.set_primitives(random_rotations(2, 8))
-        q, k = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 2, 1, 8, dtype=torch.float64)
-        scores = [ape.forward_attn(q, k, torch.tensor([p]), torch.tensor([p + 4])) for p in (0, 9, 1000)]
-        torch.testing.assert_close(scores[1], scores[0])
-        torch.testing.assert_close(scores[2], scores[0])
-
-    def test_set_primitives_handles_repeated_and_trivial_angles(self):
-        ape = AlgebraicSequencePositionalEmbedding(6, 3).double()
-        rotation_pi = torch.block_diag(-torch.eye(2), torch.eye(4)).double()            # angles pi, 0, 0
-        w = torch.stack([torch.eye(6, dtype=torch.float64), rotation_pi, random_rotations(1, 6)[0]])
-        ape.set_primitives(w)
-        torch.testing.assert_close(ape.primitives, w, rtol=0, atol=1e-10)
-
-    def test_rejects_non_orthogonal_and_reflections(self):
-        ape = AlgebraicSequencePositionalEmbedding(4, 1)
-        with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: every primitive must be orthogonal"):
-            ape.set_primitives(torch.randn(1, 4, 4))
-        with pytest.raises(ValueError, match="determinant \\+1"):
-            ape.set_primitives(torch.diag(torch.tensor([1.0, 1.0, 1.0, -1.0]))[None])
-        with pytest.raises(ValueError, match="primitives must have shape \\[1, 4, 4\\], got \\[2, 4, 4\\]"):
-            ape.set_primitives(random_rotations(2, 4))
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 2 .*got head_dim=7"):
-            AlgebraicSequencePositionalEmbedding(7, 2)
-        with pytest.raises(ValueError, match="x must be \\[..., H=2, N, Dh=8\\]"):
-            AlgebraicSequencePositionalEmbedding(8, 2)(torch.randn(1, 3, 5, 8))
-
-    @pytest.mark.parametrize("cls", [AlgebraicSequencePositionalEmbedding, AlgebraicTreePositionalEmbedding])
-    def test_float32_checkpoint_loads_accurately_at_position_1000(self, cls):
-        # RoPE-like primitives (the reference's initialisation: many angles near 0, nearly repeated
-        # eigenvalues of W + W^T) in a random basis; rounding them to float32 used to cost 1.3e-4 here
-        dh = 32
-        theta = torch.tensor([10000.0 ** (-2 * i / dh) for i in range(dh // 2)], dtype=torch.float64)
-        basis = random_rotations(2, dh)
-        w = basis @ torch.block_diag(*[torch.tensor([[math.cos(t), -math.sin(t)], [math.sin(t), math.cos(t)]],
-                                                    dtype=torch.float64) for t in theta.tolist()]) @ basis.mT
-        q, k = torch.randn(1, 2, 1, dh, dtype=torch.float64), torch.randn(1, 2, 1, dh, dtype=torch.float64)
-        if cls is AlgebraicSequencePositionalEmbedding:
-            pe = cls(dh, 2).double()
-            pe.set_primitives(w.float())                                                # a float32 checkpoint
-            got = pe.forward_attn(q, k, torch.tensor([0]), torch.tensor([1000]), scale=1.0)[0, :, 0, 0]
-            want = sequence_oracle(w, q[0], k[0], [0], [1000])[:, 0, 0]
-        else:  # 10 levels of branch 0 then branch 1 alternately: the node's map is a product of 10 primitives
-            pe = cls(dh, 2, branching_factor=2, max_depth=10).double()
-            pe.set_primitives(w.float()[None].expand(2, -1, -1, -1))
-            node = pe.node_ids_from_paths([[0, 1] * 5])
-            got = pe.forward_attn(q, k, torch.tensor([0]), node, scale=1.0)[0, :, 0, 0]
-            want = torch.stack([q[0, h, 0] @ tree_map_oracle(w[None, h].expand(2, -1, -1), int(node), 2)
-                                @ k[0, h, 0] for h in range(2)])
-        scale = q.norm(dim=-1).flatten() * k.norm(dim=-1).flatten()
-        assert ((got - want).abs() / scale).max() < 1e-5
-        assert orthogonality_error(pe.primitives.double()) < 1e-12
-
-    def test_set_primitives_rejects_nan_inf_and_non_orthogonal(self):
-        ape = AlgebraicSequencePositionalEmbedding(4, 1)
-        w = random_rotations(1, 4).float()
-        for bad in (float("nan"), float("inf")):
-            broken = w.clone()
-            broken[0, 1, 2] = bad
-            with pytest.raises(ValueError, match="AlgebraicSequencePositionalEmbedding: primitives must be finite, "
-                                                 "got 1 NaN or infinite entries"):
-                ape.set_primitives(broken)
-        with pytest.raises(ValueError, match="every primitive must be orthogonal .*got max \\|W W\\^T - I\\| = "):
-            ape.set_primitives(w * 1.001)
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
-        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: primitives must be finite"):
-            tree.set_primitives(torch.full((2, 1, 4, 4), float("nan")))
-
-
-# ---------------------------------------------------------------------------
-# Algebraic: grids
-# ---------------------------------------------------------------------------
-
-
-class TestAlgebraicGrid:
-    def test_matches_blockwise_matrix_power_oracle(self):
-        grid = AlgebraicGridPositionalEmbedding(8, 2, num_axes=2).double()
-        w = random_rotations(2, 2, 4)                                                   # [A, H, 4, 4]
-        grid.set_primitives(w)
-        torch.testing.assert_close(grid.primitives, w, rtol=0, atol=1e-10)
-        pos_q = torch.tensor([[0, 0], [2, 5], [1, 3]])
-        pos_k = torch.tensor([[4, 1], [0, 0], [3, 3], [1, 7]])
-        q, k = torch.randn(1, 2, 3, 8, dtype=torch.float64), torch.randn(1, 2, 4, 8, dtype=torch.float64)
-        got = grid.forward_attn(q, k, pos_q, pos_k, scale=1.0)
-        for h in range(2):
-            for i in range(3):
-                for j in range(4):
-                    blocks = [torch.linalg.matrix_power(w[a, h], int(pos_k[j, a] - pos_q[i, a])) for a in range(2)]
-                    want = q[0, h, i] @ torch.block_diag(*blocks) @ k[0, h, j]
-                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
-
-    def test_queries_and_keys_use_their_own_positions(self):
-        grid = AlgebraicGridPositionalEmbedding(8, 1).double()
-        grid.set_primitives(random_rotations(2, 1, 4))
-        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
-        at = lambda pq, pk: grid.forward_attn(q, k, torch.tensor([pq]), torch.tensor([pk]))
-        torch.testing.assert_close(at([1, 2], [4, 9]), at([11, 7], [14, 14]))          # same per-axis differences
-        assert not torch.allclose(at([1, 2], [4, 9]), at([1, 2], [9, 4]))
-
-    def test_three_axes_volume(self):
-        volume = AlgebraicGridPositionalEmbedding(12, 2, num_axes=3)
-        assert volume.primitives.shape == (3, 2, 4, 4)
-        positions = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
-        assert volume(torch.randn(1, 2, 12, 12), positions.reshape(12, 3)).shape == (1, 2, 12, 12)
-
-    def test_orthogonal_after_training(self):
-        grid = AlgebraicGridPositionalEmbedding(DH, H)
-        positions = torch.stack([torch.arange(N) // 4, torch.arange(N) % 4], -1)
-        train_a_few_steps(grid, (positions, positions))
-        assert orthogonality_error(grid.primitives) < 1e-5
-
-    def test_bad_arguments(self):
-        with pytest.raises(ValueError, match="head_dim must be divisible by 2 \\* num_axes = 6"):
-            AlgebraicGridPositionalEmbedding(8, 2, num_axes=3)
-        grid = AlgebraicGridPositionalEmbedding(8, 2)
-        with pytest.raises(ValueError, match="positions must have shape \\[5, 2\\]"):
-            grid(torch.randn(1, 2, 5, 8), torch.zeros(5, 3, dtype=torch.long))
-        with pytest.raises(ValueError, match="positions is required for 2 axes"):
-            grid(torch.randn(1, 2, 5, 8))
-
-
-# ---------------------------------------------------------------------------
-# Algebraic: trees
-# ---------------------------------------------------------------------------
-
-
-def tree_map_oracle(w, node, b):
-    """M(node) for breadth-first ids: M(root) = I, M(child c of n) = M(n) @ W_c (float64 loop)."""
-    path = []
-    while node > 0:
-        path.append((node - 1) % b)
-        node = (node - 1) // b
-    m = torch.eye(w.shape[-1], dtype=torch.float64)
-    for branch in reversed(path):
-        m = m @ w[branch]
-    return m
-
-
-def ape_reference_node_map(w, path):
-    """konstantinosKokos/ape ``Branching.embed_positions`` for one node, as plain loops in float64:
-    ``maps = I`` then, step by step from the root, ``maps = linear(maps, W_branch) = maps @ W_branch^T``."""
-    n = w.shape[-1]
-    m = [[float(r == c) for c in range(n)] for r in range(n)]
-    for branch in path:
-        wt = w[branch].tolist()
-        m = [[sum(m[r][t] * wt[c][t] for t in range(n)) for c in range(n)] for r in range(n)]
-    return torch.tensor(m, dtype=torch.float64)
-
-
-def ape_reference_score(w, q, k, path_q, path_k):
-    """The reference's score: queries and keys mapped by ``einsum('bqBh,bqhAB->bqAh')`` (M x), then dotted."""
-    mq, mk = ape_reference_node_map(w, path_q), ape_reference_node_map(w, path_k)
-    q2 = [sum(mq[a, b].item() * q[b].item() for b in range(len(q))) for a in range(len(q))]
-    k2 = [sum(mk[a, b].item() * k[b].item() for b in range(len(k))) for a in range(len(k))]
-    return sum(x * y for x, y in zip(q2, k2))
-
-
-class TestAlgebraicTree:
-    def test_matches_path_product_oracle(self):
-        tree = AlgebraicTreePositionalEmbedding(6, 2, branching_factor=3, max_depth=3).double()
-        w = random_rotations(3, 2, 6)                                                   # [b, H, 6, 6]
-        tree.set_primitives(w)
-        torch.testing.assert_close(tree.primitives, w, rtol=0, atol=1e-10)
-        nodes_q, nodes_k = [0, 5, 17, 39], [3, 0, 12, 17, 2]
-        q, k = torch.randn(1, 2, 4, 6, dtype=torch.float64), torch.randn(1, 2, 5, 6, dtype=torch.float64)
-        got = tree.forward_attn(q, k, torch.tensor(nodes_q), torch.tensor(nodes_k), scale=1.0)
-        for h in range(2):
-            for i, n in enumerate(nodes_q):
-                for j, m in enumerate(nodes_k):
-                    mq, mk = tree_map_oracle(w[:, h], n, 3), tree_map_oracle(w[:, h], m, 3)
-                    want = q[0, h, i] @ mq.T @ mk @ k[0, h, j]
-                    assert got[0, h, i, j].item() == pytest.approx(want.item(), abs=1e-10)
-
-    def test_scores_depend_only_on_the_path(self):
-        tree = AlgebraicTreePositionalEmbedding(8, 1, branching_factor=2, max_depth=6).double()
-        q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
-        at = lambda a, b: tree.forward_attn(q, k, tree.node_ids_from_paths([a]), tree.node_ids_from_paths([b]))
-        # the same two steps (up one, down branch 1) from different ancestors
-        torch.testing.assert_close(at([0], [1]), at([1, 1, 0], [1, 1, 1]))
-        torch.testing.assert_close(at([0, 1], [0, 0, 1]), at([1, 0, 1, 1], [1, 0, 1, 0, 1]))
-        assert not torch.allclose(at([0], [1]), at([1], [0]))
-
-    def test_node_id_helpers(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=4)
-        assert tree.node_ids_from_paths([[], [0], [1], [0, 1], [1, 1, 0]]).tolist() == [0, 1, 2, 4, 13]
-        #        0            parents: node 1 and 2 are children of 0, node 3 child of 2, node 4 child of 3
-        #       / \
-        #      1   2
-        #          |
-        #          3 - 4
-        assert tree.node_ids_from_parents([-1, 0, 0, 2, 3]).tolist() == [0, 1, 2, 5, 11]
-        with pytest.raises(ValueError, match="more than branching_factor=2 children"):
-            tree.node_ids_from_parents([-1, 0, 0, 0])
-        with pytest.raises(ValueError, match="exactly one root"):
-            tree.node_ids_from_parents([-1, -1])
-
-    def test_orthogonal_after_training(self):
-        tree = AlgebraicTreePositionalEmbedding(DH, H, branching_factor=2, max_depth=5)
-        assert orthogonality_error(tree.primitives) < 1e-5
-        train_a_few_steps(tree, (None, None))
-        assert orthogonality_error(tree.primitives) < 1e-5
-
-    def test_any_number_of_leading_dims(self):
-        tree = AlgebraicTreePositionalEmbedding(8, 2, branching_factor=2, max_depth=4).double()
-        x = torch.randn(3, 2, 2, 6, 8, dtype=torch.float64)
-        nodes = torch.tensor([0, 3, 4, 9, 2, 1])
-        want = torch.stack([tree(x[i], nodes) for i in range(3)])
-        torch.testing.assert_close(tree(x, nodes), want)
-        torch.testing.assert_close(tree(x[0, 0], nodes), want[0, 0])
-
-    def test_bad_nodes(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=2)
-        x = torch.randn(1, 1, 2, 4)
-        with pytest.raises(ValueError, match="node ids must lie in \\[0, 6\\] \\(depth <= max_depth=2 of a 2-ary tree\\), got 7"):
-            tree(x, torch.tensor([0, 7]))
-        with pytest.raises(ValueError, match="got -1"):
-            tree(x, torch.tensor([-1, 0]))
-        with pytest.raises(TypeError, match="positions must be an integer tensor .*got dtype=torch.float32"):
-            tree(x, torch.tensor([0.0, 1.0]))
-
-    def test_tree_reference_convention_equals_reference_path_products(self):
-        b, heads, dh = 2, 2, 4
-        tree = AlgebraicTreePositionalEmbedding(dh, heads, branching_factor=b, max_depth=3).double()
-        p = torch.randn(b, heads, dh, dh, dtype=torch.float64)
-        w_ref = torch.matrix_exp(p - p.mT)                                              # the reference's primitives
-        paths_q, paths_k = [[], [1], [0, 1], [1, 1, 0]], [[0], [], [1, 0, 1], [0, 0], [1]]
-        q, k = torch.randn(1, heads, 4, dh, dtype=torch.float64), torch.randn(1, heads, 5, dh, dtype=torch.float64)
-        nodes_q, nodes_k = tree.node_ids_from_paths(paths_q), tree.node_ids_from_paths(paths_k)
-        want = torch.tensor([[[ape_reference_score(w_ref[:, h], q[0, h, i], k[0, h, j], pq, pk)
-                               for j, pk in enumerate(paths_k)] for i, pq in enumerate(paths_q)]
-                             for h in range(heads)], dtype=torch.float64)
-        tree.set_primitives(w_ref, convention="reference")
-        got = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-        tree.set_primitives(w_ref)                                                      # the paper's convention
-        wrong = tree.forward_attn(q, k, nodes_q, nodes_k, scale=1.0)[0]
-        assert (wrong - want).abs().max() > 0.1                                         # transposed: not the reference
-        with pytest.raises(ValueError, match="AlgebraicTreePositionalEmbedding: convention must be one of 'paper', "
-                                             "'reference', got convention='ref'"):
-            tree.set_primitives(w_ref, convention="ref")
-
-    def test_node_ids_from_paths_rejects_non_integer_steps(self):
-        tree = AlgebraicTreePositionalEmbedding(4, 1, branching_factor=2, max_depth=3)
-        for bad in (1.5, 1.0, True, "1", torch.tensor(1.0)):
-            with pytest.raises(TypeError, match="AlgebraicTreePositionalEmbedding: paths must hold integer branch "
-                                                "indices, got .* in path"):
-                tree.node_ids_from_paths([[0], [bad]])
-        assert tree.node_ids_from_paths([[torch.tensor(1), 0]]).tolist() == [5]
-        empty = tree.node_ids_from_paths([])
-        assert empty.dtype == torch.long and empty.numel() == 0
 
 
 # ===========================================================================
@@ -9385,11 +9659,6 @@ class TestForgetting:
             fox(torch.randn(B, N, D), 3)   # pe(x) binds the states alone
 
 
-# ===========================================================================
-# Logits kind: computes the logits from q and k
-# ===========================================================================
-
-
 # ---------------------------------------------------------------------------
 # Inkling: relative logits from a bank of distance profiles mixed by the token states
 # ---------------------------------------------------------------------------
@@ -9694,6 +9963,179 @@ class TestInkling:
             InklingPositionalEmbedding(D, H, clip_threshold=0.0)
         with pytest.raises(ValueError, match="InklingPositionalEmbedding: positions_q must be None"):
             pe(torch.randn(B, N, D))(N, N, positions_q=torch.arange(N))
+
+
+# ---------------------------------------------------------------------------
+# Graphormer: shortest-path-distance bias and centrality
+# ---------------------------------------------------------------------------
+
+
+def hop_distances_oracle(adjacency: torch.Tensor) -> list:
+    """Hop counts of the directed graph ``adjacency != 0`` by a breadth-first search from each node (a queue
+    of plain ints): ``[N][N]``, None where no path exists."""
+    n = adjacency.shape[-1]
+    out = []
+    for source in range(n):
+        found = [None] * n
+        found[source] = 0
+        queue = collections.deque([source])
+        while queue:
+            node = queue.popleft()
+            for nxt in range(n):
+                if adjacency[node, nxt] != 0 and found[nxt] is None:
+                    found[nxt] = found[node] + 1
+                    queue.append(nxt)
+        out.append(found)
+    return out
+
+
+def graphormer_bias_oracle(pe, adjacency: torch.Tensor) -> torch.Tensor:
+    """The bias of one graph, entry by entry in float64: ``[H, T, T]``."""
+    table = pe.spatial_pos_encoder.weight.detach().double()
+    hops = hop_distances_oracle(adjacency)
+    first = int(pe.graph_token)
+    tokens = len(hops) + first
+    bias = torch.empty(pe.num_heads, tokens, tokens, dtype=torch.float64)
+    for h in range(pe.num_heads):
+        for i in range(tokens):
+            for j in range(tokens):
+                if min(i, j) < first:
+                    bias[h, i, j] = pe.graph_token_virtual_distance.weight[0, h].item()
+                    continue
+                d = hops[i - first][j - first]
+                row = pe.num_spatial - 1 if d is None else min(d, pe.num_spatial - 2) + 1
+                far = pe.attend_within is not None and (d is None or d >= pe.attend_within)
+                bias[h, i, j] = float("-inf") if far else table[row, h].item()
+    return bias
+
+
+class TestGraphormer:
+    def test_distances_are_breadth_first_hop_counts(self):
+        split = torch.zeros(7, 7)
+        split[0, 1] = split[1, 2] = split[3, 4] = split[4, 3] = split[5, 5] = 1.0       # pieces, a self-loop
+        graphs = [random_graph(11, 0.2, seed, directed=True) for seed in range(3)] + [split]
+        for adjacency in graphs:
+            got = GraphormerPositionalEmbedding(2).bind(adjacency).distances
+            want = hop_distances_oracle(adjacency)
+            assert got.tolist() == [[pe_lib._UNREACHABLE if d is None else d for d in row] for row in want]
+        batch = torch.stack(graphs[:3])
+        got = GraphormerPositionalEmbedding(2).bind(batch).distances
+        assert got.shape == (3, 11, 11)
+        assert all(got[b].tolist() == GraphormerPositionalEmbedding(2).bind(graphs[b]).distances.tolist()
+                   for b in range(3))
+        twice = torch.tensor([[0, 0, 1, 2], [1, 1, 2, 0]])                              # 0 -> 1 twice
+        dense = torch.tensor([[0.0, 1, 0], [0, 0, 1], [1, 0, 0]])
+        assert GraphormerPositionalEmbedding(2).bind(edge_index=twice, num_nodes=3).distances.tolist() == \
+            GraphormerPositionalEmbedding(2).bind(dense).distances.tolist() == [[0, 1, 2], [2, 0, 1], [1, 2, 0]]
+
+    @pytest.mark.parametrize("graph_token, attend_within, num_spatial", [(False, None, 512), (True, None, 4),
+                                                                         (True, 2, 5), (False, 3, 3)])
+    def test_bias_matches_the_loop_oracle(self, graph_token, attend_within, num_spatial):
+        torch.manual_seed(0)
+        pe = GraphormerPositionalEmbedding(3, num_spatial=num_spatial, graph_token=graph_token,
+                                           attend_within=attend_within, init_std=1.0)
+        split = random_graph(9, 0.15, 4, directed=True)
+        split[:, 7:] = split[7:, :] = 0.0                                               # nodes 7, 8 unreachable
+        graphs = torch.stack([random_graph(9, 0.2, 5, directed=True), split])
+        bound = pe.bind(graphs)
+        tokens = 9 + graph_token
+        want = torch.stack([graphormer_bias_oracle(pe, g) for g in graphs])             # [2, H, T, T]
+        torch.testing.assert_close(bound(tokens, tokens).double(), want, rtol=0, atol=1e-7)
+        torch.testing.assert_close(bound(4, tokens).double(), want[..., -4:, :], rtol=0, atol=1e-7)
+        q, k, v = (torch.randn(2, 3, tokens, 8, dtype=torch.float64) for _ in range(3))
+        dense = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + want, dim=-1) @ v
+        torch.testing.assert_close(attention(q, k, v, bound.double()), dense)
+        torch.testing.assert_close(attention(q, k, v, bound.double(), use_flex=True), dense)
+
+    def test_the_authors_table_rows(self):
+        # their code: distance d reads row d + 1, unreachable pairs are 510 and read row 511 (num_spatial 512)
+        pe = GraphormerPositionalEmbedding(1)
+        with torch.no_grad():
+            pe.spatial_pos_encoder.weight[:, 0] = torch.arange(512.0)                  # row r holds r
+            pe.spatial_pos_encoder.weight[0, 0] = float("nan")                          # the padding row: never read
+        path = torch.diag(torch.ones(11), 1)                                            # 0 -> 1 -> ... -> 11
+        got = pe.bind(path)(12, 12)[0]
+        assert got[0].tolist() == [float(d + 1) for d in range(12)]
+        assert got[11, 0] == 511.0 and torch.isfinite(got).all()
+        assert pe.spatial_pos_encoder.padding_idx == 0 and "spatial_pos_encoder.weight" in pe.state_dict()
+
+    def test_matches_attention_gym_score_mod(self):
+        gym = pytest.importorskip("attn_gym.mods.graphormer")
+        from torch.nn.attention.flex_attention import flex_attention
+
+        max_distance, heads = 3, 4
+        adjacency = torch.stack([random_graph(12, 0.15, seed, directed=True) for seed in (6, 7)]).bool()
+        adjacency[1, :, 10:] = adjacency[1, 10:, :] = False                             # unreachable pairs
+        table = torch.randn(heads, max_distance + 2, generator=torch.Generator().manual_seed(0))
+        distances = gym.shortest_path_distances(adjacency, max_distance)                # [2, 12, 12]
+        pe = GraphormerPositionalEmbedding(heads, num_spatial=max_distance + 3)
+        with torch.no_grad():
+            pe.spatial_pos_encoder.weight[1:] = table.T                                 # their bucket d is our row d + 1
+        bound = pe.bind(adjacency)
+        assert bound.distances.clamp_max(max_distance + 1).tolist() == distances.tolist()
+        q, k, v = (torch.randn(2, heads, 12, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+        want = flex_attention(q, k, v, score_mod=gym.generate_graphormer_spatial_bias(table, distances))
+        torch.testing.assert_close(attention(q, k, v, bound), want, rtol=0, atol=1e-6)
+
+    def test_centrality_adds_in_and_out_degree_rows(self):
+        torch.manual_seed(0)
+        pe = GraphormerPositionalEmbedding(2, dim=6, num_degree=4, init_std=1.0)
+        graphs = torch.stack([random_graph(8, 0.3, 8, directed=True), random_graph(8, 0.2, 9)])
+        graphs[0, 3, 3] = 1.0                                                           # a self-loop counts
+        x = torch.randn(2, 8, 6, dtype=torch.float64)
+        got = pe.bind(graphs).centrality(x)
+        for b in range(2):
+            for v in range(8):
+                into = sum(int(graphs[b, u, v] != 0) for u in range(8))
+                out = sum(int(graphs[b, v, u] != 0) for u in range(8))
+                want = x[b, v] + pe.in_degree_encoder.weight[min(into, 2) + 1].double() \
+                    + pe.out_degree_encoder.weight[min(out, 2) + 1].double()
+                torch.testing.assert_close(got[b, v], want)
+        one = pe.bind(graphs[1])                                                        # undirected: in = out
+        assert one.in_degrees.tolist() == one.out_degrees.tolist()
+        assert one.centrality(x[1]).shape == (8, 6)
+
+    def test_bound_encodings_share_the_parameters(self):
+        pe = GraphormerPositionalEmbedding(2, graph_token=True, dim=4)
+        bound = pe.bind(ring_with_chords(5))
+        assert dict(bound.named_parameters()).keys() == dict(pe.named_parameters()).keys()
+        assert all(a is b for a, b in zip(bound.parameters(), pe.parameters()))
+        assert pe.distances is None and bound.distances.shape == (6, 6)
+        q, k, v = (torch.randn(1, 2, 6, 4, requires_grad=True) for _ in range(3))
+        attention(q, k, v, bound).square().sum().backward()
+        grad = pe.spatial_pos_encoder.weight.grad
+        assert grad[0].abs().sum() == 0 and grad[1:4].abs().sum() > 0 and grad[4:].abs().sum() == 0   # rows 1..3 read
+        assert pe.graph_token_virtual_distance.weight.grad.abs().sum() > 0
+
+    def test_errors_name_the_fix(self):
+        pe = GraphormerPositionalEmbedding(2)
+        q = k = v = torch.randn(1, 2, 5, 4)
+        with pytest.raises(ValueError, match=r"^GraphormerPositionalEmbedding: not bound to a graph: .*pe\.bind\(adjacency\)"):
+            attention(q, k, v, pe)
+        bound = pe.bind(ring_with_chords(4))
+        with pytest.raises(ValueError, match="k must have at most the bound graph's 4 tokens"):
+            attention(q, k, v, bound)
+        with pytest.raises(ValueError, match=r"q must be \[B=2, H, T, Dh\] for the 2 bound graphs"):
+            attention(q[..., :4, :], k[..., :4, :], v[..., :4, :], pe.bind(torch.stack([ring_with_chords(4)] * 2)))
+        with pytest.raises(ValueError, match="centrality needs the degree tables: build with dim=D"):
+            bound.centrality(torch.randn(4, 3))
+        with pytest.raises(ValueError, match=r"x must be \[4, 3\] \(the bound graph's nodes\), got \(5, 3\)"):
+            GraphormerPositionalEmbedding(2, dim=3).bind(ring_with_chords(4)).centrality(torch.randn(5, 3))
+        with pytest.raises(ValueError, match=r"adjacency must be \[N, N\] or \[B, N, N\] with at least one node, "
+                                             r"got \(1, 1, 3, 3\)"):
+            pe.bind(torch.zeros(1, 1, 3, 3))
+        for empty in (torch.zeros(0, 0), torch.zeros(2, 0, 0)):                         # torch's reshape error before
+            shape = re.escape(str(tuple(empty.shape)))
+            with pytest.raises(ValueError, match=r"GraphormerPositionalEmbedding: adjacency must be \[N, N\] or "
+                                                 rf"\[B, N, N\] with at least one node, got {shape}"):
+                pe.bind(empty)
+        with pytest.raises(ValueError, match="positions_q must be None: a node's place comes from the bound graph"):
+            bound(4, 4, positions_q=torch.arange(4))
+
+
+# ===========================================================================
+# Logits kind: computes the logits from q and k
+# ===========================================================================
 
 
 # ---------------------------------------------------------------------------
@@ -10501,12 +10943,6 @@ class TestCoPE:
             cope(q[..., :16], k[..., :16])
 
 
-# ===========================================================================
-# Cross-cutting
-# ===========================================================================
-
-
-
 # ---------------------------------------------------------------------------
 # ReRoPE
 # ---------------------------------------------------------------------------
@@ -10761,195 +11197,6 @@ class TestDualChunk:
                              ("scaling_coefficient", {"chunk_size": 4, "local_size": 1, "scaling_coefficient": 0.0})]:
             with pytest.raises(ValueError, match=f"DualChunkPositionalEmbedding: {name}"):
                 DualChunkPositionalEmbedding(rope, **kwargs)
-
-
-# ---------------------------------------------------------------------------
-# Randomized positions
-# ---------------------------------------------------------------------------
-
-
-def seeded(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-class TestRandomized:
-    def test_draws_are_sorted_distinct_and_in_range(self):
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 40, generator=seeded())
-        for n in (1, 7, 40):
-            p = pe.draw(n)
-            assert p.dtype == torch.int64 and p.shape == (n,)
-            assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
-        assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
-
-    def test_draw_counts_are_ints_from_0_to_max_len(self):
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 16, generator=seeded())
-        assert pe.draw(0).shape == (0,) and pe.draw(torch.tensor(3)).shape == (3,)
-        with pytest.raises(ValueError, match="^RandomizedPositionalEmbedding: n must be a non-negative int, got n=-1$"):
-            pe.draw(-1)                                                                 # was 15 positions
-        for bad, kind in ((2.5, "float 2.5"), (True, "bool True"), ("3", "str '3'")):
-            with pytest.raises(TypeError, match=f"^RandomizedPositionalEmbedding: n must be an int, got {kind}"):
-                pe.draw(bad)
-        with pytest.raises(ValueError, match="a sequence of 17 tokens needs max_len >= 17, got max_len=16"):
-            pe.draw(17)
-
-    def test_randomized_positions_are_the_wrappers_draws(self):
-        """The public sampler and the wrapper draw the same positions under one seed: in draw(), and in the
-        positions attention() uses in training (the wrapped RoPE at the function's draws, to the bit)."""
-        rope = RotaryPositionalEmbedding(DH)
-        pe = RandomizedPositionalEmbedding(rope, 50, generator=seeded(4))
-        mine = seeded(4)
-        for n in (1, 12, 50, 0):
-            assert torch.equal(pe.draw(n), randomized_positions(n, 50, generator=mine))
-        q, k, v = qkv(5, 12)
-        drawn = randomized_positions(12, 50, generator=mine)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=True),
-                                   attention(q, k, v, rope, positions_q=drawn[7:], positions_k=drawn, causal=True),
-                                   rtol=0, atol=0)
-        torch.manual_seed(5)
-        unseeded = randomized_positions(7, 9)                                            # torch's global generator
-        torch.manual_seed(5)
-        assert torch.equal(unseeded, RandomizedPositionalEmbedding(rope, 9).draw(7))
-        assert randomized_positions(3, 10, device="meta").is_meta
-        owner = "randomized_positions: "
-        with pytest.raises(ValueError, match=owner + "n must be a non-negative int, got n=-1"):
-            randomized_positions(-1, 10)
-        with pytest.raises(TypeError, match=owner + "n must be an int, got float 2.5"):
-            randomized_positions(2.5, 10)
-        with pytest.raises(ValueError, match=owner + "a sequence of 11 tokens needs max_len >= 11, got max_len=10"):
-            randomized_positions(11, 10)
-        with pytest.raises(TypeError, match=owner + "generator must be a torch.Generator or None, got int"):
-            randomized_positions(1, 10, generator=0)
-
-    def test_every_subset_is_equally_likely(self):
-        # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
-        # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 5, generator=seeded(1))
-        counts = collections.Counter(tuple(pe.draw(2).tolist()) for _ in range(20000))
-        assert sorted(counts) == sorted(itertools.combinations(range(5), 2))
-        chi2 = sum((c - 2000) ** 2 / 2000 for c in counts.values())
-        assert chi2 < 27.9, chi2
-
-    def test_inclusion_frequency_is_n_over_l(self):
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded(2))
-        hits = torch.zeros(64)
-        for _ in range(4000):
-            hits[pe.draw(16)] += 1
-        # each position is drawn with probability 16/64; binomial sd sqrt(4000 * 0.25 * 0.75) = 27.4: 5 sd
-        assert (hits - 1000).abs().max() < 5 * 27.4
-
-    def test_seeded_generators_repeat_the_draws(self):
-        a = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
-        b = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
-        q, k, v = qkv(12, 12)
-        torch.testing.assert_close(attention(q, k, v, a, causal=True), attention(q, k, v, b, causal=True),
-                                   rtol=0, atol=0)
-        assert not torch.equal(a.draw(12), a.draw(12))                                  # and draws move on
-
-    @pytest.mark.parametrize("make", [
-        lambda: RotaryPositionalEmbedding(DH, interleaved=True),
-        lambda: ALiBiPositionalEmbedding(H),
-        lambda: T5PositionalEmbedding(H, bidirectional=False),
-        lambda: TransformerXLPositionalEmbedding(H, DH),
-        lambda: ShawPositionalEmbedding(H, DH, max_distance=50),                      # logits and a value term
-        lambda: XPosPositionalEmbedding(DH),
-    ], ids=["rope", "alibi", "t5", "transformer_xl", "shaw_values", "xpos"])
-    def test_training_is_the_encoding_at_one_draw(self, make):
-        # One draw per call, used by every hook: equal to the wrapped encoding given those positions.
-        torch.manual_seed(0)
-        inner = make()
-        pe = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))
-        positions = RandomizedPositionalEmbedding(make(), 200, generator=seeded(4)).draw(12)
-        q, k, v = qkv(12, 12)
-        want = attention(q, k, v, inner, positions_q=positions, positions_k=positions, causal=True)
-        torch.testing.assert_close(attention(q, k, v, pe, causal=True), want, rtol=0, atol=0)
-        decode = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))      # Nq < Nk: last Nq keys
-        want = inner.forward_attn(q[..., -3:, :], k, positions[-3:], positions)
-        torch.testing.assert_close(decode.forward_attn(q[..., -3:, :], k), want, rtol=0, atol=0)
-
-    def test_input_kind_in_training_and_eval(self):
-        inner = SinusoidalPositionalEmbedding(D)
-        pe = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5))
-        x = torch.randn(B, 10, D)
-        positions = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5)).draw(10)
-        torch.testing.assert_close(pe(x), inner(x, positions), rtol=0, atol=0)
-        torch.testing.assert_close(pe.eval()(x), inner(x), rtol=0, atol=0)
-        torch.testing.assert_close(pe(x, offset=3), inner(x, offset=3), rtol=0, atol=0)
-
-    def test_eval_and_explicit_positions_pass_through(self):
-        inner = ALiBiPositionalEmbedding(H)
-        pe = RandomizedPositionalEmbedding(inner, 500)
-        q, k, v = qkv(9, 9)
-        positions = torch.tensor([0, 3, 4, 10, 11, 30, 31, 32, 90])
-        torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions),
-                                   attention(q, k, v, inner, positions_q=positions, positions_k=positions))
-        torch.testing.assert_close(attention(q, k, v, pe.eval()), attention(q, k, v, inner))
-        assert pe.is_causal and pe.kind == "bias"
-
-    def test_gradients_reach_the_wrapped_parameters(self):
-        inner = T5PositionalEmbedding(H, num_buckets=8, max_distance=64)
-        pe = RandomizedPositionalEmbedding(inner, 64, generator=seeded(6))
-        q, k, v = qkv(10, 10)
-        attention(q, k, v, pe).sum().backward()
-        assert inner.relative_attention_bias.weight.grad.abs().sum() > 0
-
-    def test_bad_input_is_named(self):
-        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: encoding must be a PositionalEmbedding"):
-            RandomizedPositionalEmbedding(torch.nn.Linear(2, 2), 10)
-        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take positions"):
-            RandomizedPositionalEmbedding(HeinsenPositionalEmbedding(D, 8), 10)
-        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take one position axis"):
-            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH, sections=[4, 6, 6]), 10)
-        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: max_len"):
-            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 0)
-        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: generator"):
-            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 10, generator=0)
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 8)
-        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: a sequence of 9 tokens needs max_len >= 9"):
-            attention(*qkv(9, 9), pe)
-        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
-            RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
-
-    def test_training_compiles_fullgraph_dynamic_as_documented(self):
-        """torch.compile(fullgraph=True, dynamic=True) in training (the docstring's seeded generator failed to
-        trace): the global generator's draw is in the graph (compiled equals eager under two seeds, at two
-        lengths); a seeded generator's draw made outside, passed as positions, compiles; without fullgraph the
-        seeded draw is a graph break and gives eager's values."""
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
-        fn = lambda q, k, v: attention(q, k, v, pe, causal=True)
-        torch._dynamo.reset()
-        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
-        for n, seed in ((12, 3), (16, 4)):
-            q, k, v = qkv(n, n)
-            torch.manual_seed(seed)
-            got = compiled(q, k, v)
-            torch.manual_seed(seed)
-            torch.testing.assert_close(got, fn(q, k, v))
-        seeded_pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded())
-        drawn = lambda q, k, v, p: attention(q, k, v, seeded_pe, causal=True, positions_q=p[-q.shape[-2]:],
-                                             positions_k=p)
-        torch._dynamo.reset()
-        compiled = torch.compile(drawn, fullgraph=True, dynamic=True, backend="eager")
-        q, k, v = qkv(N - 4, N)
-        p = seeded_pe.draw(N)
-        torch.testing.assert_close(compiled(q, k, v, p), drawn(q, k, v, p))
-        inside = lambda q, k, v: attention(q, k, v, seeded_pe, causal=True)
-        torch._dynamo.reset()
-        compiled = torch.compile(inside, dynamic=True, backend="eager")
-        seeded_pe.generator.manual_seed(5)
-        got = compiled(q, k, v)
-        seeded_pe.generator.manual_seed(5)
-        torch.testing.assert_close(got, inside(q, k, v))
-
-    @pytest.mark.parametrize("training", [True, False])
-    def test_tensors_without_a_token_axis_are_named(self, training):
-        """q, k, v or the output of one dim: an IndexError (their lengths were read before any check)."""
-        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(8, rotate_values=True), 64).train(training)
-        flat, x = torch.randn(8), torch.randn(1, 2, 4, 8)
-        for call, name in ((lambda: pe.forward_attn(flat, x), "q"), (lambda: pe(x, flat), "k"),
-                           (lambda: pe.encode_v(flat, 4), "v"), (lambda: pe.decode_output(flat, 4), "out")):
-            with pytest.raises(ValueError, match=rf"RandomizedPositionalEmbedding: {name} must have at least 2 dims, "
-                                                 r"got shape \(8,\)"):
-                call()
 
 
 # ---------------------------------------------------------------------------
@@ -11293,602 +11540,360 @@ class TestPaTH:
             attention(*qkv(), path.bind(w=w, beta=beta), causal=False)
 
 
+# ===========================================================================
+# Cross-cutting
+# ===========================================================================
+
+
+
 # ---------------------------------------------------------------------------
-# FoPE
+# Randomized positions
 # ---------------------------------------------------------------------------
 
 
-def fope_oracle(x, positions, cos_coef, sin_coef, train_length, base, padded, num_frequencies=None):
-    """FoPE in float64, pair by pair: frequencies base^(-2i/Dh) at least 2 pi / train_length (or, as vLLM's
-    num_inv_freq, the first num_frequencies), pair p of head h turned by C = sum_d A[h, d, p] cos(w_d m) and
-    S = sum_d B[h, d, p] sin(w_d m); later pairs by C = 1 and S = 0 (or 1 when padded="ones"). x: [H, N, Dh]."""
-    heads, n, dh = x.shape
-    freqs = [base ** (-2 * i / dh) for i in range(dh // 2)]
-    freqs = freqs[:num_frequencies] if num_frequencies is not None else \
-        [w for w in freqs if w >= 2 * math.pi / train_length]
-    pairs = cos_coef.shape[-1]
-    out = torch.empty(heads, n, dh, dtype=torch.float64)
-    for h in range(heads):
-        for t, m in enumerate(positions):
-            for p in range(dh // 2):
-                if p < pairs:
-                    c = sum(float(cos_coef[h, d, p]) * math.cos(w * m) for d, w in enumerate(freqs))
-                    s = sum(float(sin_coef[h, d, p]) * math.sin(w * m) for d, w in enumerate(freqs))
-                else:
-                    c, s = 1.0, (1.0 if padded == "ones" else 0.0)
-                a, b = float(x[h, t, p]), float(x[h, t, p + dh // 2])
-                out[h, t, p], out[h, t, p + dh // 2] = a * c - b * s, b * c + a * s
-    return out
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
 
 
-class TestFoPE:
-    @pytest.mark.parametrize("num_pairs, padded", [(None, "identity"), (None, "ones"), (2, "ones"), (3, "identity")])
-    def test_matches_loop_oracle(self, num_pairs, padded):
-        pe = FoPEPositionalEmbedding(16, 2, train_length=300, base=100.0, num_pairs=num_pairs, padded=padded).double()
-        assert pe.num_frequencies == 7                                                  # 100^(-14/16) < 2 pi / 300
-        x = torch.randn(2, 5, 16, dtype=torch.float64)
-        positions = [0, 3, 17, 250, 4000]
-        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, 300, 100.0, padded)
-        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+class TestRandomized:
+    def test_draws_are_sorted_distinct_and_in_range(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 40, generator=seeded())
+        for n in (1, 7, 40):
+            p = pe.draw(n)
+            assert p.dtype == torch.int64 and p.shape == (n,)
+            assert bool((p[1:] > p[:-1]).all()) and 0 <= p.min() and p.max() < 40
+        assert pe.draw(40).tolist() == list(range(40))                                 # n = L: every position
 
-    @pytest.mark.parametrize("count", [1, 5, 8])
-    def test_the_number_of_kept_frequencies_is_vllms_num_inv_freq(self, count):
-        """num_frequencies=D keeps w_0 .. w_{D-1} (vLLM: inv_freq[:num_inv_freq], input and output dims D, the
-        rest C = 1, S = 0), whatever their periods; the same module as the train_length that keeps D."""
-        pe = FoPEPositionalEmbedding(16, 2, num_frequencies=count, base=100.0).double()
-        assert pe.num_frequencies == count and pe.cos_coef.shape == (2, count, count) and pe.train_length is None
-        x = torch.randn(2, 5, 16, dtype=torch.float64)
-        positions = [0, 3, 17, 250, 4000]
-        want = fope_oracle(x, positions, pe.cos_coef, pe.sin_coef, None, 100.0, "identity", num_frequencies=count)
-        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
-        if count == 5:   # 100^(-8/16) >= 2 pi / 100 > 100^(-10/16): train_length=100 keeps the same five
-            torch.manual_seed(0)
-            by_count = FoPEPositionalEmbedding(16, 2, num_frequencies=5, base=100.0)
-            torch.manual_seed(0)
-            by_length = FoPEPositionalEmbedding(16, 2, train_length=100, base=100.0)
-            torch.testing.assert_close(by_count(x.float()), by_length(x.float()), rtol=0, atol=0)
+    def test_draw_counts_are_ints_from_0_to_max_len(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 16, generator=seeded())
+        assert pe.draw(0).shape == (0,) and pe.draw(torch.tensor(3)).shape == (3,)
+        with pytest.raises(ValueError, match="^RandomizedPositionalEmbedding: n must be a non-negative int, got n=-1$"):
+            pe.draw(-1)                                                                 # was 15 positions
+        for bad, kind in ((2.5, "float 2.5"), (True, "bool True"), ("3", "str '3'")):
+            with pytest.raises(TypeError, match=f"^RandomizedPositionalEmbedding: n must be an int, got {kind}"):
+                pe.draw(bad)
+        with pytest.raises(ValueError, match="a sequence of 17 tokens needs max_len >= 17, got max_len=16"):
+            pe.draw(17)
 
-    @pytest.mark.parametrize("learnable", [False, True])
-    def test_q_and_k_take_ropes_rotation_compiled_or_not(self, monkeypatch, learnable):
-        """Issue 42: FoPE turns q and k in RoPE's one call: eagerly (fixed coefficients: the allocation-free
-        function, per-head angles broadcast) or through the library's compiled rotation (a counting
-        AOTAutograd backend here), with the same outputs and gradients for q, k and learned coefficients."""
-        from torch._dynamo.testing import CompileCounterWithBackend
+    def test_randomized_positions_are_the_wrappers_draws(self):
+        """The public sampler and the wrapper draw the same positions under one seed: in draw(), and in the
+        positions attention() uses in training (the wrapped RoPE at the function's draws, to the bit)."""
+        rope = RotaryPositionalEmbedding(DH)
+        pe = RandomizedPositionalEmbedding(rope, 50, generator=seeded(4))
+        mine = seeded(4)
+        for n in (1, 12, 50, 0):
+            assert torch.equal(pe.draw(n), randomized_positions(n, 50, generator=mine))
+        q, k, v = qkv(5, 12)
+        drawn = randomized_positions(12, 50, generator=mine)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True),
+                                   attention(q, k, v, rope, positions_q=drawn[7:], positions_k=drawn, causal=True),
+                                   rtol=0, atol=0)
+        torch.manual_seed(5)
+        unseeded = randomized_positions(7, 9)                                            # torch's global generator
+        torch.manual_seed(5)
+        assert torch.equal(unseeded, RandomizedPositionalEmbedding(rope, 9).draw(7))
+        assert randomized_positions(3, 10, device="meta").is_meta
+        owner = "randomized_positions: "
+        with pytest.raises(ValueError, match=owner + "n must be a non-negative int, got n=-1"):
+            randomized_positions(-1, 10)
+        with pytest.raises(TypeError, match=owner + "n must be an int, got float 2.5"):
+            randomized_positions(2.5, 10)
+        with pytest.raises(ValueError, match=owner + "a sequence of 11 tokens needs max_len >= 11, got max_len=10"):
+            randomized_positions(11, 10)
+        with pytest.raises(TypeError, match=owner + "generator must be a torch.Generator or None, got int"):
+            randomized_positions(1, 10, generator=0)
 
-        fope = FoPEPositionalEmbedding(16, 3, train_length=64, learnable=learnable)
-        q, k = (torch.randn(2, 3, 10, 16, requires_grad=True) for _ in range(2))
-        leaves = [q, k, fope.cos_coef, fope.sin_coef] if learnable else [q, k]
+    def test_every_subset_is_equally_likely(self):
+        # L = 5, N = 2: the 10 subsets each with probability 1/10; 20000 draws, a chi-square test at 10^-4
+        # (27.9 is the 0.9999 quantile of chi-square with 9 degrees of freedom).
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 5, generator=seeded(1))
+        counts = collections.Counter(tuple(pe.draw(2).tolist()) for _ in range(20000))
+        assert sorted(counts) == sorted(itertools.combinations(range(5), 2))
+        chi2 = sum((c - 2000) ** 2 / 2000 for c in counts.values())
+        assert chi2 < 27.9, chi2
 
-        def outputs_and_grads():
-            out = fope.encode_qk(q, k)
-            return [*out, *torch.autograd.grad(sum(o.square().sum() for o in out), leaves)]
+    def test_inclusion_frequency_is_n_over_l(self):
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded(2))
+        hits = torch.zeros(64)
+        for _ in range(4000):
+            hits[pe.draw(16)] += 1
+        # each position is drawn with probability 16/64; binomial sd sqrt(4000 * 0.25 * 0.75) = 27.4: 5 sd
+        assert (hits - 1000).abs().max() < 5 * 27.4
 
-        want = outputs_and_grads()
-        oracle = [torch.stack([fope_oracle(row.double(), list(range(10)), fope.cos_coef, fope.sin_coef, 64, 10000.0,
-                                           "identity") for row in x.detach()]) for x in (q, k)]   # per batch row
-        counter = CompileCounterWithBackend("aot_eager")
-        fused_rotation_on_cpu(monkeypatch, torch.compile(fresh_rotation_formula(), backend=counter))
-        got = outputs_and_grads()
-        assert counter.frame_count == 1
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w)
-        for g, o in zip(got, oracle):
-            torch.testing.assert_close(g.double(), o, rtol=1e-5, atol=1e-5)
-
-    def test_without_noise_or_clipping_it_is_rope(self):
-        fope = FoPEPositionalEmbedding(DH, H, train_length=10**6, sigma=0.0)
-        assert fope.num_frequencies == DH // 2
+    def test_seeded_generators_repeat_the_draws(self):
+        a = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
+        b = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 100, generator=seeded(3))
         q, k, v = qkv(12, 12)
-        torch.testing.assert_close(attention(q, k, v, fope, causal=True),
-                                   attention(q, k, v, RotaryPositionalEmbedding(DH), causal=True), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(attention(q, k, v, a, causal=True), attention(q, k, v, b, causal=True),
+                                   rtol=0, atol=0)
+        assert not torch.equal(a.draw(12), a.draw(12))                                  # and draws move on
 
-    def test_clipped_frequencies_and_the_padded_pairs(self):
-        # base 10^4, Dh = 32, L = 512: w_i = 10^(-i/4) >= 2 pi / 512 keeps i <= 7, so 8 of 16 frequencies.
-        pe = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0)
-        assert pe.num_frequencies == 8 and pe.cos_coef.shape == (1, 8, 8)
-        x = torch.randn(1, 6, 32, dtype=torch.float64)
-        pe = pe.double()
-        out = pe(x, torch.arange(6) * 37)
-        free = [*range(8, 16), *range(24, 32)]                                          # the pairs past P
-        torch.testing.assert_close(out[..., free], x[..., free], rtol=0, atol=0)       # identity
-        ones = FoPEPositionalEmbedding(32, 1, train_length=512, sigma=0.0, padded="ones").double()
-        q, k = torch.randn(2, 1, 1, 32, dtype=torch.float64).unbind(0)
-        keep = torch.zeros(32, dtype=torch.bool)
-        keep[free] = True
-        q, k = q * keep, k * keep
-        for m in (0, 5, 300):                                                           # twice the dot product
-            dot = (ones(q, torch.tensor([m])) * ones(k, torch.tensor([0]))).sum()
-            torch.testing.assert_close(dot, 2 * (q * k).sum())
+    @pytest.mark.parametrize("make", [
+        lambda: RotaryPositionalEmbedding(DH, interleaved=True),
+        lambda: ALiBiPositionalEmbedding(H),
+        lambda: T5PositionalEmbedding(H, bidirectional=False),
+        lambda: TransformerXLPositionalEmbedding(H, DH),
+        lambda: ShawPositionalEmbedding(H, DH, max_distance=50),                      # logits and a value term
+        lambda: XPosPositionalEmbedding(DH),
+    ], ids=["rope", "alibi", "t5", "transformer_xl", "shaw_values", "xpos"])
+    def test_training_is_the_encoding_at_one_draw(self, make):
+        # One draw per call, used by every hook: equal to the wrapped encoding given those positions.
+        torch.manual_seed(0)
+        inner = make()
+        pe = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))
+        positions = RandomizedPositionalEmbedding(make(), 200, generator=seeded(4)).draw(12)
+        q, k, v = qkv(12, 12)
+        want = attention(q, k, v, inner, positions_q=positions, positions_k=positions, causal=True)
+        torch.testing.assert_close(attention(q, k, v, pe, causal=True), want, rtol=0, atol=0)
+        decode = RandomizedPositionalEmbedding(inner, 200, generator=seeded(4))      # Nq < Nk: last Nq keys
+        want = inner.forward_attn(q[..., -3:, :], k, positions[-3:], positions)
+        torch.testing.assert_close(decode.forward_attn(q[..., -3:, :], k), want, rtol=0, atol=0)
 
-    def test_authors_initialisation(self):
-        # eye_xavier_norm: Xavier-normal noise of gain sigma (std sigma sqrt(2 / (D P + H P))) plus 1 on
-        # each pair's frequency, i * ceil(D / P); the noise is torch's xavier_normal_ draw (sin, then cos).
-        torch.manual_seed(0)
-        pe = FoPEPositionalEmbedding(64, 8, train_length=512, num_pairs=16)
-        assert pe.num_frequencies == 16 and not pe.cos_coef.requires_grad
-        eye = torch.zeros(16, 16)
-        eye[torch.arange(16), torch.arange(16)] = 1.0
-        noise = torch.cat([pe.cos_coef - eye, pe.sin_coef - eye]).flatten()
-        expected = 0.3 * math.sqrt(2 / (16 * 16 + 8 * 16))
-        assert abs(noise.std().item() / expected - 1) < 0.05
-        torch.manual_seed(0)
-        sin_noise = torch.nn.init.xavier_normal_(torch.empty(8, 16, 16), gain=0.3)
-        torch.testing.assert_close(pe.sin_coef - eye, sin_noise, rtol=0, atol=1e-7)
-        stepped = FoPEPositionalEmbedding(64, 1, train_length=1024, num_pairs=16, sigma=0.0)
-        assert stepped.num_frequencies == 18                                           # ceil(18 / 16) = 2
-        nonzero = stepped.cos_coef[0].nonzero().tolist()
-        assert nonzero == [[2 * i, i] for i in range(9)]                               # pairs 9..15: no frequency
-        assert FoPEPositionalEmbedding(DH, H, 64, learnable=True).cos_coef.requires_grad
+    def test_input_kind_in_training_and_eval(self):
+        inner = SinusoidalPositionalEmbedding(D)
+        pe = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5))
+        x = torch.randn(B, 10, D)
+        positions = RandomizedPositionalEmbedding(inner, 500, generator=seeded(5)).draw(10)
+        torch.testing.assert_close(pe(x), inner(x, positions), rtol=0, atol=0)
+        torch.testing.assert_close(pe.eval()(x), inner(x), rtol=0, atol=0)
+        torch.testing.assert_close(pe(x, offset=3), inner(x, offset=3), rtol=0, atol=0)
+
+    def test_eval_and_explicit_positions_pass_through(self):
+        inner = ALiBiPositionalEmbedding(H)
+        pe = RandomizedPositionalEmbedding(inner, 500)
+        q, k, v = qkv(9, 9)
+        positions = torch.tensor([0, 3, 4, 10, 11, 30, 31, 32, 90])
+        torch.testing.assert_close(attention(q, k, v, pe, positions_q=positions, positions_k=positions),
+                                   attention(q, k, v, inner, positions_q=positions, positions_k=positions))
+        torch.testing.assert_close(attention(q, k, v, pe.eval()), attention(q, k, v, inner))
+        assert pe.is_causal and pe.kind == "bias"
+
+    def test_gradients_reach_the_wrapped_parameters(self):
+        inner = T5PositionalEmbedding(H, num_buckets=8, max_distance=64)
+        pe = RandomizedPositionalEmbedding(inner, 64, generator=seeded(6))
+        q, k, v = qkv(10, 10)
+        attention(q, k, v, pe).sum().backward()
+        assert inner.relative_attention_bias.weight.grad.abs().sum() > 0
 
     def test_bad_input_is_named(self):
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: train_length=6 clips every frequency"):
-            FoPEPositionalEmbedding(DH, H, 6)
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: num_pairs must be at most"):
-            FoPEPositionalEmbedding(DH, H, 512, num_pairs=DH)
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: padded"):
-            FoPEPositionalEmbedding(DH, H, 512, padded="zeros")
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: head_dim"):
-            FoPEPositionalEmbedding(DH + 1, H, 512)
-        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length .* and "
-                                            "num_frequencies .*, got train_length=512 and num_frequencies=4"):
-            FoPEPositionalEmbedding(DH, H, 512, num_frequencies=4)
-        with pytest.raises(TypeError, match="FoPEPositionalEmbedding: pass exactly one of train_length"):
-            FoPEPositionalEmbedding(DH, H)
-        with pytest.raises(ValueError, match=f"FoPEPositionalEmbedding: num_frequencies must be at most head_dim // 2 "
-                                             f"= {DH // 2}, got num_frequencies={DH // 2 + 1}"):
-            FoPEPositionalEmbedding(DH, H, num_frequencies=DH // 2 + 1)
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: sigma"):
-            FoPEPositionalEmbedding(DH, H, 512, sigma=-1.0)
-        with pytest.raises(ValueError, match="FoPEPositionalEmbedding: q"):
-            attention(*qkv(dh=DH + 2), FoPEPositionalEmbedding(DH, H, 512), causal=True)
+        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: encoding must be a PositionalEmbedding"):
+            RandomizedPositionalEmbedding(torch.nn.Linear(2, 2), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take positions"):
+            RandomizedPositionalEmbedding(HeinsenPositionalEmbedding(D, 8), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: encoding must take one position axis"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH, sections=[4, 6, 6]), 10)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: max_len"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 0)
+        with pytest.raises(TypeError, match="RandomizedPositionalEmbedding: generator"):
+            RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 10, generator=0)
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 8)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: a sequence of 9 tokens needs max_len >= 9"):
+            attention(*qkv(9, 9), pe)
+        with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
+            RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
+
+    def test_training_compiles_fullgraph_dynamic_as_documented(self):
+        """torch.compile(fullgraph=True, dynamic=True) in training (the docstring's seeded generator failed to
+        trace): the global generator's draw is in the graph (compiled equals eager under two seeds, at two
+        lengths); a seeded generator's draw made outside, passed as positions, compiles; without fullgraph the
+        seeded draw is a graph break and gives eager's values."""
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
+        fn = lambda q, k, v: attention(q, k, v, pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+        for n, seed in ((12, 3), (16, 4)):
+            q, k, v = qkv(n, n)
+            torch.manual_seed(seed)
+            got = compiled(q, k, v)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(got, fn(q, k, v))
+        seeded_pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64, generator=seeded())
+        drawn = lambda q, k, v, p: attention(q, k, v, seeded_pe, causal=True, positions_q=p[-q.shape[-2]:],
+                                             positions_k=p)
+        torch._dynamo.reset()
+        compiled = torch.compile(drawn, fullgraph=True, dynamic=True, backend="eager")
+        q, k, v = qkv(N - 4, N)
+        p = seeded_pe.draw(N)
+        torch.testing.assert_close(compiled(q, k, v, p), drawn(q, k, v, p))
+        inside = lambda q, k, v: attention(q, k, v, seeded_pe, causal=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(inside, dynamic=True, backend="eager")
+        seeded_pe.generator.manual_seed(5)
+        got = compiled(q, k, v)
+        seeded_pe.generator.manual_seed(5)
+        torch.testing.assert_close(got, inside(q, k, v))
+
+    @pytest.mark.parametrize("training", [True, False])
+    def test_tensors_without_a_token_axis_are_named(self, training):
+        """q, k, v or the output of one dim: an IndexError (their lengths were read before any check)."""
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(8, rotate_values=True), 64).train(training)
+        flat, x = torch.randn(8), torch.randn(1, 2, 4, 8)
+        for call, name in ((lambda: pe.forward_attn(flat, x), "q"), (lambda: pe(x, flat), "k"),
+                           (lambda: pe.encode_v(flat, 4), "v"), (lambda: pe.decode_output(flat, 4), "out")):
+            with pytest.raises(ValueError, match=rf"RandomizedPositionalEmbedding: {name} must have at least 2 dims, "
+                                                 r"got shape \(8,\)"):
+                call()
 
 
 # ---------------------------------------------------------------------------
-# HoPE
+# layer_encodings: each layer's encoding from a config (Llama 4, SmolLM3, Gemma, DeepSeek-V4, ...)
 # ---------------------------------------------------------------------------
 
 
-class TestHoPE:
-    @pytest.mark.parametrize("interleaved", [False, True])
-    def test_matches_loop_oracle(self, interleaved):
-        # RoPE with every frequency below 2 pi / L set to 0, rotation matrices built per position in float64
-        pe = HoPEPositionalEmbedding(16, train_length=100, base=100.0, interleaved=interleaved).double()
-        freqs = [w if w >= 2 * math.pi / 100 else 0.0 for w in plain_inv_freq(16, 100.0)]
-        assert pe.removed_pairs == sum(w == 0.0 for w in freqs) == 3                     # 100^(-i/8) < 0.0628: i >= 5
-        x = torch.randn(2, 3, 6, 16, dtype=torch.float64)
-        positions = [0, 1, 7, 99, 1000, 123456]
-        want = rope_oracle(x, positions, freqs, interleaved=interleaved)
-        torch.testing.assert_close(pe(x, torch.tensor(positions)), want, rtol=1e-12, atol=1e-12)
+class TestLayerEncodings:
+    """layer_encodings against the models: which layers rotate, and the logits with our encodings swapped in."""
 
-    def test_p_rope_at_the_same_fraction_and_not_otherwise(self):
-        x = torch.randn(2, H, 40, 64)
-        hope = HoPEPositionalEmbedding(64, train_length=512)                             # removes 16 of 32 pairs
-        assert hope.removed_pairs == 16
-        p_rope = RotaryPositionalEmbedding(64, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5})
-        torch.testing.assert_close(hope(x), p_rope(x), rtol=0, atol=0)
-        longer = HoPEPositionalEmbedding(64, train_length=8192)                          # the boundary moves with L
-        assert longer.removed_pairs == 7                                                 # 10^4^(-i/32) < 7.7e-4: i >= 25
-        assert (longer(x) - p_rope(x)).abs().max() > 0.1
+    def test_smollm3_logits(self):
+        config, model, modeling, ids, want = tiny_causal_lm("SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3_TINY)
+        encodings = layer_encodings(config)
+        got, called = logits_with_our_rope(model, modeling, "apply_rotary_pos_emb", encodings, -2, ids)
+        assert called == [i for i, pe in enumerate(encodings) if isinstance(pe, RotaryPositionalEmbedding)] \
+            == [0, 2, 3, 5]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    def test_fope_without_noise_is_hope(self):
-        x = torch.randn(2, H, 30, DH)
-        fope = FoPEPositionalEmbedding(DH, H, train_length=64, sigma=0.0)
-        torch.testing.assert_close(fope(x, torch.arange(30) * 7), HoPEPositionalEmbedding(DH, train_length=64)(
-            x, torch.arange(30) * 7), rtol=1e-5, atol=1e-6)
+    def test_llama4_rope_layers_logits(self):
+        config, model, modeling, ids, want = tiny_causal_lm("Llama4TextConfig", "Llama4ForCausalLM", **LLAMA4_TINY)
+        # want: the model's own temperature on its NoPE layers stays on
+        encodings = layer_encodings(config)
+        got, called = logits_with_our_rope(model, modeling, "apply_rotary_emb", encodings, -3, ids)
+        assert called == [0, 2] and [type(pe).__name__ for pe in encodings][1::2] == \
+            ["QueryTemperaturePositionalEmbedding"] * 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    def test_no_long_term_decay_in_the_removed_pairs(self):
-        # A q/k living only in the removed pairs has the same logit at every distance.
-        pe = HoPEPositionalEmbedding(DH, train_length=64)
-        q, k = torch.zeros(2, 1, 1, 1, DH).unbind(0)
-        removed = [i for i in range(DH // 2) if pe.inv_freq[i] == 0]
-        for i in removed:
-            q[..., i], k[..., i + DH // 2] = 1.0, 1.0
-            q[..., i + DH // 2], k[..., i] = 0.5, -2.0
-        logits = [pe.forward_attn(q, k, torch.tensor([t]), torch.tensor([0])).item() for t in (0, 1, 100, 10**6)]
-        assert max(logits) - min(logits) < 1e-6 and removed
+    def test_schedules_of_the_default_configs(self):
+        transformers = pytest.importorskip("transformers")
+        smol = layer_encodings(transformers.SmolLM3Config())
+        assert len(smol) == 36 and [i for i, pe in enumerate(smol) if isinstance(pe, NoPositionalEmbedding)] == \
+            list(range(3, 36, 4))
+        llama4 = layer_encodings(transformers.Llama4Config())                          # the multimodal config
+        temperatures = [pe for pe in llama4 if isinstance(pe, QueryTemperaturePositionalEmbedding)]
+        assert len(llama4) == 48 and len(temperatures) == 12
+        assert (temperatures[0].length, temperatures[0].scale, temperatures[0].shift) == (8192.0, 0.1, 1)
+        assert llama4[0].interleaved and llama4[0].base == 500000.0
+        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
+                                                                         "compressed_sparse_attention"] * 2,
+                                                            num_hidden_layers=4))
+        assert [pe.base for pe in v4] == [1e4, 1.6e5, 1e4, 1.6e5] and v4[0].rotary_dim == 64 and v4[0].rotate_values
+        gemma = layer_encodings(transformers.Gemma3TextConfig(num_hidden_layers=6))
+        assert [pe.base for pe in gemma] == [1e4] * 5 + [1e6]                          # five sliding, one full
+        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
+            layer_encodings(transformers.MistralLarge4TextConfig())
+        large4 = layer_encodings(transformers.MistralLarge4TextConfig(), rope_alpha=torch.zeros(32))
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in large4[:4]] == [False, False, False, True]
+        assert (large4[0].dim, large4[0].rotary_dim, large4[0].rotated_channels) == (128, 64, "trailing")
+        with pytest.raises(ValueError, match="model_type='mistral_large4_text' is not supported .*rope_alpha"):
+            RotaryPositionalEmbedding.from_config(transformers.MistralLarge4TextConfig())
 
-    def test_bad_input_is_named(self):
-        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: train_length"):
-            HoPEPositionalEmbedding(DH, train_length=0)
-        with pytest.raises(ValueError, match="HoPEPositionalEmbedding: dim"):
-            HoPEPositionalEmbedding(DH + 1, train_length=64)
-        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: no Hugging Face model type uses HoPE"):
-            HoPEPositionalEmbedding.from_config(LLAMA3_DICT)
-        with pytest.raises(TypeError, match="HoPEPositionalEmbedding: HoPE takes no scaling"):
-            HoPEPositionalEmbedding(DH, train_length=64).scaling = {"rope_type": "linear", "factor": 2.0}
+    def test_each_layer_says_which_rope_parameters_it_got(self):
+        """Per-layer-type RoPEs carry their layer type (the key of the config's rope_parameters), in the repr
+        too; layers of one type share one module; a single RoPE for every layer has None."""
+        transformers = pytest.importorskip("transformers")
+        config = transformers.Gemma3TextConfig(num_hidden_layers=6)
+        gemma = layer_encodings(config)
+        assert [pe.layer_type for pe in gemma] == list(config.layer_types) == \
+            ["sliding_attention"] * 5 + ["full_attention"]
+        assert "layer_type='full_attention'" in repr(gemma[5]) and gemma[0] is gemma[4]
+        assert gemma[5].base == config.rope_parameters["full_attention"]["rope_theta"]
+        v4 = layer_encodings(transformers.DeepseekV4Config(layer_types=["sliding_attention",
+                                                                         "compressed_sparse_attention"] * 2,
+                                                            num_hidden_layers=4))
+        assert [pe.layer_type for pe in v4] == ["main", "compress"] * 2
+        smol = layer_encodings(transformers.SmolLM3Config(num_hidden_layers=4))
+        assert smol[0].layer_type is None and "layer_type" not in repr(smol[0])
+        assert RotaryPositionalEmbedding.from_config(config, layer_type="sliding_attention").layer_type == \
+            "sliding_attention"
 
+    SMOLLM3_DICT = {"model_type": "smollm3", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                    "rope_theta": 2e6}
+    LLAMA4_DICT = {"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                   "head_dim": 8, "rope_theta": 5e5, "no_rope_layer_interval": 2}
 
-# ---------------------------------------------------------------------------
-# VideoRoPE
-# ---------------------------------------------------------------------------
+    def test_a_zero_no_rope_layer_interval_is_named(self):
+        """A ZeroDivisionError before."""
+        with pytest.raises(ValueError, match="layer_encodings: no_rope_layer_interval must be a positive int, "
+                                             "got no_rope_layer_interval=0"):
+            layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 0})
+        assert [type(pe).__name__ for pe in layer_encodings({**self.SMOLLM3_DICT, "no_rope_layer_interval": 2})] == \
+            ["RotaryPositionalEmbedding", "NoPositionalEmbedding"] * 2
 
+    def test_llama4_temperature_fields_are_named_as_the_config_names_them(self):
+        """floor_scale=0 blamed QueryTemperaturePositionalEmbedding's length, an argument the user never passed."""
+        with pytest.raises(ValueError, match=r"layer_encodings: floor_scale must be a finite number > 0\.0, "
+                                             r"got floor_scale=0"):
+            layer_encodings({**self.LLAMA4_DICT, "floor_scale": 0})
+        with pytest.raises(ValueError, match=r"layer_encodings: attn_scale must be a finite number >= 0\.0, "
+                                             r"got attn_scale=-1"):
+            layer_encodings({**self.LLAMA4_DICT, "attn_scale": -1})
+        temperature = layer_encodings({**self.LLAMA4_DICT, "floor_scale": 16, "attn_scale": 0.25})[1]
+        assert (temperature.length, temperature.scale) == (16.0, 0.25)
 
-def video_positions_oracle(segments, spacing):
-    """The diagonal layout by plain loops: rows (t, h, w) per token."""
-    rows, start = [], 0.0
-    for segment in segments:
-        if isinstance(segment, int):
-            rows += [(start + i,) * 3 for i in range(segment)]
-            start += segment
-            continue
-        frames, height, width = segment
-        for f in range(frames):
-            for y in range(height):
-                for x in range(width):
-                    t = start + spacing * f
-                    rows.append((t, t + y - math.floor((height - 1) / 2), t + x - math.floor((width - 1) / 2)))
-        start += spacing * (frames - 1) + 1
-    return torch.tensor(rows, dtype=torch.float64)
+    def test_mistral_large4_output_with_our_rope(self):
+        """A tiny Mistral Large 4 (YaRN, learned alpha, NoPE layers, its indexer): the model's output with our
+        rotation swapped in for its apply_rotary_pos_emb_interleave equals its own, and our whole-head module
+        on [nope | rope] equals the rope slice turned."""
+        transformers = pytest.importorskip("transformers")
+        modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
+        torch.manual_seed(0)
+        config = transformers.MistralLarge4TextConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0, 1, 0],
+            max_position_embeddings=64, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0})
+        model = modeling.MistralLarge4TextModel(config).eval()
+        with torch.no_grad():
+            model.rotary_emb.alpha.normal_(0, 0.3)           # a trained checkpoint's factors (zero at init)
+            for layer in model.layers:
+                layer.self_attn.softmax_scaling.scale.normal_(0, 0.1)
+                layer.self_attn.softmax_scaling.bias.fill_(1.0)
+        layers = layer_encodings(config, rope_alpha=model.rotary_emb.alpha)
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in layers] == [False, True, False, True]
+        rope = layers[0]
+        slice_rope = RotaryPositionalEmbedding(8, interleaved=True, frequencies=rope.frequencies)
+        positions, calls = torch.arange(12), []
 
+        def ours(q, k, cos, sin, unsqueeze_dim=1):       # [B, H, N, R] (attention) or [B, N, H, R] (indexer)
+            seq_dim = -2 if unsqueeze_dim == 1 else -3
+            calls.append(seq_dim)
+            turn = lambda x: None if x is None else slice_rope(x, positions[-x.shape[seq_dim]:], seq_dim=seq_dim)  # noqa: E731
+            return turn(q), turn(k)
 
-class TestVideoRoPE:
-    def test_time_takes_the_slowest_pairs_and_h_w_alternate(self):
-        video = VideoRotaryPositionalEmbedding(128)                                          # sections [16, 24, 24]
-        axes = video.axis_of_pair.tolist()
-        assert video.sections == [16, 24, 24]
-        assert axes == [1 if k % 2 == 0 else 2 for k in range(48)] + [0] * 16
-        slowest = video.inv_freq.argsort()[:16].sort().values.tolist()                     # the 16 lowest frequencies
-        assert [k for k in range(64) if axes[k] == 0] == slowest
-        # M-RoPE gives time the fastest pairs, Qwen3-VL cycles t, h, w from pair 0
-        mrope = RotaryPositionalEmbedding(128, sections=[16, 24, 24]).axis_of_pair.tolist()
-        qwen3 = RotaryPositionalEmbedding(128, sections=[24, 20, 20], section_layout="interleaved").axis_of_pair.tolist()
-        assert mrope[:16] == [0] * 16 and qwen3[:3] == [0, 1, 2]
-        assert len({tuple(axes), tuple(mrope), tuple(qwen3)}) == 3
+        ids = torch.randint(0, 64, (1, 12))
+        with torch.no_grad():
+            theirs = model(input_ids=ids).last_hidden_state
+            original = modeling.apply_rotary_pos_emb_interleave
+            modeling.apply_rotary_pos_emb_interleave = ours
+            try:
+                swapped = model(input_ids=ids).last_hidden_state
+            finally:
+                modeling.apply_rotary_pos_emb_interleave = original
+        MAX_DIFF["mistral_large4 model output"] = (swapped - theirs).abs().max().item()
+        assert calls and MAX_DIFF["mistral_large4 model output"] < 2e-6
+        head = torch.randn(1, 2, 12, 16)                                                  # [nope 8 | rope 8]
+        torch.testing.assert_close(rope(head), torch.cat([head[..., :8], slice_rope(head[..., 8:])], -1),
+                                   atol=0, rtol=0)
 
-    def test_a_spatial_split_the_alternation_cannot_honour_raises(self):
-        # the reference alternates h and w over sections[1] + sections[2] pairs whatever their split: h gets
-        # ceil, w floor of half of them, so any other split would be silently ignored
-        a = VideoRotaryPositionalEmbedding(64, sections=[8, 12, 12]).axis_of_pair
-        assert a.tolist() == [1, 2] * 12 + [0] * 8
-        assert VideoRotaryPositionalEmbedding(64, sections=[9, 12, 11]).axis_of_pair.tolist() == [1, 2] * 11 + [1] + [0] * 9
-        with pytest.raises(ValueError, match=r"need h == w or h == w \+ 1, got sections=\[8, 20, 4\]"):
-            VideoRotaryPositionalEmbedding(64, sections=[8, 20, 4])
-
-    @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-    def test_rotation_matches_loop_oracle(self, dtype):
-        video = VideoRotaryPositionalEmbedding(16, sections=[2, 3, 3], base=100.0)
-        positions = video.positions([2, (2, 2, 2), 1])                                      # [11, 3]
-        x = torch.randn(1, 2, 11, 16, dtype=torch.float64)
-        got = video(x.to(dtype), positions)
-        want = torch.empty_like(x)
-        for n in range(11):
-            for k in range(8):                                                               # pair (k, k + 8)
-                axis = 0 if k >= 6 else 1 + k % 2
-                angle = float(positions[n, axis]) * 100.0 ** (-2 * k / 16)
-                a, b = x[..., n, k], x[..., n, k + 8]
-                want[..., n, k] = a * math.cos(angle) - b * math.sin(angle)
-                want[..., n, k + 8] = b * math.cos(angle) + a * math.sin(angle)
-        tol = 1e-12 if dtype == torch.float64 else 2e-6
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
-
-    @pytest.mark.parametrize("spacing", [2.0, 0.5, 1.0, 3.0])
-    def test_positions_match_loop_oracle(self, spacing):
-        segments = [3, (2, 3, 4), 1, (1, 4, 5), (3, 2, 1), 2]
-        got = VideoRotaryPositionalEmbedding(DH, temporal_spacing=spacing).positions(segments, start=0)
-        torch.testing.assert_close(got, video_positions_oracle(segments, spacing), rtol=0, atol=0)
-
-    def test_positions_match_the_reference(self):
-        # get_t_scale_rope_index of Wiselnn570/VideoRoPE (videorope-transformer/modeling_videorope.py,
-        # HEAD 7712ca3) run on this machine for these prompts (vision start/end tokens counted as text;
-        # merged grids): ids copied from its output
-        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=2.0)
-        got = video.positions([4, (2, 3, 4), 3])
-        want = [[0, 1, 2, 3] + [4] * 12 + [6] * 12 + [7, 8, 9],
-                [0, 1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 8, 9],
-                [0, 1, 2, 3] + [3, 4, 5, 6] * 3 + [5, 6, 7, 8] * 3 + [7, 8, 9]]
-        assert got.T.tolist() == want
-        video = VideoRotaryPositionalEmbedding(DH, temporal_spacing=0.5)
-        got = video.positions([2, (1, 2, 2), 3, (3, 2, 3), 3])
-        want = [[0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6.5, 6.5, 6.5, 6.5, 6.5, 6.5, 7, 7, 7, 7, 7, 7, 8, 9, 10],
-                [0, 1, 2, 2, 3, 3, 3, 4, 5, 6, 6, 6, 7, 7, 7, 6.5, 6.5, 6.5, 7.5, 7.5, 7.5, 7, 7, 7, 8, 8, 8, 8, 9, 10],
-                [0, 1, 2, 3, 2, 3, 3, 4, 5, 5, 6, 7, 5, 6, 7, 5.5, 6.5, 7.5, 5.5, 6.5, 7.5, 6, 7, 8, 6, 7, 8, 8, 9, 10]]
-        assert got.T.tolist() == want
-
-    def test_text_after_a_video_resumes_from_the_time_row(self):
-        positions = VideoRotaryPositionalEmbedding(DH, temporal_spacing=1.0).positions([1, (2, 5, 5), 1])
-        last_frame = positions[1:-1]
-        assert positions[-1, 0] == last_frame[:, 0].max() + 1 == 3
-        assert last_frame[:, 1:].max() == 4                                 # M-RoPE would resume at 4 + 1 = 5
-
-    def test_text_alone_is_plain_rope(self):
-        video = VideoRotaryPositionalEmbedding(DH)
-        q, k, _ = qkv()
-        p = video.positions([N])
-        torch.testing.assert_close(video.forward_attn(q, k, p, p), RotaryPositionalEmbedding(DH).forward_attn(q, k))
-
-    def test_differs_from_mrope_on_video(self):
-        video = VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6])
-        mrope = RotaryPositionalEmbedding(DH, sections=[4, 6, 6])
-        q, k, _ = qkv()
-        p = video_tthw(N)
-        assert (video.forward_attn(q, k, p, p) - mrope.forward_attn(q, k, p, p)).abs().max() > 0.1
-
-    def test_bad_input(self):
-        with pytest.raises(ValueError, match=r"^VideoRotaryPositionalEmbedding: section_layout=.alternating. "
-                                             r"\(ERNIE-4.5-VL, VideoRoPE\) needs three sections"):
-            VideoRotaryPositionalEmbedding(32, sections=[8, 8])
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: sections must be positive and sum to"):
-            VideoRotaryPositionalEmbedding(32, sections=[4, 4, 4])
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: temporal_spacing must be a finite number > 0"):
-            VideoRotaryPositionalEmbedding(32, temporal_spacing=0.0)
-        video = VideoRotaryPositionalEmbedding(32)
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a sequence of 3 positive ints, got segments=\\(2, 3\\)"):
-            video.positions([3, (2, 3)])
-        with pytest.raises(ValueError, match="^VideoRotaryPositionalEmbedding: segments must be a non-negative int, got segments=-1"):
-            video.positions([-1])
-        with pytest.raises(TypeError, match="^VideoRotaryPositionalEmbedding: no Hugging Face model type uses VideoRoPE"):
-            VideoRotaryPositionalEmbedding.from_config({"model_type": "qwen2_vl"})
-        with pytest.raises(ValueError, match="VideoRotaryPositionalEmbedding: positions"):
-            video(torch.randn(1, 2, 5, 32), torch.zeros(5, 2))
-
-    def test_a_head_dim_too_small_is_named_not_the_default_sections(self):
-        """VideoRotaryPositionalEmbedding(4) blamed sections=0, a default the user never passed."""
-        for args, kwargs, name in (((4,), {}, "dim"), ((), {"head_dim": 2}, "head_dim"),
-                                   ((4,), {"sections": [1, 1, 0]}, "dim")):
-            with pytest.raises(ValueError, match=rf"^VideoRotaryPositionalEmbedding: {name} must be at least 6 "
-                                                 rf"\(a pair each for t, h and w\), got {name}="):
-                VideoRotaryPositionalEmbedding(*args, **kwargs)
-        assert VideoRotaryPositionalEmbedding(6).sections == [1, 1, 1]                 # the smallest
-
-
-# ---------------------------------------------------------------------------
-# multimodal_position_ids: the M-RoPE ids of mixed text, image and video prompts
-# ---------------------------------------------------------------------------
-
-# each model's get_rope_index in transformers 5.24: (config class, module class, its keyword for seconds)
-ROPE_INDEX_MODELS = {
-    "qwen2_vl": ("qwen2_vl", "Qwen2VLConfig", "Qwen2VLModel", None),
-    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLModel", "second_per_grid_ts"),
-    "qwen3_vl": ("qwen3_vl", "Qwen3VLConfig", "Qwen3VLModel", None),
-    "glm4v": ("glm4v", "Glm4vConfig", "Glm4vModel", None),
-    "qwen2_5_omni": ("qwen2_5_omni", "Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration",
-                     "second_per_grids"),
-    "qwen3_omni": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerConfig", "Qwen3OmniMoeThinkerForConditionalGeneration",
-                   "second_per_grids"),
-}
-TEXT_ID, PAD_ID, VISION_START, VISION_END = 100, 0, 151652, 151653
-
-
-def rope_index_prompt(model: str, config, segments: list) -> tuple:
-    """Token ids and ``mm_token_type_ids`` of one prompt as the model's processor lays it out. ``segments``:
-    ints (text runs) and ``("image" | "video", (t, h, w))``; the config's merge. Qwen3-VL and GLM-4V put a
-    timestamp (text) before each video frame; GLM-4V's frames carry the image token between its video start and end."""
-    ids, types = [], []
-    merge = config.vision_config.spatial_merge_size
-
-    def add(tokens, kind=0):
-        ids.extend(tokens)
-        types.extend([kind] * len(tokens))
-
-    for segment in segments:
-        if isinstance(segment, int):
-            add([TEXT_ID] * segment)
-            continue
-        what, (t, h, w) = segment
-        per_frame = (h // merge) * (w // merge)
-        if model == "glm4v":
-            frames = 1 if what == "image" else t
-            if what == "video":
-                add([config.video_start_token_id])
-            for _ in range(frames):
-                add([config.image_start_token_id])
-                add([config.image_token_id] * (per_frame * (t if what == "image" else 1)), 1 if what == "image" else 2)
-                add([config.image_end_token_id] + ([TEXT_ID] if what == "video" else []))
-            if what == "video":
-                add([config.video_end_token_id])
-        elif model == "qwen3_vl" and what == "video":
-            for _ in range(t):
-                add([TEXT_ID] * 3 + [VISION_START])                                      # "<0.5 seconds>" + start
-                add([config.video_token_id] * per_frame, 2)
-                add([VISION_END])
-        else:
-            token = config.image_token_id if what == "image" else config.video_token_id
-            add([VISION_START])
-            add([token] * (t * per_frame), 1 if what == "image" else 2)
-            add([VISION_END])
-    return ids, types
-
-
-def rope_index_batch(model: str, config, prompts: list) -> tuple:
-    """Left-padded ids, types and attention mask ``[B, L]`` of several prompts."""
-    rows = [rope_index_prompt(model, config, prompt) for prompt in prompts]
-    length = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), length), PAD_ID)
-    types, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for b, (row_ids, row_types) in enumerate(rows):
-        ids[b, length - len(row_ids):] = torch.tensor(row_ids)
-        types[b, length - len(row_ids):] = torch.tensor(row_types)
-        mask[b, length - len(row_ids):] = 1
-    return ids, types, mask
-
-
-def rope_index_config(model: str, tokens_per_second=None, spatial_merge_size=None):
-    """The model's transformers config: its defaults, or these video timing and merge sizes."""
-    import importlib
-    package, config_name, _, _ = ROPE_INDEX_MODELS[model]
-    configuration = importlib.import_module(f"transformers.models.{package}.configuration_{package}")
-    extra = {"vision_start_token_id": VISION_START} if "omni" in model else {}
-    config = getattr(configuration, config_name)(**extra)
-    if tokens_per_second is not None:
-        if "omni" in model:
-            config.position_id_per_seconds = tokens_per_second
-        else:
-            config.vision_config.tokens_per_second = tokens_per_second
-    if spatial_merge_size is not None:
-        config.vision_config.spatial_merge_size = spatial_merge_size
-    return config
-
-
-def transformers_rope_index(model: str, prompts: list, images: list, videos: list, seconds=None,
-                            tokens_per_second=None, config=None) -> tuple:
-    """``(ids, types, mask)`` of the prompts and what the model's own ``get_rope_index`` returns for them
-    (a module built from ``config``, else from ``rope_index_config(model, tokens_per_second)``)."""
-    import importlib
-    package, _, module_name, seconds_keyword = ROPE_INDEX_MODELS[model]
-    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
-    config = rope_index_config(model, tokens_per_second) if config is None else config
-    ids, types, mask = rope_index_batch(model, config, prompts)
-    with torch.device("meta"):                                                          # no weights allocated
-        module = getattr(modeling, module_name)(config)
-    kwargs = dict(image_grid_thw=torch.tensor(images) if images else None,
-                  video_grid_thw=torch.tensor(videos) if videos else None, attention_mask=mask)
-    if seconds_keyword is not None and videos:
-        kwargs[seconds_keyword] = torch.tensor(seconds if seconds is not None else [1.0] * len(videos))
-    if "omni" not in model:
-        kwargs["mm_token_type_ids"] = types
-    return ids, types, mask, module.get_rope_index(ids, **kwargs)
-
-
-class TestMultimodalPositionIds:
-    """Against each model's own get_rope_index (transformers 5.24, on prompts with several images and videos and
-    left padding), every token and the rope_deltas; and the layout rules by hand."""
-
-    PROMPTS = [[3, ("image", (1, 4, 6)), 2, ("image", (1, 8, 4)), 4],
-               [2, ("video", (3, 4, 4)), 3, ("image", (1, 2, 2)), 1],
-               [1, ("video", (2, 6, 2)), ("video", (4, 2, 4)), 5]]
-    IMAGES = [(1, 4, 6), (1, 8, 4), (1, 2, 2)]
-    VIDEOS = [(3, 4, 4), (2, 6, 2), (4, 2, 4)]
-
-    @pytest.mark.parametrize("model", list(ROPE_INDEX_MODELS))
-    @pytest.mark.parametrize("seconds, tokens_per_second", [(None, None), ([0.5, 1.5, 0.3], 2)],
-                             ids=["defaults", "timed"])
-    def test_matches_transformers_get_rope_index(self, model, seconds, tokens_per_second):
-        pytest.importorskip("transformers")
-        if model in ("qwen3_vl", "glm4v", "qwen2_vl") and seconds is not None:
-            pytest.skip("no video timing: the time index is the frame index")
-        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, self.PROMPTS, self.IMAGES, self.VIDEOS,
-                                                                        seconds, tokens_per_second)
-        got, deltas = multimodal_position_ids(types, torch.tensor(self.IMAGES), torch.tensor(self.VIDEOS),
-                                              attention_mask=mask, model=model, tokens_per_second=tokens_per_second,
-                                              video_seconds=seconds)
-        assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
-        if model == "qwen3_omni":  # its float32 max + 1 - n rounds once more than our float64 one
-            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=1e-5)
-        else:
-            assert torch.equal(deltas, want_deltas)
-        assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
-
-    CONFIG_PROMPTS = [[2, ("image", (2, 6, 9)), 3, ("video", (3, 6, 6)), 1],
-                      [1, ("video", (2, 3, 9)), 2, ("image", (1, 3, 3)), 4]]
-    CONFIG_IMAGES = [(2, 6, 9), (1, 3, 3)]
-    CONFIG_VIDEOS = [(3, 6, 6), (2, 3, 9)]
-
-    @pytest.mark.parametrize("model, tokens_per_second", [("qwen2_vl", None), ("qwen2_5_vl", 3), ("qwen3_vl", None),
-                                                          ("qwen2_5_omni", 10), ("qwen3_omni", 7)])
-    def test_config_gives_the_models_own_ids(self, model, tokens_per_second):
-        # spatial merge 3 and the video timing set in the config alone (the function's defaults are 2 and 4 / 25):
-        # the ids read from the config object, its config.json dict (and an Omni's full config around the
-        # thinker's) equal the model's own get_rope_index on a left-padded batch
-        pytest.importorskip("transformers")
-        config = rope_index_config(model, tokens_per_second, spatial_merge_size=3)
-        seconds = [0.5, 1.5] if tokens_per_second else None
-        ids, types, mask, (want, want_deltas) = transformers_rope_index(
-            model, self.CONFIG_PROMPTS, self.CONFIG_IMAGES, self.CONFIG_VIDEOS, seconds, config=config)
-        inputs = dict(image_grid_thw=torch.tensor(self.CONFIG_IMAGES), video_grid_thw=torch.tensor(self.CONFIG_VIDEOS),
-                      attention_mask=mask, video_seconds=seconds)
-        configs = [config, config.to_dict()]
-        if "omni" in model:                                                                  # the full Omni config
-            configs.append({"model_type": ROPE_INDEX_MODELS[model][0], "thinker_config": config.to_dict()})
-        for given in configs:
-            got, deltas = multimodal_position_ids(types, **inputs, config=given)
-            assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
-            tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
-            torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
-        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
-            multimodal_position_ids(types, **inputs, model=model)
-        if tokens_per_second:                                                                # the default timing
-            default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
-            assert not torch.equal(default, got)
-
-    def test_config_and_keywords_must_agree(self):
-        pytest.importorskip("transformers")
-        config = rope_index_config("qwen2_5_vl", 3, spatial_merge_size=3)
-        types, grid = torch.tensor([[0] + [2] * 8]), torch.tensor([[2, 6, 6]])
-        got, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config)
-        same, _ = multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_5_vl",
-                                          spatial_merge_size=3, tokens_per_second=3.0)        # agreeing: fine
-        assert torch.equal(same, got) and got[0, 1:, 0].unique().tolist() == [1, 4]         # 1 + 3 tokens/s * 1 s
-        owner = "^multimodal_position_ids: "
-        with pytest.raises(ValueError, match=owner + r"spatial_merge_size=2 disagrees with the config's "
-                                                     r"vision_config.spatial_merge_size \(3\); pass one of them"):
-            multimodal_position_ids(types, video_grid_thw=grid, config=config, spatial_merge_size=2)
-        with pytest.raises(ValueError, match=owner + r"tokens_per_second=2.0 disagrees with the config's "
-                                                     r"vision_config.tokens_per_second \(3.0\)"):
-            multimodal_position_ids(types, video_grid_thw=grid, config=config, tokens_per_second=2)
-        with pytest.raises(ValueError, match=owner + "model='qwen2_vl' disagrees with the config's "
-                                                     "model_type='qwen2_5_vl'"):
-            multimodal_position_ids(types, video_grid_thw=grid, config=config, model="qwen2_vl")
-        with pytest.raises(ValueError, match=owner + "config must be one of .*, got model_type='llama'"):
-            multimodal_position_ids(types, config={"model_type": "llama"})
-        with pytest.raises(ValueError, match=owner + r"config \(model_type='qwen2_vl'\) has no vision_config"):
-            multimodal_position_ids(types, config={"model_type": "qwen2_vl"})
-        with pytest.raises(TypeError, match=owner + "config must be a Hugging Face config object"):
-            multimodal_position_ids(types, config="qwen2_vl")
-        with pytest.raises(ValueError, match=owner + "config's position_id_per_seconds must be a finite number > 0"):
-            multimodal_position_ids(types, config={"model_type": "qwen2_5_omni_thinker", "position_id_per_seconds": 0,
-                                                   "vision_config": {"spatial_merge_size": 2}})
-
-    @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
-    @pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen2_5_omni", "qwen3_omni"])
-    def test_video_seconds_must_be_finite_and_non_negative(self, model, bad):
-        # -1 s gave time ids going back (-3), NaN a raw int64 overflow
-        types, grids = torch.tensor([[0] + [2] * 4 + [0] + [2] * 12]), torch.tensor([[1, 4, 4], [3, 4, 4]])
-        with pytest.raises(ValueError, match=r"^multimodal_position_ids: video_seconds\[1\] must be a finite number "
-                                             rf">= 0.0, got video_seconds\[1\]={bad!r}$"):
-            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, bad])
-        still, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds=[1.0, 0.0])
-        assert still[0, 6:, 0].unique().tolist() == [still[0, 6, 0].item()]                # 0 s: one time id
-        tensor, _ = multimodal_position_ids(types, video_grid_thw=grids, model=model,
-                                            video_seconds=torch.tensor([1.0, 0.5]))         # second_per_grid_ts
-        assert torch.equal(tensor, multimodal_position_ids(types, video_grid_thw=grids, model=model,
-                                                           video_seconds=[1.0, 0.5])[0])
-        with pytest.raises(TypeError, match=r"^multimodal_position_ids: video_seconds must be a list, got str"):
-            multimodal_position_ids(types, video_grid_thw=grids, model=model, video_seconds="12")
-
-    @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
-    def test_text_only_matches_transformers(self, model):
-        pytest.importorskip("transformers")
-        prompts = [[5], [2]]
-        ids, types, mask, (want, want_deltas) = transformers_rope_index(model, prompts, [], [])
-        got, deltas = multimodal_position_ids(types, attention_mask=mask, model=model)
-        assert torch.equal(got.permute(2, 0, 1), want) and torch.equal(deltas, want_deltas)
-        assert torch.equal(got[0, :, 0], torch.arange(5)) and (deltas == 0).all()
-
-    def test_text_resumes_after_the_spatial_extent_not_the_last_frame(self):
-        # Qwen2.5-VL, one 3 x 4 x 4 video at 2 tokens per second and 2 s per grid step: time ids 2 + 0, 4, 8;
-        # the text after it starts at 2 + max(2, 2) = 4, while rope_deltas points past the largest id (10)
-        types = torch.tensor([[0, 0] + [2] * 12 + [0, 0]])
-        positions, deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
-                                                    model="qwen2_5_vl", tokens_per_second=2, video_seconds=[2.0])
-        assert positions[0, 2:14, 0].unique().tolist() == [2, 6, 10]
-        assert positions[0, 14:, 0].tolist() == [4, 5]
-        assert deltas.tolist() == [[10 + 1 - 16]]
-        omni, omni_deltas = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]),
-                                                    model="qwen2_5_omni", video_seconds=[0.5])
-        assert omni[0, 2:14, 0].unique().tolist() == [2, 14, 27]                      # floor(k * 0.5 * 25)
-        assert omni[0, 14:, 0].tolist() == [28, 29]                                      # the block's max + 1
-        fractional, _ = multimodal_position_ids(types, video_grid_thw=torch.tensor([[3, 4, 4]]), model="qwen3_omni",
-                                                video_seconds=[0.5])
-        assert fractional[0, 2:14, 0].unique().tolist() == [2.0, 14.5, 27.0]
-
-    def test_bad_input(self):
-        owner = "multimodal_position_ids: "
-        with pytest.raises(ValueError, match=owner + "token_types must be a \\[B, N\\] integer tensor"):
-            multimodal_position_ids(torch.tensor([[0, 3]]))
-        with pytest.raises(ValueError, match=owner + "a run of 3 image tokens in row 0 does not match its grid"):
-            multimodal_position_ids(torch.tensor([[0, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
-        with pytest.raises(ValueError, match=owner + "row 0 has more runs of image tokens than there are grids"):
-            multimodal_position_ids(torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1]]), torch.tensor([[1, 4, 4]]))
-        with pytest.raises(ValueError, match=owner + "more video grids than runs"):
-            multimodal_position_ids(torch.tensor([[0, 0]]), video_grid_thw=torch.tensor([[1, 2, 2]]))
-        with pytest.raises(ValueError, match=owner + "model must be one of"):
-            multimodal_position_ids(torch.tensor([[0, 0]]), model="qwen4")
-        with pytest.raises(ValueError, match=owner + "model='qwen3_vl' has no video timing"):
-            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
-                                    model="qwen3_vl", tokens_per_second=2)
-        with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
-            multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
-                                    model="qwen2_5_vl", video_seconds=[1.0, 2.0])
+    def test_raw_dicts_and_bad_input(self):
+        raw = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+               "rope_theta": 1e4, "no_rope_layer_interval": 3}
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in layer_encodings(raw)] == [False, False, True]
+        with pytest.raises(ValueError, match="layer_encodings: config must set num_hidden_layers"):
+            layer_encodings({"model_type": "llama", "rope_theta": 1e4})
+        with pytest.raises(ValueError, match="no_rope_layers must have num_hidden_layers=3 entries, got 2"):
+            layer_encodings({**raw, "no_rope_layers": [1, 0]})
+        with pytest.raises(ValueError, match="layer_encodings: rope_alpha is Mistral Large 4's learned frequency "
+                                             "factor; model_type='smollm3' has none"):
+            layer_encodings(raw, rope_alpha=torch.zeros(8))
+        large4 = {"model_type": "mistral_large4_text", "num_hidden_layers": 2, "head_dim": 16, "qk_rope_head_dim": 16,
+                  "qk_nope_head_dim": 16, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=r"rope_alpha must have qk_rope_head_dim / 2 = 8 entries .*got a tensor "
+                                             r"of shape \[7\]"):
+            layer_encodings(large4, rope_alpha=torch.zeros(7))
+        with pytest.raises(TypeError, match="layer_encodings: Mistral Large 4 needs rope_alpha"):
+            layer_encodings(large4, rope_alpha=[0.0] * 8)
+        assert layer_encodings(large4, rope_alpha=torch.zeros(8))[1].frequencies == \
+            RotaryPositionalEmbedding(16).inv_freq.tolist()                              # alpha 0: plain RoPE
 
 
 # ---------------------------------------------------------------------------
@@ -13064,6 +13069,39 @@ def test_the_contract_lives_in_the_bases():
                      {name for name, obj in vars(pe_lib).items() if isinstance(obj, type)
                       and issubclass(obj, pe_lib._PairwiseBias)}]
     assert bias_forwards == ["_PairwiseBias"]
+
+
+# what a per-class test class tests, where its name does not say it
+TEST_CLASS_SUBJECTS = {
+    "TestNoPE": "NoPositionalEmbedding", "TestFourierFeatures": "FourierFeaturePositionalEmbedding",
+    "TestGraphEncodings": "LaplacianPositionalEmbedding", "TestVideoRoPE": "VideoRotaryPositionalEmbedding",
+    "TestTUPE": "UnifiedPositionalEmbedding", **dict.fromkeys(
+        ("TestAtLength", "TestValueRotation", "TestRotaryOptionsTogether", "TestPairAxes", "TestRerotate"),
+        "RotaryPositionalEmbedding"),
+}
+
+
+def test_per_class_test_classes_follow_the_library_order():
+    """Issue 43: between the first kind's section and the cross-cutting tests (export, compile, sharding,
+    vendoring), each test class sits where its subject is defined in the library, in the same order."""
+    import ast
+    library = {node.name: node.lineno for node in ast.parse(pathlib.Path(pe_lib.__file__).read_text()).body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    source = pathlib.Path(__file__).read_text()
+    first, last = source.index("class TestSinusoidal"), source.index("class TestExport")
+    tests = [node.name for node in ast.parse(source).body if isinstance(node, ast.ClassDef)
+             and node.name.startswith("Test") and first <= source.index(f"class {node.name}") < last]
+
+    def subject(test: str) -> str:
+        name = test[len("Test"):]
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+        found = [c for c in (TEST_CLASS_SUBJECTS.get(test), f"{name}PositionalEmbedding", name, snake) if c in library]
+        assert found, f"{test}: no library definition named after it (add it to TEST_CLASS_SUBJECTS)"
+        return found[0]
+
+    lines = [library[subject(test)] for test in tests]
+    out_of_order = [(a, b) for a, b, x, y in zip(tests, tests[1:], lines, lines[1:]) if y < x]
+    assert len(tests) > 50 and out_of_order == [], out_of_order
 
 
 # ---------------------------------------------------------------------------
