@@ -825,7 +825,7 @@ class PositionalEmbedding(nn.Module):
         owner = type(self).__name__
         if not self.takes_positions:
             _reject_positions(owner, positions_q, positions_k, self.order_from)
-        _check_qk(owner, q, k, grouped)
+        _check_qk_shapes(owner, q, k, grouped)
         self._check_device("q", q)
         self._check_heads(q)
         lead = tuple(q.shape[:-2])
@@ -955,7 +955,7 @@ class PositionalEmbedding(nn.Module):
         return self
 
 
-def _check_qk(owner: str, q: Tensor, k: Tensor, grouped: bool = False) -> None:
+def _check_qk_shapes(owner: str, q: Tensor, k: Tensor, grouped: bool = False) -> None:
     """q: [..., Nq, Dh], k: [..., Nk, Dh] with matching leading dims and Dh; with ``grouped``,
     k may have fewer heads (dim -3) than q, dividing them (grouped-query attention)."""
     _check_tensor(owner, "q", q, 2)
@@ -1392,7 +1392,7 @@ def _with_parameters(pe: Optional[PositionalEmbedding], fn, *args):
 def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
     """Validate attention()'s tensors and encoding; return the query heads per key head."""
     owner = "attention"
-    _check_qk(owner, q, k, grouped=True)
+    _check_qk_shapes(owner, q, k, grouped=True)
     _check_tensor(owner, "v", v, 2)
     _check_same_kind(owner, "v", v, "q", q)
     if v.shape[:-1] != k.shape[:-1]:
