@@ -1204,16 +1204,24 @@ def _bias_path(device: torch.device, *, use_flex: Optional[bool], grad: bool, co
     lowers it: traced by ``torch.compile``, without gradient (torch 2.13 has no CPU FlexAttention
     backward), ``Nq == Nk``, default positions and no documents or mask, for a bias read per logit
     from its own tensors (``indexes_first``). Eager on the CPU, dense: FlexAttention runs unfused there.
+    Traced before torch 2.7, dense: dynamo cannot trace ``create_block_mask`` there (``_FLEX_TRACES``).
     """
     if dropout or float_mask:
         return "dense"
     if use_flex is not None:
         return "flex" if use_flex else "dense"
+    if compiling and not _FLEX_TRACES:
+        return "dense"
     if device.type == "cuda" and head_dim >= 16:
         return "flex"
     if device.type == "cpu" and compiling and not grad and q_len == k_len and indexes_first:
         return "flex"
     return "dense"
+
+
+# torch.compile traces FlexAttention's block mask from torch 2.7 on; torch 2.6's create_block_mask calls
+# inspect.signature on the mask_mod, where dynamo stops ("inspect.signature with non-constant function")
+_FLEX_TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 7)
 
 
 def _needs_grad(pe: PositionalEmbedding, *tensors: Tensor) -> bool:
@@ -3580,6 +3588,12 @@ def _compiled_rotation():
     return _FUSED_ROTATION["fn"]
 
 
+def _recompile_limit() -> int:
+    """dynamo's limit of compilations per function: ``recompile_limit`` (``cache_size_limit`` in torch 2.6)."""
+    config = torch._dynamo.config
+    return config.recompile_limit if hasattr(config, "recompile_limit") else config.cache_size_limit
+
+
 def _fused_rotation(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary_dim: int,
                     trailing: bool) -> Optional[tuple]:
     """The rotation of an eager call through ``_compiled_rotation``, or None where it does not serve: a
@@ -3599,7 +3613,7 @@ def _fused_rotation(xs: tuple, cos: tuple, sin: tuple, interleaved: bool, rotary
     kinds = _FUSED_ROTATION.setdefault("kinds", set())
     if kind not in kinds:
         limit = _FUSED_ROTATION_KINDS if _FUSED_ROTATION.get("own_limit") else \
-            min(_FUSED_ROTATION_KINDS, torch._dynamo.config.recompile_limit // 2)
+            min(_FUSED_ROTATION_KINDS, _recompile_limit() // 2)
         if len(kinds) >= limit:
             return None
         for t in (*xs, *cos, *sin):   # every size but the channels' dynamic from the first compilation
