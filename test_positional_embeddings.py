@@ -1896,19 +1896,9 @@ class _ScoreModIndexRecorder(torch.overrides.TorchFunctionMode):
 
 
 def peak_bytes(fn) -> int:
-    """Peak bytes of tensors allocated and not yet freed while ``fn`` runs (the profiler's memory events,
-    as ``benchmarks/bench.py``'s ``peak_memory``: independent of the allocator's reuse)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return peak
+    """Peak bytes of tensors allocated and not yet freed while ``fn`` runs: ``benchmarks/bench.py``'s
+    ``peak_memory`` (the profiler's memory events, independent of the allocator's reuse)."""
+    return _load_benchmark("bench").peak_memory(fn)
 
 
 def block_oracle(keep, q_len, k_len, rows=1, size=128):
@@ -9736,6 +9726,17 @@ class TestInkling:
                                         sliding_window_size=4, d_rel=4, rel_extent=6, num_hidden_layers=2,
                                         intermediate_size=2 * D, vocab_size=64, **extra)
 
+    @staticmethod
+    def _spy_position_bias(modeling, monkeypatch) -> dict:
+        """``seen["bias"]``: the position_bias the model's eager attention function receives, call by call."""
+        seen, original = {}, modeling.eager_attention_forward
+
+        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
+            seen["bias"] = position_bias
+            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
+        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        return seen
+
     def test_matches_transformers_inkling_attention(self, monkeypatch):
         # the position_bias InklingAttention hands its attention function: a full layer with the log scaling,
         # and a sliding one (extent = the window, no scaling)
@@ -9744,13 +9745,7 @@ class TestInkling:
         config = self._inkling_config(config_module.InklingTextConfig, layer_types=["hybrid", "hybrid_sliding"], log_scaling_n_floor=3,
                                       log_scaling_alpha=0.5)
         config._attn_implementation = "eager"
-        seen = {}
-        original = modeling.eager_attention_forward
-
-        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
-            seen["bias"] = position_bias
-            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
-        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        seen = self._spy_position_bias(modeling, monkeypatch)
         x = torch.randn(B, N, D)
         for layer, floor in ((0, 3), (1, None)):
             torch.manual_seed(layer)
@@ -9852,13 +9847,7 @@ class TestInkling:
                               layer_types=["hybrid", "hybrid_sliding"], log_scaling_n_floor=3, log_scaling_alpha=0.5,
                               **extra)
         config._attn_implementation = "eager"
-        seen = {}
-        original = modeling.eager_attention_forward
-
-        def spy(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
-            seen["bias"] = position_bias
-            return original(module, query, key, value, attention_mask, scaling, dropout, position_bias, **kwargs)
-        monkeypatch.setattr(modeling, "eager_attention_forward", spy)
+        seen = self._spy_position_bias(modeling, monkeypatch)
         x, tokens = torch.randn(B, N, D), torch.arange(N)
         for layer, (layer_type, attention_class) in enumerate((("hybrid", full_name), ("hybrid_sliding", sliding_name))):
             theirs = getattr(modeling, attention_class)(config, layer)
