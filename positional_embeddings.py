@@ -1163,7 +1163,9 @@ def _check_sinks(sinks: Optional[Tensor], q: Tensor, pe: Optional[PositionalEmbe
     if sinks is None:
         return
     _check_tensor(owner, "sinks", sinks, 1)
-    heads = q.shape[-3] if q.dim() >= 3 else 1
+    if q.dim() < 3:
+        raise ValueError(f"{owner}: sinks need q with a head axis, [..., H, Nq, Dh], got q of shape {tuple(q.shape)}")
+    heads = q.shape[-3]
     if tuple(sinks.shape) != (heads,):
         raise ValueError(f"{owner}: sinks must have shape [H] = ({heads},), one logit per query head, "
                          f"got shape {tuple(sinks.shape)}")

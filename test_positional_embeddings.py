@@ -1565,6 +1565,9 @@ class TestAttention:
         ]:
             with pytest.raises(error, match="^attention: " + says):
                 attention(q, k, v, sinks=sinks)
+        with pytest.raises(ValueError, match=r"^attention: sinks need q with a head axis, \[\.\.\., H, Nq, Dh\], "
+                                             r"got q of shape \(16, 32\)"):
+            attention(q[0, 0], k[0, 0], v[0, 0], sinks=torch.zeros(1))
         with pytest.raises(ValueError, match="^attention: sinks need softmax attention weights; "
                                              "StickBreakingPositionalEmbedding replaces the softmax"):
             attention(q, k, v, StickBreakingPositionalEmbedding(), causal=True, sinks=torch.zeros(H))
