@@ -1478,6 +1478,18 @@ class TestAttention:
             torch.testing.assert_close(got, want, msg=str(path))
             assert got[:, :, 9].abs().max() == 0
 
+    def test_sinks_on_the_dense_bias_in_query_blocks(self, monkeypatch):
+        """Without gradient a large dense bias runs a block of queries at a time: each block's mask gets its
+        own sink column, and the output is the whole bias's."""
+        pe = T5PositionalEmbedding(H, bidirectional=False).double()
+        q, k, v = qkv(dtype=torch.float64)
+        sinks = torch.randn(H, dtype=torch.float64)
+        with torch.no_grad():
+            want = attention(q, k, v, pe, sinks=sinks, use_flex=False)
+            monkeypatch.setattr(pe_lib, "_DENSE_BIAS_BUDGET", H * N * 4 * 3)               # 3 float32 rows a block
+            assert pe_lib._bias_chunk_rows(pe, q, k, v, None, None) == 3
+            torch.testing.assert_close(attention(q, k, v, pe, sinks=sinks, use_flex=False), want)
+
     @pytest.mark.parametrize("name", ["none", "alibi", "transformer_xl"])
     def test_sink_gradients_pass_gradcheck(self, name):
         """The sinks' and the queries' gradients on the SDPA path (a zero key) and the logits path (a column)."""
