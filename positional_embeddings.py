@@ -745,8 +745,8 @@ class PositionalEmbedding(nn.Module):
         return getattr(self, "bidirectional", True) is False
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        """Tokens with position information; identity for attention-side kinds."""
-        return self(x, positions) if self.kind == "input" else x
+        """Tokens with position information (identity for the attention-side kinds, ``_AttentionEncoding``)."""
+        return self(x, positions)
 
     def encode_qk(
         self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None, positions_k: Optional[Tensor] = None
@@ -812,6 +812,16 @@ class PositionalEmbedding(nn.Module):
         """
         return None
 
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, positions_q: Optional[Tensor],
+                   positions_k: Optional[Tensor], call: "_AttentionCall") -> Tensor:
+        """attention()'s path for this encoding, after the checks every encoding shares; each base has its
+        own (``_AttentionEncoding``, ``_PairwiseBias``, ``_ExplicitLogits``). This base's kind is added to
+        the tokens: plain SDPA, and positions here are a mistake, not a no-op."""
+        _reject_positions("attention", positions_q, positions_k,
+                          f"{type(self).__name__} is added to the tokens; pass its positions to forward_input")
+        self._check_qk(q, k, None, None, grouped=True)
+        return _sdpa_attention(q, k, v, call, self.logit_scale(q.shape[-1]) if call.scale is None else call.scale)
+
     def _resolve_positions(self, q_len: int, k_len: int, positions_q: Optional[Tensor],
                            positions_k: Optional[Tensor], device) -> tuple:
         """The positions of one ``attention()`` call, resolved once for all its hooks: those given (None
@@ -834,9 +844,6 @@ class PositionalEmbedding(nn.Module):
                                        q.device)
         positions_k = _check_positions(owner, "positions_k", positions_k, lead, k.shape[-2], self.num_axes, integer,
                                        k.device)
-        if self.num_axes > 1 and self.kind != "input" and (positions_q is None or positions_k is None):
-            raise ValueError(f"{owner}: positions_q and positions_k are required for {self.num_axes} axes "
-                             f"(shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
         if self.queries_within_keys and positions_q is None and positions_k is None and q.shape[-2] > k.shape[-2]:
             explicit = "; pass positions_q and positions_k explicitly" if self.takes_positions else ""
             raise ValueError(f"{owner}: q must not have more tokens than k (queries are the last Nq keys), "
@@ -870,7 +877,7 @@ class PositionalEmbedding(nn.Module):
         """x must be [..., H, N, Dh] with this module's H (per-head encodings) and Dh (those built for
         one head width: RoPE's ``dim`` is its head dim)."""
         heads, head_dim = getattr(self, "num_heads", None), getattr(self, "head_dim", None)
-        if (heads is None and head_dim is None) or self.kind == "input":
+        if heads is None and head_dim is None:
             return
         if (heads is not None and (x.dim() < 3 or x.shape[-3] != heads)) or \
                 (head_dim is not None and x.shape[-1] != head_dim):
@@ -953,6 +960,52 @@ class PositionalEmbedding(nn.Module):
         if any(True for _ in self.buffers(recurse=False)):
             self._init_buffers(self._buffer_device())
         return self
+
+
+class _AttentionEncoding(PositionalEmbedding):
+    """The attention-side kinds (``"qk"``, ``"bias"``, ``"logits"``): the position enters attention, not the
+    tokens (``forward_input`` is the identity), and several position axes need explicit positions.
+    attention() resolves the call's positions once for every hook (documents restart the defaults;
+    ``_resolve_positions``); this base's path is the ``"qk"`` kind's: q and k (and v) encoded, then SDPA,
+    with k and v repeated per query head for a per-head map (``num_heads``)."""
+
+    def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        return x
+
+    def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                  grouped: bool = False) -> tuple:
+        positions_q, positions_k = super()._check_qk(q, k, positions_q, positions_k, grouped)
+        if self.num_axes > 1 and (positions_q is None or positions_k is None):
+            raise ValueError(f"{type(self).__name__}: positions_q and positions_k are required for {self.num_axes} "
+                             f"axes (shape [N, {self.num_axes}] or [B, N, {self.num_axes}]), got None")
+        return positions_q, positions_k
+
+    def _attention(self, q, k, v, positions_q, positions_k, call):
+        positions_q, positions_k = _call_positions(self, q, k, positions_q, positions_k, call)
+        if getattr(self, "num_heads", None):   # per-head maps: every query head meets its own copy of k and v
+            k, v = _per_query_head(q, k), _per_query_head(q, v)
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        scale = self.logit_scale(q.shape[-1]) if call.scale is None else call.scale
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k, grouped=True)
+        q, k = self.encode_qk(q, k, positions_q, positions_k)
+        v = self.encode_v(v, q_len, positions_q, positions_k)
+        out = _sdpa_attention(q, k, v, call, scale)
+        return self.decode_output(out, k_len, positions_q, positions_k)
+
+
+def _call_positions(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions_q: Optional[Tensor],
+                    positions_k: Optional[Tensor], call: "_AttentionCall") -> tuple:
+    """The positions of an attention-side encoding's call: those given; else, with documents, each
+    document's own from 0 (``document_positions``); then resolved once (``_resolve_positions``)."""
+    if call.document_ids is not None and pe.takes_positions and positions_q is None and positions_k is None:
+        positions_q = positions_k = document_positions(call.document_ids)
+    return pe._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
+
+
+def _per_query_head(q: Tensor, kv: Tensor) -> Tensor:
+    """k or v ``[..., Hkv, N, D]`` repeated to q's ``Hq`` heads (grouped-query attention), or as it is."""
+    group = q.shape[-3] // kv.shape[-3] if q.dim() >= 3 else 1
+    return kv.repeat_interleave(group, dim=-3) if group > 1 else kv
 
 
 def _check_qk_shapes(owner: str, q: Tensor, k: Tensor, grouped: bool = False) -> None:
@@ -1123,7 +1176,7 @@ def attention(
         torch.Size([2, 8, 16, 64])
     """
     owner = "attention"
-    group = _check_attention_inputs(q, k, v, pe)
+    _check_attention_inputs(q, k, v, pe)
     causal = _causal_for(pe, causal)
     dropout_p = _as_float(owner, "dropout_p", dropout_p, minimum=0.0, maximum=1.0)
     scale = None if scale is None else _as_float(owner, "scale", scale)
@@ -1131,29 +1184,42 @@ def attention(
         use_flex = _check_flag(owner, "use_flex", use_flex)
     _check_mask(attn_mask, q, k)
     _check_sinks(sinks, q, pe)
-    if pe is None or pe.kind == "input":  # nothing here reads positions: passing them is a mistake, not a no-op
-        why = ("no encoding is given" if pe is None else
-               f"{type(pe).__name__} is added to the tokens; pass its positions to forward_input")
-        _reject_positions(owner, positions_q, positions_k, why)
-    flex = pe is not None and pe.kind == "bias" and _bias_path(
-        q.device, use_flex=use_flex, grad=_needs_grad(pe, q, k, v), compiling=_is_compiling() and not _is_exporting(),
-        float_mask=attn_mask is not None and attn_mask.dtype != torch.bool, dropout=dropout_p > 0.0,
-        q_len=q.shape[-2], k_len=k.shape[-2], head_dim=q.shape[-1], indexes_first=getattr(pe, "indexes_first", False)
-        and positions_q is None and positions_k is None and document_ids is None and attn_mask is None) == "flex"
+    if pe is None:  # nothing here reads positions: passing them is a mistake, not a no-op
+        _reject_positions(owner, positions_q, positions_k, "no encoding is given")
     if document_ids is not None:
         document_ids = _check_document_ids_for(q, k, document_ids)                     # [N] or [B, N] int64
-        if not flex:  # the flex path masks documents block-wise instead
-            same_document = _document_mask(q, document_ids)                             # [(B, 1, ..,) N, N] bool
-            if attn_mask is None or attn_mask.dtype == torch.bool:
-                attn_mask = same_document if attn_mask is None else attn_mask & same_document
-            else:
-                attn_mask = attn_mask.masked_fill(~same_document, float("-inf"))
-        if pe is not None and pe.kind != "input" and pe.takes_positions and positions_q is None and positions_k is None:
-            positions_q = positions_k = document_positions(document_ids)
-    if pe is not None and pe.kind != "input":
-        positions_q, positions_k = pe._resolve_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, q.device)
-    return _with_parameters(pe, _attend, q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
-                            flex, document_ids, group, sinks)
+    call = _AttentionCall(causal, attn_mask, scale, dropout_p, use_flex, document_ids, sinks)
+    if pe is None:
+        return _sdpa_attention(q, k, v, call, scale)
+    return _with_parameters(pe, pe._attention, q, k, v, positions_q, positions_k, call)
+
+
+class _AttentionCall(NamedTuple):
+    """attention()'s options after its checks, handed to the encoding's path (``PositionalEmbedding._attention``)."""
+
+    causal: bool
+    attn_mask: Optional[Tensor]       # bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk]
+    scale: Optional[float]            # None: the encoding's default
+    dropout_p: float
+    use_flex: Optional[bool]
+    document_ids: Optional[Tensor]    # [N] or [B, N] int64
+    sinks: Optional[Tensor]           # [H]
+
+    def mask(self, q: Tensor) -> Optional[Tensor]:
+        """``attn_mask`` with the documents' boolean mask merged in (the paths that do not mask them block-wise)."""
+        if self.document_ids is None:
+            return self.attn_mask
+        same_document = _document_mask(q, self.document_ids)                           # [(B, 1, ..,) N, N] bool
+        if self.attn_mask is None or self.attn_mask.dtype == torch.bool:
+            return same_document if self.attn_mask is None else self.attn_mask & same_document
+        return self.attn_mask.masked_fill(~same_document, float("-inf"))
+
+    def sdpa_options(self, q: Tensor, k: Tensor) -> dict:
+        """SDPA's grouped heads (k with fewer heads than q) and the sinks."""
+        options = {"enable_gqa": True} if q.dim() >= 3 and q.shape[-3] != k.shape[-3] else {}
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        return options
 
 
 def _check_sinks(sinks: Optional[Tensor], q: Tensor, pe: Optional[PositionalEmbedding]) -> None:
@@ -1173,8 +1239,7 @@ def _check_sinks(sinks: Optional[Tensor], q: Tensor, pe: Optional[PositionalEmbe
         raise ValueError(f"{owner}: sinks must be on q's device ({q.device}), got sinks on {sinks.device}")
     _check_finite_positions(owner, "sinks", sinks)
     encoding = getattr(pe, "encoding", pe)   # a wrapper's weights are its encoding's
-    if pe is not None and pe.kind == "logits" and \
-            type(encoding).attention_weights is not PositionalEmbedding.attention_weights:
+    if pe is not None and type(encoding).attention_weights is not PositionalEmbedding.attention_weights:
         raise ValueError(f"{owner}: sinks need softmax attention weights; {type(encoding).__name__} replaces the "
                          f"softmax (attention_weights), so a sink logit has no meaning there: pass sinks=None")
 
@@ -1269,43 +1334,16 @@ def _compiled_flex_attention():
     return _COMPILED_FLEX[0]
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, pe: Optional[PositionalEmbedding], positions_q, positions_k,
-            causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
-            flex: bool, document_ids: Optional[Tensor], group: int, sinks: Optional[Tensor] = None) -> Tensor:
-    """attention() after its checks: the path for ``pe``'s kind (``group`` query heads per key head);
-    ``flex``: a bias through FlexAttention, documents (if any) masked block-wise there; ``sinks``: each
-    head's sink logit ``[H]`` or None."""
+def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, call: _AttentionCall, scale: Optional[float],
+                    bias: Optional[Tensor] = None) -> Tensor:
+    """SDPA with the call's masks, causality, grouped heads and sinks, and an additive float32 ``bias``
+    ``[(B,) H, Nq, Nk]`` or None (SDPA's causal kernel where nothing else masks)."""
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if group > 1 and pe is not None and (pe.kind == "logits" or pe.kind == "qk" and getattr(pe, "num_heads", None)):
-        # explicit logits, or per-head q/k maps: every query head meets its own copy of k and v
-        k, v, group = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3), 1
-    if pe is not None and pe.kind == "logits":
-        return _explicit_attention(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p, sinks)
-    if flex:
-        pe._check_qk(q, k, positions_q, positions_k, grouped=True)
-        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        return _flex_attention(q, k, v, pe, positions_q, positions_k, causal, scale, document_ids, attn_mask, sinks)
-    bias = None
-    extra = {"enable_gqa": True} if group > 1 else {}   # SDPA's grouped heads, the sinks
-    if sinks is not None:
-        extra["sinks"] = sinks
-    if pe is not None:
-        scale = pe.logit_scale(q.shape[-1]) if scale is None else scale
-        positions_q, positions_k = pe._check_qk(q, k, positions_q, positions_k, grouped=True)
-        q, k = pe.encode_qk(q, k, positions_q, positions_k)
-        v = pe.encode_v(v, q_len, positions_q, positions_k)
-        rows = _bias_chunk_rows(pe, q, k, v, positions_q, positions_k)
-        if rows < q_len:  # without gradient, a large bias is built and used one block of queries at a time
-            out = _attend_in_query_blocks(q, k, v, pe, positions_q, positions_k, causal, attn_mask, scale, dropout_p,
-                                          rows, extra)
-            return pe.decode_output(out, k_len, positions_q, positions_k)
-        bias = pe.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
-    if bias is None and attn_mask is None and causal and q_len == k_len and sinks is None:
-        out = _sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
-    else:
-        mask = _as_sdpa_mask(q, _merge_masks(bias, attn_mask, causal, q_len, k_len, q.dtype, q.device))
-        out = _sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
-    return out if pe is None else pe.decode_output(out, k_len, positions_q, positions_k)
+    attn_mask, options = call.mask(q), call.sdpa_options(q, k)
+    if bias is None and attn_mask is None and call.causal and q_len == k_len and call.sinks is None:
+        return _sdpa(q, k, v, dropout_p=call.dropout_p, is_causal=True, scale=scale, **options)
+    mask = _as_sdpa_mask(q, _merge_masks(bias, attn_mask, call.causal, q_len, k_len, q.dtype, q.device))
+    return _sdpa(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=scale, **options)
 
 
 _DENSE_BIAS_BUDGET = 2**28   # bytes of dense float32 bias per query block, without gradient (256 MiB)
@@ -1326,18 +1364,19 @@ def _bias_chunk_rows(pe: PositionalEmbedding, q: Tensor, k: Tensor, v: Tensor, p
 
 
 def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                            causal: bool, attn_mask: Optional[Tensor], scale: float, dropout_p: float, rows: int,
-                            extra: dict) -> Tensor:
-    """``_attend``'s dense bias path ``rows`` queries at a time: each block's rows of the bias, of ``attn_mask``
+                            call: _AttentionCall, scale: float, rows: int) -> Tensor:
+    """The dense bias path ``rows`` queries at a time: each block's rows of the bias, of the call's mask
     and of the causal mask, and SDPA on its queries; ``[..., Nq, Dv]``, what the whole bias gives."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     bias_rows = pe._bias_rows(q_len, k_len, positions_q, positions_k, q.device)
+    attn_mask, options = call.mask(q), call.sdpa_options(q, k)
     out = []
     for start in range(0, q_len, rows):
         stop = min(start + rows, q_len)
-        mask = _merge_masks(bias_rows(start, stop), attn_mask, causal, q_len, k_len, q.dtype, q.device, (start, stop))
-        out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=dropout_p,
-                         scale=scale, **extra))                                           # [..., stop - start, Dv]
+        mask = _merge_masks(bias_rows(start, stop), attn_mask, call.causal, q_len, k_len, q.dtype, q.device,
+                            (start, stop))
+        out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=call.dropout_p,
+                         scale=scale, **options))                                         # [..., stop - start, Dv]
     return torch.cat(out, dim=-2)
 
 
@@ -1399,8 +1438,8 @@ def _with_parameters(pe: Optional[PositionalEmbedding], fn, *args):
     return pe._gathered_call(fn, *args)
 
 
-def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
-    """Validate attention()'s tensors and encoding; return the query heads per key head."""
+def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> None:
+    """Validate attention()'s tensors and encoding."""
     owner = "attention"
     _check_qk_shapes(owner, q, k, grouped=True)
     _check_tensor(owner, "v", v, 2)
@@ -1411,29 +1450,6 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> int:
         raise TypeError(f"{owner}: pe must be a PositionalEmbedding or None, got {type(pe).__name__}")
     if pe is not None:
         pe._check_attention_shapes(q, k, v)
-    return q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
-
-
-def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                        causal: bool, attn_mask: Optional[Tensor], scale: Optional[float], dropout_p: float,
-                        sinks: Optional[Tensor] = None) -> Tensor:
-    """The "logits" path: the encoding's float32 logits, masks, a float32 softmax (over one more column,
-    each head's sink logit, dropped after it), weights @ v."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    logits = pe.full_precision_logits(q, k, positions_q, positions_k, scale=scale)      # [B, H, Nq, Nk] float32
-    mask = _merge_masks(None, attn_mask, causal, q_len, k_len, logits.dtype, q.device)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    if sinks is None:
-        weights = pe.attention_weights(logits)                                          # [B, H, Nq, Nk]
-    else:
-        column = sinks.to(logits.dtype).reshape(-1, 1, 1).expand(*logits.shape[:-1], 1)    # [B, H, Nq, 1]
-        weights = pe.attention_weights(torch.cat([logits, column], dim=-1))[..., :k_len]
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    out = torch.matmul(weights.to(v.dtype), v)                                          # [B, H, Nq, Dv]
-    extra = pe.attention_values(weights, positions_q, positions_k)                      # [B, H, Nq, Dv] or None
-    return out if extra is None else out + extra.to(out.dtype)
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
@@ -3735,7 +3751,7 @@ def _check_frequencies(owner: str, frequencies, rotary_dim: int, axis_spectrum: 
     return frequencies
 
 
-class RotaryPositionalEmbedding(PositionalEmbedding):
+class RotaryPositionalEmbedding(_AttentionEncoding):
     """Rotary position embedding: rotate q and k pairwise by position-proportional angles.
 
     Su et al., "RoFormer", arXiv:2104.09864. Pair ``i`` of a head is rotated by
@@ -4644,7 +4660,7 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
 # Q/K kind: the base (_QKTransform) and its encodings: xPos, algebraic rotations, RoPE-Mixed, LieRE, ComRoPE, STRING
 # ---------------------------------------------------------------------------
 
-class _QKTransform(PositionalEmbedding):
+class _QKTransform(_AttentionEncoding):
     """The ``"qk"`` kind: q and k each transformed by a map of its own position (a rotation, a
     scaled rotation), so that their dot product carries the relative position.
 
@@ -6135,7 +6151,7 @@ def _pair_distances(q_len: int, k_len: int, positions_q: Optional[Tensor], posit
     return positions_k.unsqueeze(-2) - positions_q.unsqueeze(-1)
 
 
-class _PairwiseBias(PositionalEmbedding):
+class _PairwiseBias(_AttentionEncoding):
     """The ``"bias"`` kind: an additive bias as a function of (query position, key position, head).
 
     A subclass writes that function element-wise: ``pair_bias(pos_q, pos_k, head)`` on broadcasting
@@ -6160,6 +6176,30 @@ class _PairwiseBias(PositionalEmbedding):
     def bias_at(self, distance: Tensor, head: Tensor) -> Tensor:
         """The bias at key - query ``distance`` for head ``head`` (broadcasting): ``distance_only`` biases."""
         raise NotImplementedError
+
+    def _attention(self, q, k, v, positions_q, positions_k, call):
+        """The bias path: FlexAttention with ``score_mod`` where ``_bias_path`` says so (documents masked
+        block-wise there), else the dense bias as SDPA's float mask, one block of queries at a time
+        without gradient past ``_DENSE_BIAS_BUDGET``."""
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        defaults = positions_q is None and positions_k is None and call.document_ids is None
+        flex = _bias_path(
+            q.device, use_flex=call.use_flex, grad=_needs_grad(self, q, k, v),
+            compiling=_is_compiling() and not _is_exporting(), dropout=call.dropout_p > 0.0,
+            float_mask=call.attn_mask is not None and call.attn_mask.dtype != torch.bool, q_len=q_len, k_len=k_len,
+            head_dim=q.shape[-1], indexes_first=self.indexes_first and defaults and call.attn_mask is None) == "flex"
+        positions_q, positions_k = _call_positions(self, q, k, positions_q, positions_k, call)
+        scale = self.logit_scale(q.shape[-1]) if call.scale is None else call.scale
+        if flex:
+            self._check_qk(q, k, positions_q, positions_k, grouped=True)
+            return _flex_attention(q, k, v, self, positions_q, positions_k, call.causal, scale, call.document_ids,
+                                   call.attn_mask, call.sinks)
+        positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k, grouped=True)
+        rows = _bias_chunk_rows(self, q, k, v, positions_q, positions_k)
+        if rows < q_len:  # without gradient, a large bias is built and used one block of queries at a time
+            return _attend_in_query_blocks(q, k, v, self, positions_q, positions_k, call, scale, rows)
+        bias = self.attention_bias(q_len, k_len, positions_q, positions_k, device=q.device)
+        return _sdpa_attention(q, k, v, call, scale, bias)
 
     def pair_bias(self, pos_q: Tensor, pos_k: Tensor, head: Tensor, *inputs: Tensor) -> Tensor:
         """The bias of query position ``pos_q``, key position ``pos_k`` and head ``head`` (broadcasting;
@@ -8092,7 +8132,7 @@ def _row_sums(weights: Tensor, rows: Tensor, num_rows: int) -> Tensor:
     return buckets.scatter_add(-1, rows.expand(weights.shape), weights)
 
 
-class _ExplicitLogits(PositionalEmbedding):
+class _ExplicitLogits(_AttentionEncoding):
     """The ``"logits"`` kind: the logits themselves depend on content and positions jointly.
 
     A subclass writes ``logits(q, k, positions_q, positions_k, scale)``: float32 (float64) logits
@@ -8108,6 +8148,28 @@ class _ExplicitLogits(PositionalEmbedding):
     def logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
                scale: float) -> Tensor:
         raise NotImplementedError
+
+    def _attention(self, q, k, v, positions_q, positions_k, call):
+        """The logits path: the float32 logits, masked, a float32 softmax (over one more column, each head's
+        sink logit, dropped after it; ``attention_weights``), dropout, ``weights @ v`` plus the value term.
+        Every query head meets its own copy of k and v."""
+        positions_q, positions_k = _call_positions(self, q, k, positions_q, positions_k, call)
+        k, v = _per_query_head(q, k), _per_query_head(q, v)
+        q_len, k_len = q.shape[-2], k.shape[-2]
+        logits = self.full_precision_logits(q, k, positions_q, positions_k, scale=call.scale)  # [B, H, Nq, Nk] float32
+        mask = _merge_masks(None, call.mask(q), call.causal, q_len, k_len, logits.dtype, q.device)
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+        if call.sinks is None:
+            weights = self.attention_weights(logits)                                      # [B, H, Nq, Nk]
+        else:
+            column = call.sinks.to(logits.dtype).reshape(-1, 1, 1).expand(*logits.shape[:-1], 1)   # [B, H, Nq, 1]
+            weights = self.attention_weights(torch.cat([logits, column], dim=-1))[..., :k_len]
+        if call.dropout_p > 0.0:
+            weights = F.dropout(weights, p=call.dropout_p)
+        out = torch.matmul(weights.to(v.dtype), v)                                        # [B, H, Nq, Dv]
+        extra = self.attention_values(weights, positions_q, positions_k)                  # [B, H, Nq, Dv] or None
+        return out if extra is None else out + extra.to(out.dtype)
 
     def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
@@ -9569,6 +9631,7 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     """
 
     arguments = {"encoding": _check_position_taking, "max_len": _check_positive_int}
+    indexes_first = False   # a bias's per-logit score_mod needs default positions; this wrapper's are drawn
 
     def __init__(self, encoding: PositionalEmbedding, max_len: int, *,
                  generator: Optional[torch.Generator] = None) -> None:
@@ -9613,11 +9676,18 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
         """The wrapped encoding's own call, on drawn positions: ``(x, positions)`` for ``"input"`` kinds,
         ``(q_len, k_len, positions_q, positions_k)`` (the bias) for ``"bias"`` kinds, else the logits
         ``forward_attn(q, k, ...)``: a rotation of one tensor alone could not share its draw with the other."""
-        if self.kind == "input":
+        if not isinstance(self.encoding, _AttentionEncoding):
             return self._forward_input(*args, **kwargs)
-        if self.kind == "bias":
+        if isinstance(self.encoding, _PairwiseBias):
             return self.attention_bias(*args, **kwargs)
         return self.forward_attn(*args, **kwargs)
+
+    def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        return x if isinstance(self.encoding, _AttentionEncoding) else self(x, positions)
+
+    def _attention(self, q, k, v, positions_q, positions_k, call):
+        # the wrapped encoding's path, run by this wrapper: its hooks take the positions drawn for the call
+        return type(self.encoding)._attention(self, q, k, v, positions_q, positions_k, call)
 
     def _forward_input(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
         if self.training and positions is None:
@@ -10685,8 +10755,6 @@ def _demo_lattice(seq_len: int) -> Tensor:
 
 def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> str:
     """The demo's last column, measured: do the logits stay the same when every position moves?"""
-    if pe.kind == "input":
-        return "n/a (acts on the tokens)"
     if not pe.takes_positions:
         return f"n/a (takes no positions: {pe.order_from})"
     if isinstance(pe, AlgebraicTreePositionalEmbedding):
@@ -10717,15 +10785,16 @@ def _demo() -> None:
     for name, pe in _demo_modules(heads, head_dim, seq_len).items():
         positions = _demo_positions(pe, seq_len)
         start = time.perf_counter()
-        if pe.kind == "input":  # its positions go to the tokens; attention() then reads none
+        added = pe.kind == "input"
+        if added:  # its positions go to the tokens; attention() then reads none
             tokens, out = pe.forward_input(x, positions), attention(q, k, v, pe, causal=pe.num_axes == 1)
         else:
             tokens, out = x, attention(q, k, v, pe, positions_q=positions, positions_k=positions,
                                        causal=pe.num_axes == 1)
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
-        shape = str(tuple(out.shape if pe.kind != "input" else tokens.shape))
-        invariance = _demo_translation(pe, q, k, positions)
+        shape = str(tuple(tokens.shape if added else out.shape))
+        invariance = "n/a (acts on the tokens)" if added else _demo_translation(pe, q, k, positions)
         print(f"{name:<20}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
     _demo_today(batch, heads, head_dim, seq_len)
 
