@@ -711,7 +711,9 @@ class PositionalEmbedding(nn.Module):
 
     Subclasses override the hooks ``encode_qk`` and ``attention_bias`` (or, for
     ``"logits"``, ``full_precision_logits``); ``forward_input`` and ``forward_attn`` are
-    built from them, and ``attention()`` picks the efficient path from ``kind``.
+    built from them, and ``attention()`` runs each base's own path (``_attention``): this base's is
+    the ``"input"`` kind's, ``_AttentionEncoding`` (the attention-side kinds) and its subclasses
+    ``_PairwiseBias`` and ``_ExplicitLogits`` have theirs.
 
     Derived tables (frequencies, slopes, caches) are non-persistent buffers built by
     ``_init_buffers``; every ``.to()`` / ``.half()`` / ``to_empty()`` rebuilds them in
@@ -1260,80 +1262,6 @@ def _causal_for(pe: Optional[PositionalEmbedding], causal) -> bool:
     return causal
 
 
-def _bias_path(device: torch.device, *, use_flex: Optional[bool], grad: bool, compiling: bool, float_mask: bool,
-               dropout: bool, q_len: int, k_len: int, head_dim: int, indexes_first: bool) -> str:
-    """attention()'s path for a ``"bias"`` encoding: ``"flex"`` (FlexAttention with its ``score_mod``) or
-    ``"dense"`` (its bias as SDPA's float mask, ``_attend``).
-
-    Dense where FlexAttention cannot run (dropout, a float ``attn_mask``), else as ``use_flex`` says; by
-    default FlexAttention on CUDA (fused: compiled once by the library, or traced by the caller's
-    ``torch.compile``; its kernel needs ``Dh >= 16``), and on the CPU where inductor's CPU kernel
-    lowers it: traced by ``torch.compile``, without gradient (torch 2.13 has no CPU FlexAttention
-    backward), ``Nq == Nk``, default positions and no documents or mask, for a bias read per logit
-    from its own tensors (``indexes_first``). Eager on the CPU, dense: FlexAttention runs unfused there.
-    Traced before torch 2.7, dense: dynamo cannot trace ``create_block_mask`` there (``_FLEX_TRACES``).
-    """
-    if dropout or float_mask:
-        return "dense"
-    if use_flex is not None:
-        return "flex" if use_flex else "dense"
-    if compiling and not _FLEX_TRACES:
-        return "dense"
-    if device.type == "cuda" and head_dim >= 16:
-        return "flex"
-    if device.type == "cpu" and compiling and not grad and q_len == k_len and indexes_first:
-        return "flex"
-    return "dense"
-
-
-# torch.compile traces FlexAttention's block mask from torch 2.7 on; torch 2.6's create_block_mask calls
-# inspect.signature on the mask_mod, where dynamo stops ("inspect.signature with non-constant function")
-_FLEX_TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 7)
-
-
-def _needs_grad(pe: PositionalEmbedding, *tensors: Tensor) -> bool:
-    """Whether autograd records this call: grad mode on and a tensor, or the encoding's, needs a gradient."""
-    return torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or _reads_learned(pe))
-
-
-def _reads_learned(module: nn.Module) -> bool:
-    """Whether ``module`` holds a tensor that needs a gradient (a learned table; bound token states). It
-    walks the module's own dicts: ``torch.compile`` refuses ``.parameters()`` on a module made inside
-    its graph ("getattr() on nn.Module with pending mutation": a bound encoding)."""
-    own = (*module._parameters.values(), *module._buffers.values())
-    return any(t is not None and t.requires_grad for t in own) or \
-        any(_reads_learned(child) for child in module._modules.values() if child is not None)
-
-
-def _flex_kernel_options(device: torch.device, learned: bool) -> Optional[dict]:
-    """FlexAttention's ``kernel_options``: one pipeline stage (``num_stages=1``, forward and backward) on
-    CUDA when the ``score_mod`` reads a tensor that needs a gradient, else torch's defaults (None).
-
-    With the default stages, the kernels that also accumulate that tensor's gradient ask for more shared
-    memory than an H100 or H200 has: "No valid triton configs ... Required: 262144 Hardware limit: 232448"
-    for T5's table at Dh = 128 (H200, torch 2.11; at Dh = 64 the forward kernel too). One stage compiled
-    and ran there (smaller blocks did too, slower).
-    """
-    return {"num_stages": 1} if device.type == "cuda" and learned else None
-
-
-_COMPILED_FLEX = []   # [torch.compile(flex_attention)], built on first use
-
-
-def _compiled_flex_attention():
-    """``flex_attention`` compiled once and reused (torch recompiles it for new shapes, then
-    dynamically): the fused kernel in eager mode.
-
-    Every bias class's ``score_mod``, and each grad mode, is another compilation of this one
-    function: past ``torch._dynamo.config.recompile_limit`` (8 by default) torch runs the unfused
-    kernel instead, with a warning (``bench.py gpu``, timing 11 classes in one process, saw 13x
-    plain SDPA and 3.7 GiB until it raised the limit)."""
-    if not _COMPILED_FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
-        _COMPILED_FLEX.append(torch.compile(flex_attention))
-    return _COMPILED_FLEX[0]
-
-
 def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, call: _AttentionCall, scale: Optional[float],
                     bias: Optional[Tensor] = None) -> Tensor:
     """SDPA with the call's masks, causality, grouped heads and sinks, and an additive float32 ``bias``
@@ -1344,40 +1272,6 @@ def _sdpa_attention(q: Tensor, k: Tensor, v: Tensor, call: _AttentionCall, scale
         return _sdpa(q, k, v, dropout_p=call.dropout_p, is_causal=True, scale=scale, **options)
     mask = _as_sdpa_mask(q, _merge_masks(bias, attn_mask, call.causal, q_len, k_len, q.dtype, q.device))
     return _sdpa(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=scale, **options)
-
-
-_DENSE_BIAS_BUDGET = 2**28   # bytes of dense float32 bias per query block, without gradient (256 MiB)
-
-
-def _bias_chunk_rows(pe: PositionalEmbedding, q: Tensor, k: Tensor, v: Tensor, positions_q, positions_k) -> int:
-    """Query rows per block of the dense bias path: all of them (``Nq``), or without gradient, where the
-    ``[(B,) H, Nq, Nk]`` float32 bias would pass ``_DENSE_BIAS_BUDGET``, as many as fit in it (at least
-    one), for a bias that can build its rows alone (``_PairwiseBias._bias_rows``: positions taken, not
-    traced). Each block's output is SDPA's on its rows: the same as the whole bias's."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    if not hasattr(pe, "_bias_rows") or not pe.takes_positions or _is_compiling() or _needs_grad(pe, q, k, v):
-        return q_len
-    batch = max([p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor)
-                 and p.dim() > (1 if pe.num_axes == 1 else 2)] + [1])
-    row_bytes = batch * pe.num_heads * k_len * 4
-    return q_len if row_bytes * q_len <= _DENSE_BIAS_BUDGET else max(1, _DENSE_BIAS_BUDGET // row_bytes)
-
-
-def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                            call: _AttentionCall, scale: float, rows: int) -> Tensor:
-    """The dense bias path ``rows`` queries at a time: each block's rows of the bias, of the call's mask
-    and of the causal mask, and SDPA on its queries; ``[..., Nq, Dv]``, what the whole bias gives."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    bias_rows = pe._bias_rows(q_len, k_len, positions_q, positions_k, q.device)
-    attn_mask, options = call.mask(q), call.sdpa_options(q, k)
-    out = []
-    for start in range(0, q_len, rows):
-        stop = min(start + rows, q_len)
-        mask = _merge_masks(bias_rows(start, stop), attn_mask, call.causal, q_len, k_len, q.dtype, q.device,
-                            (start, stop))
-        out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=call.dropout_p,
-                         scale=scale, **options))                                         # [..., stop - start, Dv]
-    return torch.cat(out, dim=-2)
 
 
 def _as_sdpa_mask(q: Tensor, mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -1450,210 +1344,6 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, pe) -> None:
         raise TypeError(f"{owner}: pe must be a PositionalEmbedding or None, got {type(pe).__name__}")
     if pe is not None:
         pe._check_attention_shapes(q, k, v)
-
-
-def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
-                    causal: bool, scale: float, document_ids: Optional[Tensor] = None,
-                    attn_mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
-    """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask); ``sinks`` ``[H]``
-    rescale each query's output by ``sigmoid(lse - sinks[h])``, the share of its softmax the sink leaves.
-
-    FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
-    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
-    ids repeated). Causality, documents and a boolean ``attn_mask`` go into a ``BlockMask``
-    (masked blocks are skipped; a query with no key left gets 0, where SDPA gives NaN). In
-    eager mode on CUDA the call goes through ``_compiled_flex_attention``.
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    lead = q.shape[:-3]
-    batch = math.prod(lead) if lead else 1
-    per_row = batch // (lead[0] if lead else 1)
-
-    def rows(p: Optional[Tensor], batched_dim: int) -> Optional[Tensor]:  # [1, N] -> [N]; [B, N] -> [B * G, N]
-        if not isinstance(p, Tensor) or p.dim() != batched_dim:
-            return p
-        if p.shape[0] == 1:
-            return p[0]
-        return p.repeat_interleave(per_row, dim=0) if per_row > 1 else p
-
-    batched_dim = 2 if pe.num_axes == 1 else 3
-    positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
-    document_ids = rows(document_ids, 2)
-    allowed = None if attn_mask is None else _flex_mask(attn_mask, q.shape, k.shape[-2])     # [1 or B, 1 or H, Nq, Nk]
-    if q.dim() != 4:
-        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
-    add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
-    block_mask = _block_mask(document_ids, causal, q.shape[-2], k.shape[-2], q.device, allowed)
-    attend = _compiled_flex_attention() if q.is_cuda and not _is_compiling() else flex_attention
-    options = _flex_kernel_options(q.device, torch.is_grad_enabled() and _reads_learned(pe))
-    out = attend(q, k, v, score_mod=add_bias, block_mask=block_mask, scale=scale,
-                 enable_gqa=q.shape[-3] != k.shape[-3], kernel_options=options,
-                 **({} if sinks is None else _lse_request()))
-    if sinks is not None:
-        out, aux = out
-        lse = getattr(aux, "lse", aux)                                                  # [B, H, Nq] (out [B, H, Nq, Dv])
-        dtype = _compute_dtype(out.dtype)
-        kept = torch.sigmoid(lse.to(dtype) - sinks.to(dtype).reshape(-1, 1))            # e^lse / (e^lse + e^sink)
-        out = (out.to(dtype) * kept.unsqueeze(-1)).to(out.dtype)
-    return out.reshape(*lead, *out.shape[-3:])
-
-
-def _lse_request() -> dict:
-    """flex_attention's keyword for the log-sum-exp of each query's logits: ``return_aux`` (torch >= 2.9;
-    ``return_lse`` is deprecated there) or ``return_lse``."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return {"return_lse": True}
-    return {"return_aux": AuxRequest(lse=True)}
-
-
-_BLOCK_MASKS: dict = {}   # _block_mask's cache, oldest first: key -> (weak reference to the ids or None, version, mask)
-_BLOCK_MASK_CACHE_SIZE = 8
-_FLEX_BLOCK = 128         # FlexAttention's default block size (queries and keys)
-
-
-def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device,
-                allowed: Optional[Tensor] = None):
-    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (ids ``[N]``
-    shared or ``[B, N]``; None: one document), with ``causal`` to keys at most ``_query_offset``
-    past it, and to the keys ``allowed`` allows (bool ``[1 or B, 1 or H, Nq, Nk]``, never cached);
-    None when nothing is masked.
-
-    The kernel skips the blocks wholly masked and applies the ``mask_mod`` inside the others. In
-    eager mode the blocks come from block indices (``_mask_blocks``: no ``[Nq, Nk]`` tensor, memory
-    ``O(N + (N / 128)^2)``) and the mask is cached (the last ``_BLOCK_MASK_CACHE_SIZE``) per lengths,
-    causality, device and ids: the same ids tensor, unchanged (its identity, held weakly, and its
-    version counter), so every layer of one forward shares one mask and new ids make a new one
-    (inference-mode ids have no version counter: their mask is rebuilt every call). Traced
-    (``torch.compile``), ``create_block_mask`` evaluates the ``mask_mod``, which inductor fuses
-    into its block reductions: no ``[Nq, Nk]`` tensor either, and nothing cached.
-    """
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-
-    if ids is None and not causal and allowed is None:
-        return None
-    device = torch.device(device)
-    if _is_compiling():
-        batch = max(ids.shape[0] if ids is not None and ids.dim() == 2 else 1,
-                    1 if allowed is None else allowed.shape[0])
-        return create_block_mask(_keep_mod(ids, causal, q_len, k_len, device, allowed), batch if batch > 1 else None,
-                                 None if allowed is None or allowed.shape[1] == 1 else allowed.shape[1], q_len, k_len,
-                                 device=device)
-    cached = allowed is None and (ids is None or not ids.is_inference())
-    key = (q_len, k_len, causal, device, None if ids is None else (id(ids), tuple(ids.shape)))
-    entry = _BLOCK_MASKS.pop(key, None) if cached else None
-    if entry is not None and (ids is None or entry[0]() is ids and entry[1] == ids._version):
-        _BLOCK_MASKS[key] = entry                                                       # now the newest
-        return entry[2]
-
-    def ordered(blocks: Tensor) -> tuple:  # [R, H, Q, K] bool -> blocks per row [R, H, Q], their indices first
-        blocks = blocks.to(torch.int32)
-        return blocks.sum(-1, dtype=torch.int32), blocks.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
-
-    partial, full = _mask_blocks(ids, causal, q_len, k_len, device)                     # [R, 1, Q, K] each
-    if allowed is not None:  # and its blocks: some pair kept by both is possible, all kept by both is sure
-        some, every = _tensor_mask_blocks(allowed)                                      # [Bm, Hm, Q, K] each
-        full, partial = full & every, (partial | full) & some
-        partial = partial & ~full                                                       # [max(R, Bm), Hm, Q, K]
-    mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=_FLEX_BLOCK,
-                                    mask_mod=_keep_mod(ids, causal, q_len, k_len, device, allowed),
-                                    seq_lengths=(q_len, k_len))
-    if cached:
-        _BLOCK_MASKS[key] = (None if ids is None else weakref.ref(ids), None if ids is None else ids._version, mask)
-        while len(_BLOCK_MASKS) > _BLOCK_MASK_CACHE_SIZE:
-            del _BLOCK_MASKS[next(iter(_BLOCK_MASKS))]                                  # the oldest
-    return mask
-
-
-def _keep_mod(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, allowed: Optional[Tensor] = None):
-    """``_block_mask``'s ``mask_mod``: same document, with ``causal`` ``kv_idx <= q_idx + offset``, and
-    ``allowed``. A nonzero offset is a 0-d tensor: a Python int would be a size the compiled kernel
-    specialises on, then reads as a symbol (which inductor 2.11-2.13 fails to lower)."""
-    offset = _query_offset(q_len, k_len)
-    shift = torch.tensor(offset, device=device) if offset else None
-    look_up = None if allowed is None else _mask_lookup(allowed)
-
-    def keep(b, h, q_idx, kv_idx):
-        kept = kv_idx <= (q_idx if shift is None else q_idx + shift) if causal else None
-        if ids is not None:
-            same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
-            kept = same if kept is None else kept & same
-        if look_up is not None:
-            kept = look_up(b, h, q_idx, kv_idx) if kept is None else kept & look_up(b, h, q_idx, kv_idx)
-        return kept
-    return keep
-
-
-def _flex_mask(attn_mask: Tensor, q_shape: tuple, k_len: int) -> Tensor:
-    """A boolean ``attn_mask`` (broadcasting to ``[..., H, Nq, Nk]``) as FlexAttention's batch of rows: ``[1 or
-    B, 1 or H, Nq, Nk]`` (``B`` the flattened leading dims), views where it broadcasts."""
-    shape = (*q_shape[:-1], k_len)                                                      # [..., H, Nq, Nk]
-    mask = attn_mask.reshape((1,) * (len(shape) - attn_mask.dim()) + tuple(attn_mask.shape))
-    lead = shape[:-3] if any(size > 1 for size in mask.shape[:-3]) else (1,) * len(shape[:-3])
-    mask = mask.expand(*lead, mask.shape[-3], *shape[-2:])
-    return mask.reshape(-1, *mask.shape[-3:])
-
-
-def _mask_lookup(allowed: Tensor):
-    """``(b, h, q_idx, kv_idx) -> allowed`` for a ``[1 or B, 1 or H, Nq, Nk]`` mask (a broadcast dim is taken
-    outside the ``mask_mod``: an int beside a tensor index does not trace on torch <= 2.8)."""
-    if allowed.shape[0] == 1 and allowed.shape[1] == 1:
-        plane = allowed[0, 0]                                                           # [Nq, Nk]
-        return lambda b, h, q_idx, kv_idx: plane[q_idx, kv_idx]
-    if allowed.shape[0] == 1:
-        heads = allowed[0]                                                              # [H, Nq, Nk]
-        return lambda b, h, q_idx, kv_idx: heads[h, q_idx, kv_idx]
-    if allowed.shape[1] == 1:
-        rows = allowed[:, 0]                                                            # [B, Nq, Nk]
-        return lambda b, h, q_idx, kv_idx: rows[b, q_idx, kv_idx]
-    return lambda b, h, q_idx, kv_idx: allowed[b, h, q_idx, kv_idx]
-
-
-def _tensor_mask_blocks(allowed: Tensor, size: int = _FLEX_BLOCK) -> tuple:
-    """The blocks of a boolean mask ``[Bm, Hm, Nq, Nk]`` holding some allowed pair and those all allowed: bool
-    ``[Bm, Hm, Q, K]`` each (padded with False past the lengths, as torch pads: such a block is never all)."""
-    q_len, k_len = allowed.shape[-2:]
-    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
-    padded = F.pad(allowed, (0, k_blocks * size - k_len, 0, q_blocks * size - q_len))   # [Bm, Hm, Q size, K size]
-    tiles = padded.reshape(*padded.shape[:2], q_blocks, size, k_blocks, size)
-    return tiles.any(-1).any(-2), tiles.all(-1).all(-2)
-
-
-def _mask_blocks(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, size: int = _FLEX_BLOCK) -> tuple:
-    """The ``size x size`` blocks of ``_keep_mod``'s mask that hold some kept pair (``partial``, to be masked
-    inside) and those wholly kept (``full``), from block indices: bool ``[R, 1, Q, K]`` each (R rows of
-    ``[R, N]`` ids, else 1), ``partial`` and ``full`` disjoint, as ``create_block_mask`` finds them.
-
-    Causal: a block holds a kept pair iff its first key is seen by its last query, and all are kept iff
-    its last key is seen by its first query. Documents: a block pair shares an id only if the id ranges
-    ``[min, max]`` of its query and key blocks overlap (exact for ids that do not decrease, as packed
-    documents are numbered; other ids may leave an extra block to the ``mask_mod``), and is wholly one
-    document iff both blocks hold one id, the same. With both, as ids need ``Nq == Nk``, a block on the
-    diagonal keeps its diagonal and one below it every causal pair, so the two tests combine exactly.
-    A block past either length's end is never full (torch pads the dense mask with False).
-    """
-    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
-    q_first = torch.arange(q_blocks, device=device)[:, None] * size                    # [Q, 1]
-    k_first = torch.arange(k_blocks, device=device) * size                              # [K]
-    full = (q_first + size <= q_len) & (k_first + size <= k_len)                        # [Q, K]: inside both lengths
-    partial = torch.ones_like(full)
-    if causal:
-        offset = _query_offset(q_len, k_len)
-        q_last, k_last = (q_first + size - 1).clamp(max=q_len - 1), (k_first + size - 1).clamp(max=k_len - 1)
-        partial = partial & (k_first <= q_last + offset)
-        full = full & (k_last <= q_first + offset)
-    if ids is not None:
-        rows = ids.reshape(-1, ids.shape[-1])                                           # [R, N]
-        index = torch.arange(q_blocks * size, device=device).clamp(max=rows.shape[-1] - 1)
-        blocks = rows[:, index].unflatten(-1, (q_blocks, size))                         # [R, Q, size]: last id repeated
-        low, high = blocks.amin(-1), blocks.amax(-1)                                    # [R, Q]
-        overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])   # [R, Q, K]
-        one = low == high
-        partial = partial & overlap
-        full = full & one[:, :, None] & one[:, None, :] & (low[:, :, None] == low[:, None, :])
-    return (partial & ~full).reshape(-1, 1, q_blocks, k_blocks), full.reshape(-1, 1, q_blocks, k_blocks)
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
@@ -6349,6 +6039,321 @@ def _dense_score_mod(bias: Tensor):
         shared = rows[0]                                                                # [H, Nq, Nk]
         return lambda score, b, h, q_idx, kv_idx: score + shared[h, q_idx, kv_idx].to(score.dtype)
     return lambda score, b, h, q_idx, kv_idx: score + rows[b, h, q_idx, kv_idx].to(score.dtype)
+
+
+# attention()'s bias path (_PairwiseBias._attention): FlexAttention with the score_mod and a block mask,
+# or the dense bias as SDPA's float mask
+
+def _bias_path(device: torch.device, *, use_flex: Optional[bool], grad: bool, compiling: bool, float_mask: bool,
+               dropout: bool, q_len: int, k_len: int, head_dim: int, indexes_first: bool) -> str:
+    """attention()'s path for a ``"bias"`` encoding: ``"flex"`` (FlexAttention with its ``score_mod``) or
+    ``"dense"`` (its bias as SDPA's float mask).
+
+    Dense where FlexAttention cannot run (dropout, a float ``attn_mask``), else as ``use_flex`` says; by
+    default FlexAttention on CUDA (fused: compiled once by the library, or traced by the caller's
+    ``torch.compile``; its kernel needs ``Dh >= 16``), and on the CPU where inductor's CPU kernel
+    lowers it: traced by ``torch.compile``, without gradient (torch 2.13 has no CPU FlexAttention
+    backward), ``Nq == Nk``, default positions and no documents or mask, for a bias read per logit
+    from its own tensors (``indexes_first``). Eager on the CPU, dense: FlexAttention runs unfused there.
+    Traced before torch 2.7, dense: dynamo cannot trace ``create_block_mask`` there (``_FLEX_TRACES``).
+    """
+    if dropout or float_mask:
+        return "dense"
+    if use_flex is not None:
+        return "flex" if use_flex else "dense"
+    if compiling and not _FLEX_TRACES:
+        return "dense"
+    if device.type == "cuda" and head_dim >= 16:
+        return "flex"
+    if device.type == "cpu" and compiling and not grad and q_len == k_len and indexes_first:
+        return "flex"
+    return "dense"
+
+
+# torch.compile traces FlexAttention's block mask from torch 2.7 on; torch 2.6's create_block_mask calls
+# inspect.signature on the mask_mod, where dynamo stops ("inspect.signature with non-constant function")
+_FLEX_TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 7)
+
+
+def _needs_grad(pe: PositionalEmbedding, *tensors: Tensor) -> bool:
+    """Whether autograd records this call: grad mode on and a tensor, or the encoding's, needs a gradient."""
+    return torch.is_grad_enabled() and (any(t.requires_grad for t in tensors) or _reads_learned(pe))
+
+
+def _reads_learned(module: nn.Module) -> bool:
+    """Whether ``module`` holds a tensor that needs a gradient (a learned table; bound token states). It
+    walks the module's own dicts: ``torch.compile`` refuses ``.parameters()`` on a module made inside
+    its graph ("getattr() on nn.Module with pending mutation": a bound encoding)."""
+    own = (*module._parameters.values(), *module._buffers.values())
+    return any(t is not None and t.requires_grad for t in own) or \
+        any(_reads_learned(child) for child in module._modules.values() if child is not None)
+
+
+def _flex_kernel_options(device: torch.device, learned: bool) -> Optional[dict]:
+    """FlexAttention's ``kernel_options``: one pipeline stage (``num_stages=1``, forward and backward) on
+    CUDA when the ``score_mod`` reads a tensor that needs a gradient, else torch's defaults (None).
+
+    With the default stages, the kernels that also accumulate that tensor's gradient ask for more shared
+    memory than an H100 or H200 has: "No valid triton configs ... Required: 262144 Hardware limit: 232448"
+    for T5's table at Dh = 128 (H200, torch 2.11; at Dh = 64 the forward kernel too). One stage compiled
+    and ran there (smaller blocks did too, slower).
+    """
+    return {"num_stages": 1} if device.type == "cuda" and learned else None
+
+
+_COMPILED_FLEX = []   # [torch.compile(flex_attention)], built on first use
+
+
+def _compiled_flex_attention():
+    """``flex_attention`` compiled once and reused (torch recompiles it for new shapes, then
+    dynamically): the fused kernel in eager mode.
+
+    Every bias class's ``score_mod``, and each grad mode, is another compilation of this one
+    function: past ``torch._dynamo.config.recompile_limit`` (8 by default) torch runs the unfused
+    kernel instead, with a warning (``bench.py gpu``, timing 11 classes in one process, saw 13x
+    plain SDPA and 3.7 GiB until it raised the limit)."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    return _COMPILED_FLEX[0]
+
+
+_DENSE_BIAS_BUDGET = 2**28   # bytes of dense float32 bias per query block, without gradient (256 MiB)
+
+
+def _bias_chunk_rows(pe: PositionalEmbedding, q: Tensor, k: Tensor, v: Tensor, positions_q, positions_k) -> int:
+    """Query rows per block of the dense bias path: all of them (``Nq``), or without gradient, where the
+    ``[(B,) H, Nq, Nk]`` float32 bias would pass ``_DENSE_BIAS_BUDGET``, as many as fit in it (at least
+    one), for a bias that can build its rows alone (``_PairwiseBias._bias_rows``: positions taken, not
+    traced). Each block's output is SDPA's on its rows: the same as the whole bias's."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if not hasattr(pe, "_bias_rows") or not pe.takes_positions or _is_compiling() or _needs_grad(pe, q, k, v):
+        return q_len
+    batch = max([p.shape[0] for p in (positions_q, positions_k) if isinstance(p, Tensor)
+                 and p.dim() > (1 if pe.num_axes == 1 else 2)] + [1])
+    row_bytes = batch * pe.num_heads * k_len * 4
+    return q_len if row_bytes * q_len <= _DENSE_BIAS_BUDGET else max(1, _DENSE_BIAS_BUDGET // row_bytes)
+
+
+def _attend_in_query_blocks(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                            call: _AttentionCall, scale: float, rows: int) -> Tensor:
+    """The dense bias path ``rows`` queries at a time: each block's rows of the bias, of the call's mask
+    and of the causal mask, and SDPA on its queries; ``[..., Nq, Dv]``, what the whole bias gives."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    bias_rows = pe._bias_rows(q_len, k_len, positions_q, positions_k, q.device)
+    attn_mask, options = call.mask(q), call.sdpa_options(q, k)
+    out = []
+    for start in range(0, q_len, rows):
+        stop = min(start + rows, q_len)
+        mask = _merge_masks(bias_rows(start, stop), attn_mask, call.causal, q_len, k_len, q.dtype, q.device,
+                            (start, stop))
+        out.append(_sdpa(q[..., start:stop, :], k, v, attn_mask=_as_sdpa_mask(q, mask), dropout_p=call.dropout_p,
+                         scale=scale, **options))                                         # [..., stop - start, Dv]
+    return torch.cat(out, dim=-2)
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbedding, positions_q, positions_k,
+                    causal: bool, scale: float, document_ids: Optional[Tensor] = None,
+                    attn_mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tensor:
+    """FlexAttention with the encoding's ``score_mod`` (and the bottom-right causal mask); ``sinks`` ``[H]``
+    rescale each query's output by ``sigmoid(lse - sinks[h])``, the share of its softmax the sink leaves.
+
+    FlexAttention takes ``[B, H, N, Dh]``: other ranks are viewed as that (``[H, N, Dh]`` as
+    one batch, ``[B, G, H, N, Dh]`` as ``B * G`` batches, ``[B, N]`` positions and document
+    ids repeated). Causality, documents and a boolean ``attn_mask`` go into a ``BlockMask``
+    (masked blocks are skipped; a query with no key left gets 0, where SDPA gives NaN). In
+    eager mode on CUDA the call goes through ``_compiled_flex_attention``.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lead = q.shape[:-3]
+    batch = math.prod(lead) if lead else 1
+    per_row = batch // (lead[0] if lead else 1)
+
+    def rows(p: Optional[Tensor], batched_dim: int) -> Optional[Tensor]:  # [1, N] -> [N]; [B, N] -> [B * G, N]
+        if not isinstance(p, Tensor) or p.dim() != batched_dim:
+            return p
+        if p.shape[0] == 1:
+            return p[0]
+        return p.repeat_interleave(per_row, dim=0) if per_row > 1 else p
+
+    batched_dim = 2 if pe.num_axes == 1 else 3
+    positions_q, positions_k = rows(positions_q, batched_dim), rows(positions_k, batched_dim)
+    document_ids = rows(document_ids, 2)
+    allowed = None if attn_mask is None else _flex_mask(attn_mask, q.shape, k.shape[-2])     # [1 or B, 1 or H, Nq, Nk]
+    if q.dim() != 4:
+        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (q, k, v))
+    add_bias = pe.score_mod(q.shape[-2], k.shape[-2], positions_q, positions_k)
+    block_mask = _block_mask(document_ids, causal, q.shape[-2], k.shape[-2], q.device, allowed)
+    attend = _compiled_flex_attention() if q.is_cuda and not _is_compiling() else flex_attention
+    options = _flex_kernel_options(q.device, torch.is_grad_enabled() and _reads_learned(pe))
+    out = attend(q, k, v, score_mod=add_bias, block_mask=block_mask, scale=scale,
+                 enable_gqa=q.shape[-3] != k.shape[-3], kernel_options=options,
+                 **({} if sinks is None else _lse_request()))
+    if sinks is not None:
+        out, aux = out
+        lse = getattr(aux, "lse", aux)                                                  # [B, H, Nq] (out [B, H, Nq, Dv])
+        dtype = _compute_dtype(out.dtype)
+        kept = torch.sigmoid(lse.to(dtype) - sinks.to(dtype).reshape(-1, 1))            # e^lse / (e^lse + e^sink)
+        out = (out.to(dtype) * kept.unsqueeze(-1)).to(out.dtype)
+    return out.reshape(*lead, *out.shape[-3:])
+
+
+def _lse_request() -> dict:
+    """flex_attention's keyword for the log-sum-exp of each query's logits: ``return_aux`` (torch >= 2.9;
+    ``return_lse`` is deprecated there) or ``return_lse``."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+_BLOCK_MASKS: dict = {}   # _block_mask's cache, oldest first: key -> (weak reference to the ids or None, version, mask)
+_BLOCK_MASK_CACHE_SIZE = 8
+_FLEX_BLOCK = 128         # FlexAttention's default block size (queries and keys)
+
+
+def _block_mask(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device,
+                allowed: Optional[Tensor] = None):
+    """FlexAttention ``BlockMask`` keeping every query to the keys of its own document (ids ``[N]``
+    shared or ``[B, N]``; None: one document), with ``causal`` to keys at most ``_query_offset``
+    past it, and to the keys ``allowed`` allows (bool ``[1 or B, 1 or H, Nq, Nk]``, never cached);
+    None when nothing is masked.
+
+    The kernel skips the blocks wholly masked and applies the ``mask_mod`` inside the others. In
+    eager mode the blocks come from block indices (``_mask_blocks``: no ``[Nq, Nk]`` tensor, memory
+    ``O(N + (N / 128)^2)``) and the mask is cached (the last ``_BLOCK_MASK_CACHE_SIZE``) per lengths,
+    causality, device and ids: the same ids tensor, unchanged (its identity, held weakly, and its
+    version counter), so every layer of one forward shares one mask and new ids make a new one
+    (inference-mode ids have no version counter: their mask is rebuilt every call). Traced
+    (``torch.compile``), ``create_block_mask`` evaluates the ``mask_mod``, which inductor fuses
+    into its block reductions: no ``[Nq, Nk]`` tensor either, and nothing cached.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    if ids is None and not causal and allowed is None:
+        return None
+    device = torch.device(device)
+    if _is_compiling():
+        batch = max(ids.shape[0] if ids is not None and ids.dim() == 2 else 1,
+                    1 if allowed is None else allowed.shape[0])
+        return create_block_mask(_keep_mod(ids, causal, q_len, k_len, device, allowed), batch if batch > 1 else None,
+                                 None if allowed is None or allowed.shape[1] == 1 else allowed.shape[1], q_len, k_len,
+                                 device=device)
+    cached = allowed is None and (ids is None or not ids.is_inference())
+    key = (q_len, k_len, causal, device, None if ids is None else (id(ids), tuple(ids.shape)))
+    entry = _BLOCK_MASKS.pop(key, None) if cached else None
+    if entry is not None and (ids is None or entry[0]() is ids and entry[1] == ids._version):
+        _BLOCK_MASKS[key] = entry                                                       # now the newest
+        return entry[2]
+
+    def ordered(blocks: Tensor) -> tuple:  # [R, H, Q, K] bool -> blocks per row [R, H, Q], their indices first
+        blocks = blocks.to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), blocks.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+    partial, full = _mask_blocks(ids, causal, q_len, k_len, device)                     # [R, 1, Q, K] each
+    if allowed is not None:  # and its blocks: some pair kept by both is possible, all kept by both is sure
+        some, every = _tensor_mask_blocks(allowed)                                      # [Bm, Hm, Q, K] each
+        full, partial = full & every, (partial | full) & some
+        partial = partial & ~full                                                       # [max(R, Bm), Hm, Q, K]
+    mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=_FLEX_BLOCK,
+                                    mask_mod=_keep_mod(ids, causal, q_len, k_len, device, allowed),
+                                    seq_lengths=(q_len, k_len))
+    if cached:
+        _BLOCK_MASKS[key] = (None if ids is None else weakref.ref(ids), None if ids is None else ids._version, mask)
+        while len(_BLOCK_MASKS) > _BLOCK_MASK_CACHE_SIZE:
+            del _BLOCK_MASKS[next(iter(_BLOCK_MASKS))]                                  # the oldest
+    return mask
+
+
+def _keep_mod(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, allowed: Optional[Tensor] = None):
+    """``_block_mask``'s ``mask_mod``: same document, with ``causal`` ``kv_idx <= q_idx + offset``, and
+    ``allowed``. A nonzero offset is a 0-d tensor: a Python int would be a size the compiled kernel
+    specialises on, then reads as a symbol (which inductor 2.11-2.13 fails to lower)."""
+    offset = _query_offset(q_len, k_len)
+    shift = torch.tensor(offset, device=device) if offset else None
+    look_up = None if allowed is None else _mask_lookup(allowed)
+
+    def keep(b, h, q_idx, kv_idx):
+        kept = kv_idx <= (q_idx if shift is None else q_idx + shift) if causal else None
+        if ids is not None:
+            same = ids[b, q_idx] == ids[b, kv_idx] if ids.dim() == 2 else ids[q_idx] == ids[kv_idx]
+            kept = same if kept is None else kept & same
+        if look_up is not None:
+            kept = look_up(b, h, q_idx, kv_idx) if kept is None else kept & look_up(b, h, q_idx, kv_idx)
+        return kept
+    return keep
+
+
+def _flex_mask(attn_mask: Tensor, q_shape: tuple, k_len: int) -> Tensor:
+    """A boolean ``attn_mask`` (broadcasting to ``[..., H, Nq, Nk]``) as FlexAttention's batch of rows: ``[1 or
+    B, 1 or H, Nq, Nk]`` (``B`` the flattened leading dims), views where it broadcasts."""
+    shape = (*q_shape[:-1], k_len)                                                      # [..., H, Nq, Nk]
+    mask = attn_mask.reshape((1,) * (len(shape) - attn_mask.dim()) + tuple(attn_mask.shape))
+    lead = shape[:-3] if any(size > 1 for size in mask.shape[:-3]) else (1,) * len(shape[:-3])
+    mask = mask.expand(*lead, mask.shape[-3], *shape[-2:])
+    return mask.reshape(-1, *mask.shape[-3:])
+
+
+def _mask_lookup(allowed: Tensor):
+    """``(b, h, q_idx, kv_idx) -> allowed`` for a ``[1 or B, 1 or H, Nq, Nk]`` mask (a broadcast dim is taken
+    outside the ``mask_mod``: an int beside a tensor index does not trace on torch <= 2.8)."""
+    if allowed.shape[0] == 1 and allowed.shape[1] == 1:
+        plane = allowed[0, 0]                                                           # [Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: plane[q_idx, kv_idx]
+    if allowed.shape[0] == 1:
+        heads = allowed[0]                                                              # [H, Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: heads[h, q_idx, kv_idx]
+    if allowed.shape[1] == 1:
+        rows = allowed[:, 0]                                                            # [B, Nq, Nk]
+        return lambda b, h, q_idx, kv_idx: rows[b, q_idx, kv_idx]
+    return lambda b, h, q_idx, kv_idx: allowed[b, h, q_idx, kv_idx]
+
+
+def _tensor_mask_blocks(allowed: Tensor, size: int = _FLEX_BLOCK) -> tuple:
+    """The blocks of a boolean mask ``[Bm, Hm, Nq, Nk]`` holding some allowed pair and those all allowed: bool
+    ``[Bm, Hm, Q, K]`` each (padded with False past the lengths, as torch pads: such a block is never all)."""
+    q_len, k_len = allowed.shape[-2:]
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    padded = F.pad(allowed, (0, k_blocks * size - k_len, 0, q_blocks * size - q_len))   # [Bm, Hm, Q size, K size]
+    tiles = padded.reshape(*padded.shape[:2], q_blocks, size, k_blocks, size)
+    return tiles.any(-1).any(-2), tiles.all(-1).all(-2)
+
+
+def _mask_blocks(ids: Optional[Tensor], causal: bool, q_len: int, k_len: int, device, size: int = _FLEX_BLOCK) -> tuple:
+    """The ``size x size`` blocks of ``_keep_mod``'s mask that hold some kept pair (``partial``, to be masked
+    inside) and those wholly kept (``full``), from block indices: bool ``[R, 1, Q, K]`` each (R rows of
+    ``[R, N]`` ids, else 1), ``partial`` and ``full`` disjoint, as ``create_block_mask`` finds them.
+
+    Causal: a block holds a kept pair iff its first key is seen by its last query, and all are kept iff
+    its last key is seen by its first query. Documents: a block pair shares an id only if the id ranges
+    ``[min, max]`` of its query and key blocks overlap (exact for ids that do not decrease, as packed
+    documents are numbered; other ids may leave an extra block to the ``mask_mod``), and is wholly one
+    document iff both blocks hold one id, the same. With both, as ids need ``Nq == Nk``, a block on the
+    diagonal keeps its diagonal and one below it every causal pair, so the two tests combine exactly.
+    A block past either length's end is never full (torch pads the dense mask with False).
+    """
+    q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
+    q_first = torch.arange(q_blocks, device=device)[:, None] * size                    # [Q, 1]
+    k_first = torch.arange(k_blocks, device=device) * size                              # [K]
+    full = (q_first + size <= q_len) & (k_first + size <= k_len)                        # [Q, K]: inside both lengths
+    partial = torch.ones_like(full)
+    if causal:
+        offset = _query_offset(q_len, k_len)
+        q_last, k_last = (q_first + size - 1).clamp(max=q_len - 1), (k_first + size - 1).clamp(max=k_len - 1)
+        partial = partial & (k_first <= q_last + offset)
+        full = full & (k_last <= q_first + offset)
+    if ids is not None:
+        rows = ids.reshape(-1, ids.shape[-1])                                           # [R, N]
+        index = torch.arange(q_blocks * size, device=device).clamp(max=rows.shape[-1] - 1)
+        blocks = rows[:, index].unflatten(-1, (q_blocks, size))                         # [R, Q, size]: last id repeated
+        low, high = blocks.amin(-1), blocks.amax(-1)                                    # [R, Q]
+        overlap = (low[:, :, None] <= high[:, None, :]) & (low[:, None, :] <= high[:, :, None])   # [R, Q, K]
+        one = low == high
+        partial = partial & overlap
+        full = full & one[:, :, None] & one[:, None, :] & (low[:, :, None] == low[:, None, :])
+    return (partial & ~full).reshape(-1, 1, q_blocks, k_blocks), full.reshape(-1, 1, q_blocks, k_blocks)
 
 
 def _check_buckets(owner: str, num_buckets, max_distance, bidirectional) -> tuple:

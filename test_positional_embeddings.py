@@ -13071,7 +13071,8 @@ def test_the_contract_lives_in_the_bases():
     tree = ast.parse(pathlib.Path(pe_lib.__file__).read_text())
     methods = [(cls.name, node.name) for cls in tree.body if isinstance(cls, ast.ClassDef)
                for node in cls.body if isinstance(node, ast.FunctionDef)]
-    bases = {"PositionalEmbedding", "_AddedInput", "_QKTransform", "_PairwiseBias", "_ExplicitLogits"}
+    bases = {"PositionalEmbedding", "_AttentionEncoding", "_AddedInput", "_QKTransform", "_PairwiseBias",
+             "_ExplicitLogits"}
     wrappers = {"RandomizedPositionalEmbedding"}   # an encoding of any kind inside: it forwards every hook
     own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases | wrappers)
     assert own("score_mod") == []   # the forget gate's too: pair_bias on its bias_inputs, per batch row
@@ -13082,6 +13083,26 @@ def test_the_contract_lives_in_the_bases():
                      {name for name, obj in vars(pe_lib).items() if isinstance(obj, type)
                       and issubclass(obj, pe_lib._PairwiseBias)}]
     assert bias_forwards == ["_PairwiseBias"]
+    # attention()'s paths: one per base, none per class
+    assert own("_attention") == []
+    assert sorted(cls for cls, method in methods if method == "_attention") == sorted(
+        {"PositionalEmbedding", "_AttentionEncoding", "_PairwiseBias", "_ExplicitLogits"} | wrappers)
+
+
+def test_attention_reads_no_kind_string():
+    """Issue 43: attention() runs each base's own path (``_attention``) instead of comparing ``pe.kind`` with a
+    string, so a vendored file holds its own kind's path only: NoPE's has no bias or logits path, ALiBi's no
+    logits path. The one comparison left is the demo's table."""
+    import ast
+    source = pathlib.Path(pe_lib.__file__).read_text()
+    demo = source.index("def _demo(")
+    compared = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Attribute) and node.left.attr == "kind"]
+    assert len(compared) == 1 and source.count("\n", 0, demo) < compared[0]
+    nope = pe_lib.vendor(["NoPositionalEmbedding"])
+    assert "def _attention(" in nope and "class _AttentionEncoding" not in nope and "def _bias_path" not in nope
+    alibi = pe_lib.vendor(["ALiBiPositionalEmbedding"])
+    assert "class _PairwiseBias" in alibi and "class _ExplicitLogits" not in alibi
 
 
 # what a per-class test class tests, where its name does not say it
