@@ -591,6 +591,18 @@ def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
         raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
 
 
+def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
+    """Integer positions inside a table of ``size`` rows (the range check is skipped while tracing)."""
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+        kind = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
+        raise TypeError(f"{owner}: {name} must be an integer tensor, got {kind}")
+    if _skip_value_checks(positions) or positions.numel() == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= size:
+        raise ValueError(f"{owner}: {name} must lie in [0, max_len={size}), got position {low if low < 0 else high}")
+
+
 def _coordinates(owner: str, positions: Tensor, num_axes: int) -> tuple:
     """Validated continuous coordinates for an ``embed``: ``(p, dtype)`` with ``p`` float64
     ``[..., N, A]`` (``[..., N]`` gets its axis when ``A = 1``) and ``dtype`` the result's
@@ -6584,18 +6596,6 @@ class ALiBiPositionalEmbedding(_PairwiseBias):
         # (0, the symmetric subgradient of the cone |offset|)
         positive = squared > 0
         return self.bias_at(torch.where(positive, torch.where(positive, squared, 1.0).sqrt(), 0.0), head)
-
-
-def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
-    """Integer positions inside a table of ``size`` rows (the range check is skipped while tracing)."""
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
-        kind = positions.dtype if isinstance(positions, Tensor) else type(positions).__name__
-        raise TypeError(f"{owner}: {name} must be an integer tensor, got {kind}")
-    if _skip_value_checks(positions) or positions.numel() == 0:
-        return
-    low, high = int(positions.min()), int(positions.max())
-    if low < 0 or high >= size:
-        raise ValueError(f"{owner}: {name} must lie in [0, max_len={size}), got position {low if low < 0 else high}")
 
 
 class UnifiedPositionalEmbedding(_PairwiseBias):
