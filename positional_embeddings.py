@@ -10841,6 +10841,13 @@ def _vendor_dense_attention(q: Tensor, k: Tensor, v: Tensor, pe: PositionalEmbed
                      use_flex=False, document_ids=document_ids, attn_mask=attn_mask, sinks=sinks)
 
 
+def _vendor_dense_path(device: torch.device, *, use_flex: Optional[bool], grad: bool, compiling: bool,
+                       float_mask: bool, dropout: bool, q_len: int, k_len: int, head_dim: int,
+                       indexes_first: bool) -> str:
+    """This file was vendored without FlexAttention: every bias takes the dense path."""
+    return "dense"
+
+
 def _vendor_direct_call(pe: Optional[PositionalEmbedding], fn, *args):
     """``fn(*args)``: this file was vendored without FSDP2 support (do not ``fully_shard`` an encoding by itself)."""
     return fn(*args)
@@ -10866,7 +10873,7 @@ _VENDOR_OPTIONS = {
     },
     "flex": {
         "what": "the FlexAttention path (``score_mod``; ``attention()`` runs every bias densely)",
-        "methods": ("score_mod",), "functions": (), "stand_ins": {"_flex_attention": _vendor_dense_attention},
+        "methods": ("score_mod",), "functions": (), "stand_ins": {"_flex_attention": _vendor_dense_attention, "_bias_path": _vendor_dense_path},
     },
     "distributed": {
         "what": "FSDP2 / DTensor support and the sequence-sharding functions",
@@ -11083,8 +11090,8 @@ def _vendor_check_stand_in(units: list, where: dict, name: str, stand_in: str) -
 
 def _vendor_unit_text(units: list, index: int, plan: dict) -> str:
     """The source of one kept unit: a replaced function's stand-in under the function's name, cut methods
-    removed, imports narrowed to the names used, and ``+SKIP`` on the docstring examples that need a
-    definition left out."""
+    removed, private functions' docstrings cut to their first sentence, imports narrowed to the names
+    used, and ``+SKIP`` on the docstring examples that need a definition left out."""
     import ast
 
     unit = units[plan["replace"].get(index, index)]
@@ -11103,6 +11110,7 @@ def _vendor_unit_text(units: list, index: int, plan: dict) -> str:
             if not lines[start - 1 - first].strip():                              # and the blank line above
                 start -= 1
             dropped.update(range(start, statement.end_lineno + 1))
+    _vendor_short_docstrings(node, lines, first, dropped)
     for start, end, read in unit["examples"]:
         if read & plan["missing"]:
             for number in range(start, end + 1):
@@ -11116,6 +11124,41 @@ def _vendor_unit_text(units: list, index: int, plan: dict) -> str:
             line = lines[number - first]
             lines[number - first] = line[shift:] if shift >= 0 and line.startswith(" " * shift) else " " * -shift + line
     return "\n".join(line for number, line in enumerate(lines, first) if number not in dropped)
+
+
+def _vendor_short_docstrings(node, lines: list, first: int, dropped: set) -> None:
+    """Cut the docstring of every private function or method in ``node`` (public ones keep theirs whole) to
+    its first sentence, rewrapped: ``lines`` (from line ``first``) edited, the lines it frees added to
+    ``dropped``. Docstrings with examples or backslashes stay as they are."""
+    import ast
+    import textwrap
+
+    for function in ast.walk(node):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) or not function.name.startswith("_") \
+                or function.name.endswith("__") or ast.get_docstring(function) is None:
+            continue
+        doc = function.body[0]
+        text = "\n".join(lines[doc.lineno - first:doc.end_lineno - first + 1])
+        if doc.lineno == doc.end_lineno or ">>>" in text or "\\" in text:
+            continue
+        paragraph = " ".join(ast.get_docstring(function).split("\n\n")[0].split())
+        sentence = _vendor_first_sentence(paragraph)
+        indent = lines[doc.lineno - first][:len(lines[doc.lineno - first]) - len(lines[doc.lineno - first].lstrip())]
+        wrapped = textwrap.wrap(f'"""{sentence}"""', width=116, initial_indent=indent, subsequent_indent=indent)
+        lines[doc.lineno - first] = "\n".join(wrapped)
+        dropped.update(range(doc.lineno + 1, doc.end_lineno + 1))
+
+
+def _vendor_first_sentence(text: str) -> str:
+    """``text`` up to its first full stop outside parentheses and ````code```` (all of it if none)."""
+    depth, code = 0, False
+    for i, char in enumerate(text):
+        if text.startswith("``", i):
+            code = not code
+        depth += 0 if code else (char == "(") - (char == ")")
+        if char == "." and not code and depth == 0 and text[i + 1:i + 2] == " ":
+            return text[:i + 1]
+    return text
 
 
 def _vendor_origin(source: bytes) -> str:

@@ -13011,6 +13011,22 @@ class TestVendor:
         with pytest.raises(ValueError, match="vendor: shard_positions is left out with distributed=False, but you named it"):
             pe_lib.vendor(["shard_positions"], distributed=False)
 
+    def test_private_docstrings_shrink_to_their_first_sentence(self):
+        """Issue 43: a vendored file keeps every public docstring whole and cuts a private function's to its
+        first sentence (a full stop outside parentheses and code)."""
+        import ast
+        text = pe_lib.vendor(["ALiBiPositionalEmbedding"])
+        functions = {node.name: ast.get_docstring(node) for node in ast.walk(ast.parse(text))
+                     if isinstance(node, ast.FunctionDef) and ast.get_docstring(node)}
+        assert functions["attention"].replace("  # doctest: +SKIP", "") == inspect.getdoc(pe_lib.attention)
+        assert functions["alibi_slopes"] == inspect.getdoc(pe_lib.alibi_slopes)
+        assert functions["_with_parameters"] == "``fn(*args)`` with ``pe``'s parameters at hand."
+        assert "\n\n" not in functions["_flex_attention"] and len(inspect.getdoc(pe_lib._flex_attention)) > \
+            2 * len(functions["_flex_attention"])
+        first = pe_lib._vendor_first_sentence
+        assert first("Keys (``a. b``, e.g. 1. 2) end here. Not this.") == "Keys (``a. b``, e.g. 1. 2) end here."
+        assert first("No full stop at all") == "No full stop at all"
+
     def test_header_says_license_contents_and_version(self):
         import hashlib
 
