@@ -3382,6 +3382,11 @@ _ROPE_POSITIVE = ("factor", "attention_factor", "beta_fast", "beta_slow", "low_f
 _LENGTH_DEPENDENT = {"dynamic", "longrope"}
 
 
+def _positive_ints(owner: str, name: str, value) -> list:
+    """A list of positive ints (``sections``, ``mrope_section``)."""
+    return [_check_positive_int(owner, name, size) for size in _as_list(owner, name, value)]
+
+
 def _check_scaling(owner: str, scaling: Optional[dict], base: float) -> dict:
     """Validate a ``rope_parameters`` dict; return a normalised copy with ``rope_type`` set.
 
@@ -3426,8 +3431,7 @@ def _check_scaling(owner: str, scaling: Optional[dict], base: float) -> dict:
             params[key] = [_as_float(owner, f"scaling[{key!r}]", value, minimum=0.0, exclusive=True)
                            for value in _as_list(owner, f"scaling[{key!r}]", params[key])]
     if "mrope_section" in params:
-        params["mrope_section"] = [_check_positive_int(owner, "scaling['mrope_section']", size)
-                                   for size in _as_list(owner, "scaling['mrope_section']", params["mrope_section"])]
+        params["mrope_section"] = _positive_ints(owner, "scaling['mrope_section']", params["mrope_section"])
     if "low_freq_factor" in params and "high_freq_factor" in params \
             and not params["high_freq_factor"] > params["low_freq_factor"]:
         raise ValueError(f"{owner}: scaling['high_freq_factor'] must exceed scaling['low_freq_factor'], got "
@@ -3702,40 +3706,176 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     return weight.unflatten(0, (heads, head_dim))[:, rows.to(weight.device)].flatten(0, 1)
 
 
-def _check_pair_axes(owner: str, pair_axes, rotary_dim: int) -> list:
-    """``pair_axes``: the position axis (an int >= 0) of each of the ``rotary_dim / 2`` pairs."""
-    pair_axes = [_as_int(owner, "pair_axes", axis, minimum=0) for axis in _as_list(owner, "pair_axes", pair_axes)]
-    if len(pair_axes) != rotary_dim // 2:
-        raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {rotary_dim // 2} "
+def _axis_list(owner: str, name: str, value) -> list:
+    """``pair_axes``: a list of position axes (ints >= 0)."""
+    return [_as_int(owner, name, axis, minimum=0) for axis in _as_list(owner, name, value)]
+
+
+def _frequency_list(owner: str, name: str, value) -> list:
+    """``frequencies``: finite frequencies >= 0, as a list or a 1-D float tensor (fixed, so without grad)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad or value.dim() != 1 or not value.is_floating_point():
+            raise TypeError(f"{owner}: {name} must be a list or a 1-D float tensor without grad (they are "
+                            f"fixed: a learned spectrum is a parameter of your model), got {_describe(value)}")
+        value = value.tolist()
+    return [_as_float(owner, name, number, minimum=0.0) for number in _as_list(owner, name, value)]
+
+
+def _check_sections(owner: str, sections: Optional[list], section_layout: str, axis_spectrum: str,
+                    pairs: int) -> None:
+    """The ``sections`` preset (None: one axis, or ``pair_axes``): sizes summing to the ``pairs`` rotated,
+    and the number and sizes its ``section_layout`` and ``axis_spectrum`` need."""
+    if sections is not None and sum(sections) != pairs:
+        raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
+                         f"{pairs}, got sections={sections}")
+    if section_layout != "contiguous" and (sections is None or len(sections) != 3):
+        model = "Qwen3-VL" if section_layout == "interleaved" else "ERNIE-4.5-VL, VideoRoPE"
+        raise ValueError(f"{owner}: section_layout={section_layout!r} ({model}) needs three sections (t, h, w), "
+                         f"got sections={sections}")
+    if section_layout == "alternating" and sections[1] - sections[2] not in (0, 1):
+        # h takes the even pairs of the first sections[1] + sections[2], w the odd ones
+        raise ValueError(f"{owner}: section_layout='alternating' gives h and w every other pair, so sections "
+                         f"(t, h, w) need h == w or h == w + 1, got sections={sections}")
+    if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= pairs for axis in (1, 2)):
+        # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
+        raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
+                         f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {pairs}; "
+                         f"got sections={sections}")
+    if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
+        raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
+                         f"got sections={sections}, section_layout={section_layout!r}")
+    strides = None if sections is None else [len(range(axis, pairs, len(sections))) for axis in range(len(sections))]
+    if axis_spectrum == "strided" and sections != strides:
+        raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
+                         f"a, so sections must be {strides}, got sections={sections}")
+
+
+def _check_pair_axes(owner: str, pair_axes: list, pairs: int) -> None:
+    """``pair_axes``: an axis for each of the ``pairs`` rotated, every axis up to the largest used."""
+    if len(pair_axes) != pairs:
+        raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {pairs} "
                          f"pairs, got {len(pair_axes)}")
     unused = sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
     if unused:   # positions would carry a column nothing reads
         raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
                          f"per axis), got no pair on axes {unused}")
-    return pair_axes
 
 
-def _check_frequencies(owner: str, frequencies, rotary_dim: int, axis_spectrum: str) -> Optional[list]:
-    """``frequencies``: one finite frequency >= 0 per pair (a list or a 1-D tensor), replacing the spectrum."""
-    if frequencies is None:
-        return None
-    if isinstance(frequencies, Tensor):
-        if frequencies.requires_grad or frequencies.dim() != 1 or not frequencies.is_floating_point():
-            raise TypeError(f"{owner}: frequencies must be a list or a 1-D float tensor without grad (they are "
-                            f"fixed: a learned spectrum is a parameter of your model), got {_describe(frequencies)}")
-        frequencies = frequencies.tolist()
-    frequencies = [_as_float(owner, "frequencies", value, minimum=0.0)
-                   for value in _as_list(owner, "frequencies", frequencies)]
-    if len(frequencies) != rotary_dim // 2:
+def _check_scaling_fits(owner: str, params: dict, rotary_dim: int, axis_spectrum: str,
+                        frequencies: Optional[list]) -> None:
+    """A scaling (normalised ``params``) the layout takes: ``longrope``'s factors one per pair, and no
+    scaling of a per-axis, strided or explicit spectrum."""
+    for key in ("short_factor", "long_factor"):
+        if key in params and len(params[key]) != rotary_dim // 2:
+            raise ValueError(f"{owner}: scaling[{key!r}] must have rotary_dim / 2 = "
+                             f"{rotary_dim // 2} entries, got {len(params[key])}")
+    if (axis_spectrum != "shared" or frequencies is not None) and params["rope_type"] != "default":
+        what = "frequencies" if frequencies is not None else f"axis_spectrum={axis_spectrum!r}"
+        raise ValueError(f"{owner}: {what} takes no scaling, got rope_type={params['rope_type']!r}")
+
+
+def _check_rotary_arguments(owner: str, arguments: dict) -> None:
+    """RoPE's arguments taken together: an even ``dim`` (or ``head_dim``), then the layout as ``scaling``
+    completes it (``partial_rotary_factor``, ``mrope_section``): ``rotary_dim`` within ``dim``, one of
+    ``sections`` and ``pair_axes``, one frequency per pair, and a scaling that fits."""
+    dim = _one_of(owner, "dim", arguments["dim"], "head_dim", arguments["head_dim"])
+    if dim % 2:
+        raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
+    params = _check_scaling(owner, arguments["scaling"], arguments["base"])
+    rotary_dim, sections, section_layout = _rotary_layout(owner, dim, arguments["rotary_dim"], params,
+                                                          arguments["sections"], arguments["section_layout"])
+    pair_axes, axis_spectrum, frequencies = arguments["pair_axes"], arguments["axis_spectrum"], arguments["frequencies"]
+    if sections is not None and pair_axes is not None:
+        raise ValueError(f"{owner}: pass sections (a preset, or scaling's mrope_section) or pair_axes (any map), "
+                         f"not both, got sections={sections} and pair_axes={_describe(pair_axes)}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+        raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
+                         f"got rotary_dim={rotary_dim!r}")
+    _check_sections(owner, sections, section_layout, axis_spectrum, rotary_dim // 2)
+    if frequencies is not None and len(frequencies) != rotary_dim // 2:
         raise ValueError(f"{owner}: frequencies must give one frequency for each of the rotary_dim / 2 = "
                          f"{rotary_dim // 2} pairs, got {len(frequencies)}")
-    if axis_spectrum != "shared":
+    if frequencies is not None and axis_spectrum != "shared":
         raise ValueError(f"{owner}: frequencies replace the spectrum, so axis_spectrum must stay 'shared', "
                          f"got axis_spectrum={axis_spectrum!r}")
-    return frequencies
+    if pair_axes is not None:
+        _check_pair_axes(owner, pair_axes, rotary_dim // 2)
+    _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
 
 
-class RotaryPositionalEmbedding(PositionalEmbedding):
+class _RotaryLayout(PositionalEmbedding):
+    """The layouts of ``RotaryPositionalEmbedding`` (its base): which position axis turns each frequency
+    pair, and which frequency it takes.
+
+    One axis is plain RoPE (``pair_axes`` None). With several, pair ``i`` turns with the position on
+    axis ``pair_axes[i]``, given or from the ``sections`` preset in its ``section_layout``, at a
+    frequency of the scaled spectrum, of ``axis_spectrum``'s per-axis or strided one, or of the
+    explicit ``frequencies``. ``_check_rotary_arguments`` checks the arguments.
+    """
+
+    def _set_layout(self, params: dict, rotary_dim: Optional[int], sections: Optional[list], section_layout: str,
+                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list]) -> None:
+        """The layout of the constructor's arguments, as the scaling dict ``params`` completes it."""
+        self.rotary_dim, self.sections, self.section_layout = _rotary_layout(
+            type(self).__name__, self.dim, rotary_dim, params, sections, section_layout)
+        self.axis_spectrum, self.frequencies = axis_spectrum, frequencies
+        pair_axes = self._axis_of_pair() if pair_axes is None else pair_axes
+        self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
+        self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
+
+    def _layout_repr(self) -> str:
+        """The layout's part of ``extra_repr`` (empty for plain RoPE)."""
+        text = ""
+        if self.sections is not None:
+            text += f", sections={self.sections}"
+            text += "" if self.section_layout == "contiguous" else f", section_layout={self.section_layout!r}"
+            text += "" if self.axis_spectrum == "shared" else f", axis_spectrum={self.axis_spectrum!r}"
+        elif self.pair_axes is not None:
+            text += f", pair_axes={self.pair_axes}"
+        if self.frequencies is not None:
+            text += f", frequencies={self.frequencies}"
+        return text
+
+    def _axis_of_pair(self) -> Optional[list]:
+        """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
+        contiguous (Qwen2-VL: ``t..t h..h w..w``); Qwen3-VL's interleaved order (``t h w t h w ...``
+        while an axis has pairs left, then ``t``); or alternating (ERNIE-4.5-VL, VideoRoPE: ``h w h w
+        ...`` over the first ``sections[1] + sections[2]`` pairs, then ``t`` on the slowest)."""
+        if self.sections is None:
+            return None
+        if self.section_layout == "contiguous":
+            return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
+        if self.section_layout == "alternating":
+            spatial = self.sections[1] + self.sections[2]
+            return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
+        axes = [0] * sum(self.sections)
+        for axis in (1, 2):
+            for pair in range(axis, 3 * self.sections[axis], 3):
+                axes[pair] = axis
+        return axes
+
+    def _spectrum(self) -> tuple:
+        """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
+        if self.frequencies is not None:
+            return torch.tensor(self.frequencies, dtype=torch.float64), 1.0
+        if self.axis_spectrum == "per_axis":
+            return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
+        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+        if self.axis_spectrum == "strided":   # axis a: frequencies a, a + A, a + 2A, ... (Pixtral)
+            axes = len(self.sections)
+            inv_freq = torch.cat([inv_freq[axis::axes] for axis in range(axes)])
+        return inv_freq, factor
+
+    def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
+        pair i turns with the position on its axis)."""
+        if self.pair_axes is None:
+            return _angles(positions, inv_freq)
+        positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
+        return positions.to(torch.float64) * inv_freq.to(torch.float64)
+
+
+class RotaryPositionalEmbedding(_RotaryLayout):
     """Rotary position embedding: rotate q and k pairwise by position-proportional angles.
 
     Su et al., "RoFormer", arXiv:2104.09864. Pair ``i`` of a head is rotated by
@@ -3813,8 +3953,14 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
 
     kind = "qk"
     translation_invariant = True
-    arguments = {"rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
+    arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints,
+                 "section_layout": functools.partial(_check_choice, choices=("contiguous", "interleaved", "alternating")),
+                 "axis_spectrum": functools.partial(_check_choice, choices=("shared", "per_axis", "strided")),
+                 "cache_len": functools.partial(_as_int, minimum=0), "pair_axes": _axis_list,
+                 "frequencies": _frequency_list,
+                 "rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
                  "rotate_values": _check_flag}
+    argument_rules = (_check_rotary_arguments,)
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
     fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
     layer_type: Optional[str] = None   # the config's layer type whose rope parameters it has (from_config)
@@ -3828,57 +3974,10 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
                  rotate_values: bool = False, pair_axes: Optional[list] = None,
                  frequencies: Optional[list] = None) -> None:
         super().__init__()
-        owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
-        if dim % 2:
-            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        self.dim, self.base = dim, float(base)
-        self.interleaved = _check_flag(owner, "interleaved", interleaved)
-        params = _check_scaling(owner, scaling, self.base)
-        rotary_dim = None if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
-        _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved", "alternating"))
-        if sections is not None:
-            sections = [_check_positive_int(owner, "sections", size) for size in _as_list(owner, "sections", sections)]
-        rotary_dim, sections, section_layout = _rotary_layout(owner, dim, rotary_dim, params, sections, section_layout)
-        if sections is not None and pair_axes is not None:
-            raise ValueError(f"{owner}: pass sections (a preset, or scaling's mrope_section) or pair_axes (any map), "
-                             f"not both, got sections={sections} and pair_axes={_describe(pair_axes)}")
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
-            raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
-                             f"got rotary_dim={rotary_dim!r}")
-        if sections is not None and sum(sections) != rotary_dim // 2:
-            raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
-                             f"{rotary_dim // 2}, got sections={sections}")
-        if section_layout != "contiguous" and (sections is None or len(sections) != 3):
-            model = "Qwen3-VL" if section_layout == "interleaved" else "ERNIE-4.5-VL, VideoRoPE"
-            raise ValueError(f"{owner}: section_layout={section_layout!r} ({model}) needs three sections (t, h, w), "
-                             f"got sections={sections}")
-        if section_layout == "alternating" and sections[1] - sections[2] not in (0, 1):
-            # h takes the even pairs of the first sections[1] + sections[2], w the odd ones
-            raise ValueError(f"{owner}: section_layout='alternating' gives h and w every other pair, so sections "
-                             f"(t, h, w) need h == w or h == w + 1, got sections={sections}")
-        if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= rotary_dim // 2
-                                                   for axis in (1, 2)):
-            # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
-            raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
-                             f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {rotary_dim // 2}; "
-                             f"got sections={sections}")
-        _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis", "strided"))
-        if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
-            raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
-                             f"got sections={sections}, section_layout={section_layout!r}")
-        strides = None if sections is None else [len(range(a, rotary_dim // 2, len(sections))) for a in range(len(sections))]
-        if axis_spectrum == "strided" and sections != strides:
-            raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
-                             f"a, so sections must be {strides}, got sections={sections}")
-        self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
-        self.axis_spectrum = axis_spectrum
-        self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, axis_spectrum)
-        pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
-        self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
-        self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
-        self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
-        self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
+        self.dim, self.base, self.interleaved = dim if head_dim is None else head_dim, float(base), interleaved
+        params = _check_scaling(type(self).__name__, scaling, self.base)
+        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies)
+        self.rotated_channels, self.rotate_values, self.cache_len = rotated_channels, rotate_values, cache_len
         self._set_scaling(params)
 
     @classmethod
@@ -3912,14 +4011,7 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             text += f", scaling={self._scaling}"
         if self.fixed_length is not None:
             text += f", fixed_length={self.fixed_length}"
-        if self.sections is not None:
-            text += f", sections={self.sections}"
-            text += "" if self.section_layout == "contiguous" else f", section_layout={self.section_layout!r}"
-            text += "" if self.axis_spectrum == "shared" else f", axis_spectrum={self.axis_spectrum!r}"
-        elif self.pair_axes is not None:
-            text += f", pair_axes={self.pair_axes}"
-        if self.frequencies is not None:
-            text += f", frequencies={self.frequencies}"
+        text += self._layout_repr()
         if self.rotated_channels != "leading":
             text += f", rotated_channels={self.rotated_channels!r}"
         if self.rotate_values:
@@ -3947,31 +4039,13 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         if changed != layout:
             raise ValueError(f"{owner}: a new scaling cannot change rotary_dim, sections or section_layout "
                              f"(got {changed}, the module has {layout}); build a new module")
+        _check_scaling_fits(owner, params, self.rotary_dim, self.axis_spectrum, self.frequencies)
         self._set_scaling(params)
 
     def _set_scaling(self, params: dict) -> None:
-        for key in ("short_factor", "long_factor"):
-            if key in params and len(params[key]) != self.rotary_dim // 2:
-                raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = "
-                                 f"{self.rotary_dim // 2} entries, got {len(params[key])}")
-        if (self.axis_spectrum != "shared" or self.frequencies is not None) and params["rope_type"] != "default":
-            what = "frequencies" if self.frequencies is not None else f"axis_spectrum={self.axis_spectrum!r}"
-            raise ValueError(f"{type(self).__name__}: {what} takes no scaling, got rope_type={params['rope_type']!r}")
         self._scaling = params
         self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
         self._init_buffers(self._buffer_device())
-
-    def _spectrum(self) -> tuple:
-        """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
-        if self.frequencies is not None:
-            return torch.tensor(self.frequencies, dtype=torch.float64), 1.0
-        if self.axis_spectrum == "per_axis":
-            return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
-        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
-        if self.axis_spectrum == "strided":   # axis a: frequencies a, a + A, a + 2A, ... (Pixtral)
-            axes = len(self.sections)
-            inv_freq = torch.cat([inv_freq[axis::axes] for axis in range(axes)])
-        return inv_freq, factor
 
     def _init_buffers(self, device) -> None:
         inv_freq, self.attention_factor = self._spectrum()
@@ -3984,24 +4058,6 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
             self._grow_cache(self.cache_len)
         else:  # which position axis drives each pair, [F]
             self.register_buffer("axis_of_pair", torch.tensor(self.pair_axes, device=device), persistent=False)
-
-    def _axis_of_pair(self) -> Optional[list]:
-        """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
-        contiguous (Qwen2-VL: ``t..t h..h w..w``); Qwen3-VL's interleaved order (``t h w t h w ...``
-        while an axis has pairs left, then ``t``); or alternating (ERNIE-4.5-VL, VideoRoPE: ``h w h w
-        ...`` over the first ``sections[1] + sections[2]`` pairs, then ``t`` on the slowest)."""
-        if self.sections is None:
-            return None
-        if self.section_layout == "contiguous":
-            return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
-        if self.section_layout == "alternating":
-            spatial = self.sections[1] + self.sections[2]
-            return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
-        axes = [0] * sum(self.sections)
-        for axis in (1, 2):
-            for pair in range(axis, 3 * self.sections[axis], 3):
-                axes[pair] = axis
-        return axes
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0,
                 seq_dim: Literal[-2, -3] = -2) -> Tensor:
@@ -4189,14 +4245,6 @@ class RotaryPositionalEmbedding(PositionalEmbedding):
         inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
         return inv_freq.to(device), factor
 
-    def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
-        pair i turns with the position on its axis)."""
-        if self.pair_axes is None:
-            return _angles(positions, inv_freq)
-        positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
-        return positions.to(torch.float64) * inv_freq.to(torch.float64)
-
     @staticmethod
     def _largest(positions: Optional[Tensor], n: int, offset: int):
         """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
@@ -4312,13 +4360,13 @@ class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
         return torch.cat([inv_freq[:kept], torch.zeros_like(inv_freq[kept:])]), factor
 
 
-def _check_video_head_dim(owner: str, arguments: dict) -> None:
-    """VideoRoPE turns a pair each for t, h and w at least: ``Dh >= 6`` (checked before the default
-    sections are derived from it, so a small ``Dh`` is not blamed on sections the user never passed)."""
-    name = "dim" if arguments["dim"] is not None else "head_dim"
-    width = arguments[name]
-    if width is not None and width < 6:
+def _video_head_dim(owner: str, name: str, value) -> int:
+    """VideoRoPE's ``dim`` (or ``head_dim``): a pair each for t, h and w at least, ``Dh >= 6`` (checked before
+    the default sections are derived from it, so a small ``Dh`` is not blamed on sections the user never passed)."""
+    width = _check_positive_int(owner, name, value)
+    if width < 6:
         raise ValueError(f"{owner}: {name} must be at least 6 (a pair each for t, h and w), got {name}={width}")
+    return width
 
 
 class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
@@ -4366,8 +4414,7 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
         >>> out = attention(q, k, v, video_rope, positions_q=tthw, positions_k=tthw, causal=True)
     """
 
-    arguments = {"temporal_spacing": _positive_float}
-    argument_rules = (_check_video_head_dim,)
+    arguments = {"temporal_spacing": _positive_float, "dim": _video_head_dim, "head_dim": _video_head_dim}
     no_model_type = ("VideoRoPE", "head_dim, sections=..., temporal_spacing=...")
 
     def __init__(self, dim: Optional[int] = None, *, sections: Optional[list] = None, temporal_spacing: float = 2.0,
