@@ -3803,14 +3803,25 @@ def _check_rotary_arguments(owner: str, arguments: dict) -> None:
     _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
 
 
+def _largest_position(positions: Optional[Tensor], n: int, offset: int):
+    """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
+    if positions is None:
+        return offset + n - 1
+    top = positions.max()
+    if _skip_value_checks(top):
+        return top
+    return math.ceil(top.item()) if positions.is_floating_point() else int(top)
+
+
 class _RotaryLayout(PositionalEmbedding):
     """The layouts of ``RotaryPositionalEmbedding`` (its base): which position axis turns each frequency
-    pair, and which frequency it takes.
+    pair and which frequency it takes, and the layouts of the tensors it turns.
 
     One axis is plain RoPE (``pair_axes`` None). With several, pair ``i`` turns with the position on
     axis ``pair_axes[i]``, given or from the ``sections`` preset in its ``section_layout``, at a
     frequency of the scaled spectrum, of ``axis_spectrum``'s per-axis or strided one, or of the
-    explicit ``frequencies``. ``_check_rotary_arguments`` checks the arguments.
+    explicit ``frequencies``; ``_check_rotary_arguments`` checks them. x is ``[..., N, Dh]`` or, with
+    ``seq_dim=-3``, ``[..., N, H, Dh]``; ``rerotate`` also takes positions per head.
     """
 
     def _set_layout(self, params: dict, rotary_dim: Optional[int], sections: Optional[list], section_layout: str,
@@ -3835,6 +3846,43 @@ class _RotaryLayout(PositionalEmbedding):
         if self.frequencies is not None:
             text += f", frequencies={self.frequencies}"
         return text
+
+    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
+        """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
+        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
+        in x's layout); return the positions (one, or a tuple)."""
+        owner = type(self).__name__
+        if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
+            raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
+        _check_tensor(owner, "x", x, -seq_dim)
+        _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
+        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
+                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
+                                         device=x.device) for name, p in positions.items())
+        return checked[0] if len(checked) == 1 else checked
+
+    def _per_head(self, positions) -> bool:
+        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
+        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
+
+    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
+        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
+        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
+        owner, shape = type(self).__name__, tuple(positions.shape)
+        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
+        if x.dim() != 4:
+            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
+                             f"{tuple(x.shape)}")
+        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
+        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
+                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
+            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
+                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
+        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
+                                device=x.device)                                        # [B H, N(, A)]
+        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
+        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
 
     def _axis_of_pair(self) -> Optional[list]:
         """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
@@ -4007,17 +4055,12 @@ class RotaryPositionalEmbedding(_RotaryLayout):
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
-        if self._scaling["rope_type"] != "default":
-            text += f", scaling={self._scaling}"
-        if self.fixed_length is not None:
-            text += f", fixed_length={self.fixed_length}"
+        text += "" if self._scaling["rope_type"] == "default" else f", scaling={self._scaling}"
+        text += "" if self.fixed_length is None else f", fixed_length={self.fixed_length}"
         text += self._layout_repr()
-        if self.rotated_channels != "leading":
-            text += f", rotated_channels={self.rotated_channels!r}"
-        if self.rotate_values:
-            text += ", rotate_values=True"
-        if self.layer_type is not None:
-            text += f", layer_type={self.layer_type!r}"
+        text += "" if self.rotated_channels == "leading" else f", rotated_channels={self.rotated_channels!r}"
+        text += ", rotate_values=True" if self.rotate_values else ""
+        text += "" if self.layer_type is None else f", layer_type={self.layer_type!r}"
         return text
 
     @property
@@ -4121,43 +4164,6 @@ class RotaryPositionalEmbedding(_RotaryLayout):
         dtype = _compute_dtype(x.dtype)
         return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype))
 
-    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
-        """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
-        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
-        in x's layout); return the positions (one, or a tuple)."""
-        owner = type(self).__name__
-        if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
-            raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
-        _check_tensor(owner, "x", x, -seq_dim)
-        _check_last_dim(owner, "x", x, self.dim)
-        self._check_device("x", x)
-        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
-                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
-                                         device=x.device) for name, p in positions.items())
-        return checked[0] if len(checked) == 1 else checked
-
-    def _per_head(self, positions) -> bool:
-        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
-        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
-
-    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
-        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
-        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
-        owner, shape = type(self).__name__, tuple(positions.shape)
-        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
-        if x.dim() != 4:
-            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
-                             f"{tuple(x.shape)}")
-        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
-        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
-                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
-            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
-                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
-        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
-                                device=x.device)                                        # [B H, N(, A)]
-        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
-        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
-
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
         positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
@@ -4172,35 +4178,28 @@ class RotaryPositionalEmbedding(_RotaryLayout):
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
-        if not self.rotate_values:
-            return v
-        q_len, positions_q, positions_k = self._check_value_hook("v", v, "q_len", q_len, positions_q, positions_k)
-        cos, sin = self._call_cos_sin("k", q_len, v.shape[-2], positions_q, positions_k, v.device,
-                                      _compute_dtype(v.dtype))
-        return self._apply_rotation(v, cos, sin)
+        return self._turn_values("v", v, q_len, positions_q, positions_k) if self.rotate_values else v
 
     def decode_output(self, out, k_len, positions_q=None, positions_k=None):
         """With ``rotate_values``: the output ``[..., Nq, Dh]`` turned back by the query positions, so
         it sums ``R(p_k - p_q) v`` over the keys (the rotated values seen from the query)."""
-        if not self.rotate_values:
-            return out
-        k_len, positions_q, positions_k = self._check_value_hook("out", out, "k_len", k_len, positions_q, positions_k)
-        cos, sin = self._call_cos_sin("q", out.shape[-2], k_len, positions_q, positions_k, out.device,
-                                      _compute_dtype(out.dtype))
-        return self._apply_rotation(out, cos, -sin)
+        return self._turn_values("out", out, k_len, positions_q, positions_k) if self.rotate_values else out
 
-    def _check_value_hook(self, name: str, x: Tensor, length_name: str, length, positions_q: Optional[Tensor],
-                          positions_k: Optional[Tensor]) -> tuple:
-        """``encode_v``'s v ``[..., Nk, Dh]`` and ``q_len``, or ``decode_output``'s out ``[..., Nq, Dh]`` and
-        ``k_len``, checked: ``(length, positions_q, positions_k)``, the positions as ``_hook_positions``'s."""
-        owner = type(self).__name__
+    def _turn_values(self, name: str, x: Tensor, length, positions_q: Optional[Tensor],
+                     positions_k: Optional[Tensor]) -> Tensor:
+        """``encode_v`` (``name="v"``: v ``[..., Nk, Dh]``, ``length`` = ``q_len``) or ``decode_output``
+        (``"out"``: out ``[..., Nq, Dh]``, ``length`` = ``k_len``), checked, then turned."""
+        owner, values = type(self).__name__, name == "v"
         _check_tensor(owner, name, x, 2)
-        turned = "the values as the keys" if name == "v" else "the output back by the query positions"
+        turned = "the values as the keys" if values else "the output back by the query positions"
         _check_last_dim(owner, f"{name} (rotate_values=True turns {turned})", x, self.dim)
-        length = _as_int(owner, length_name, length, minimum=0)
-        q_len, k_len = (length, x.shape[-2]) if name == "v" else (x.shape[-2], length)
-        return (length, *self._hook_positions(tuple(x.shape[:-2]), q_len, k_len, positions_q, positions_k,
-                                              x.device))
+        length = _as_int(owner, "q_len" if values else "k_len", length, minimum=0)
+        q_len, k_len = (length, x.shape[-2]) if values else (x.shape[-2], length)
+        positions_q, positions_k = self._hook_positions(tuple(x.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                                        x.device)
+        cos, sin = self._call_cos_sin("k" if values else "q", q_len, k_len, positions_q, positions_k, x.device,
+                                      _compute_dtype(x.dtype))
+        return self._apply_rotation(x, cos, sin if values else -sin)
 
     def _call_cos_sin(self, side: str, q_len: int, k_len: int, positions_q, positions_k, device, dtype) -> tuple:
         """cos, sin of one ``attention()`` call's queries (``side="q"``, the last ``Nq`` keys by default) or
@@ -4209,7 +4208,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
         q_offset = _query_offset(q_len, k_len)
         length = None
         if self._scaling["rope_type"] in _LENGTH_DEPENDENT and self.fixed_length is None:
-            tops = (self._largest(positions_q, q_len, q_offset), self._largest(positions_k, k_len, 0))
+            tops = (_largest_position(positions_q, q_len, q_offset), _largest_position(positions_k, k_len, 0))
             traced = any(isinstance(top, Tensor) for top in tops)   # no data-dependent Python max while tracing
             length = (torch.maximum(*map(torch.as_tensor, tops)) if traced else max(tops)) + 1
         if side == "q":
@@ -4241,19 +4240,9 @@ class RotaryPositionalEmbedding(_RotaryLayout):
         if self._scaling["rope_type"] not in _LENGTH_DEPENDENT:
             return self.inv_freq, self.attention_factor
         length = self.fixed_length if self.fixed_length is not None else length
-        length = self._largest(positions, n, offset) + 1 if length is None else length
+        length = _largest_position(positions, n, offset) + 1 if length is None else length
         inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
         return inv_freq.to(device), factor
-
-    @staticmethod
-    def _largest(positions: Optional[Tensor], n: int, offset: int):
-        """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
-        if positions is None:
-            return offset + n - 1
-        top = positions.max()
-        if _skip_value_checks(top):
-            return top
-        return math.ceil(top.item()) if positions.is_floating_point() else int(top)
 
     def _from_cache(self, positions: Optional[Tensor], offset: int, n: int, inv_freq: Tensor, factor: float,
                     device, dtype) -> Optional[tuple]:
