@@ -3750,17 +3750,6 @@ def _check_sections(owner: str, sections: Optional[list], section_layout: str, a
                          f"a, so sections must be {strides}, got sections={sections}")
 
 
-def _check_pair_axes(owner: str, pair_axes: list, pairs: int) -> None:
-    """``pair_axes``: an axis for each of the ``pairs`` rotated, every axis up to the largest used."""
-    if len(pair_axes) != pairs:
-        raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {pairs} "
-                         f"pairs, got {len(pair_axes)}")
-    unused = sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
-    if unused:   # positions would carry a column nothing reads
-        raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
-                         f"per axis), got no pair on axes {unused}")
-
-
 def _check_scaling_fits(owner: str, params: dict, rotary_dim: int, axis_spectrum: str,
                         frequencies: Optional[list]) -> None:
     """A scaling (normalised ``params``) the layout takes: ``longrope``'s factors one per pair, and no
@@ -3798,8 +3787,13 @@ def _check_rotary_arguments(owner: str, arguments: dict) -> None:
     if frequencies is not None and axis_spectrum != "shared":
         raise ValueError(f"{owner}: frequencies replace the spectrum, so axis_spectrum must stay 'shared', "
                          f"got axis_spectrum={axis_spectrum!r}")
-    if pair_axes is not None:
-        _check_pair_axes(owner, pair_axes, rotary_dim // 2)
+    if pair_axes is not None and len(pair_axes) != rotary_dim // 2:
+        raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {rotary_dim // 2} "
+                         f"pairs, got {len(pair_axes)}")
+    unused = [] if pair_axes is None else sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
+    if unused:   # positions would carry a column nothing reads
+        raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
+                         f"per axis), got no pair on axes {unused}")
     _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
 
 
