@@ -3995,11 +3995,11 @@ class RotaryPositionalEmbedding(_RotaryLayout):
 
     kind = "qk"
     translation_invariant = True
-    arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints,
-                 "section_layout": functools.partial(_check_choice, choices=("contiguous", "interleaved", "alternating")),
+    arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints, "pair_axes": _axis_list,
+                 "frequencies": _frequency_list, "cache_len": functools.partial(_as_int, minimum=0),
+                 "section_layout": functools.partial(_check_choice,
+                                                     choices=("contiguous", "interleaved", "alternating")),
                  "axis_spectrum": functools.partial(_check_choice, choices=("shared", "per_axis", "strided")),
-                 "cache_len": functools.partial(_as_int, minimum=0), "pair_axes": _axis_list,
-                 "frequencies": _frequency_list,
                  "rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
                  "rotate_values": _check_flag}
     argument_rules = (_check_rotary_arguments,)
