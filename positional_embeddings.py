@@ -3100,6 +3100,11 @@ _ROPE_POSITIVE = ("factor", "attention_factor", "beta_fast", "beta_slow", "low_f
 _LENGTH_DEPENDENT = {"dynamic", "longrope"}
 
 
+def _positive_ints(owner: str, name: str, value) -> list:
+    """A list of positive ints (``sections``, ``mrope_section``)."""
+    return [_check_positive_int(owner, name, size) for size in _as_list(owner, name, value)]
+
+
 def _check_scaling(owner: str, scaling: Optional[dict], base: float) -> dict:
     """Validate a ``rope_parameters`` dict; return a normalised copy with ``rope_type`` set.
 
@@ -3144,8 +3149,7 @@ def _check_scaling(owner: str, scaling: Optional[dict], base: float) -> dict:
             params[key] = [_as_float(owner, f"scaling[{key!r}]", value, minimum=0.0, exclusive=True)
                            for value in _as_list(owner, f"scaling[{key!r}]", params[key])]
     if "mrope_section" in params:
-        params["mrope_section"] = [_check_positive_int(owner, "scaling['mrope_section']", size)
-                                   for size in _as_list(owner, "scaling['mrope_section']", params["mrope_section"])]
+        params["mrope_section"] = _positive_ints(owner, "scaling['mrope_section']", params["mrope_section"])
     if "low_freq_factor" in params and "high_freq_factor" in params \
             and not params["high_freq_factor"] > params["low_freq_factor"]:
         raise ValueError(f"{owner}: scaling['high_freq_factor'] must exceed scaling['low_freq_factor'], got "
@@ -3420,40 +3424,218 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     return weight.unflatten(0, (heads, head_dim))[:, rows.to(weight.device)].flatten(0, 1)
 
 
-def _check_pair_axes(owner: str, pair_axes, rotary_dim: int) -> list:
-    """``pair_axes``: the position axis (an int >= 0) of each of the ``rotary_dim / 2`` pairs."""
-    pair_axes = [_as_int(owner, "pair_axes", axis, minimum=0) for axis in _as_list(owner, "pair_axes", pair_axes)]
-    if len(pair_axes) != rotary_dim // 2:
+def _axis_list(owner: str, name: str, value) -> list:
+    """``pair_axes``: a list of position axes (ints >= 0)."""
+    return [_as_int(owner, name, axis, minimum=0) for axis in _as_list(owner, name, value)]
+
+
+def _frequency_list(owner: str, name: str, value) -> list:
+    """``frequencies``: finite frequencies >= 0, as a list or a 1-D float tensor (fixed, so without grad)."""
+    if isinstance(value, Tensor):
+        if value.requires_grad or value.dim() != 1 or not value.is_floating_point():
+            raise TypeError(f"{owner}: {name} must be a list or a 1-D float tensor without grad (they are "
+                            f"fixed: a learned spectrum is a parameter of your model), got {_describe(value)}")
+        value = value.tolist()
+    return [_as_float(owner, name, number, minimum=0.0) for number in _as_list(owner, name, value)]
+
+
+def _check_sections(owner: str, sections: Optional[list], section_layout: str, axis_spectrum: str,
+                    pairs: int) -> None:
+    """The ``sections`` preset (None: one axis, or ``pair_axes``): sizes summing to the ``pairs`` rotated,
+    and the number and sizes its ``section_layout`` and ``axis_spectrum`` need."""
+    if sections is not None and sum(sections) != pairs:
+        raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
+                         f"{pairs}, got sections={sections}")
+    if section_layout != "contiguous" and (sections is None or len(sections) != 3):
+        model = "Qwen3-VL" if section_layout == "interleaved" else "ERNIE-4.5-VL, VideoRoPE"
+        raise ValueError(f"{owner}: section_layout={section_layout!r} ({model}) needs three sections (t, h, w), "
+                         f"got sections={sections}")
+    if section_layout == "alternating" and sections[1] - sections[2] not in (0, 1):
+        # h takes the even pairs of the first sections[1] + sections[2], w the odd ones
+        raise ValueError(f"{owner}: section_layout='alternating' gives h and w every other pair, so sections "
+                         f"(t, h, w) need h == w or h == w + 1, got sections={sections}")
+    if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= pairs for axis in (1, 2)):
+        # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
+        raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
+                         f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {pairs}; "
+                         f"got sections={sections}")
+    if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
+        raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
+                         f"got sections={sections}, section_layout={section_layout!r}")
+    strides = None if sections is None else [len(range(axis, pairs, len(sections))) for axis in range(len(sections))]
+    if axis_spectrum == "strided" and sections != strides:
+        raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
+                         f"a, so sections must be {strides}, got sections={sections}")
+
+
+def _check_scaling_fits(owner: str, params: dict, rotary_dim: int, axis_spectrum: str,
+                        frequencies: Optional[list]) -> None:
+    """A scaling (normalised ``params``) the layout takes: ``longrope``'s factors one per pair, and no
+    scaling of a per-axis, strided or explicit spectrum."""
+    for key in ("short_factor", "long_factor"):
+        if key in params and len(params[key]) != rotary_dim // 2:
+            raise ValueError(f"{owner}: scaling[{key!r}] must have rotary_dim / 2 = "
+                             f"{rotary_dim // 2} entries, got {len(params[key])}")
+    if (axis_spectrum != "shared" or frequencies is not None) and params["rope_type"] != "default":
+        what = "frequencies" if frequencies is not None else f"axis_spectrum={axis_spectrum!r}"
+        raise ValueError(f"{owner}: {what} takes no scaling, got rope_type={params['rope_type']!r}")
+
+
+def _check_rotary_arguments(owner: str, arguments: dict) -> None:
+    """RoPE's arguments taken together: an even ``dim`` (or ``head_dim``), then the layout as ``scaling``
+    completes it (``partial_rotary_factor``, ``mrope_section``): ``rotary_dim`` within ``dim``, one of
+    ``sections`` and ``pair_axes``, one frequency per pair, and a scaling that fits."""
+    dim = _one_of(owner, "dim", arguments["dim"], "head_dim", arguments["head_dim"])
+    if dim % 2:
+        raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
+    params = _check_scaling(owner, arguments["scaling"], arguments["base"])
+    rotary_dim, sections, section_layout = _rotary_layout(owner, dim, arguments["rotary_dim"], params,
+                                                          arguments["sections"], arguments["section_layout"])
+    pair_axes, axis_spectrum, frequencies = arguments["pair_axes"], arguments["axis_spectrum"], arguments["frequencies"]
+    if sections is not None and pair_axes is not None:
+        raise ValueError(f"{owner}: pass sections (a preset, or scaling's mrope_section) or pair_axes (any map), "
+                         f"not both, got sections={sections} and pair_axes={_describe(pair_axes)}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+        raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
+                         f"got rotary_dim={rotary_dim!r}")
+    _check_sections(owner, sections, section_layout, axis_spectrum, rotary_dim // 2)
+    if frequencies is not None and len(frequencies) != rotary_dim // 2:
+        raise ValueError(f"{owner}: frequencies must give one frequency for each of the rotary_dim / 2 = "
+                         f"{rotary_dim // 2} pairs, got {len(frequencies)}")
+    if frequencies is not None and axis_spectrum != "shared":
+        raise ValueError(f"{owner}: frequencies replace the spectrum, so axis_spectrum must stay 'shared', "
+                         f"got axis_spectrum={axis_spectrum!r}")
+    if pair_axes is not None and len(pair_axes) != rotary_dim // 2:
         raise ValueError(f"{owner}: pair_axes must give an axis for each of the rotary_dim / 2 = {rotary_dim // 2} "
                          f"pairs, got {len(pair_axes)}")
-    unused = sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
+    unused = [] if pair_axes is None else sorted(set(range(max(pair_axes) + 1)) - set(pair_axes))
     if unused:   # positions would carry a column nothing reads
         raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
                          f"per axis), got no pair on axes {unused}")
-    return pair_axes
+    _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
 
 
-def _check_frequencies(owner: str, frequencies, rotary_dim: int, axis_spectrum: str) -> Optional[list]:
-    """``frequencies``: one finite frequency >= 0 per pair (a list or a 1-D tensor), replacing the spectrum."""
-    if frequencies is None:
-        return None
-    if isinstance(frequencies, Tensor):
-        if frequencies.requires_grad or frequencies.dim() != 1 or not frequencies.is_floating_point():
-            raise TypeError(f"{owner}: frequencies must be a list or a 1-D float tensor without grad (they are "
-                            f"fixed: a learned spectrum is a parameter of your model), got {_describe(frequencies)}")
-        frequencies = frequencies.tolist()
-    frequencies = [_as_float(owner, "frequencies", value, minimum=0.0)
-                   for value in _as_list(owner, "frequencies", frequencies)]
-    if len(frequencies) != rotary_dim // 2:
-        raise ValueError(f"{owner}: frequencies must give one frequency for each of the rotary_dim / 2 = "
-                         f"{rotary_dim // 2} pairs, got {len(frequencies)}")
-    if axis_spectrum != "shared":
-        raise ValueError(f"{owner}: frequencies replace the spectrum, so axis_spectrum must stay 'shared', "
-                         f"got axis_spectrum={axis_spectrum!r}")
-    return frequencies
+def _largest_position(positions: Optional[Tensor], n: int, offset: int):
+    """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
+    if positions is None:
+        return offset + n - 1
+    top = positions.max()
+    if _skip_value_checks(top):
+        return top
+    return math.ceil(top.item()) if positions.is_floating_point() else int(top)
 
 
-class RotaryPositionalEmbedding(_AttentionEncoding):
+class _RotaryLayout(_AttentionEncoding):
+    """The layouts of ``RotaryPositionalEmbedding`` (its base): which position axis turns each frequency
+    pair and which frequency it takes, and the layouts of the tensors it turns.
+
+    One axis is plain RoPE (``pair_axes`` None). With several, pair ``i`` turns with the position on
+    axis ``pair_axes[i]``, given or from the ``sections`` preset in its ``section_layout``, at a
+    frequency of the scaled spectrum, of ``axis_spectrum``'s per-axis or strided one, or of the
+    explicit ``frequencies``; ``_check_rotary_arguments`` checks them. x is ``[..., N, Dh]`` or, with
+    ``seq_dim=-3``, ``[..., N, H, Dh]``; ``rerotate`` also takes positions per head.
+    """
+
+    def _set_layout(self, params: dict, rotary_dim: Optional[int], sections: Optional[list], section_layout: str,
+                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list]) -> None:
+        """The layout of the constructor's arguments, as the scaling dict ``params`` completes it."""
+        self.rotary_dim, self.sections, self.section_layout = _rotary_layout(
+            type(self).__name__, self.dim, rotary_dim, params, sections, section_layout)
+        self.axis_spectrum, self.frequencies = axis_spectrum, frequencies
+        pair_axes = self._axis_of_pair() if pair_axes is None else pair_axes
+        self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
+        self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
+
+    def _layout_repr(self) -> str:
+        """The layout's part of ``extra_repr`` (empty for plain RoPE)."""
+        text = ""
+        if self.sections is not None:
+            text += f", sections={self.sections}"
+            text += "" if self.section_layout == "contiguous" else f", section_layout={self.section_layout!r}"
+            text += "" if self.axis_spectrum == "shared" else f", axis_spectrum={self.axis_spectrum!r}"
+        elif self.pair_axes is not None:
+            text += f", pair_axes={self.pair_axes}"
+        if self.frequencies is not None:
+            text += f", frequencies={self.frequencies}"
+        return text
+
+    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
+        """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
+        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
+        in x's layout); return the positions (one, or a tuple)."""
+        owner = type(self).__name__
+        if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
+            raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
+        _check_tensor(owner, "x", x, -seq_dim)
+        _check_last_dim(owner, "x", x, self.dim)
+        self._check_device("x", x)
+        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
+                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
+                                         device=x.device) for name, p in positions.items())
+        return checked[0] if len(checked) == 1 else checked
+
+    def _per_head(self, positions) -> bool:
+        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
+        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
+
+    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
+        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
+        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
+        owner, shape = type(self).__name__, tuple(positions.shape)
+        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
+        if x.dim() != 4:
+            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
+                             f"{tuple(x.shape)}")
+        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
+        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
+                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
+            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
+                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
+        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
+                                device=x.device)                                        # [B H, N(, A)]
+        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
+        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
+
+    def _axis_of_pair(self) -> Optional[list]:
+        """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
+        contiguous (Qwen2-VL: ``t..t h..h w..w``); Qwen3-VL's interleaved order (``t h w t h w ...``
+        while an axis has pairs left, then ``t``); or alternating (ERNIE-4.5-VL, VideoRoPE: ``h w h w
+        ...`` over the first ``sections[1] + sections[2]`` pairs, then ``t`` on the slowest)."""
+        if self.sections is None:
+            return None
+        if self.section_layout == "contiguous":
+            return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
+        if self.section_layout == "alternating":
+            spatial = self.sections[1] + self.sections[2]
+            return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
+        axes = [0] * sum(self.sections)
+        for axis in (1, 2):
+            for pair in range(axis, 3 * self.sections[axis], 3):
+                axes[pair] = axis
+        return axes
+
+    def _spectrum(self) -> tuple:
+        """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
+        if self.frequencies is not None:
+            return torch.tensor(self.frequencies, dtype=torch.float64), 1.0
+        if self.axis_spectrum == "per_axis":
+            return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
+        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
+        if self.axis_spectrum == "strided":   # axis a: frequencies a, a + A, a + 2A, ... (Pixtral)
+            axes = len(self.sections)
+            inv_freq = torch.cat([inv_freq[axis::axes] for axis in range(axes)])
+        return inv_freq, factor
+
+    def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
+        """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
+        pair i turns with the position on its axis)."""
+        if self.pair_axes is None:
+            return _angles(positions, inv_freq)
+        positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
+        return positions.to(torch.float64) * inv_freq.to(torch.float64)
+
+
+class RotaryPositionalEmbedding(_RotaryLayout):
     """Rotary position embedding: rotate q and k pairwise by position-proportional angles.
 
     Su et al., "RoFormer", arXiv:2104.09864. Pair ``i`` of a head is rotated by
@@ -3531,8 +3713,14 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
 
     kind = "qk"
     translation_invariant = True
-    arguments = {"rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
+    arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints, "pair_axes": _axis_list,
+                 "frequencies": _frequency_list, "cache_len": functools.partial(_as_int, minimum=0),
+                 "section_layout": functools.partial(_check_choice,
+                                                     choices=("contiguous", "interleaved", "alternating")),
+                 "axis_spectrum": functools.partial(_check_choice, choices=("shared", "per_axis", "strided")),
+                 "rotated_channels": functools.partial(_check_choice, choices=("leading", "trailing")),
                  "rotate_values": _check_flag}
+    argument_rules = (_check_rotary_arguments,)
     no_model_type: tuple = ()   # (method, how to build it) for a variant from_config refuses
     fixed_length: Optional[int] = None   # dynamic / longrope frequencies of this length (at_length), else per call
     layer_type: Optional[str] = None   # the config's layer type whose rope parameters it has (from_config)
@@ -3546,57 +3734,10 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
                  rotate_values: bool = False, pair_axes: Optional[list] = None,
                  frequencies: Optional[list] = None) -> None:
         super().__init__()
-        owner = type(self).__name__
-        dim = _check_positive_int(owner, "dim", _one_of(owner, "dim", dim, "head_dim", head_dim))
-        if dim % 2:
-            raise ValueError(f"{owner}: dim must be a positive even int, got dim={dim!r}")
-        self.dim, self.base = dim, float(base)
-        self.interleaved = _check_flag(owner, "interleaved", interleaved)
-        params = _check_scaling(owner, scaling, self.base)
-        rotary_dim = None if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
-        _check_choice(owner, "section_layout", section_layout, ("contiguous", "interleaved", "alternating"))
-        if sections is not None:
-            sections = [_check_positive_int(owner, "sections", size) for size in _as_list(owner, "sections", sections)]
-        rotary_dim, sections, section_layout = _rotary_layout(owner, dim, rotary_dim, params, sections, section_layout)
-        if sections is not None and pair_axes is not None:
-            raise ValueError(f"{owner}: pass sections (a preset, or scaling's mrope_section) or pair_axes (any map), "
-                             f"not both, got sections={sections} and pair_axes={_describe(pair_axes)}")
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
-            raise ValueError(f"{owner}: rotary_dim must be a positive even int <= dim={dim}, "
-                             f"got rotary_dim={rotary_dim!r}")
-        if sections is not None and sum(sections) != rotary_dim // 2:
-            raise ValueError(f"{owner}: sections must be positive and sum to rotary_dim / 2 = "
-                             f"{rotary_dim // 2}, got sections={sections}")
-        if section_layout != "contiguous" and (sections is None or len(sections) != 3):
-            model = "Qwen3-VL" if section_layout == "interleaved" else "ERNIE-4.5-VL, VideoRoPE"
-            raise ValueError(f"{owner}: section_layout={section_layout!r} ({model}) needs three sections (t, h, w), "
-                             f"got sections={sections}")
-        if section_layout == "alternating" and sections[1] - sections[2] not in (0, 1):
-            # h takes the even pairs of the first sections[1] + sections[2], w the odd ones
-            raise ValueError(f"{owner}: section_layout='alternating' gives h and w every other pair, so sections "
-                             f"(t, h, w) need h == w or h == w + 1, got sections={sections}")
-        if section_layout == "interleaved" and any(axis + 3 * (sections[axis] - 1) >= rotary_dim // 2
-                                                   for axis in (1, 2)):
-            # axis a in (1, 2) takes pairs a, a + 3, ..., a + 3 (sections[a] - 1): all must exist
-            raise ValueError(f"{owner}: section_layout='interleaved' gives axis a (1: h, 2: w) the pairs a, a + 3, "
-                             f"..., a + 3 * (sections[a] - 1), which must be < rotary_dim / 2 = {rotary_dim // 2}; "
-                             f"got sections={sections}")
-        _check_choice(owner, "axis_spectrum", axis_spectrum, ("shared", "per_axis", "strided"))
-        if axis_spectrum != "shared" and (sections is None or section_layout != "contiguous"):
-            raise ValueError(f"{owner}: axis_spectrum={axis_spectrum!r} needs contiguous sections, "
-                             f"got sections={sections}, section_layout={section_layout!r}")
-        strides = None if sections is None else [len(range(a, rotary_dim // 2, len(sections))) for a in range(len(sections))]
-        if axis_spectrum == "strided" and sections != strides:
-            raise ValueError(f"{owner}: axis_spectrum='strided' gives axis a every {len(sections)}-th frequency from "
-                             f"a, so sections must be {strides}, got sections={sections}")
-        self.rotary_dim, self.sections, self.section_layout = rotary_dim, sections, section_layout
-        self.axis_spectrum = axis_spectrum
-        self.frequencies = _check_frequencies(owner, frequencies, rotary_dim, axis_spectrum)
-        pair_axes = self._axis_of_pair() if pair_axes is None else _check_pair_axes(owner, pair_axes, rotary_dim)
-        self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
-        self.rotated_channels, self.rotate_values = rotated_channels, rotate_values
-        self.cache_len = _as_int(owner, "cache_len", cache_len, minimum=0)
-        self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
+        self.dim, self.base, self.interleaved = dim if head_dim is None else head_dim, float(base), interleaved
+        params = _check_scaling(type(self).__name__, scaling, self.base)
+        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies)
+        self.rotated_channels, self.rotate_values, self.cache_len = rotated_channels, rotate_values, cache_len
         self._set_scaling(params)
 
     @classmethod
@@ -3626,24 +3767,12 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, rotary_dim={self.rotary_dim}"
-        if self._scaling["rope_type"] != "default":
-            text += f", scaling={self._scaling}"
-        if self.fixed_length is not None:
-            text += f", fixed_length={self.fixed_length}"
-        if self.sections is not None:
-            text += f", sections={self.sections}"
-            text += "" if self.section_layout == "contiguous" else f", section_layout={self.section_layout!r}"
-            text += "" if self.axis_spectrum == "shared" else f", axis_spectrum={self.axis_spectrum!r}"
-        elif self.pair_axes is not None:
-            text += f", pair_axes={self.pair_axes}"
-        if self.frequencies is not None:
-            text += f", frequencies={self.frequencies}"
-        if self.rotated_channels != "leading":
-            text += f", rotated_channels={self.rotated_channels!r}"
-        if self.rotate_values:
-            text += ", rotate_values=True"
-        if self.layer_type is not None:
-            text += f", layer_type={self.layer_type!r}"
+        text += "" if self._scaling["rope_type"] == "default" else f", scaling={self._scaling}"
+        text += "" if self.fixed_length is None else f", fixed_length={self.fixed_length}"
+        text += self._layout_repr()
+        text += "" if self.rotated_channels == "leading" else f", rotated_channels={self.rotated_channels!r}"
+        text += ", rotate_values=True" if self.rotate_values else ""
+        text += "" if self.layer_type is None else f", layer_type={self.layer_type!r}"
         return text
 
     @property
@@ -3665,31 +3794,13 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
         if changed != layout:
             raise ValueError(f"{owner}: a new scaling cannot change rotary_dim, sections or section_layout "
                              f"(got {changed}, the module has {layout}); build a new module")
+        _check_scaling_fits(owner, params, self.rotary_dim, self.axis_spectrum, self.frequencies)
         self._set_scaling(params)
 
     def _set_scaling(self, params: dict) -> None:
-        for key in ("short_factor", "long_factor"):
-            if key in params and len(params[key]) != self.rotary_dim // 2:
-                raise ValueError(f"{type(self).__name__}: scaling[{key!r}] must have rotary_dim / 2 = "
-                                 f"{self.rotary_dim // 2} entries, got {len(params[key])}")
-        if (self.axis_spectrum != "shared" or self.frequencies is not None) and params["rope_type"] != "default":
-            what = "frequencies" if self.frequencies is not None else f"axis_spectrum={self.axis_spectrum!r}"
-            raise ValueError(f"{type(self).__name__}: {what} takes no scaling, got rope_type={params['rope_type']!r}")
         self._scaling = params
         self._scale_fn = ROPE_SCALING[self._scaling["rope_type"]]
         self._init_buffers(self._buffer_device())
-
-    def _spectrum(self) -> tuple:
-        """The construction-time frequencies ``[F]`` (float64) and the attention factor."""
-        if self.frequencies is not None:
-            return torch.tensor(self.frequencies, dtype=torch.float64), 1.0
-        if self.axis_spectrum == "per_axis":
-            return torch.cat([_inverse_frequencies(2 * s, self.base) for s in self.sections]), 1.0
-        inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, None)
-        if self.axis_spectrum == "strided":   # axis a: frequencies a, a + A, a + 2A, ... (Pixtral)
-            axes = len(self.sections)
-            inv_freq = torch.cat([inv_freq[axis::axes] for axis in range(axes)])
-        return inv_freq, factor
 
     def _init_buffers(self, device) -> None:
         inv_freq, self.attention_factor = self._spectrum()
@@ -3702,24 +3813,6 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
             self._grow_cache(self.cache_len)
         else:  # which position axis drives each pair, [F]
             self.register_buffer("axis_of_pair", torch.tensor(self.pair_axes, device=device), persistent=False)
-
-    def _axis_of_pair(self) -> Optional[list]:
-        """The position axis of every frequency pair from the ``sections`` preset (None for one axis):
-        contiguous (Qwen2-VL: ``t..t h..h w..w``); Qwen3-VL's interleaved order (``t h w t h w ...``
-        while an axis has pairs left, then ``t``); or alternating (ERNIE-4.5-VL, VideoRoPE: ``h w h w
-        ...`` over the first ``sections[1] + sections[2]`` pairs, then ``t`` on the slowest)."""
-        if self.sections is None:
-            return None
-        if self.section_layout == "contiguous":
-            return [axis for axis, size in enumerate(self.sections) for _ in range(size)]
-        if self.section_layout == "alternating":
-            spatial = self.sections[1] + self.sections[2]
-            return [1 + pair % 2 if pair < spatial else 0 for pair in range(sum(self.sections))]
-        axes = [0] * sum(self.sections)
-        for axis in (1, 2):
-            for pair in range(axis, 3 * self.sections[axis], 3):
-                axes[pair] = axis
-        return axes
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0,
                 seq_dim: Literal[-2, -3] = -2) -> Tensor:
@@ -3783,43 +3876,6 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
         dtype = _compute_dtype(x.dtype)
         return self._apply_rotation(x, turn.cos().to(dtype), turn.sin().to(dtype))
 
-    def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
-        """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
-        its positions (each as ``forward`` takes them, or with ``per_head`` also ``[B, H, N(, A)]``, returned
-        in x's layout); return the positions (one, or a tuple)."""
-        owner = type(self).__name__
-        if seq_dim not in (-2, -3) or isinstance(seq_dim, bool):
-            raise ValueError(f"{owner}: seq_dim must be -2 ([..., N, Dh]) or -3 ([..., N, H, Dh]), got {seq_dim!r}")
-        _check_tensor(owner, "x", x, -seq_dim)
-        _check_last_dim(owner, "x", x, self.dim)
-        self._check_device("x", x)
-        checked = tuple(self._head_positions(x, seq_dim, name, p) if per_head and self._per_head(p) else
-                        _check_positions(owner, name, p, tuple(x.shape[:seq_dim]), x.shape[seq_dim], self.num_axes,
-                                         device=x.device) for name, p in positions.items())
-        return checked[0] if len(checked) == 1 else checked
-
-    def _per_head(self, positions) -> bool:
-        """Whether ``positions`` are per head: ``[B, H, N]`` (``[B, H, N, A]`` with several axes)."""
-        return isinstance(positions, Tensor) and positions.dim() == 3 + (self.num_axes > 1)
-
-    def _head_positions(self, x: Tensor, seq_dim: int, name: str, positions: Tensor) -> Tensor:
-        """Per-head positions ``[B, H, N(, A)]`` of a 4-D x, checked as ``forward``'s positions are and laid
-        out as x's first three dims (``[B, N, H(, A)]`` for ``seq_dim=-3``)."""
-        owner, shape = type(self).__name__, tuple(positions.shape)
-        axes = "" if self.num_axes == 1 else f", {self.num_axes}"
-        if x.dim() != 4:
-            raise ValueError(f"{owner}: per-head {name} ([B, H, N{axes}]) need a 4-D x, got x of shape "
-                             f"{tuple(x.shape)}")
-        batch, heads, n = x.shape[0], x.shape[seq_dim - 1 if seq_dim == -2 else -2], x.shape[seq_dim]
-        if shape[0] not in (batch, 1) or shape[1] not in (heads, 1) or shape[2] != n or \
-                shape[3:] != (() if self.num_axes == 1 else (self.num_axes,)):
-            raise ValueError(f"{owner}: per-head {name} must have shape [{batch}, {heads}, {n}{axes}] (B or H may "
-                             f"be 1) for x of shape {tuple(x.shape)}, got {shape}")
-        flat = _check_positions(owner, name, positions.flatten(0, 1), (shape[0] * shape[1],), n, self.num_axes,
-                                device=x.device)                                        # [B H, N(, A)]
-        flat = flat.unflatten(0, shape[:2])                                             # [B, H, N(, A)]
-        return flat if seq_dim == -2 else flat.transpose(1, 2)                          # [B, N, H(, A)]
-
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
         positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
@@ -3834,35 +3890,28 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
-        if not self.rotate_values:
-            return v
-        q_len, positions_q, positions_k = self._check_value_hook("v", v, "q_len", q_len, positions_q, positions_k)
-        cos, sin = self._call_cos_sin("k", q_len, v.shape[-2], positions_q, positions_k, v.device,
-                                      _compute_dtype(v.dtype))
-        return self._apply_rotation(v, cos, sin)
+        return self._turn_values("v", v, q_len, positions_q, positions_k) if self.rotate_values else v
 
     def decode_output(self, out, k_len, positions_q=None, positions_k=None):
         """With ``rotate_values``: the output ``[..., Nq, Dh]`` turned back by the query positions, so
         it sums ``R(p_k - p_q) v`` over the keys (the rotated values seen from the query)."""
-        if not self.rotate_values:
-            return out
-        k_len, positions_q, positions_k = self._check_value_hook("out", out, "k_len", k_len, positions_q, positions_k)
-        cos, sin = self._call_cos_sin("q", out.shape[-2], k_len, positions_q, positions_k, out.device,
-                                      _compute_dtype(out.dtype))
-        return self._apply_rotation(out, cos, -sin)
+        return self._turn_values("out", out, k_len, positions_q, positions_k) if self.rotate_values else out
 
-    def _check_value_hook(self, name: str, x: Tensor, length_name: str, length, positions_q: Optional[Tensor],
-                          positions_k: Optional[Tensor]) -> tuple:
-        """``encode_v``'s v ``[..., Nk, Dh]`` and ``q_len``, or ``decode_output``'s out ``[..., Nq, Dh]`` and
-        ``k_len``, checked: ``(length, positions_q, positions_k)``, the positions as ``_hook_positions``'s."""
-        owner = type(self).__name__
+    def _turn_values(self, name: str, x: Tensor, length, positions_q: Optional[Tensor],
+                     positions_k: Optional[Tensor]) -> Tensor:
+        """``encode_v`` (``name="v"``: v ``[..., Nk, Dh]``, ``length`` = ``q_len``) or ``decode_output``
+        (``"out"``: out ``[..., Nq, Dh]``, ``length`` = ``k_len``), checked, then turned."""
+        owner, values = type(self).__name__, name == "v"
         _check_tensor(owner, name, x, 2)
-        turned = "the values as the keys" if name == "v" else "the output back by the query positions"
+        turned = "the values as the keys" if values else "the output back by the query positions"
         _check_last_dim(owner, f"{name} (rotate_values=True turns {turned})", x, self.dim)
-        length = _as_int(owner, length_name, length, minimum=0)
-        q_len, k_len = (length, x.shape[-2]) if name == "v" else (x.shape[-2], length)
-        return (length, *self._hook_positions(tuple(x.shape[:-2]), q_len, k_len, positions_q, positions_k,
-                                              x.device))
+        length = _as_int(owner, "q_len" if values else "k_len", length, minimum=0)
+        q_len, k_len = (length, x.shape[-2]) if values else (x.shape[-2], length)
+        positions_q, positions_k = self._hook_positions(tuple(x.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                                        x.device)
+        cos, sin = self._call_cos_sin("k" if values else "q", q_len, k_len, positions_q, positions_k, x.device,
+                                      _compute_dtype(x.dtype))
+        return self._apply_rotation(x, cos, sin if values else -sin)
 
     def _call_cos_sin(self, side: str, q_len: int, k_len: int, positions_q, positions_k, device, dtype) -> tuple:
         """cos, sin of one ``attention()`` call's queries (``side="q"``, the last ``Nq`` keys by default) or
@@ -3871,7 +3920,7 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
         q_offset = _query_offset(q_len, k_len)
         length = None
         if self._scaling["rope_type"] in _LENGTH_DEPENDENT and self.fixed_length is None:
-            tops = (self._largest(positions_q, q_len, q_offset), self._largest(positions_k, k_len, 0))
+            tops = (_largest_position(positions_q, q_len, q_offset), _largest_position(positions_k, k_len, 0))
             traced = any(isinstance(top, Tensor) for top in tops)   # no data-dependent Python max while tracing
             length = (torch.maximum(*map(torch.as_tensor, tops)) if traced else max(tops)) + 1
         if side == "q":
@@ -3903,27 +3952,9 @@ class RotaryPositionalEmbedding(_AttentionEncoding):
         if self._scaling["rope_type"] not in _LENGTH_DEPENDENT:
             return self.inv_freq, self.attention_factor
         length = self.fixed_length if self.fixed_length is not None else length
-        length = self._largest(positions, n, offset) + 1 if length is None else length
+        length = _largest_position(positions, n, offset) + 1 if length is None else length
         inv_freq, factor = self._scale_fn(self.rotary_dim, self.base, self._scaling, length)
         return inv_freq.to(device), factor
-
-    def _pair_angles(self, positions: Tensor, inv_freq: Tensor) -> Tensor:
-        """Every pair's angle at positions ``[..., N(, A)]``: ``[..., N, F]`` float64 (with sections,
-        pair i turns with the position on its axis)."""
-        if self.pair_axes is None:
-            return _angles(positions, inv_freq)
-        positions = positions.gather(-1, self.axis_of_pair.expand(*positions.shape[:-1], -1))    # [..., N, F]
-        return positions.to(torch.float64) * inv_freq.to(torch.float64)
-
-    @staticmethod
-    def _largest(positions: Optional[Tensor], n: int, offset: int):
-        """The largest position: ``offset + n - 1`` by default, else an int (a tensor while tracing)."""
-        if positions is None:
-            return offset + n - 1
-        top = positions.max()
-        if _skip_value_checks(top):
-            return top
-        return math.ceil(top.item()) if positions.is_floating_point() else int(top)
 
     def _from_cache(self, positions: Optional[Tensor], offset: int, n: int, inv_freq: Tensor, factor: float,
                     device, dtype) -> Optional[tuple]:
@@ -4030,13 +4061,13 @@ class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
         return torch.cat([inv_freq[:kept], torch.zeros_like(inv_freq[kept:])]), factor
 
 
-def _check_video_head_dim(owner: str, arguments: dict) -> None:
-    """VideoRoPE turns a pair each for t, h and w at least: ``Dh >= 6`` (checked before the default
-    sections are derived from it, so a small ``Dh`` is not blamed on sections the user never passed)."""
-    name = "dim" if arguments["dim"] is not None else "head_dim"
-    width = arguments[name]
-    if width is not None and width < 6:
+def _video_head_dim(owner: str, name: str, value) -> int:
+    """VideoRoPE's ``dim`` (or ``head_dim``): a pair each for t, h and w at least, ``Dh >= 6`` (checked before
+    the default sections are derived from it, so a small ``Dh`` is not blamed on sections the user never passed)."""
+    width = _check_positive_int(owner, name, value)
+    if width < 6:
         raise ValueError(f"{owner}: {name} must be at least 6 (a pair each for t, h and w), got {name}={width}")
+    return width
 
 
 class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
@@ -4084,8 +4115,7 @@ class VideoRotaryPositionalEmbedding(RotaryPositionalEmbedding):
         >>> out = attention(q, k, v, video_rope, positions_q=tthw, positions_k=tthw, causal=True)
     """
 
-    arguments = {"temporal_spacing": _positive_float}
-    argument_rules = (_check_video_head_dim,)
+    arguments = {"temporal_spacing": _positive_float, "dim": _video_head_dim, "head_dim": _video_head_dim}
     no_model_type = ("VideoRoPE", "head_dim, sections=..., temporal_spacing=...")
 
     def __init__(self, dim: Optional[int] = None, *, sections: Optional[list] = None, temporal_spacing: float = 2.0,

@@ -4445,6 +4445,21 @@ class TestRotary:
                            rotary_dim=rotary_dim)
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
 
+    def test_constructor_checks_are_declared(self):
+        """Issue 43: RoPE's constructor checks are declared (``arguments``, the rule ``_check_rotary_arguments``),
+        none inline in the constructors of RoPE and its subclasses; the rule names the subclass built."""
+        import ast
+        import textwrap
+        for cls in (RotaryPositionalEmbedding, HoPEPositionalEmbedding, VideoRotaryPositionalEmbedding):
+            init = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.__init__))))
+            assert not [node for node in ast.walk(init) if isinstance(node, ast.Raise)], cls.__name__
+        assert RotaryPositionalEmbedding.argument_rules == (pe_lib._check_rotary_arguments,)
+        with pytest.raises(ValueError, match=r"^HoPEPositionalEmbedding: dim must be a positive even int, got dim=7$"):
+            HoPEPositionalEmbedding(7, train_length=64)
+        with pytest.raises(ValueError, match=r"^VideoRotaryPositionalEmbedding: sections must be positive and sum to "
+                                             r"rotary_dim / 2 = 8, got sections=\[2, 2, 2\]$"):
+            VideoRotaryPositionalEmbedding(16, sections=[2, 2, 2])
+
     def test_preserves_norms(self):
         rope = RotaryPositionalEmbedding(64)
         x = torch.randn(2, 4, 50, 64)
