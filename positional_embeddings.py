@@ -10790,6 +10790,8 @@ def _demo_lattice(seq_len: int) -> Tensor:
 
 def _demo_translation(pe: PositionalEmbedding, q: Tensor, k: Tensor, positions: Optional[Tensor]) -> str:
     """The demo's last column, measured: do the logits stay the same when every position moves?"""
+    if not isinstance(getattr(pe, "encoding", pe), _AttentionEncoding):   # a wrapper's kind is its encoding's
+        return "n/a (acts on the tokens)"
     if not pe.takes_positions:
         return f"n/a (takes no positions: {pe.order_from})"
     if isinstance(pe, AlgebraicTreePositionalEmbedding):
@@ -10829,7 +10831,7 @@ def _demo() -> None:
         elapsed = (time.perf_counter() - start) * 1e3
         params = sum(p.numel() for p in pe.parameters())
         shape = str(tuple(tokens.shape if added else out.shape))
-        invariance = "n/a (acts on the tokens)" if added else _demo_translation(pe, q, k, positions)
+        invariance = _demo_translation(pe, q, k, positions)
         print(f"{name:<20}{type(pe).__name__:<40}{pe.kind:<8}{params:>9}  {shape:<18}{elapsed:>8.2f}  {invariance}")
     _demo_today(batch, heads, head_dim, seq_len)
 
