@@ -9899,6 +9899,10 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     (``original_max_position_embeddings``, ``max_position_embeddings``).
     """
     owner = "RotaryPositionalEmbedding.from_config"
+    if _diffusers_class_name(owner, config) is not None:
+        return _diffusers_kwargs("RotaryPositionalEmbedding", config, {
+            "layer_type": layer_type, "interleaved": interleaved, "rotary_dim": rotary_dim, "sections": sections,
+            "section_layout": section_layout})
     text = _text_config(owner, config)
     model_type = _model_type(config, text)
     if _config_get(text, "alibi") is True:
@@ -10315,6 +10319,188 @@ def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositio
     head_dim = int(_config_get(text, "qk_nope_head_dim")) + spectrum.rotary_dim
     return RotaryPositionalEmbedding(head_dim, rotary_dim=spectrum.rotary_dim, interleaved=True,
                                      rotated_channels="trailing", frequencies=frequencies)
+
+
+# diffusers transformer configs. A diffusers ``config.json`` (or a loaded ``model.config``) names its model class
+# in ``_class_name``, and part of the position code lives in the class, not the config (Flux.1's, Wan's and
+# Qwen-Image's theta 10000, Wan's split of the head, Stable Audio's rotated half), so the reader is keyed by the
+# class name. One entry per model class: which of our classes computes its encoding, the model's defaults of the
+# config fields it reads (a config.json carries them all; a hand-written dict may not), and how the arguments
+# follow from those fields. Each accepted class is held against the diffusers module by TestDiffusersConfig
+# (diffusers 0.42.1); docs/diffusers.md lists them, the positions each model feeds, and why the others are refused.
+
+class _DiffusersModel(NamedTuple):
+    encoding: str       # the class whose from_config builds it
+    defaults: dict      # the model's defaults of the config fields read
+    read: object        # get(field) -> keyword arguments of ``encoding``
+
+
+def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
+    """An axial RoPE as diffusers builds it: axis ``a`` turns its own slice of ``axes[a]`` channels with its own
+    spectrum ``theta ** (-2j / axes[a])`` (Flux's ``get_1d_rotary_pos_embed`` per axis, concatenated).
+
+    ``axes`` is the config field of the per-axis widths, or a function of ``get`` (Wan's split of the head);
+    ``base`` a constant or the field of theta; ``dim`` the field of the head dim (None: the widths' sum)."""
+    def read(get) -> dict:
+        widths = [int(width) for width in (axes(get) if callable(axes) else get(axes))]
+        head = sum(widths) if dim is None else int(dim(get) if callable(dim) else get(dim))
+        if any(width <= 0 or width % 2 for width in widths) or sum(widths) != head:
+            raise ValueError(f"the per-axis rotary widths must be positive, even and sum to the head dim {head}, got "
+                             f"{widths} (from {axes if isinstance(axes, str) else 'the head dim'})")
+        return {"dim": head, "base": float(get(base) if isinstance(base, str) else base), "interleaved": interleaved,
+                "sections": [width // 2 for width in widths], "axis_spectrum": "per_axis"}
+    return read
+
+
+def _wan_axes(get) -> list:
+    """Wan's split of the head among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
+    spatial = 2 * (int(get("attention_head_dim")) // 6)
+    return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
+
+
+def _cogvideox_axes(get) -> list:
+    """CogVideoX's split of the head among (t, h, w): D / 4, then 3 D / 8 each (``get_3d_rotary_pos_embed``)."""
+    if not get("use_rotary_positional_embeddings"):
+        raise ValueError("use_rotary_positional_embeddings=False: this CogVideoX (1.0 2B) adds a 3-D sin-cos table "
+                         "whose axes have unequal widths (t D/4, h and w 3D/8), which SinusoidalPositionalEmbedding "
+                         "does not express yet")
+    head = int(get("attention_head_dim"))
+    return [head // 4, head // 8 * 3, head // 8 * 3]
+
+
+def _stable_audio_rope(get) -> dict:
+    """Stable Audio: 1-D RoPE on the first half of the head, half-split (its pipeline's ``attention_head_dim // 2``)."""
+    head = int(get("attention_head_dim"))
+    if head % 4:
+        raise ValueError(f"attention_head_dim must be a multiple of 4 (half of it rotates, in pairs), got {head}")
+    return {"dim": head, "rotary_dim": head // 2}
+
+
+_FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
+_FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
+_HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128, "rope_axes_dim": (16, 56, 56),
+                                 "rope_theta": 256.0}, _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"))
+_WAN = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128}, _axial_rope(_wan_axes))
+_DIFFUSERS_MODELS = {
+    # axial RoPE over explicit ids (text, h, w, ...): Flux.1 and its clones, theta 10000 in the class
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE) for name in (
+        "FluxTransformer2DModel", "ChromaTransformer2DModel", "LongCatImageTransformer2DModel",
+        "OvisImageTransformer2DModel")},
+    "Krea2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 48, 48), "rope_theta": 1000.0},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim")),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 32, 32, 32), "rope_theta": theta},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
+       for name, theta in (("Flux2Transformer2DModel", 2000.0), ("Flux3Transformer2DModel", 10000.0))},
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "rope_theta": 10000.0},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
+       for name in ("BriaTransformer2DModel", "BriaFiboTransformer2DModel")},
+    "HiDreamImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 32)}, _FLUX_ROPE),
+    # the same over integer ids into per-axis tables of axes_lens rows (Z-Image's RopeEmbedder, Lumina 2)
+    "ZImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "dim": 3840, "n_heads": 30, "axes_dims": (32, 48, 48), "rope_theta": 256.0},
+        _axial_rope("axes_dims", base="rope_theta", dim=lambda get: get("dim") // get("n_heads"))),
+    "BriaFibo2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": (32, 48, 48),
+                                                   "rope_theta": 256.0}, _axial_rope("axes_dims", base="rope_theta")),
+    "Lumina2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 2304, "num_attention_heads": 24, "axes_dim_rope": (32, 32, 32)},
+        _axial_rope("axes_dim_rope", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
+    # (t, h, w) video grids
+    **{name: _HUNYUAN_VIDEO for name in ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel",
+                                         "MotifVideoTransformer3DModel")},
+    "HunyuanImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_axes_dim": (64, 64), "rope_theta": 256.0},
+        _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim")),
+    **{name: _WAN for name in ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
+                               "SkyReelsV2Transformer3DModel")},
+    "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
+                                                   _axial_rope(_wan_axes)),
+    "Kandinsky5Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": (16, 24, 24)},
+                                                    _axial_rope("axes_dims")),
+    "CogVideoXTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes)),
+    "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
+    # CogView4: (h, w) halves of the head, half-split pairs
+    "CogView4Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
+        _axial_rope(lambda get: [get("attention_head_dim") // 2] * 2, interleaved=False)),
+    # 1-D RoPE of the audio models
+    "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
+}
+
+
+# Model classes whose config from_config refuses: why (docs/diffusers.md says the same).
+_NOT_CHECKED = "not yet checked against its diffusers module (issue 44, phase 2)"
+_DIFFUSERS_REFUSED = {
+    "HunyuanVideoFramepackTransformer3DModel": "its history frames average the cos/sin of several positions, so "
+                                               "their pairs shrink: not a rotation",
+    "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
+                                "not a rotation",
+    "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
+    "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
+    "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
+                                  "with fractional coordinates",
+    "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
+                                   "pairs with fractional coordinates, per head slice",
+    "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
+    "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
+    "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
+    "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
+    "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
+                               "which takes multiples of 6",
+    **{name: _NOT_CHECKED for name in (
+        "AceStepTransformer1DModel", "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
+        "ChronoEditTransformer3DModel", "ConsisIDTransformer3DModel", "Cosmos3OmniTransformer",
+        "EasyAnimateTransformer3DModel", "GlmImageTransformer2DModel", "Ideogram4Transformer2DModel",
+        "JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel",
+        "Kandinsky6SRTransformer3DModel", "LongCatAudioDiTTransformer", "MiniMaxH3Transformer3DModel",
+        "MiniMaxMusic3Transformer1DModel", "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel",
+        "OmniGenTransformer2DModel", "PRXTransformer2DModel", "QwenImage21Transformer2DModel",
+        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "CogView3PlusTransformer2DModel",
+        "HunyuanDiT2DModel", "Transformer2DModel", "SanaTransformer2DModel", "LatteTransformer3DModel",
+        "TransformerTemporalModel", "DreamLiteTransformer2DModel", "AuraFlowTransformer2DModel",
+        "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer", "DiTTransformer2DModel",
+        "PixArtTransformer2DModel", "SD3Transformer2DModel")},
+}
+
+
+def _diffusers_class_name(owner: str, config) -> Optional[str]:
+    """The ``_class_name`` of a diffusers config (its ``config.json`` dict or a loaded ``model.config``), else None."""
+    if not isinstance(config, dict):
+        return None
+    name = config.get("_class_name")
+    if name is None and "_use_default_values" in config:   # a model built in code records no class name
+        raise ValueError(f"{owner}: this diffusers config has no _class_name (the model was built in code, not "
+                         f"loaded); pass dict(model.config, _class_name=type(model).__name__)")
+    return None if name is None else str(name)
+
+
+def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
+    """Keyword arguments of ``owner_class`` reproducing the position encoding of a diffusers model config."""
+    owner = f"{owner_class}.from_config"
+    name = _diffusers_class_name(owner, config)
+    stated = {key: value for key, value in stated.items() if value is not None}
+    if stated:
+        raise ValueError(f"{owner}: a diffusers config ({name}) fixes its layout; {', '.join(sorted(stated))} do "
+                         f"not apply, got {stated}")
+    if name in _DIFFUSERS_REFUSED:
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) is not supported: {_DIFFUSERS_REFUSED[name]}")
+    if name not in _DIFFUSERS_MODELS:
+        raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
+                         f"(docs/diffusers.md lists them)")
+    entry = _DIFFUSERS_MODELS[name]
+    if entry.encoding != owner_class:
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {entry.encoding}; call "
+                         f"{entry.encoding}.from_config(config)")
+    if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
+        raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
+    try:
+        return entry.read(lambda field: _config_get(config, field, entry.defaults[field]))
+    except ValueError as error:
+        raise ValueError(f"{owner}: {name}: {error}") from None
 
 
 # ---------------------------------------------------------------------------

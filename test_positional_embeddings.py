@@ -24,6 +24,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -5429,6 +5430,252 @@ class TestRotary:
                     continue
                 MAX_DIFF[family] = max(MAX_DIFF[family], diff)
                 assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
+
+
+# diffusers transformer configs (RotaryPositionalEmbedding.from_config with a config that has _class_name): each
+# model built tiny from its config, its own position module against ours on the same positions.
+
+def diffusers_model(name: str, config: dict):
+    """A tiny diffusers model built from a config.json-style dict: its ``config`` (a FrozenDict) carries _class_name."""
+    models = pytest.importorskip("diffusers.models.transformers")
+    return getattr(models, name).from_config({"_class_name": name, **config})
+
+
+def diffusers_ids(grid: tuple, *, text: int = 0, first: float = 0.0):
+    """Flux-style float ids [N, A]: ``text`` tokens at zero, then the grid ``(h, w)`` (or more axes) row-major,
+    its first axis at ``first`` (Flux Kontext puts reference images at 1)."""
+    axes = torch.meshgrid(*[torch.arange(size, dtype=torch.float32) for size in grid], indexing="ij")
+    image = torch.stack([torch.full_like(axes[0], first), *axes], -1).reshape(-1, 1 + len(grid))     # [N_img, A]
+    return torch.cat([torch.zeros(text, 1 + len(grid)), image])                                        # [N, A]
+
+
+def diffusers_grid(sizes: tuple):
+    """The (t, h, w) grid [N, 3] a video model's RoPE module walks, row-major."""
+    axes = torch.meshgrid(*[torch.arange(size) for size in sizes], indexing="ij")
+    return torch.stack(axes, -1).reshape(-1, len(sizes))
+
+
+def diffusers_rope_case(name: str, model):
+    """(positions [N, A], rotate) for ``model``: ``rotate(x [1, N, H, D])`` is what the model's attention does to
+    q and k, with its own position module and its own apply function (diffusers.models.embeddings' where the
+    attention calls it)."""
+    from diffusers.models.embeddings import apply_rotary_emb, get_1d_rotary_pos_embed, get_3d_rotary_pos_embed
+    real = lambda table, **kw: lambda x: apply_rotary_emb(x, table, sequence_dim=1, **kw)   # noqa: E731
+    complex_ = lambda freqs: lambda x: apply_rotary_emb(x, freqs, use_real=False)           # noqa: E731
+    if name in ("HiDreamImageTransformer2DModel",):
+        from diffusers.models.transformers.transformer_hidream_image import apply_rope
+        ids = diffusers_ids((3, 4), text=2)
+        freqs = model.pe_embedder(ids[None])                                             # [1, N, 1, D/2, 2, 2]
+        return ids, lambda x: apply_rope(x, x, freqs)[0]
+    if name in ("ZImageTransformer2DModel", "BriaFibo2Transformer2DModel"):
+        ids = diffusers_ids((3, 4), text=2, first=5).long()                              # integer ids into tables
+        return ids, complex_(model.rope_embedder(ids)[None])                             # [1, N, D/2] complex
+    if name == "Lumina2Transformer2DModel":
+        ids = diffusers_ids((3, 4), text=2, first=2).int()
+        return ids, complex_(model.rope_embedder._get_freqs_cis(ids[None]))
+    if name == "Kandinsky5Transformer3DModel":
+        from diffusers.models.transformers.transformer_hidream_image import apply_rope   # the same 2 x 2 product
+        sizes, scale = (2, 3, 4), (1.0, 2.0, 2.0)
+        rope = model.visual_rope_embeddings((1, *sizes), [torch.arange(s) for s in sizes], scale)
+        half = rope.shape[-3]
+        freqs = rope.reshape(1, -1, 1, half, 2, 2)                                        # [1, N, 1, D/2, 2, 2]
+        return diffusers_grid(sizes) / torch.tensor(scale), lambda x: apply_rope(x, x, freqs)[0]
+    if name == "QwenImageTransformer2DModel":
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+        (f, h, w), text = (1, 3, 4), 3
+        vid, txt = model.pos_embed([(f, h, w)], device=torch.device("cpu"), max_txt_seq_len=text)
+        grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
+        diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
+        return torch.cat([grid, diagonal]), lambda x: apply_rotary_emb_qwen(x, torch.cat([vid, txt]), use_real=False)
+    if name == "CogView4Transformer2DModel":
+        h, w = 3, 5
+        cos, sin = model.rope(torch.zeros(1, 1, 2 * h, 2 * w))                           # patch_size 2
+        axes = torch.tensor(model.config.rope_axes_dim)
+        positions = diffusers_grid((h, w)) * axes // torch.tensor([h, w])               # i * rope_axes_dim // n
+        return positions, real((cos, sin), use_real_unbind_dim=-2)
+    if name == "CogVideoXTransformer3DModel":
+        # the pipeline's call (CogVideoX 1.0): a crop of the base grid, linspace positions
+        (t, h, w), crop = (2, 3, 4), ((1, 2), (4, 6))
+        cos, sin = get_3d_rotary_pos_embed(model.config.attention_head_dim, crop, (h, w), t)
+        hs = torch.linspace(1, 4 * (h - 1) / h, h, dtype=torch.float64)
+        ws = torch.linspace(2, 6 * (w - 1) / w, w, dtype=torch.float64)
+        axes = torch.meshgrid(torch.arange(t, dtype=torch.float64), hs, ws, indexing="ij")
+        return torch.stack(axes, -1).reshape(-1, 3), real((cos, sin))
+    if name == "StableAudioDiTModel":
+        n = 12       # the pipeline's table: attention_head_dim // 2 channels, half-split, on the leading slice
+        cos, sin = get_1d_rotary_pos_embed(model.config.attention_head_dim // 2, n, use_real=True,
+                                           repeat_interleave_real=False)
+        rot = cos.shape[-1]
+        return torch.arange(n), lambda x: torch.cat(
+            [apply_rotary_emb(x[..., :rot], (cos, sin), use_real_unbind_dim=-2, sequence_dim=1), x[..., rot:]], -1)
+    module = getattr(model, "pos_embed", None) or getattr(model, "rotary_emb", None) or model.rope
+    if "Video" in name or name.startswith(("Wan", "SkyReels", "SanaVideo")):
+        sizes = (2, 3, 4)                                                                # patch 1 x 2 x 2
+        cos, sin = module(torch.zeros(1, 1, sizes[0], 2 * sizes[1], 2 * sizes[2]))
+        n = math.prod(sizes)
+        return diffusers_grid(sizes), real((cos.reshape(n, -1), sin.reshape(n, -1)))
+    if name == "HunyuanImageTransformer2DModel":
+        cos, sin = module(torch.zeros(1, 1, 3, 4))                                       # patch 1 x 1
+        return diffusers_grid((3, 4)), real((cos, sin))
+    axes = len(model.config.axes_dims_rope)
+    ids = diffusers_ids((3, 4) if axes == 3 else (2, 3, 4), text=2, first=1)
+    return ids, real(module(ids))
+
+
+# name -> a tiny config (head 16 or 32, one layer of each kind)
+FLUX_TINY = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+             "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 32, "in_channels": 4}
+DIFFUSERS_ROPE_CONFIGS = {
+    "FluxTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32},
+    "ChromaTransformer2DModel": {**FLUX_TINY, "approximator_hidden_dim": 32, "approximator_layers": 1},
+    "LongCatImageTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32},
+    "OvisImageTransformer2DModel": {**FLUX_TINY},
+    "Krea2Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                "num_key_value_heads": 1, "intermediate_size": 32, "text_hidden_dim": 32,
+                                "num_text_layers": 1, "text_num_attention_heads": 2, "text_num_key_value_heads": 2,
+                                "text_intermediate_size": 32, "num_layerwise_text_blocks": 1,
+                                "num_refiner_text_blocks": 1, "axes_dims_rope": (4, 6, 6), "rope_theta": 1000.0,
+                                "in_channels": 4},
+    "Flux2Transformer2DModel": {**FLUX_TINY, "axes_dims_rope": (4, 4, 4, 4), "rope_theta": 2000},
+    "Flux3Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                "axes_dims_rope": (4, 4, 4, 4), "rope_theta": 10000},
+    "BriaTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32, "rope_theta": 500},
+    "BriaFiboTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32, "rope_theta": 500},
+    "HiDreamImageTransformer2DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "axes_dims_rope": (4, 6, 6),
+                                       "caption_channels": [16, 16], "text_emb_dim": 16, "llama_layers": [0, 0],
+                                       "in_channels": 4, "patch_size": 2},
+    "ZImageTransformer2DModel": {"dim": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1, "n_refiner_layers": 1,
+                                 "cap_feat_dim": 16, "axes_dims": (4, 6, 6), "axes_lens": (16, 8, 8),
+                                 "rope_theta": 256.0, "in_channels": 4},
+    "BriaFibo2Transformer2DModel": {"dim": 32, "n_heads": 2, "n_layers": 1, "n_refiner_layers": 1,
+                                    "cap_feat_dim": 16, "axes_dims": (4, 6, 6), "axes_lens": (16, 8, 8),
+                                    "injection_layer_ids": (0,), "perceiver_num_layers": 1, "in_channels": 4},
+    "Lumina2Transformer2DModel": {"hidden_size": 32, "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 1,
+                                  "num_refiner_layers": 1, "multiple_of": 16, "axes_dim_rope": (4, 6, 6),
+                                  "axes_lens": (16, 8, 8), "cap_feat_dim": 16, "in_channels": 4},
+    "HunyuanVideoTransformer3DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "rope_axes_dim": (4, 6, 6), "rope_theta": 256.0,
+                                       "text_embed_dim": 16, "pooled_projection_dim": 16, "in_channels": 4},
+    "HunyuanVideo15Transformer3DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                         "rope_axes_dim": (4, 6, 6), "text_embed_dim": 16, "in_channels": 4,
+                                         "patch_size": 2},
+    "MotifVideoTransformer3DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                     "num_attention_heads": 2, "rope_axes_dim": (4, 6, 6), "in_channels": 4},
+    "HunyuanImageTransformer2DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "rope_axes_dim": (8, 8), "text_embed_dim": 16,
+                                       "in_channels": 4},
+    "WanTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                              "text_dim": 16, "ffn_dim": 32, "rope_max_seq_len": 64, "in_channels": 4},
+    "WanVACETransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                  "text_dim": 16, "ffn_dim": 32, "vace_layers": [0], "vace_in_channels": 4,
+                                  "in_channels": 4},
+    "WanAnimateTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                     "text_dim": 16, "ffn_dim": 32, "image_dim": 16, "motion_encoder_size": 64,
+                                     "motion_style_dim": 16, "motion_encoder_dim": 16, "face_encoder_hidden_dim": 16},
+    "SkyReelsV2Transformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                     "text_dim": 16, "ffn_dim": 32, "in_channels": 4},
+    "SanaVideoTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                    "cross_attention_head_dim": 16, "cross_attention_dim": 32,
+                                    "caption_channels": 16, "in_channels": 4},
+    "Kandinsky5Transformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "in_text_dim": 16,
+                                     "in_text_dim2": 16, "num_text_blocks": 1, "num_visual_blocks": 1,
+                                     "axes_dims": (8, 12, 12)},
+    "CogVideoXTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                    "text_embed_dim": 16, "time_embed_dim": 16, "in_channels": 4,
+                                    "use_rotary_positional_embeddings": True},
+    "QwenImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                    "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4},
+    "CogView4Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                   "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
+                                   "rope_axes_dim": (16, 16), "in_channels": 4},
+    "StableAudioDiTModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                            "num_key_value_attention_heads": 1, "cross_attention_dim": 16,
+                            "cross_attention_input_dim": 16, "global_states_input_dim": 16, "time_proj_dim": 16,
+                            "in_channels": 4},
+}
+
+
+def diffusers_transformer_classes() -> set:
+    """Every model class (a ConfigMixin) in diffusers/models/transformers/*.py, read from the sources."""
+    import ast
+    models = pytest.importorskip("diffusers.models.transformers")
+    names = set()
+    for path in sorted(pathlib.Path(models.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and any("ConfigMixin" in ast.unparse(base) for base in node.bases):
+                names.add(node.name)
+    return names
+
+
+class TestDiffusersConfig:
+    """``from_config`` on diffusers transformer configs (``_class_name``): each accepted model class against its
+    own position module and attention's apply function (diffusers 0.42.1), and the refusals with their reasons."""
+
+    @pytest.mark.parametrize("name", sorted(DIFFUSERS_ROPE_CONFIGS))
+    def test_rotary_model_matches_its_module(self, name):
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, DIFFUSERS_ROPE_CONFIGS[name])
+        rope = RotaryPositionalEmbedding.from_config(model.config)            # the loaded FrozenDict
+        # the raw config.json and a hand-written dict (our defaults are the model's) read the same
+        saved = json.loads(model.to_json_string())
+        stated = {"_class_name": name, **DIFFUSERS_ROPE_CONFIGS[name]}
+        assert _rotary_kwargs_from_config(saved) == _rotary_kwargs_from_config(stated) == \
+            _rotary_kwargs_from_config(model.config)
+        positions, rotate = diffusers_rope_case(name, model)
+        x = torch.randn(1, positions.shape[0], 2, rope.dim)                    # [1, N, H, D], diffusers' layout
+        ours = rope(x.transpose(1, 2), positions).transpose(1, 2)
+        diff = (ours - rotate(x)).abs().max().item()
+        MAX_DIFF[f"diffusers {name}"] = diff
+        assert diff < 1e-6, f"{name}: rotated q differs by {diff:.3g}"
+
+    def test_wan_split_against_a_float64_oracle(self):
+        # Wan's head split (h = w = 2 (D // 6), t the rest), each axis its own spectrum, interleaved pairs
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "WanTransformer3DModel", "attention_head_dim": 32})
+        widths = [12, 10, 10]
+        inv_freq = [10000.0 ** (-2 * j / w) for w in widths for j in range(w // 2)]
+        axis = [a for a, w in enumerate(widths) for _ in range(w // 2)]
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([7, 1, 3])            # spread the axes apart
+        x = torch.randn(2, 24, 32, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[a]) for a in axis) for p in positions.tolist()], inv_freq,
+                           interleaved=True)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+
+    def test_every_model_class_is_read_or_refused(self):
+        classes = diffusers_transformer_classes()
+        read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
+        assert not read & refused
+        assert classes == read | refused, (sorted(classes - read - refused), sorted((read | refused) - classes))
+        assert read == set(DIFFUSERS_ROPE_CONFIGS)             # every accepted class has its comparison
+
+    def test_refusals_name_the_model_and_why(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        for name, why in pe_lib._DIFFUSERS_REFUSED.items():
+            with pytest.raises(ValueError, match=f"^{owner}: {name} \\(diffusers config _class_name\\) is not "
+                                                 f"supported: {re.escape(why)}$"):
+                RotaryPositionalEmbedding.from_config({"_class_name": name})
+        with pytest.raises(ValueError, match=f"{owner}: _class_name='UNet2DConditionModel' is not a diffusers "
+                                             f"transformer model this file reads"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "UNet2DConditionModel"})
+        with pytest.raises(ValueError, match=f"{owner}: this diffusers config has no _class_name .*"
+                                             f"dict\\(model.config, _class_name=type\\(model\\).__name__\\)"):
+            RotaryPositionalEmbedding.from_config({"attention_head_dim": 64, "_use_default_values": []})
+        flux = {"_class_name": "FluxTransformer2DModel"}
+        with pytest.raises(ValueError, match=f"{owner}: a diffusers config \\(FluxTransformer2DModel\\) fixes its "
+                                             f"layout; interleaved do not apply, got {{'interleaved': False}}"):
+            RotaryPositionalEmbedding.from_config(flux, interleaved=False)
+        with pytest.raises(ValueError, match=f"{owner}: CogVideoXTransformer3DModel: "
+                                             f"use_rotary_positional_embeddings=False: .*3-D sin-cos table"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "CogVideoXTransformer3DModel"})
+        with pytest.raises(ValueError, match=f"{owner}: QwenImageTransformer2DModel with use_layer3d_rope=True"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "QwenImageTransformer2DModel",
+                                                   "use_layer3d_rope": True})
+        # HiDream's defaults (32, 32) do not fill its 128-channel heads (its checkpoints say (64, 32, 32))
+        with pytest.raises(ValueError, match=f"{owner}: HiDreamImageTransformer2DModel: the per-axis rotary widths "
+                                             f"must be positive, even and sum to the head dim 128, got \\[32, 32\\]"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel"})
+        assert RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel",
+                                                      "axes_dims_rope": [64, 32, 32]}).sections == [32, 16, 16]
 
 
 LENGTH_DEPENDENT_SCALINGS = {
