@@ -1814,6 +1814,13 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         self.dim, self.base, self.layout, self.num_axes = dim, base, layout, num_axes
         self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
 
+    @classmethod
+    def from_config(cls, config) -> "SinusoidalPositionalEmbedding":
+        """The sin-cos table a diffusers model adds to its tokens, from its config (the ``config.json`` dict or the
+        loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3 and Latte's 2-D patch table,
+        AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
+        return cls(**_diffusers_kwargs("SinusoidalPositionalEmbedding", config, {}))
+
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, layout={self.layout!r}, num_axes={self.num_axes}"
         if self.spectrum != "vaswani":
@@ -1900,6 +1907,13 @@ class LearnedPositionalEmbedding(_AddedInput):
         self.max_len, self.dim, self.init_std = max_len, dim, init_std
         self.weight = nn.Parameter(torch.empty(max_len, dim))                            # [max_len, D]
         self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, config) -> "LearnedPositionalEmbedding":
+        """The learned table of a diffusers model (AuraFlow's ``pos_embed``, a 2-D grid of ``pos_embed_max_size``
+        rows), from its config (``config.json`` dict or ``model.config``, with ``_class_name``); copy the checkpoint's
+        ``pos_embed[0]`` into ``weight``. docs/diffusers.md gives the rows each image size takes."""
+        return cls(**_diffusers_kwargs("LearnedPositionalEmbedding", config, {}))
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
@@ -10376,10 +10390,24 @@ def _stable_audio_rope(get) -> dict:
     return {"dim": head, "rotary_dim": head // 2}
 
 
+def _sincos_2d(get) -> dict:
+    """diffusers' ``get_2d_sincos_pos_embed`` on the model width: (column, row), each a concat sin-cos half."""
+    return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim")), "layout": "concat", "num_axes": 2}
+
+
+def _temporal_sincos(get) -> dict:
+    """The blocks' ``SinusoidalPositionalEmbedding`` of ``positional_embeddings="sinusoidal"`` (Vaswani's table)."""
+    if get("positional_embeddings") != "sinusoidal":
+        raise ValueError(f"positional_embeddings={get('positional_embeddings')!r}: the model adds no position "
+                         f"encoding (only 'sinusoidal' adds one)")
+    return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}
+
+
 _FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
 _FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
-_HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128, "rope_axes_dim": (16, 56, 56),
-                                 "rope_theta": 256.0}, _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"))
+_HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
+    "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
+    _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"))
 _WAN = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128}, _axial_rope(_wan_axes))
 _DIFFUSERS_MODELS = {
     # axial RoPE over explicit ids (text, h, w, ...): Flux.1 and its clones, theta 10000 in the class
@@ -10429,6 +10457,20 @@ _DIFFUSERS_MODELS = {
         _axial_rope(lambda get: [get("attention_head_dim") // 2] * 2, interleaved=False)),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
+    # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
+    **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
+                             {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
+       for name, heads, head in (
+        ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
+        ("LatteTransformer3DModel", 16, 88))},
+    # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
+    "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
+    # a learned 2-D table, centre-cropped (AuraFlow)
+    "AuraFlowTransformer2DModel": _DiffusersModel("LearnedPositionalEmbedding", {
+        "num_attention_heads": 12, "attention_head_dim": 256, "pos_embed_max_size": 1024},
+        lambda get: {"max_len": int(get("pos_embed_max_size")), "init_std": 0.1,
+                     "dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}),
 }
 
 
@@ -10460,10 +10502,8 @@ _DIFFUSERS_REFUSED = {
         "MiniMaxMusic3Transformer1DModel", "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel",
         "OmniGenTransformer2DModel", "PRXTransformer2DModel", "QwenImage21Transformer2DModel",
         "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "CogView3PlusTransformer2DModel",
-        "HunyuanDiT2DModel", "Transformer2DModel", "SanaTransformer2DModel", "LatteTransformer3DModel",
-        "TransformerTemporalModel", "DreamLiteTransformer2DModel", "AuraFlowTransformer2DModel",
-        "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer", "DiTTransformer2DModel",
-        "PixArtTransformer2DModel", "SD3Transformer2DModel")},
+        "HunyuanDiT2DModel", "Transformer2DModel", "SanaTransformer2DModel",
+        "DreamLiteTransformer2DModel", "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer")},
 }
 
 
@@ -10482,6 +10522,10 @@ def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
     """Keyword arguments of ``owner_class`` reproducing the position encoding of a diffusers model config."""
     owner = f"{owner_class}.from_config"
     name = _diffusers_class_name(owner, config)
+    if name is None:
+        error = ValueError if isinstance(config, dict) else TypeError
+        raise error(f"{owner}: config must be a diffusers model config (its config.json dict, or the loaded "
+                    f"model.config, with _class_name), got {_describe(config)}")
     stated = {key: value for key, value in stated.items() if value is not None}
     if stated:
         raise ValueError(f"{owner}: a diffusers config ({name}) fixes its layout; {', '.join(sorted(stated))} do "

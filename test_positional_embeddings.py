@@ -5629,6 +5629,79 @@ class TestDiffusersConfig:
         MAX_DIFF[f"diffusers {name}"] = diff
         assert diff < 1e-6, f"{name}: rotated q differs by {diff:.3g}"
 
+    # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
+    @staticmethod
+    def added_table(patch_embed, latent):
+        """What ``patch_embed(latent)`` adds to the projected patches: its position table (the projection zeroed)."""
+        with torch.no_grad():
+            for param in patch_embed.proj.parameters():
+                param.zero_()
+            return patch_embed(latent)[0]                                                     # [N, D]
+
+    @pytest.mark.parametrize("name, config, size, positions", [
+        # DiT: a grid of sample_size / patch_size, positions (column, row) / (grid / base_size)
+        ("DiTTransformer2DModel", {"sample_size": 8}, (6, 10), lambda h, w: (torch.arange(w) / (w / 4),
+                                                                            torch.arange(h) / (h / 4))),
+        # PixArt: the same divided by interpolation_scale
+        ("PixArtTransformer2DModel", {"sample_size": 8, "interpolation_scale": 2, "caption_channels": 16},
+         (4, 4), lambda h, w: (torch.arange(w) / 2, torch.arange(h) / 2)),
+        # SD3: the pos_embed_max_size^2 table's centre crop; base size sample_size / patch_size = 4
+        ("SD3Transformer2DModel", {"sample_size": 8, "pos_embed_max_size": 7, "joint_attention_dim": 16,
+                                   "caption_projection_dim": 16, "pooled_projection_dim": 16},
+         (3, 6), lambda h, w: ((torch.arange(w) + (7 - w) // 2) / (7 / 4), (torch.arange(h) + (7 - h) // 2) / (7 / 4))),
+        # Latte: its spatial table as DiT's
+        ("LatteTransformer3DModel", {"sample_size": 8, "patch_size": 2, "caption_channels": 16,
+                                     "cross_attention_dim": 16, "num_embeds_ada_norm": 1000,
+                                     "norm_type": "ada_norm_single"},
+         (4, 4), lambda h, w: (torch.arange(w) / 1.0, torch.arange(h) / 1.0)),
+    ])
+    def test_sincos_table_matches_its_patch_embedding(self, name, config, size, positions):
+        pytest.importorskip("diffusers")
+        config = {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1, "in_channels": 4, **config}
+        model = diffusers_model(name, config)
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        assert pe.dim == 16 and pe.layout == "concat" and pe.num_axes == 2
+        h, w = size
+        theirs = self.added_table(model.pos_embed, torch.zeros(1, 4, 2 * h, 2 * w))           # patch size 2
+        cols, rows = positions(h, w)
+        grid = torch.stack(torch.meshgrid(cols.double(), rows.double(), indexing="xy"), -1)  # [h, w, 2]: (col, row)
+        diff = (pe.embed(grid.reshape(-1, 2)).float() - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name}"] = diff
+        assert diff < 1e-6, f"{name}: the sin-cos table differs by {diff:.3g}"
+        if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
+            frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
+            torch.testing.assert_close(frames, model.temp_pos_embed[0], rtol=0, atol=1e-6)
+
+    def test_temporal_transformer_matches_its_blocks_table(self):
+        # AnimateDiff's temporal transformer: diffusers' SinusoidalPositionalEmbedding (Vaswani's) in each block
+        pytest.importorskip("diffusers")
+        model = diffusers_model("TransformerTemporalModel", {
+            "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 16, "norm_num_groups": 4,
+            "positional_embeddings": "sinusoidal", "num_positional_embeddings": 24})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        theirs = model.transformer_blocks[0].pos_embed.pe[0]                                   # [24, D]
+        diff = (pe.embed(torch.arange(24)) - theirs).abs().max().item()
+        MAX_DIFF["diffusers TransformerTemporalModel"] = diff
+        assert diff < 1e-5, f"the temporal table differs by {diff:.3g}"    # diffusers' angles are float32
+
+    def test_auraflow_learned_table_matches_its_crop(self):
+        pytest.importorskip("diffusers")
+        model = diffusers_model("AuraFlowTransformer2DModel", {
+            "sample_size": 8, "num_mmdit_layers": 1, "num_single_dit_layers": 1, "attention_head_dim": 8,
+            "num_attention_heads": 2, "joint_attention_dim": 16, "caption_projection_dim": 16,
+            "pos_embed_max_size": 64})
+        pe = LearnedPositionalEmbedding.from_config(model.config)
+        assert (pe.max_len, pe.dim, pe.init_std) == (64, 16, 0.1)
+        with torch.no_grad():
+            pe.weight.copy_(model.pos_embed.pos_embed[0])                                     # the checkpoint's table
+        h, w = 3, 6                                                                            # the 8 x 8 grid's centre
+        rows, cols = torch.arange(h) + 8 // 2 - h // 2, torch.arange(w) + 8 // 2 - w // 2
+        positions = (rows[:, None] * 8 + cols[None, :]).reshape(-1)                           # row-major indices
+        theirs = self.added_table(model.pos_embed, torch.zeros(1, 4, 2 * h, 2 * w))
+        with torch.no_grad():
+            assert torch.equal(pe.embed(positions), theirs)
+        MAX_DIFF["diffusers AuraFlowTransformer2DModel"] = 0.0
+
     def test_wan_split_against_a_float64_oracle(self):
         # Wan's head split (h = w = 2 (D // 6), t the rest), each axis its own spectrum, interleaved pairs
         rope = RotaryPositionalEmbedding.from_config({"_class_name": "WanTransformer3DModel", "attention_head_dim": 32})
@@ -5646,7 +5719,9 @@ class TestDiffusersConfig:
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
         assert not read & refused
         assert classes == read | refused, (sorted(classes - read - refused), sorted((read | refused) - classes))
-        assert read == set(DIFFUSERS_ROPE_CONFIGS)             # every accepted class has its comparison
+        tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
+                  "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel"}
+        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
 
     def test_refusals_name_the_model_and_why(self):
         owner = "RotaryPositionalEmbedding.from_config"
@@ -5676,6 +5751,21 @@ class TestDiffusersConfig:
             RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel"})
         assert RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel",
                                                       "axes_dims_rope": [64, 32, 32]}).sections == [32, 16, 16]
+        # each model names the class that builds its encoding; the table classes read diffusers configs only
+        with pytest.raises(ValueError, match=f"{owner}: SD3Transformer2DModel \\(diffusers config _class_name\\) uses "
+                                             f"SinusoidalPositionalEmbedding; call SinusoidalPositionalEmbedding"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "SD3Transformer2DModel"})
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: FluxTransformer2DModel .* uses "
+                                             "RotaryPositionalEmbedding"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "FluxTransformer2DModel"})
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: config must be a diffusers "
+                                             "model config .*with _class_name"):
+            SinusoidalPositionalEmbedding.from_config({"model_type": "llama"})
+        with pytest.raises(TypeError, match="SinusoidalPositionalEmbedding.from_config: config must be a diffusers"):
+            SinusoidalPositionalEmbedding.from_config("facebook/DiT-XL-2-256")
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: TransformerTemporalModel: "
+                                             "positional_embeddings=None: the model adds no position encoding"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "TransformerTemporalModel"})
 
 
 LENGTH_DEPENDENT_SCALINGS = {
