@@ -5722,6 +5722,8 @@ class TestDiffusersConfig:
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
+        page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
+        assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
 
     def test_refusals_name_the_model_and_why(self):
         owner = "RotaryPositionalEmbedding.from_config"
