@@ -10372,14 +10372,32 @@ def _wan_axes(get) -> list:
     return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
 
 
+def _split_3d_axes(get) -> list:
+    """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
+    head = int(get("attention_head_dim"))
+    return [head // 4, head // 8 * 3, head // 8 * 3]
+
+
 def _cogvideox_axes(get) -> list:
-    """CogVideoX's split of the head among (t, h, w): D / 4, then 3 D / 8 each (``get_3d_rotary_pos_embed``)."""
+    """CogVideoX's (and ConsisID's) RoPE, which its config switches on: ``get_3d_rotary_pos_embed``'s split."""
     if not get("use_rotary_positional_embeddings"):
         raise ValueError("use_rotary_positional_embeddings=False: this CogVideoX (1.0 2B) adds a 3-D sin-cos table "
                          "whose axes have unequal widths (t D/4, h and w 3D/8), which SinusoidalPositionalEmbedding "
                          "does not express yet")
-    head = int(get("attention_head_dim"))
-    return [head // 4, head // 8 * 3, head // 8 * 3]
+    return _split_3d_axes(get)
+
+
+def _chronoedit_axes(get) -> list:
+    """ChronoEdit's tables are Wan's, but its forward splits them at D // 3: the two agree unless D % 6 == 4."""
+    if int(get("attention_head_dim")) % 6 == 4:
+        raise ValueError(f"attention_head_dim={get('attention_head_dim')} (6k + 4): the model builds its tables with "
+                         f"Wan's split and cuts them at D // 3, which mixes the axes' spectra")
+    return _wan_axes(get)
+
+
+def _halves(get) -> list:
+    """Two axes (h, w), half of the head each (CogView4, GLM-Image, HunyuanDiT's ``get_2d_rotary_pos_embed``)."""
+    return [int(get("attention_head_dim")) // 2] * 2
 
 
 def _stable_audio_rope(get) -> dict:
@@ -10448,13 +10466,24 @@ _DIFFUSERS_MODELS = {
                                                    _axial_rope(_wan_axes)),
     "Kandinsky5Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": (16, 24, 24)},
                                                     _axial_rope("axes_dims")),
-    "CogVideoXTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes)),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes))
+       for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
+    "EasyAnimateTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
+                                                     _axial_rope(_split_3d_axes)),
+    "ChronoEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128},
+                                                    _axial_rope(_chronoedit_axes)),
+    "HunyuanDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 88},
+                                         _axial_rope(_halves)),
+    "PRXTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 1792, "num_heads": 28, "axes_dim": (32, 32), "theta": 10000.0},
+        _axial_rope("axes_dim", base="theta", dim=lambda get: get("hidden_size") // get("num_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
-    # CogView4: (h, w) halves of the head, half-split pairs
-    "CogView4Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
-        _axial_rope(lambda get: [get("attention_head_dim") // 2] * 2, interleaved=False)),
+    # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
+                             _axial_rope(_halves, interleaved=False))
+       for name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel")},
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
     # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
@@ -10495,14 +10524,12 @@ _DIFFUSERS_REFUSED = {
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AceStepTransformer1DModel", "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "ChronoEditTransformer3DModel", "ConsisIDTransformer3DModel", "Cosmos3OmniTransformer",
-        "EasyAnimateTransformer3DModel", "GlmImageTransformer2DModel", "Ideogram4Transformer2DModel",
-        "JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel",
-        "Kandinsky6SRTransformer3DModel", "LongCatAudioDiTTransformer", "MiniMaxH3Transformer3DModel",
-        "MiniMaxMusic3Transformer1DModel", "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel",
-        "OmniGenTransformer2DModel", "PRXTransformer2DModel", "QwenImage21Transformer2DModel",
-        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "CogView3PlusTransformer2DModel",
-        "HunyuanDiT2DModel", "Transformer2DModel", "SanaTransformer2DModel",
+        "Cosmos3OmniTransformer", "Ideogram4Transformer2DModel", "JoyImageEditTransformer3DModel",
+        "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel",
+        "LongCatAudioDiTTransformer", "MiniMaxH3Transformer3DModel", "MiniMaxMusic3Transformer1DModel",
+        "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel", "OmniGenTransformer2DModel",
+        "QwenImage21Transformer2DModel", "StableAudio3DiTModel", "WanAnimate2Transformer3DModel",
+        "CogView3PlusTransformer2DModel", "Transformer2DModel", "SanaTransformer2DModel",
         "DreamLiteTransformer2DModel", "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer")},
 }
 
