@@ -10421,6 +10421,22 @@ def _temporal_sincos(get) -> dict:
     return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}
 
 
+def _interleaved_mrope(head: str, sections) -> object:
+    """Qwen3-VL's interleaved M-RoPE over (t, h, w) (Ideogram 4, Cosmos 3): one spectrum over the head, pairs
+    ``t h w t h w ...``; ``sections`` is the field of the pairs per axis, or a function of ``get``. Pair ``i`` takes
+    axis ``a = i % 3`` (1: h, 2: w) while ``i < 3 * sections[a]``, else t, as the model's table starts all t and
+    overwrites those slices; where that is not Qwen3-VL's preset (Ideogram 4: (24, 20, 20) of 128 pairs, the rest
+    t), ``pair_axes`` states the map."""
+    def read(get) -> dict:
+        dim, pairs = int(get(head)), [int(p) for p in (sections(get) if callable(sections) else get(sections))]
+        kwargs = {"dim": dim, "base": float(get("rope_theta"))}
+        axes = [i % 3 if i % 3 and i < 3 * pairs[i % 3] else 0 for i in range(dim // 2)]
+        if [axes.count(a) for a in range(3)] == pairs:    # exactly the preset
+            return {**kwargs, "sections": pairs, "section_layout": "interleaved"}
+        return {**kwargs, "pair_axes": axes}
+    return read
+
+
 _FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
 _FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
 _HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
@@ -10484,8 +10500,19 @@ _DIFFUSERS_MODELS = {
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
                              _axial_rope(_halves, interleaved=False))
        for name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel")},
+    # Qwen3-VL's interleaved M-RoPE; Cosmos 3 takes rope_axes_dim, else rope_scaling's mrope_section
+    "Ideogram4Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 256, "rope_theta": 5e6, "mrope_section": (24, 20, 20)},
+        _interleaved_mrope("attention_head_dim", "mrope_section")),
+    "Cosmos3OmniTransformer": _DiffusersModel("RotaryPositionalEmbedding", {
+        "head_dim": 128, "rope_theta": 5e6, "rope_axes_dim": None, "rope_scaling": None},
+        _interleaved_mrope("head_dim", lambda get: get("rope_axes_dim") or dict(get("rope_scaling") or {}).get(
+            "mrope_section", (24, 20, 20)))),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
+    "AceStepTransformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {"head_dim": 128, "rope_theta": 1e6},
+                                                 lambda get: {"dim": int(get("head_dim")),
+                                                              "base": float(get("rope_theta"))}),
     # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
     **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
                              {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
@@ -10523,8 +10550,7 @@ _DIFFUSERS_REFUSED = {
     "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
-        "AceStepTransformer1DModel", "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "Cosmos3OmniTransformer", "Ideogram4Transformer2DModel", "JoyImageEditTransformer3DModel",
+        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel",
         "LongCatAudioDiTTransformer", "MiniMaxH3Transformer3DModel", "MiniMaxMusic3Transformer1DModel",
         "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel", "OmniGenTransformer2DModel",

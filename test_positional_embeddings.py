@@ -5519,6 +5519,23 @@ def diffusers_rope_case(name: str, model):
             return torch.stack([cols, rows], -1).reshape(-1, 2), real((cos, sin))
         axes = torch.meshgrid(torch.arange(t, dtype=torch.float64), hs, ws, indexing="ij")
         return torch.stack(axes, -1).reshape(-1, 3), real((cos, sin))
+    if name in ("Ideogram4Transformer2DModel", "Cosmos3OmniTransformer"):
+        # (t, h, w) ids: text on the diagonal, then an image at t = 4 (Ideogram 4's image ids start at 65536,
+        # where diffusers' float32 angles lose ~1e-2: the test keeps them small)
+        text = torch.arange(4)[:, None].expand(4, 3)
+        ids = torch.cat([text, diffusers_grid((1, 3, 4)) + torch.tensor([4, 8, 8])])           # [N, 3]
+        if name == "Ideogram4Transformer2DModel":
+            from diffusers.models.transformers.transformer_ideogram4 import _rotate_half
+            cos, sin = model.rotary_emb(ids[None])                                             # [1, N, D]
+        else:
+            from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
+            cos, sin = model.rotary_emb(ids.T[:, None], torch.device("cpu"), torch.float32)
+        cos, sin = cos[:, :, None], sin[:, :, None]                                            # [1, N, 1, D]
+        return ids, lambda x: x * cos + _rotate_half(x) * sin
+    if name == "AceStepTransformer1DModel":
+        from diffusers.models.transformers.ace_step_transformer import _ace_step_rotary_freqs
+        cos, sin = _ace_step_rotary_freqs(12, model.head_dim, model.rope_theta, torch.device("cpu"), torch.float32)
+        return torch.arange(12), real((cos, sin), use_real_unbind_dim=-2)
     if name == "StableAudioDiTModel":
         n = 12       # the pipeline's table: attention_head_dim // 2 channels, half-split, on the leading slice
         cos, sin = get_1d_rotary_pos_embed(model.config.attention_head_dim // 2, n, use_real=True,
@@ -5625,6 +5642,15 @@ DIFFUSERS_ROPE_CONFIGS = {
     "CogView4Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                    "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
                                    "rope_axes_dim": (16, 16), "in_channels": 4},
+    "Ideogram4Transformer2DModel": {"in_channels": 4, "num_layers": 1, "attention_head_dim": 32,
+                                    "num_attention_heads": 2, "intermediate_size": 32, "adaln_dim": 16,
+                                    "llm_features_dim": 16, "rope_theta": 50000, "mrope_section": (4, 3, 3)},
+    "Cosmos3OmniTransformer": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+                               "head_dim": 16, "intermediate_size": 32, "num_hidden_layers": 1, "vocab_size": 16,
+                               "patch_latent_dim": 8, "rope_axes_dim": (4, 2, 2), "rope_theta": 50000.0},
+    "AceStepTransformer1DModel": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                  "head_dim": 16, "num_hidden_layers": 1, "intermediate_size": 32,
+                                  "in_channels": 8, "audio_acoustic_hidden_dim": 4, "rope_theta": 1e5},
     "StableAudioDiTModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                             "num_key_value_attention_heads": 1, "cross_attention_dim": 16,
                             "cross_attention_input_dim": 16, "global_states_input_dim": 16, "time_proj_dim": 16,
