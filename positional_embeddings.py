@@ -10513,6 +10513,12 @@ _DIFFUSERS_MODELS = {
     "AceStepTransformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {"head_dim": 128, "rope_theta": 1e6},
                                                  lambda get: {"dim": int(get("head_dim")),
                                                               "base": float(get("rope_theta"))}),
+    "LongCatAudioDiTTransformer": _DiffusersModel("RotaryPositionalEmbedding", {"dit_dim": 1536, "dit_heads": 24},
+                                                  lambda get: {"dim": int(get("dit_dim")) // int(get("dit_heads")),
+                                                               "base": 100000.0}),
+    "MiniMaxMusic3Transformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "rotary_dim": 32},
+        lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": int(get("rotary_dim"))}),
     # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
     **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
                              {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
@@ -10552,8 +10558,8 @@ _DIFFUSERS_REFUSED = {
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel",
-        "LongCatAudioDiTTransformer", "MiniMaxH3Transformer3DModel", "MiniMaxMusic3Transformer1DModel",
-        "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel", "OmniGenTransformer2DModel",
+        "MiniMaxH3Transformer3DModel", "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel",
+        "OmniGenTransformer2DModel",
         "QwenImage21Transformer2DModel", "StableAudio3DiTModel", "WanAnimate2Transformer3DModel",
         "CogView3PlusTransformer2DModel", "Transformer2DModel", "SanaTransformer2DModel",
         "DreamLiteTransformer2DModel", "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer")},

@@ -5536,6 +5536,14 @@ def diffusers_rope_case(name: str, model):
         from diffusers.models.transformers.ace_step_transformer import _ace_step_rotary_freqs
         cos, sin = _ace_step_rotary_freqs(12, model.head_dim, model.rope_theta, torch.device("cpu"), torch.float32)
         return torch.arange(12), real((cos, sin), use_real_unbind_dim=-2)
+    if name == "LongCatAudioDiTTransformer":
+        from diffusers.models.transformers.transformer_longcat_audio_dit import _apply_rotary_emb
+        table = model.rotary_embed(torch.zeros(1, 12, 1))                                     # [N, D] each
+        return torch.arange(12), lambda x: _apply_rotary_emb(x, table)
+    if name == "MiniMaxMusic3Transformer1DModel":
+        from diffusers.models.transformers.transformer_minimax_music3 import _apply_partial_rotary_emb
+        table = model.rotary_emb(12, torch.device("cpu"))
+        return torch.arange(12), lambda x: _apply_partial_rotary_emb(x, table)
     if name == "StableAudioDiTModel":
         n = 12       # the pipeline's table: attention_head_dim // 2 channels, half-split, on the leading slice
         cos, sin = get_1d_rotary_pos_embed(model.config.attention_head_dim // 2, n, use_real=True,
@@ -5651,6 +5659,11 @@ DIFFUSERS_ROPE_CONFIGS = {
     "AceStepTransformer1DModel": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
                                   "head_dim": 16, "num_hidden_layers": 1, "intermediate_size": 32,
                                   "in_channels": 8, "audio_acoustic_hidden_dim": 4, "rope_theta": 1e5},
+    "LongCatAudioDiTTransformer": {"dit_dim": 32, "dit_depth": 1, "dit_heads": 2, "dit_text_dim": 16,
+                                   "latent_dim": 4},
+    "MiniMaxMusic3Transformer1DModel": {"in_channels": 4, "condition_dim": 16, "num_layers": 1,
+                                        "num_attention_heads": 2, "attention_head_dim": 16, "ff_inner_dim": 32,
+                                        "rotary_dim": 8, "fourier_embedding_dim": 16},
     "StableAudioDiTModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                             "num_key_value_attention_heads": 1, "cross_attention_dim": 16,
                             "cross_attention_input_dim": 16, "global_states_input_dim": 16, "time_proj_dim": 16,
