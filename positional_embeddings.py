@@ -10496,6 +10496,7 @@ _DIFFUSERS_MODELS = {
         _axial_rope("axes_dim", base="theta", dim=lambda get: get("hidden_size") // get("num_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
+    "NucleusMoEImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE),
     # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
                              _axial_rope(_halves, interleaved=False))
@@ -10524,7 +10525,7 @@ _DIFFUSERS_MODELS = {
                              {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
        for name, heads, head in (
         ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
-        ("LatteTransformer3DModel", 16, 88))},
+        ("LatteTransformer3DModel", 16, 88), ("CogView3PlusTransformer2DModel", 64, 40))},
     # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
     "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
@@ -10533,6 +10534,14 @@ _DIFFUSERS_MODELS = {
         "num_attention_heads": 12, "attention_head_dim": 256, "pos_embed_max_size": 1024},
         lambda get: {"max_len": int(get("pos_embed_max_size")), "init_std": 0.1,
                      "dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}),
+    # learned 1-D tables (their init: Prior's zeros, an nn.Embedding's N(0, 1))
+    "PriorTransformer": _DiffusersModel("LearnedPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 64, "num_embeddings": 77, "additional_embeddings": 4},
+        lambda get: {"max_len": int(get("num_embeddings")) + int(get("additional_embeddings")), "init_std": 0.0,
+                     "dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}),
+    "MiniMaxMusic3RVQDepthDecoder": _DiffusersModel("LearnedPositionalEmbedding", {
+        "hidden_size": 4096, "max_position_embeddings": 16},
+        lambda get: {"max_len": int(get("max_position_embeddings")), "dim": int(get("hidden_size")), "init_std": 1.0}),
 }
 
 
@@ -10558,11 +10567,9 @@ _DIFFUSERS_REFUSED = {
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel",
-        "MiniMaxH3Transformer3DModel", "MiniMaxMusic3RVQDepthDecoder", "NucleusMoEImageTransformer2DModel",
-        "OmniGenTransformer2DModel",
-        "QwenImage21Transformer2DModel", "StableAudio3DiTModel", "WanAnimate2Transformer3DModel",
-        "CogView3PlusTransformer2DModel", "Transformer2DModel", "SanaTransformer2DModel",
-        "DreamLiteTransformer2DModel", "PriorTransformer", "T5FilmDecoder", "RFD4ProteinaTransformer")},
+        "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel", "QwenImage21Transformer2DModel",
+        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "Transformer2DModel", "SanaTransformer2DModel",
+        "DreamLiteTransformer2DModel", "T5FilmDecoder", "RFD4ProteinaTransformer")},
 }
 
 

@@ -5481,13 +5481,16 @@ def diffusers_rope_case(name: str, model):
         half = rope.shape[-3]
         freqs = rope.reshape(1, -1, 1, half, 2, 2)                                        # [1, N, 1, D/2, 2, 2]
         return diffusers_grid(sizes) / torch.tensor(scale), lambda x: apply_rope(x, x, freqs)[0]
-    if name == "QwenImageTransformer2DModel":
-        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+    if name in ("QwenImageTransformer2DModel", "NucleusMoEImageTransformer2DModel"):
+        if name == "QwenImageTransformer2DModel":
+            from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as apply
+        else:
+            from diffusers.models.transformers.transformer_nucleusmoe_image import _apply_rotary_emb_nucleus as apply
         (f, h, w), text = (1, 3, 4), 3
         vid, txt = model.pos_embed([(f, h, w)], device=torch.device("cpu"), max_txt_seq_len=text)
         grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
         diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
-        return torch.cat([grid, diagonal]), lambda x: apply_rotary_emb_qwen(x, torch.cat([vid, txt]), use_real=False)
+        return torch.cat([grid, diagonal]), lambda x: apply(x, torch.cat([vid, txt]), use_real=False)
     if name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel"):
         h, w = 3, 5
         cos, sin = model.rope(torch.zeros(1, 1, 2 * h, 2 * w))                           # patch_size 2
@@ -5647,6 +5650,9 @@ DIFFUSERS_ROPE_CONFIGS = {
                                    "prior_vq_quantizer_codebook_size": 16, "in_channels": 4},
     "QwenImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                     "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4},
+    "NucleusMoEImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                          "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4,
+                                          "moe_enabled": False},
     "CogView4Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                    "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
                                    "rope_axes_dim": (16, 16), "in_channels": 4},
@@ -5749,6 +5755,40 @@ class TestDiffusersConfig:
             frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
             torch.testing.assert_close(frames, model.temp_pos_embed[0], rtol=0, atol=1e-6)
 
+    def test_cogview3plus_table_matches_its_patch_embedding(self):
+        # the top-left corner of a pos_embed_max_size^2 table (base size = the table's), text tokens get zeros
+        pytest.importorskip("diffusers")
+        model = diffusers_model("CogView3PlusTransformer2DModel", {
+            "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "in_channels": 4, "text_embed_dim": 8,
+            "time_embed_dim": 8, "condition_dim": 4, "pos_embed_max_size": 7, "sample_size": 8})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        with torch.no_grad():
+            for param in [*model.patch_embed.proj.parameters(), *model.patch_embed.text_proj.parameters()]:
+                param.zero_()
+            added = model.patch_embed(torch.zeros(1, 4, 6, 10), torch.zeros(1, 2, 8))[0]      # 2 text + 3 x 5
+        assert not added[:2].any()
+        cols_rows = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(3), indexing="xy"), -1).reshape(-1, 2)
+        diff = (pe.embed(cols_rows) - added[2:]).abs().max().item()
+        MAX_DIFF["diffusers CogView3PlusTransformer2DModel"] = diff
+        assert diff < 1e-6
+
+    def test_learned_1d_tables_match_their_models(self):
+        pytest.importorskip("diffusers")
+        prior = diffusers_model("PriorTransformer", {
+            "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1, "embedding_dim": 8,
+            "num_embeddings": 5, "additional_embeddings": 3})
+        rvq = diffusers_model("MiniMaxMusic3RVQDepthDecoder", {
+            "hidden_size": 16, "num_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+            "audio_vocab_size": 8, "num_codebooks": 2, "max_position_embeddings": 6})
+        for model, table, init_std in ((prior, prior.positional_embedding[0], 0.0),
+                                       (rvq, rvq.pos_embedding.weight, 1.0)):
+            pe = LearnedPositionalEmbedding.from_config(model.config)
+            assert (pe.max_len, pe.dim, pe.init_std) == (*table.shape, init_std)
+            with torch.no_grad():
+                pe.weight.copy_(table)
+                assert torch.equal(pe.embed(torch.arange(table.shape[0])), table)       # row p for token p
+        MAX_DIFF["diffusers PriorTransformer, MiniMaxMusic3RVQDepthDecoder"] = 0.0
+
     def test_temporal_transformer_matches_its_blocks_table(self):
         # AnimateDiff's temporal transformer: diffusers' SinusoidalPositionalEmbedding (Vaswani's) in each block
         pytest.importorskip("diffusers")
@@ -5797,7 +5837,8 @@ class TestDiffusersConfig:
         assert not read & refused
         assert classes == read | refused, (sorted(classes - read - refused), sorted((read | refused) - classes))
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
-                  "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel"}
+                  "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
+                  "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
