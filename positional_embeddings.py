@@ -1817,8 +1817,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
     @classmethod
     def from_config(cls, config) -> "SinusoidalPositionalEmbedding":
         """The sin-cos table a diffusers model adds to its tokens, from its config (the ``config.json`` dict or the
-        loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3 and Latte's 2-D patch table,
-        AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
+        loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3, Latte and CogView3-Plus's 2-D
+        patch table, AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
         return cls(**_diffusers_kwargs("SinusoidalPositionalEmbedding", config, {}))
 
     def extra_repr(self) -> str:
@@ -1910,9 +1910,9 @@ class LearnedPositionalEmbedding(_AddedInput):
 
     @classmethod
     def from_config(cls, config) -> "LearnedPositionalEmbedding":
-        """The learned table of a diffusers model (AuraFlow's ``pos_embed``, a 2-D grid of ``pos_embed_max_size``
-        rows), from its config (``config.json`` dict or ``model.config``, with ``_class_name``); copy the checkpoint's
-        ``pos_embed[0]`` into ``weight``. docs/diffusers.md gives the rows each image size takes."""
+        """The learned table of a diffusers model (AuraFlow's 2-D grid of ``pos_embed_max_size`` rows, Prior's and
+        MiniMax Music 3 RVQ's 1-D tables), from its config (``config.json`` dict or ``model.config``, with
+        ``_class_name``); copy the checkpoint's table into ``weight``. docs/diffusers.md gives the rows each takes."""
         return cls(**_diffusers_kwargs("LearnedPositionalEmbedding", config, {}))
 
     def reset_parameters(self) -> None:
@@ -10480,8 +10480,10 @@ _DIFFUSERS_MODELS = {
                                "SkyReelsV2Transformer3DModel")},
     "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
                                                    _axial_rope(_wan_axes)),
-    "Kandinsky5Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": (16, 24, 24)},
-                                                    _axial_rope("axes_dims")),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": axes}, _axial_rope("axes_dims"))
+       for name, axes in (("Kandinsky5Transformer3DModel", (16, 24, 24)),
+                          ("Kandinsky6Transformer3DModel", (32, 48, 48)),
+                          ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes))
        for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
@@ -10496,7 +10498,8 @@ _DIFFUSERS_MODELS = {
         _axial_rope("axes_dim", base="theta", dim=lambda get: get("hidden_size") // get("num_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
-    "NucleusMoEImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
+       for name in ("NucleusMoEImageTransformer2DModel", "QwenImage21Transformer2DModel")},
     # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
                              _axial_rope(_halves, interleaved=False))
@@ -10566,8 +10569,7 @@ _DIFFUSERS_REFUSED = {
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
-        "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "Kandinsky6SRTransformer3DModel",
-        "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel", "QwenImage21Transformer2DModel",
+        "JoyImageEditPlusTransformer3DModel", "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel",
         "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "Transformer2DModel", "SanaTransformer2DModel",
         "DreamLiteTransformer2DModel", "T5FilmDecoder", "RFD4ProteinaTransformer")},
 }

@@ -5474,10 +5474,14 @@ def diffusers_rope_case(name: str, model):
     if name == "Lumina2Transformer2DModel":
         ids = diffusers_ids((3, 4), text=2, first=2).int()
         return ids, complex_(model.rope_embedder._get_freqs_cis(ids[None]))
-    if name == "Kandinsky5Transformer3DModel":
+    if name.startswith("Kandinsky"):
         from diffusers.models.transformers.transformer_hidream_image import apply_rope   # the same 2 x 2 product
         sizes, scale = (2, 3, 4), (1.0, 2.0, 2.0)
-        rope = model.visual_rope_embeddings((1, *sizes), [torch.arange(s) for s in sizes], scale)
+        axes = [torch.arange(s) for s in sizes]
+        if name == "Kandinsky5Transformer3DModel":
+            rope = model.visual_rope_embeddings((1, *sizes), axes, scale)
+        else:
+            rope = model.visual_rope_embeddings(axes, scale)
         half = rope.shape[-3]
         freqs = rope.reshape(1, -1, 1, half, 2, 2)                                        # [1, N, 1, D/2, 2, 2]
         return diffusers_grid(sizes) / torch.tensor(scale), lambda x: apply_rope(x, x, freqs)[0]
@@ -5491,6 +5495,17 @@ def diffusers_rope_case(name: str, model):
         grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
         diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
         return torch.cat([grid, diagonal]), lambda x: apply(x, torch.cat([vid, txt]), use_real=False)
+    if name == "QwenImage21Transformer2DModel":
+        from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
+        # text advances one position per token on all axes; an image block sits at the next one on the frame axis,
+        # its (h, w) centred on zero, and the text after it resumes max(h, w) later
+        (h, w), before, after = (3, 4), 2, 3
+        mask = torch.tensor([False] * before + [True] * h * w + [False] * after)
+        freqs = model.pos_embed([(1, h, w)], mask, device=torch.device("cpu"))                 # [N, D/2] complex
+        text = lambda p: p[:, None].expand(-1, 3)                                              # noqa: E731
+        grid = diffusers_grid((1, h, w)) - torch.tensor([0, h - h // 2, w - w // 2]) + torch.tensor([before, 0, 0])
+        positions = torch.cat([text(torch.arange(before)), grid, text(before + max(h, w) + torch.arange(after))])
+        return positions, lambda x: apply_rotary_emb_qwen(x, freqs, use_real=False)
     if name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel"):
         h, w = 3, 5
         cos, sin = model.rope(torch.zeros(1, 1, 2 * h, 2 * w))                           # patch_size 2
@@ -5653,6 +5668,14 @@ DIFFUSERS_ROPE_CONFIGS = {
     "NucleusMoEImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                           "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4,
                                           "moe_enabled": False},
+    "Kandinsky6Transformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "in_text_dim": 16,
+                                     "in_text_dim2": 16, "num_text_blocks": 1, "num_visual_blocks": 1,
+                                     "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "Kandinsky6SRTransformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "num_visual_blocks": 1,
+                                       "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                      "axes_dims_rope": (4, 6, 6), "context_in_dim": 16, "in_channels": 4,
+                                      "out_channels": 4},
     "CogView4Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                    "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
                                    "rope_axes_dim": (16, 16), "in_channels": 4},
