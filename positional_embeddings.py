@@ -10413,6 +10413,23 @@ def _sincos_2d(get) -> dict:
     return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim")), "layout": "concat", "num_axes": 2}
 
 
+def _sana_sincos(get) -> dict:
+    """Sana adds its PatchEmbed's table only when ``interpolation_scale`` is set."""
+    if get("interpolation_scale") is None:
+        raise ValueError("interpolation_scale=None: the model adds no position encoding (its PatchEmbed has none)")
+    return _sincos_2d(get)
+
+
+def _transformer_2d_sincos(get) -> dict:
+    """Transformer2DModel adds the table to patch inputs (``patch_size``) only."""
+    if get("num_vector_embeds") is not None:
+        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (h, w) tables, summed "
+                         "(ImagePositionalEmbeddings), which no class expresses yet")
+    if get("patch_size") is None:
+        raise ValueError("patch_size=None: continuous inputs get no position encoding")
+    return _sincos_2d(get)
+
+
 def _temporal_sincos(get) -> dict:
     """The blocks' ``SinusoidalPositionalEmbedding`` of ``positional_embeddings="sinusoidal"`` (Vaswani's table)."""
     if get("positional_embeddings") != "sinusoidal":
@@ -10529,6 +10546,11 @@ _DIFFUSERS_MODELS = {
        for name, heads, head in (
         ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
         ("LatteTransformer3DModel", 16, 88), ("CogView3PlusTransformer2DModel", 64, 40))},
+    "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
+    "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 16, "attention_head_dim": 88, "patch_size": None, "num_vector_embeds": None},
+        _transformer_2d_sincos),
     # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
     "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
@@ -10545,6 +10567,9 @@ _DIFFUSERS_MODELS = {
     "MiniMaxMusic3RVQDepthDecoder": _DiffusersModel("LearnedPositionalEmbedding", {
         "hidden_size": 4096, "max_position_embeddings": 16},
         lambda get: {"max_len": int(get("max_position_embeddings")), "dim": int(get("hidden_size")), "init_std": 1.0}),
+    "T5FilmDecoder": _DiffusersModel("LearnedPositionalEmbedding", {"targets_length": 256, "d_model": 768},
+                                     lambda get: {"max_len": int(get("targets_length")), "dim": int(get("d_model")),
+                                                  "init_std": 1.0}),
 }
 
 
@@ -10556,6 +10581,7 @@ _DIFFUSERS_REFUSED = {
     "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
                                 "not a rotation",
     "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
+    "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
     "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
                                   "with fractional coordinates",
@@ -10570,8 +10596,7 @@ _DIFFUSERS_REFUSED = {
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel",
-        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "Transformer2DModel", "SanaTransformer2DModel",
-        "DreamLiteTransformer2DModel", "T5FilmDecoder", "RFD4ProteinaTransformer")},
+        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
 }
 
 

@@ -5760,6 +5760,14 @@ class TestDiffusersConfig:
                                      "cross_attention_dim": 16, "num_embeds_ada_norm": 1000,
                                      "norm_type": "ada_norm_single"},
          (4, 4), lambda h, w: (torch.arange(w) / 1.0, torch.arange(h) / 1.0)),
+        # Sana: a table only with interpolation_scale; Transformer2DModel: PixArt's default max(sample_size // 64, 1)
+        ("SanaTransformer2DModel", {"sample_size": 8, "patch_size": 2, "interpolation_scale": 2,
+                                    "num_cross_attention_heads": 2, "cross_attention_head_dim": 8,
+                                    "cross_attention_dim": 16, "caption_channels": 16},
+         (6, 10), lambda h, w: (torch.arange(w) / (w / 4) / 2, torch.arange(h) / (h / 4) / 2)),
+        ("Transformer2DModel", {"sample_size": 8, "patch_size": 2, "norm_type": "ada_norm_zero",
+                                "num_embeds_ada_norm": 1000},
+         (4, 4), lambda h, w: (torch.arange(w) / 1.0, torch.arange(h) / 1.0)),
     ])
     def test_sincos_table_matches_its_patch_embedding(self, name, config, size, positions):
         pytest.importorskip("diffusers")
@@ -5768,7 +5776,8 @@ class TestDiffusersConfig:
         pe = SinusoidalPositionalEmbedding.from_config(model.config)
         assert pe.dim == 16 and pe.layout == "concat" and pe.num_axes == 2
         h, w = size
-        theirs = self.added_table(model.pos_embed, torch.zeros(1, 4, 2 * h, 2 * w))           # patch size 2
+        patch_embed = model.patch_embed if name == "SanaTransformer2DModel" else model.pos_embed
+        theirs = self.added_table(patch_embed, torch.zeros(1, 4, 2 * h, 2 * w))               # patch size 2
         cols, rows = positions(h, w)
         grid = torch.stack(torch.meshgrid(cols.double(), rows.double(), indexing="xy"), -1)  # [h, w, 2]: (col, row)
         diff = (pe.embed(grid.reshape(-1, 2)).float() - theirs).abs().max().item()
@@ -5803,14 +5812,17 @@ class TestDiffusersConfig:
         rvq = diffusers_model("MiniMaxMusic3RVQDepthDecoder", {
             "hidden_size": 16, "num_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
             "audio_vocab_size": 8, "num_codebooks": 2, "max_position_embeddings": 6})
+        film = diffusers_model("T5FilmDecoder", {"input_dims": 4, "targets_length": 7, "d_model": 16,
+                                                 "num_layers": 1, "num_heads": 2, "d_kv": 8, "d_ff": 16})
         for model, table, init_std in ((prior, prior.positional_embedding[0], 0.0),
-                                       (rvq, rvq.pos_embedding.weight, 1.0)):
+                                       (rvq, rvq.pos_embedding.weight, 1.0),
+                                       (film, film.position_encoding.weight, 1.0)):
             pe = LearnedPositionalEmbedding.from_config(model.config)
             assert (pe.max_len, pe.dim, pe.init_std) == (*table.shape, init_std)
             with torch.no_grad():
                 pe.weight.copy_(table)
                 assert torch.equal(pe.embed(torch.arange(table.shape[0])), table)       # row p for token p
-        MAX_DIFF["diffusers PriorTransformer, MiniMaxMusic3RVQDepthDecoder"] = 0.0
+        MAX_DIFF["diffusers PriorTransformer, MiniMaxMusic3RVQDepthDecoder, T5FilmDecoder"] = 0.0
 
     def test_temporal_transformer_matches_its_blocks_table(self):
         # AnimateDiff's temporal transformer: diffusers' SinusoidalPositionalEmbedding (Vaswani's) in each block
@@ -5861,7 +5873,8 @@ class TestDiffusersConfig:
         assert classes == read | refused, (sorted(classes - read - refused), sorted((read | refused) - classes))
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
-                  "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder"}
+                  "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
+                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
@@ -5909,6 +5922,19 @@ class TestDiffusersConfig:
         with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: TransformerTemporalModel: "
                                              "positional_embeddings=None: the model adds no position encoding"):
             SinusoidalPositionalEmbedding.from_config({"_class_name": "TransformerTemporalModel"})
+        sincos = "SinusoidalPositionalEmbedding.from_config"
+        with pytest.raises(ValueError, match=f"{sincos}: SanaTransformer2DModel: interpolation_scale=None: the model "
+                                             f"adds no position encoding"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "SanaTransformer2DModel"})
+        with pytest.raises(ValueError, match=f"{sincos}: Transformer2DModel: patch_size=None: continuous inputs"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "Transformer2DModel"})
+        with pytest.raises(ValueError, match=f"{sincos}: Transformer2DModel: num_vector_embeds is set: VQ-Diffusion"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "Transformer2DModel", "num_vector_embeds": 9})
+        # DreamLite's refusal is the model's own: no block holds a position table
+        if importlib.util.find_spec("diffusers") is not None:
+            dreamlite = diffusers_model("DreamLiteTransformer2DModel", {
+                "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "norm_num_groups": 4})
+            assert all(getattr(module, "pos_embed", None) is None for module in dreamlite.modules())
 
 
 LENGTH_DEPENDENT_SCALINGS = {
