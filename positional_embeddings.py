@@ -10511,8 +10511,13 @@ _DIFFUSERS_MODELS = {
     "HunyuanDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 88},
                                          _axial_rope(_halves)),
     "PRXTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "hidden_size": 1792, "num_heads": 28, "axes_dim": (32, 32), "theta": 10000.0},
-        _axial_rope("axes_dim", base="theta", dim=lambda get: get("hidden_size") // get("num_heads"))),
+        "hidden_size": 1792, "num_heads": 28, "axes_dim": None, "theta": 10000.0},
+        _axial_rope(lambda get: get("axes_dim") or (32, 32), base="theta",
+                    dim=lambda get: get("hidden_size") // get("num_heads"))),
+    "JoyImageEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 3072, "num_attention_heads": 24, "rope_dim_list": (16, 56, 56), "theta": 256.0},
+        _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
+                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
@@ -10594,7 +10599,7 @@ _DIFFUSERS_REFUSED = {
     "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
-        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel", "JoyImageEditTransformer3DModel",
+        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel",
         "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
 }
@@ -10634,8 +10639,8 @@ def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
                          f"{entry.encoding}.from_config(config)")
     if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
-    try:
-        return entry.read(lambda field: _config_get(config, field, entry.defaults[field]))
+    try:   # a field the config sets, None included (the model reads that None too), else the model's default
+        return entry.read(lambda field: config[field] if field in config else entry.defaults[field])
     except ValueError as error:
         raise ValueError(f"{owner}: {name}: {error}") from None
 

@@ -5495,6 +5495,13 @@ def diffusers_rope_case(name: str, model):
         grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
         diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
         return torch.cat([grid, diagonal]), lambda x: apply(x, torch.cat([vid, txt]), use_real=False)
+    if name == "JoyImageEditTransformer3DModel":
+        from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
+        sizes, text = (2, 3, 4), 3   # text after the largest visual index, on every axis
+        vis, txt = model.get_rotary_pos_embed(list(sizes), text)
+        positions = torch.cat([diffusers_grid(sizes), (max(sizes) + torch.arange(text))[:, None].expand(text, 3)])
+        table = tuple(torch.cat([a, b]) for a, b in zip(vis, txt))
+        return positions, lambda x: _apply_rotary_emb(x, x, table)[0]
     if name == "QwenImage21Transformer2DModel":
         from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
         # text advances one position per token on all axes; an image block sits at the next one on the frame axis,
@@ -5673,6 +5680,8 @@ DIFFUSERS_ROPE_CONFIGS = {
                                      "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
     "Kandinsky6SRTransformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "num_visual_blocks": 1,
                                        "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "JoyImageEditTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
+                                       "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256, "in_channels": 4},
     "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                       "axes_dims_rope": (4, 6, 6), "context_in_dim": 16, "in_channels": 4,
                                       "out_channels": 4},
@@ -5907,6 +5916,12 @@ class TestDiffusersConfig:
             RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel"})
         assert RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel",
                                                       "axes_dims_rope": [64, 32, 32]}).sections == [32, 16, 16]
+        # a field a config.json sets to null is read as the model reads it, not replaced by the default
+        assert RotaryPositionalEmbedding.from_config({"_class_name": "PRXTransformer2DModel",
+                                                      "axes_dim": None}).sections == [16, 16]
+        joy = {"_class_name": "JoyImageEditTransformer3DModel", "hidden_size": 96, "num_attention_heads": 2,
+               "rope_dim_list": None}
+        assert RotaryPositionalEmbedding.from_config(joy).sections == [8, 8, 8]   # D // 3 channels each
         # each model names the class that builds its encoding; the table classes read diffusers configs only
         with pytest.raises(ValueError, match=f"{owner}: SD3Transformer2DModel \\(diffusers config _class_name\\) uses "
                                              f"SinusoidalPositionalEmbedding; call SinusoidalPositionalEmbedding"):
