@@ -10534,6 +10534,12 @@ _DIFFUSERS_MODELS = {
         "head_dim": 128, "rope_theta": 5e6, "rope_axes_dim": None, "rope_scaling": None},
         _interleaved_mrope("head_dim", lambda get: get("rope_axes_dim") or dict(get("rope_scaling") or {}).get(
             "mrope_section", (24, 20, 20)))),
+    # MiniMax-H3: one spectrum over 2F channels per axis, (t, h, w) contiguous, on the leading 6F channels
+    "MiniMaxH3Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_freq_dim": 16, "rope_theta": 10000.0},
+        lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": 6 * int(get("rope_freq_dim")),
+                     "base": float(get("rope_theta")), "sections": [int(get("rope_freq_dim"))] * 3,
+                     "axis_spectrum": "per_axis"}),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
     "AceStepTransformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {"head_dim": 128, "rope_theta": 1e6},
@@ -10600,7 +10606,7 @@ _DIFFUSERS_REFUSED = {
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "JoyImageEditPlusTransformer3DModel", "MiniMaxH3Transformer3DModel", "OmniGenTransformer2DModel",
+        "JoyImageEditPlusTransformer3DModel", "OmniGenTransformer2DModel",
         "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
 }
 

@@ -5495,6 +5495,11 @@ def diffusers_rope_case(name: str, model):
         grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
         diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
         return torch.cat([grid, diagonal]), lambda x: apply(x, torch.cat([vid, txt]), use_real=False)
+    if name == "MiniMaxH3Transformer3DModel":
+        from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+        ids = torch.cat([torch.arange(3)[:, None].expand(3, 3), diffusers_grid((2, 3, 4)) + 3])   # [N, 3]
+        cos, sin = model.rope(ids)
+        return ids, lambda x: _apply_rotary_emb(x, cos, sin)
     if name == "JoyImageEditTransformer3DModel":
         from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
         sizes, text = (2, 3, 4), 3   # text after the largest visual index, on every axis
@@ -5680,6 +5685,11 @@ DIFFUSERS_ROPE_CONFIGS = {
                                      "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
     "Kandinsky6SRTransformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "num_visual_blocks": 1,
                                        "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "MiniMaxH3Transformer3DModel": {"num_layers": 1, "num_refiner_layers": 1, "attention_head_dim": 32,
+                                    "num_attention_heads": 2, "hidden_size": 64, "ffn_dim": 32, "text_dim": 16,
+                                    "freq_dim": 16, "time_embed_hidden_dim": 16, "time_embed_dim": 16,
+                                    "rope_freq_dim": 4, "rope_theta": 500.0, "in_channels": 4,
+                                    "audio_in_channels": 4},
     "JoyImageEditTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
                                        "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256, "in_channels": 4},
     "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
