@@ -10359,8 +10359,9 @@ def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
         widths = [int(width) for width in (axes(get) if callable(axes) else get(axes))]
         head = sum(widths) if dim is None else int(dim(get) if callable(dim) else get(dim))
         if any(width <= 0 or width % 2 for width in widths) or sum(widths) != head:
+            source = f"config field {axes}" if isinstance(axes, str) else "the model's split of the head"
             raise ValueError(f"the per-axis rotary widths must be positive, even and sum to the head dim {head}, got "
-                             f"{widths} (from {axes if isinstance(axes, str) else 'the head dim'})")
+                             f"{widths} ({source})")
         return {"dim": head, "base": float(get(base) if isinstance(base, str) else base), "interleaved": interleaved,
                 "sections": [width // 2 for width in widths], "axis_spectrum": "per_axis"}
     return read

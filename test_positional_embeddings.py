@@ -5922,7 +5922,8 @@ class TestDiffusersConfig:
                                                    "use_layer3d_rope": True})
         # HiDream's defaults (32, 32) do not fill its 128-channel heads (its checkpoints say (64, 32, 32))
         with pytest.raises(ValueError, match=f"{owner}: HiDreamImageTransformer2DModel: the per-axis rotary widths "
-                                             f"must be positive, even and sum to the head dim 128, got \\[32, 32\\]"):
+                                             f"must be positive, even and sum to the head dim 128, got \\[32, 32\\] "
+                                             f"\\(config field axes_dims_rope\\)"):
             RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel"})
         assert RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel",
                                                       "axes_dims_rope": [64, 32, 32]}).sections == [32, 16, 16]
