@@ -10401,11 +10401,11 @@ def _halves(get) -> list:
     return [int(get("attention_head_dim")) // 2] * 2
 
 
-def _stable_audio_rope(get) -> dict:
-    """Stable Audio: 1-D RoPE on the first half of the head, half-split (its pipeline's ``attention_head_dim // 2``)."""
-    head = int(get("attention_head_dim"))
+def _half_rope(head: int) -> dict:
+    """Stable Audio (1 and 3): 1-D RoPE on the first half of the head, half-split (the pipeline's
+    ``attention_head_dim // 2``; Stable Audio 3's module over ``dim_heads // 2``)."""
     if head % 4:
-        raise ValueError(f"attention_head_dim must be a multiple of 4 (half of it rotates, in pairs), got {head}")
+        raise ValueError(f"the head dim must be a multiple of 4 (half of it rotates, in pairs), got {head}")
     return {"dim": head, "rotary_dim": head // 2}
 
 
@@ -10542,7 +10542,10 @@ _DIFFUSERS_MODELS = {
                      "base": float(get("rope_theta")), "sections": [int(get("rope_freq_dim"))] * 3,
                      "axis_spectrum": "per_axis"}),
     # 1-D RoPE of the audio models
-    "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64}, _stable_audio_rope),
+    "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
+                                           lambda get: _half_rope(int(get("attention_head_dim")))),
+    "StableAudio3DiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"embed_dim": 1536, "num_heads": 24},
+                                            lambda get: _half_rope(int(get("embed_dim")) // int(get("num_heads")))),
     "AceStepTransformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {"head_dim": 128, "rope_theta": 1e6},
                                                  lambda get: {"dim": int(get("head_dim")),
                                                               "base": float(get("rope_theta"))}),
@@ -10608,7 +10611,7 @@ _DIFFUSERS_REFUSED = {
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "OmniGenTransformer2DModel",
-        "StableAudio3DiTModel", "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
+        "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
 }
 
 

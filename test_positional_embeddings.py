@@ -5574,6 +5574,10 @@ def diffusers_rope_case(name: str, model):
         from diffusers.models.transformers.transformer_minimax_music3 import _apply_partial_rotary_emb
         table = model.rotary_emb(12, torch.device("cpu"))
         return torch.arange(12), lambda x: _apply_partial_rotary_emb(x, table)
+    if name == "StableAudio3DiTModel":   # its memory tokens come first, at positions 0, 1, ...
+        from diffusers.models.transformers.transformer_stable_audio3 import _apply_rotary_partial
+        freqs = model.rotary_pos_emb(12, torch.device("cpu"))                                  # [N, D / 2]
+        return torch.arange(12), lambda x: _apply_rotary_partial(x, freqs)
     if name == "StableAudioDiTModel":
         n = 12       # the pipeline's table: attention_head_dim // 2 channels, half-split, on the leading slice
         cos, sin = get_1d_rotary_pos_embed(model.config.attention_head_dim // 2, n, use_real=True,
@@ -5712,6 +5716,9 @@ DIFFUSERS_ROPE_CONFIGS = {
     "MiniMaxMusic3Transformer1DModel": {"in_channels": 4, "condition_dim": 16, "num_layers": 1,
                                         "num_attention_heads": 2, "attention_head_dim": 16, "ff_inner_dim": 32,
                                         "rotary_dim": 8, "fourier_embedding_dim": 16},
+    "StableAudio3DiTModel": {"io_channels": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "cond_token_dim": 16,
+                             "global_cond_dim": 16, "local_add_cond_dim": 4, "timestep_features_dim": 16,
+                             "num_memory_tokens": 2},
     "StableAudioDiTModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                             "num_key_value_attention_heads": 1, "cross_attention_dim": 16,
                             "cross_attention_input_dim": 16, "global_states_input_dim": 16, "time_proj_dim": 16,
