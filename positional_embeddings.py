@@ -10347,6 +10347,7 @@ class _DiffusersModel(NamedTuple):
     encoding: str       # the class whose from_config builds it
     defaults: dict      # the model's defaults of the config fields read
     read: object        # get(field) -> keyword arguments of ``encoding``
+    # (a model with two encodings, OmniGen's RoPE and patch table, has a tuple of entries)
 
 
 def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
@@ -10429,6 +10430,19 @@ def _transformer_2d_sincos(get) -> dict:
     if get("patch_size") is None:
         raise ValueError("patch_size=None: continuous inputs get no position encoding")
     return _sincos_2d(get)
+
+
+def _omnigen_rope(get) -> dict:
+    """OmniGen's Phi-3 RoPE: longrope from ``rope_scaling``'s factors, lengths and base from the config."""
+    scaling = dict(get("rope_scaling") or {})
+    if not {"short_factor", "long_factor"} <= set(scaling):
+        raise ValueError(f"rope_scaling must hold short_factor and long_factor (the model reads both), got "
+                         f"rope_scaling={get('rope_scaling')!r}")
+    return {"dim": int(get("hidden_size")) // int(get("num_attention_heads")), "base": float(get("rope_base")),
+            "scaling": {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
+                        "long_factor": list(scaling["long_factor"]),
+                        "original_max_position_embeddings": int(get("original_max_position_embeddings")),
+                        "max_position_embeddings": int(get("max_position_embeddings"))}}
 
 
 def _temporal_sincos(get) -> dict:
@@ -10541,6 +10555,13 @@ _DIFFUSERS_MODELS = {
         lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": 6 * int(get("rope_freq_dim")),
                      "base": float(get("rope_theta")), "sections": [int(get("rope_freq_dim"))] * 3,
                      "axis_spectrum": "per_axis"}),
+    # OmniGen: Phi-3's longrope in its attention, and a 2-D table (pos_embed_max_size, base 64) on the patches
+    "OmniGenTransformer2DModel": (
+        _DiffusersModel("RotaryPositionalEmbedding", {
+            "hidden_size": 3072, "num_attention_heads": 32, "rope_base": 10000.0, "rope_scaling": None,
+            "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
+        _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
+                        lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10610,8 +10631,8 @@ _DIFFUSERS_REFUSED = {
                                "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "JoyImageEditPlusTransformer3DModel", "OmniGenTransformer2DModel",
-        "WanAnimate2Transformer3DModel", "RFD4ProteinaTransformer")},
+        "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
+        "RFD4ProteinaTransformer")},
 }
 
 
@@ -10643,10 +10664,13 @@ def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
     if name not in _DIFFUSERS_MODELS:
         raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
                          f"(docs/diffusers.md lists them)")
-    entry = _DIFFUSERS_MODELS[name]
-    if entry.encoding != owner_class:
-        raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {entry.encoding}; call "
-                         f"{entry.encoding}.from_config(config)")
+    entries = _DIFFUSERS_MODELS[name]
+    entries = (entries,) if isinstance(entries, _DiffusersModel) else entries
+    entry = next((entry for entry in entries if entry.encoding == owner_class), None)
+    if entry is None:
+        classes = " and ".join(entry.encoding for entry in entries)
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {classes}; call "
+                         f"{entries[0].encoding}.from_config(config)")
     if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
     try:   # a field the config sets, None included (the model reads that None too), else the model's default

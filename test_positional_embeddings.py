@@ -5880,6 +5880,33 @@ class TestDiffusersConfig:
             assert torch.equal(pe.embed(positions), theirs)
         MAX_DIFF["diffusers AuraFlowTransformer2DModel"] = 0.0
 
+    def test_omnigen_longrope_and_table_match_its_modules(self):
+        # OmniGen has two encodings: Phi-3's longrope in attention (short factors up to
+        # original_max_position_embeddings, long past it, one attention factor) and a cropped 2-D table on patches
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        model = diffusers_model("OmniGenTransformer2DModel", {
+            "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32,
+            "num_layers": 1, "vocab_size": 16, "pad_token_id": 0, "time_step_dim": 16, "pos_embed_max_size": 12,
+            "original_max_position_embeddings": 8, "max_position_embeddings": 32,
+            "rope_scaling": {"short_factor": [1.0 + i / 8 for i in range(8)],
+                             "long_factor": [1.0 + i for i in range(8)]}})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        diff = 0.0
+        for n in (6, 12):                                 # the largest position below, then past the original length
+            cos, sin = model.rope(torch.zeros(1), torch.arange(n)[None])
+            x = torch.randn(1, n, 2, 16)
+            theirs = apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)
+            diff = max(diff, (rope(x.transpose(1, 2), torch.arange(n)).transpose(1, 2) - theirs).abs().max().item())
+        table = SinusoidalPositionalEmbedding.from_config(model.config)
+        h, w, top, left = 3, 5, (12 - 3) // 2, (12 - 5) // 2            # the centre crop, base size 64
+        rows, cols = torch.meshgrid(torch.arange(h) + top, torch.arange(w) + left, indexing="ij")
+        positions = torch.stack([cols, rows], -1).reshape(-1, 2) / (12 / 64)
+        theirs = model.patch_embedding._cropped_pos_embed(2 * h, 2 * w)[0]
+        diff = max(diff, (table.embed(positions.double()).float() - theirs).abs().max().item())
+        MAX_DIFF["diffusers OmniGenTransformer2DModel"] = diff
+        assert diff < 1e-5, f"OmniGen differs by {diff:.3g}"
+
     def test_wan_split_against_a_float64_oracle(self):
         # Wan's head split (h = w = 2 (D // 6), t the rest), each axis its own spectrum, interleaved pairs
         rope = RotaryPositionalEmbedding.from_config({"_class_name": "WanTransformer3DModel", "attention_head_dim": 32})
@@ -5900,7 +5927,7 @@ class TestDiffusersConfig:
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
-                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder"}
+                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
@@ -5947,6 +5974,12 @@ class TestDiffusersConfig:
         with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: FluxTransformer2DModel .* uses "
                                              "RotaryPositionalEmbedding"):
             LearnedPositionalEmbedding.from_config({"_class_name": "FluxTransformer2DModel"})
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: OmniGenTransformer2DModel .* "
+                                             "uses RotaryPositionalEmbedding and SinusoidalPositionalEmbedding"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "OmniGenTransformer2DModel"})
+        with pytest.raises(ValueError, match=f"{owner}: OmniGenTransformer2DModel: rope_scaling must hold short_factor "
+                                             f"and long_factor"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "OmniGenTransformer2DModel"})
         with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: config must be a diffusers "
                                              "model config .*with _class_name"):
             SinusoidalPositionalEmbedding.from_config({"model_type": "llama"})
