@@ -1532,6 +1532,13 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         self.dim, self.base, self.layout, self.num_axes = dim, base, layout, num_axes
         self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
 
+    @classmethod
+    def from_config(cls, config) -> "SinusoidalPositionalEmbedding":
+        """The sin-cos table a diffusers model adds to its tokens, from its config (the ``config.json`` dict or the
+        loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3, Latte and CogView3-Plus's 2-D
+        patch table, AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
+        return cls(**_diffusers_kwargs("SinusoidalPositionalEmbedding", config, {}))
+
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, base={self.base}, layout={self.layout!r}, num_axes={self.num_axes}"
         if self.spectrum != "vaswani":
@@ -1618,6 +1625,13 @@ class LearnedPositionalEmbedding(_AddedInput):
         self.max_len, self.dim, self.init_std = max_len, dim, init_std
         self.weight = nn.Parameter(torch.empty(max_len, dim))                            # [max_len, D]
         self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, config) -> "LearnedPositionalEmbedding":
+        """The learned table of a diffusers model (AuraFlow's 2-D grid of ``pos_embed_max_size`` rows, Prior's and
+        MiniMax Music 3 RVQ's 1-D tables), from its config (``config.json`` dict or ``model.config``, with
+        ``_class_name``); copy the checkpoint's table into ``weight``. docs/diffusers.md gives the rows each takes."""
+        return cls(**_diffusers_kwargs("LearnedPositionalEmbedding", config, {}))
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
@@ -10004,6 +10018,10 @@ def _rotary_kwargs_from_config(config, *, layer_type: Optional[str] = None, inte
     (``original_max_position_embeddings``, ``max_position_embeddings``).
     """
     owner = "RotaryPositionalEmbedding.from_config"
+    if _diffusers_class_name(owner, config) is not None:
+        return _diffusers_kwargs("RotaryPositionalEmbedding", config, {
+            "layer_type": layer_type, "interleaved": interleaved, "rotary_dim": rotary_dim, "sections": sections,
+            "section_layout": section_layout})
     text = _text_config(owner, config)
     model_type = _model_type(config, text)
     if _config_get(text, "alibi") is True:
@@ -10420,6 +10438,350 @@ def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositio
     head_dim = int(_config_get(text, "qk_nope_head_dim")) + spectrum.rotary_dim
     return RotaryPositionalEmbedding(head_dim, rotary_dim=spectrum.rotary_dim, interleaved=True,
                                      rotated_channels="trailing", frequencies=frequencies)
+
+
+# diffusers transformer configs. A diffusers ``config.json`` (or a loaded ``model.config``) names its model class
+# in ``_class_name``, and part of the position code lives in the class, not the config (Flux.1's, Wan's and
+# Qwen-Image's theta 10000, Wan's split of the head, Stable Audio's rotated half), so the reader is keyed by the
+# class name. One entry per model class: which of our classes computes its encoding, the model's defaults of the
+# config fields it reads (a config.json carries them all; a hand-written dict may not), and how the arguments
+# follow from those fields. Each accepted class is held against the diffusers module by TestDiffusersConfig
+# (diffusers 0.42.1); docs/diffusers.md lists them, the positions each model feeds, and why the others are refused.
+
+class _DiffusersModel(NamedTuple):
+    encoding: str       # the class whose from_config builds it
+    defaults: dict      # the model's defaults of the config fields read
+    read: object        # get(field) -> keyword arguments of ``encoding``
+    # (a model with two encodings, OmniGen's RoPE and patch table, has a tuple of entries)
+
+
+def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
+    """An axial RoPE as diffusers builds it: axis ``a`` turns its own slice of ``axes[a]`` channels with its own
+    spectrum ``theta ** (-2j / axes[a])`` (Flux's ``get_1d_rotary_pos_embed`` per axis, concatenated).
+
+    ``axes`` is the config field of the per-axis widths, or a function of ``get`` (Wan's split of the head);
+    ``base`` a constant or the field of theta; ``dim`` the field of the head dim (None: the widths' sum)."""
+    def read(get) -> dict:
+        widths = [int(width) for width in (axes(get) if callable(axes) else get(axes))]
+        head = sum(widths) if dim is None else int(dim(get) if callable(dim) else get(dim))
+        if any(width <= 0 or width % 2 for width in widths) or sum(widths) != head:
+            source = f"config field {axes}" if isinstance(axes, str) else "the model's split of the head"
+            raise ValueError(f"the per-axis rotary widths must be positive, even and sum to the head dim {head}, got "
+                             f"{widths} ({source})")
+        return {"dim": head, "base": float(get(base) if isinstance(base, str) else base), "interleaved": interleaved,
+                "sections": [width // 2 for width in widths], "axis_spectrum": "per_axis"}
+    return read
+
+
+def _wan_axes(get) -> list:
+    """Wan's split of the head among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
+    spatial = 2 * (int(get("attention_head_dim")) // 6)
+    return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
+
+
+def _split_3d_axes(get) -> list:
+    """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
+    head = int(get("attention_head_dim"))
+    return [head // 4, head // 8 * 3, head // 8 * 3]
+
+
+def _cogvideox_axes(get) -> list:
+    """CogVideoX's (and ConsisID's) RoPE, which its config switches on: ``get_3d_rotary_pos_embed``'s split."""
+    if not get("use_rotary_positional_embeddings"):
+        raise ValueError("use_rotary_positional_embeddings=False: this CogVideoX (1.0 2B) adds a 3-D sin-cos table "
+                         "whose axes have unequal widths (t D/4, h and w 3D/8), which SinusoidalPositionalEmbedding "
+                         "does not express yet")
+    return _split_3d_axes(get)
+
+
+def _chronoedit_axes(get) -> list:
+    """ChronoEdit's tables are Wan's, but its forward splits them at D // 3: the two agree unless D % 6 == 4."""
+    if int(get("attention_head_dim")) % 6 == 4:
+        raise ValueError(f"attention_head_dim={get('attention_head_dim')} (6k + 4): the model builds its tables with "
+                         f"Wan's split and cuts them at D // 3, which mixes the axes' spectra")
+    return _wan_axes(get)
+
+
+def _halves(get) -> list:
+    """Two axes (h, w), half of the head each (CogView4, GLM-Image, HunyuanDiT's ``get_2d_rotary_pos_embed``)."""
+    return [int(get("attention_head_dim")) // 2] * 2
+
+
+def _half_rope(head: int) -> dict:
+    """Stable Audio (1 and 3): 1-D RoPE on the first half of the head, half-split (the pipeline's
+    ``attention_head_dim // 2``; Stable Audio 3's module over ``dim_heads // 2``)."""
+    if head % 4:
+        raise ValueError(f"the head dim must be a multiple of 4 (half of it rotates, in pairs), got {head}")
+    return {"dim": head, "rotary_dim": head // 2}
+
+
+def _sincos_2d(get) -> dict:
+    """diffusers' ``get_2d_sincos_pos_embed`` on the model width: (column, row), each a concat sin-cos half."""
+    return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim")), "layout": "concat", "num_axes": 2}
+
+
+def _sana_sincos(get) -> dict:
+    """Sana adds its PatchEmbed's table only when ``interpolation_scale`` is set."""
+    if get("interpolation_scale") is None:
+        raise ValueError("interpolation_scale=None: the model adds no position encoding (its PatchEmbed has none)")
+    return _sincos_2d(get)
+
+
+def _transformer_2d_sincos(get) -> dict:
+    """Transformer2DModel adds the table to patch inputs (``patch_size``) only."""
+    if get("num_vector_embeds") is not None:
+        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (h, w) tables, summed "
+                         "(ImagePositionalEmbeddings), which no class expresses yet")
+    if get("patch_size") is None:
+        raise ValueError("patch_size=None: continuous inputs get no position encoding")
+    return _sincos_2d(get)
+
+
+def _omnigen_rope(get) -> dict:
+    """OmniGen's Phi-3 RoPE: longrope from ``rope_scaling``'s factors, lengths and base from the config."""
+    scaling = dict(get("rope_scaling") or {})
+    if not {"short_factor", "long_factor"} <= set(scaling):
+        raise ValueError(f"rope_scaling must hold short_factor and long_factor (the model reads both), got "
+                         f"rope_scaling={get('rope_scaling')!r}")
+    return {"dim": int(get("hidden_size")) // int(get("num_attention_heads")), "base": float(get("rope_base")),
+            "scaling": {"rope_type": "longrope", "short_factor": list(scaling["short_factor"]),
+                        "long_factor": list(scaling["long_factor"]),
+                        "original_max_position_embeddings": int(get("original_max_position_embeddings")),
+                        "max_position_embeddings": int(get("max_position_embeddings"))}}
+
+
+def _temporal_sincos(get) -> dict:
+    """The blocks' ``SinusoidalPositionalEmbedding`` of ``positional_embeddings="sinusoidal"`` (Vaswani's table)."""
+    if get("positional_embeddings") != "sinusoidal":
+        raise ValueError(f"positional_embeddings={get('positional_embeddings')!r}: the model adds no position "
+                         f"encoding (only 'sinusoidal' adds one)")
+    return {"dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}
+
+
+def _interleaved_mrope(head: str, sections) -> object:
+    """Qwen3-VL's interleaved M-RoPE over (t, h, w) (Ideogram 4, Cosmos 3): one spectrum over the head, pairs
+    ``t h w t h w ...``; ``sections`` is the field of the pairs per axis, or a function of ``get``. Pair ``i`` takes
+    axis ``a = i % 3`` (1: h, 2: w) while ``i < 3 * sections[a]``, else t, as the model's table starts all t and
+    overwrites those slices; where that is not Qwen3-VL's preset (Ideogram 4: (24, 20, 20) of 128 pairs, the rest
+    t), ``pair_axes`` states the map."""
+    def read(get) -> dict:
+        dim, pairs = int(get(head)), [int(p) for p in (sections(get) if callable(sections) else get(sections))]
+        kwargs = {"dim": dim, "base": float(get("rope_theta"))}
+        axes = [i % 3 if i % 3 and i < 3 * pairs[i % 3] else 0 for i in range(dim // 2)]
+        if [axes.count(a) for a in range(3)] == pairs:    # exactly the preset
+            return {**kwargs, "sections": pairs, "section_layout": "interleaved"}
+        return {**kwargs, "pair_axes": axes}
+    return read
+
+
+_FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
+_FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
+_HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
+    "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
+    _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"))
+_WAN = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128}, _axial_rope(_wan_axes))
+_DIFFUSERS_MODELS = {
+    # axial RoPE over explicit ids (text, h, w, ...): Flux.1 and its clones, theta 10000 in the class
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE) for name in (
+        "FluxTransformer2DModel", "ChromaTransformer2DModel", "LongCatImageTransformer2DModel",
+        "OvisImageTransformer2DModel")},
+    "Krea2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 48, 48), "rope_theta": 1000.0},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim")),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 32, 32, 32), "rope_theta": theta},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
+       for name, theta in (("Flux2Transformer2DModel", 2000.0), ("Flux3Transformer2DModel", 10000.0))},
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "rope_theta": 10000.0},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
+       for name in ("BriaTransformer2DModel", "BriaFiboTransformer2DModel")},
+    "HiDreamImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (32, 32)}, _FLUX_ROPE),
+    # the same over integer ids into per-axis tables of axes_lens rows (Z-Image's RopeEmbedder, Lumina 2)
+    "ZImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "dim": 3840, "n_heads": 30, "axes_dims": (32, 48, 48), "rope_theta": 256.0},
+        _axial_rope("axes_dims", base="rope_theta", dim=lambda get: get("dim") // get("n_heads"))),
+    "BriaFibo2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": (32, 48, 48),
+                                                   "rope_theta": 256.0}, _axial_rope("axes_dims", base="rope_theta")),
+    "Lumina2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 2304, "num_attention_heads": 24, "axes_dim_rope": (32, 32, 32)},
+        _axial_rope("axes_dim_rope", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
+    # (t, h, w) video grids
+    **{name: _HUNYUAN_VIDEO for name in ("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel",
+                                         "MotifVideoTransformer3DModel")},
+    "HunyuanImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_axes_dim": (64, 64), "rope_theta": 256.0},
+        _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim")),
+    **{name: _WAN for name in ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
+                               "SkyReelsV2Transformer3DModel")},
+    "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
+                                                   _axial_rope(_wan_axes)),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": axes}, _axial_rope("axes_dims"))
+       for name, axes in (("Kandinsky5Transformer3DModel", (16, 24, 24)),
+                          ("Kandinsky6Transformer3DModel", (32, 48, 48)),
+                          ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes))
+       for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
+    "EasyAnimateTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
+                                                     _axial_rope(_split_3d_axes)),
+    "ChronoEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128},
+                                                    _axial_rope(_chronoedit_axes)),
+    "HunyuanDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 88},
+                                         _axial_rope(_halves)),
+    "PRXTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 1792, "num_heads": 28, "axes_dim": None, "theta": 10000.0},
+        _axial_rope(lambda get: get("axes_dim") or (32, 32), base="theta",
+                    dim=lambda get: get("hidden_size") // get("num_heads"))),
+    "JoyImageEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "hidden_size": 3072, "num_attention_heads": 24, "rope_dim_list": (16, 56, 56), "theta": 256.0},
+        _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
+                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
+    "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
+       for name in ("NucleusMoEImageTransformer2DModel", "QwenImage21Transformer2DModel")},
+    # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 40},
+                             _axial_rope(_halves, interleaved=False))
+       for name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel")},
+    # Qwen3-VL's interleaved M-RoPE; Cosmos 3 takes rope_axes_dim, else rope_scaling's mrope_section
+    "Ideogram4Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 256, "rope_theta": 5e6, "mrope_section": (24, 20, 20)},
+        _interleaved_mrope("attention_head_dim", "mrope_section")),
+    "Cosmos3OmniTransformer": _DiffusersModel("RotaryPositionalEmbedding", {
+        "head_dim": 128, "rope_theta": 5e6, "rope_axes_dim": None, "rope_scaling": None},
+        _interleaved_mrope("head_dim", lambda get: get("rope_axes_dim") or dict(get("rope_scaling") or {}).get(
+            "mrope_section", (24, 20, 20)))),
+    # MiniMax-H3: one spectrum over 2F channels per axis, (t, h, w) contiguous, on the leading 6F channels
+    "MiniMaxH3Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_freq_dim": 16, "rope_theta": 10000.0},
+        lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": 6 * int(get("rope_freq_dim")),
+                     "base": float(get("rope_theta")), "sections": [int(get("rope_freq_dim"))] * 3,
+                     "axis_spectrum": "per_axis"}),
+    # OmniGen: Phi-3's longrope in its attention, and a 2-D table (pos_embed_max_size, base 64) on the patches
+    "OmniGenTransformer2DModel": (
+        _DiffusersModel("RotaryPositionalEmbedding", {
+            "hidden_size": 3072, "num_attention_heads": 32, "rope_base": 10000.0, "rope_scaling": None,
+            "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
+        _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
+                        lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
+    # 1-D RoPE of the audio models
+    "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
+                                           lambda get: _half_rope(int(get("attention_head_dim")))),
+    "StableAudio3DiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"embed_dim": 1536, "num_heads": 24},
+                                            lambda get: _half_rope(int(get("embed_dim")) // int(get("num_heads")))),
+    "AceStepTransformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {"head_dim": 128, "rope_theta": 1e6},
+                                                 lambda get: {"dim": int(get("head_dim")),
+                                                              "base": float(get("rope_theta"))}),
+    "LongCatAudioDiTTransformer": _DiffusersModel("RotaryPositionalEmbedding", {"dit_dim": 1536, "dit_heads": 24},
+                                                  lambda get: {"dim": int(get("dit_dim")) // int(get("dit_heads")),
+                                                               "base": 100000.0}),
+    "MiniMaxMusic3Transformer1DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "rotary_dim": 32},
+        lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": int(get("rotary_dim"))}),
+    # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
+    **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
+                             {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
+       for name, heads, head in (
+        ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
+        ("LatteTransformer3DModel", 16, 88), ("CogView3PlusTransformer2DModel", 64, 40))},
+    "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
+    "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 16, "attention_head_dim": 88, "patch_size": None, "num_vector_embeds": None},
+        _transformer_2d_sincos),
+    # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
+    "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+        "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
+    # a learned 2-D table, centre-cropped (AuraFlow)
+    "AuraFlowTransformer2DModel": _DiffusersModel("LearnedPositionalEmbedding", {
+        "num_attention_heads": 12, "attention_head_dim": 256, "pos_embed_max_size": 1024},
+        lambda get: {"max_len": int(get("pos_embed_max_size")), "init_std": 0.1,
+                     "dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}),
+    # learned 1-D tables (their init: Prior's zeros, an nn.Embedding's N(0, 1))
+    "PriorTransformer": _DiffusersModel("LearnedPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 64, "num_embeddings": 77, "additional_embeddings": 4},
+        lambda get: {"max_len": int(get("num_embeddings")) + int(get("additional_embeddings")), "init_std": 0.0,
+                     "dim": int(get("num_attention_heads")) * int(get("attention_head_dim"))}),
+    "MiniMaxMusic3RVQDepthDecoder": _DiffusersModel("LearnedPositionalEmbedding", {
+        "hidden_size": 4096, "max_position_embeddings": 16},
+        lambda get: {"max_len": int(get("max_position_embeddings")), "dim": int(get("hidden_size")), "init_std": 1.0}),
+    "T5FilmDecoder": _DiffusersModel("LearnedPositionalEmbedding", {"targets_length": 256, "d_model": 768},
+                                     lambda get: {"max_len": int(get("targets_length")), "dim": int(get("d_model")),
+                                                  "init_std": 1.0}),
+}
+
+
+# Model classes whose config from_config refuses: why (docs/diffusers.md says the same).
+_NOT_CHECKED = "not yet checked against its diffusers module (issue 44, phase 2)"
+_DIFFUSERS_REFUSED = {
+    "HunyuanVideoFramepackTransformer3DModel": "its history frames average the cos/sin of several positions, so "
+                                               "their pairs shrink: not a rotation",
+    "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
+                                "not a rotation",
+    "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
+    "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
+    "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
+    "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
+                                  "with fractional coordinates",
+    "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
+                                   "pairs with fractional coordinates, per head slice",
+    "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
+    "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
+    "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
+    "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
+    "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
+                               "which takes multiples of 6",
+    **{name: _NOT_CHECKED for name in (
+        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
+        "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
+        "RFD4ProteinaTransformer")},
+}
+
+
+def _diffusers_class_name(owner: str, config) -> Optional[str]:
+    """The ``_class_name`` of a diffusers config (its ``config.json`` dict or a loaded ``model.config``), else None."""
+    if not isinstance(config, dict):
+        return None
+    name = config.get("_class_name")
+    if name is None and "_use_default_values" in config:   # a model built in code records no class name
+        raise ValueError(f"{owner}: this diffusers config has no _class_name (the model was built in code, not "
+                         f"loaded); pass dict(model.config, _class_name=type(model).__name__)")
+    return None if name is None else str(name)
+
+
+def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
+    """Keyword arguments of ``owner_class`` reproducing the position encoding of a diffusers model config."""
+    owner = f"{owner_class}.from_config"
+    name = _diffusers_class_name(owner, config)
+    if name is None:
+        error = ValueError if isinstance(config, dict) else TypeError
+        raise error(f"{owner}: config must be a diffusers model config (its config.json dict, or the loaded "
+                    f"model.config, with _class_name), got {_describe(config)}")
+    stated = {key: value for key, value in stated.items() if value is not None}
+    if stated:
+        raise ValueError(f"{owner}: a diffusers config ({name}) fixes its layout; {', '.join(sorted(stated))} do "
+                         f"not apply, got {stated}")
+    if name in _DIFFUSERS_REFUSED:
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) is not supported: {_DIFFUSERS_REFUSED[name]}")
+    if name not in _DIFFUSERS_MODELS:
+        raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
+                         f"(docs/diffusers.md lists them)")
+    entries = _DIFFUSERS_MODELS[name]
+    entries = (entries,) if isinstance(entries, _DiffusersModel) else entries
+    entry = next((entry for entry in entries if entry.encoding == owner_class), None)
+    if entry is None:
+        classes = " and ".join(entry.encoding for entry in entries)
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {classes}; call "
+                         f"{entries[0].encoding}.from_config(config)")
+    if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
+        raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
+    try:   # a field the config sets, None included (the model reads that None too), else the model's default
+        return entry.read(lambda field: config[field] if field in config else entry.defaults[field])
+    except ValueError as error:
+        raise ValueError(f"{owner}: {name}: {error}") from None
 
 
 # ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -5444,6 +5445,577 @@ class TestRotary:
                     continue
                 MAX_DIFF[family] = max(MAX_DIFF[family], diff)
                 assert diff <= 1e-3, f"{model_type} ({layer_type}, {name}): q . k logits differ by {diff:.3g}"
+
+
+# diffusers transformer configs (RotaryPositionalEmbedding.from_config with a config that has _class_name): each
+# model built tiny from its config, its own position module against ours on the same positions.
+
+def diffusers_model(name: str, config: dict):
+    """A tiny diffusers model built from a config.json-style dict: its ``config`` (a FrozenDict) carries _class_name."""
+    models = pytest.importorskip("diffusers.models.transformers")
+    return getattr(models, name).from_config({"_class_name": name, **config})
+
+
+def diffusers_ids(grid: tuple, *, text: int = 0, first: float = 0.0):
+    """Flux-style float ids [N, A]: ``text`` tokens at zero, then the grid ``(h, w)`` (or more axes) row-major,
+    its first axis at ``first`` (Flux Kontext puts reference images at 1)."""
+    axes = torch.meshgrid(*[torch.arange(size, dtype=torch.float32) for size in grid], indexing="ij")
+    image = torch.stack([torch.full_like(axes[0], first), *axes], -1).reshape(-1, 1 + len(grid))     # [N_img, A]
+    return torch.cat([torch.zeros(text, 1 + len(grid)), image])                                        # [N, A]
+
+
+def diffusers_grid(sizes: tuple):
+    """The (t, h, w) grid [N, 3] a video model's RoPE module walks, row-major."""
+    axes = torch.meshgrid(*[torch.arange(size) for size in sizes], indexing="ij")
+    return torch.stack(axes, -1).reshape(-1, len(sizes))
+
+
+def diffusers_rope_case(name: str, model):
+    """(positions [N, A], rotate) for ``model``: ``rotate(x [1, N, H, D])`` is what the model's attention does to
+    q and k, with its own position module and its own apply function (diffusers.models.embeddings' where the
+    attention calls it)."""
+    from diffusers.models.embeddings import (apply_rotary_emb, get_1d_rotary_pos_embed, get_2d_rotary_pos_embed,
+                                             get_3d_rotary_pos_embed)
+    real = lambda table, **kw: lambda x: apply_rotary_emb(x, table, sequence_dim=1, **kw)   # noqa: E731
+    complex_ = lambda freqs: lambda x: apply_rotary_emb(x, freqs, use_real=False)           # noqa: E731
+    if name in ("HiDreamImageTransformer2DModel",):
+        from diffusers.models.transformers.transformer_hidream_image import apply_rope
+        ids = diffusers_ids((3, 4), text=2)
+        freqs = model.pe_embedder(ids[None])                                             # [1, N, 1, D/2, 2, 2]
+        return ids, lambda x: apply_rope(x, x, freqs)[0]
+    if name in ("ZImageTransformer2DModel", "BriaFibo2Transformer2DModel"):
+        ids = diffusers_ids((3, 4), text=2, first=5).long()                              # integer ids into tables
+        return ids, complex_(model.rope_embedder(ids)[None])                             # [1, N, D/2] complex
+    if name == "Lumina2Transformer2DModel":
+        ids = diffusers_ids((3, 4), text=2, first=2).int()
+        return ids, complex_(model.rope_embedder._get_freqs_cis(ids[None]))
+    if name.startswith("Kandinsky"):
+        from diffusers.models.transformers.transformer_hidream_image import apply_rope   # the same 2 x 2 product
+        sizes, scale = (2, 3, 4), (1.0, 2.0, 2.0)
+        axes = [torch.arange(s) for s in sizes]
+        if name == "Kandinsky5Transformer3DModel":
+            rope = model.visual_rope_embeddings((1, *sizes), axes, scale)
+        else:
+            rope = model.visual_rope_embeddings(axes, scale)
+        half = rope.shape[-3]
+        freqs = rope.reshape(1, -1, 1, half, 2, 2)                                        # [1, N, 1, D/2, 2, 2]
+        return diffusers_grid(sizes) / torch.tensor(scale), lambda x: apply_rope(x, x, freqs)[0]
+    if name in ("QwenImageTransformer2DModel", "NucleusMoEImageTransformer2DModel"):
+        if name == "QwenImageTransformer2DModel":
+            from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as apply
+        else:
+            from diffusers.models.transformers.transformer_nucleusmoe_image import _apply_rotary_emb_nucleus as apply
+        (f, h, w), text = (1, 3, 4), 3
+        vid, txt = model.pos_embed([(f, h, w)], device=torch.device("cpu"), max_txt_seq_len=text)
+        grid = diffusers_grid((f, h, w)) - torch.tensor([0, h - h // 2, w - w // 2])    # h, w centred (scale_rope)
+        diagonal = (max(h // 2, w // 2) + torch.arange(text))[:, None].expand(text, 3)  # text after the image
+        return torch.cat([grid, diagonal]), lambda x: apply(x, torch.cat([vid, txt]), use_real=False)
+    if name == "MiniMaxH3Transformer3DModel":
+        from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+        ids = torch.cat([torch.arange(3)[:, None].expand(3, 3), diffusers_grid((2, 3, 4)) + 3])   # [N, 3]
+        cos, sin = model.rope(ids)
+        return ids, lambda x: _apply_rotary_emb(x, cos, sin)
+    if name == "JoyImageEditTransformer3DModel":
+        from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
+        sizes, text = (2, 3, 4), 3   # text after the largest visual index, on every axis
+        vis, txt = model.get_rotary_pos_embed(list(sizes), text)
+        positions = torch.cat([diffusers_grid(sizes), (max(sizes) + torch.arange(text))[:, None].expand(text, 3)])
+        table = tuple(torch.cat([a, b]) for a, b in zip(vis, txt))
+        return positions, lambda x: _apply_rotary_emb(x, x, table)[0]
+    if name == "QwenImage21Transformer2DModel":
+        from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
+        # text advances one position per token on all axes; an image block sits at the next one on the frame axis,
+        # its (h, w) centred on zero, and the text after it resumes max(h, w) later
+        (h, w), before, after = (3, 4), 2, 3
+        mask = torch.tensor([False] * before + [True] * h * w + [False] * after)
+        freqs = model.pos_embed([(1, h, w)], mask, device=torch.device("cpu"))                 # [N, D/2] complex
+        text = lambda p: p[:, None].expand(-1, 3)                                              # noqa: E731
+        grid = diffusers_grid((1, h, w)) - torch.tensor([0, h - h // 2, w - w // 2]) + torch.tensor([before, 0, 0])
+        positions = torch.cat([text(torch.arange(before)), grid, text(before + max(h, w) + torch.arange(after))])
+        return positions, lambda x: apply_rotary_emb_qwen(x, freqs, use_real=False)
+    if name in ("CogView4Transformer2DModel", "GlmImageTransformer2DModel"):
+        h, w = 3, 5
+        cos, sin = model.rope(torch.zeros(1, 1, 2 * h, 2 * w))                           # patch_size 2
+        positions = diffusers_grid((h, w))
+        if name == "CogView4Transformer2DModel":                                          # i * rope_axes_dim // n
+            positions = positions * torch.tensor(model.config.rope_axes_dim) // torch.tensor([h, w])
+        return positions, real((cos, sin), use_real_unbind_dim=-2)
+    if name == "PRXTransformer2DModel":
+        from diffusers.models.transformers.transformer_prx import apply_rope
+        ids = diffusers_ids((3, 4))[:, 1:]                                                  # (row, col)
+        freqs = model.pe_embedder(ids[None])                                               # [1, 1, N, D/2, 2, 2]
+        return ids, lambda x: apply_rope(x.transpose(1, 2), freqs).transpose(1, 2)
+    if name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "EasyAnimateTransformer3DModel",
+                "HunyuanDiT2DModel"):
+        # linspace positions over a crop region of the base grid: the pipeline's (EasyAnimate: the module's)
+        (t, h, w), crop = (2, 3, 4), ((1, 2), (4, 6))
+        if name == "EasyAnimateTransformer3DModel":
+            crop = model.rope_embedding.get_resize_crop_region_for_grid((h, w), 90 // 2, 60 // 2)
+            cos, sin = model.rope_embedding(torch.zeros(1, 1, t, 2 * h, 2 * w))           # patch_size 2
+        elif name == "HunyuanDiT2DModel":
+            cos, sin = get_2d_rotary_pos_embed(model.inner_dim // model.num_heads, crop, (h, w))
+        else:
+            cos, sin = get_3d_rotary_pos_embed(model.config.attention_head_dim, crop, (h, w), t)
+        (top, left), (bottom, right) = crop
+        hs = torch.linspace(top, bottom * (h - 1) / h, h, dtype=torch.float64)
+        ws = torch.linspace(left, right * (w - 1) / w, w, dtype=torch.float64)
+        if name == "HunyuanDiT2DModel":   # (column, row): get_2d_rotary_pos_embed's first half takes the column
+            rows, cols = torch.meshgrid(hs, ws, indexing="ij")
+            return torch.stack([cols, rows], -1).reshape(-1, 2), real((cos, sin))
+        axes = torch.meshgrid(torch.arange(t, dtype=torch.float64), hs, ws, indexing="ij")
+        return torch.stack(axes, -1).reshape(-1, 3), real((cos, sin))
+    if name in ("Ideogram4Transformer2DModel", "Cosmos3OmniTransformer"):
+        # (t, h, w) ids: text on the diagonal, then an image at t = 4 (Ideogram 4's image ids start at 65536,
+        # where diffusers' float32 angles lose ~1e-2: the test keeps them small)
+        text = torch.arange(4)[:, None].expand(4, 3)
+        ids = torch.cat([text, diffusers_grid((1, 3, 4)) + torch.tensor([4, 8, 8])])           # [N, 3]
+        if name == "Ideogram4Transformer2DModel":
+            from diffusers.models.transformers.transformer_ideogram4 import _rotate_half
+            cos, sin = model.rotary_emb(ids[None])                                             # [1, N, D]
+        else:
+            from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
+            cos, sin = model.rotary_emb(ids.T[:, None], torch.device("cpu"), torch.float32)
+        cos, sin = cos[:, :, None], sin[:, :, None]                                            # [1, N, 1, D]
+        return ids, lambda x: x * cos + _rotate_half(x) * sin
+    if name == "AceStepTransformer1DModel":
+        from diffusers.models.transformers.ace_step_transformer import _ace_step_rotary_freqs
+        cos, sin = _ace_step_rotary_freqs(12, model.head_dim, model.rope_theta, torch.device("cpu"), torch.float32)
+        return torch.arange(12), real((cos, sin), use_real_unbind_dim=-2)
+    if name == "LongCatAudioDiTTransformer":
+        from diffusers.models.transformers.transformer_longcat_audio_dit import _apply_rotary_emb
+        table = model.rotary_embed(torch.zeros(1, 12, 1))                                     # [N, D] each
+        return torch.arange(12), lambda x: _apply_rotary_emb(x, table)
+    if name == "MiniMaxMusic3Transformer1DModel":
+        from diffusers.models.transformers.transformer_minimax_music3 import _apply_partial_rotary_emb
+        table = model.rotary_emb(12, torch.device("cpu"))
+        return torch.arange(12), lambda x: _apply_partial_rotary_emb(x, table)
+    if name == "StableAudio3DiTModel":   # its memory tokens come first, at positions 0, 1, ...
+        from diffusers.models.transformers.transformer_stable_audio3 import _apply_rotary_partial
+        freqs = model.rotary_pos_emb(12, torch.device("cpu"))                                  # [N, D / 2]
+        return torch.arange(12), lambda x: _apply_rotary_partial(x, freqs)
+    if name == "StableAudioDiTModel":
+        n = 12       # the pipeline's table: attention_head_dim // 2 channels, half-split, on the leading slice
+        cos, sin = get_1d_rotary_pos_embed(model.config.attention_head_dim // 2, n, use_real=True,
+                                           repeat_interleave_real=False)
+        rot = cos.shape[-1]
+        return torch.arange(n), lambda x: torch.cat(
+            [apply_rotary_emb(x[..., :rot], (cos, sin), use_real_unbind_dim=-2, sequence_dim=1), x[..., rot:]], -1)
+    module = getattr(model, "pos_embed", None) or getattr(model, "rotary_emb", None) or model.rope
+    if "Video" in name or name.startswith(("Wan", "SkyReels", "SanaVideo", "ChronoEdit")):
+        sizes = (2, 3, 4)                                                                # patch 1 x 2 x 2
+        cos, sin = module(torch.zeros(1, 1, sizes[0], 2 * sizes[1], 2 * sizes[2]))
+        n, grid = math.prod(sizes), diffusers_grid(sizes)
+        if name == "ChronoEditTransformer3DModel":   # two frames sit at 0 and rope_temporal_skip_len - 1
+            grid = grid * torch.tensor([model.config.rope_temporal_skip_len - 1, 1, 1])
+        return grid, real((cos.reshape(n, -1), sin.reshape(n, -1)))
+    if name == "HunyuanImageTransformer2DModel":
+        cos, sin = module(torch.zeros(1, 1, 3, 4))                                       # patch 1 x 1
+        return diffusers_grid((3, 4)), real((cos, sin))
+    axes = len(model.config.axes_dims_rope)
+    ids = diffusers_ids((3, 4) if axes == 3 else (2, 3, 4), text=2, first=1)
+    return ids, real(module(ids))
+
+
+# name -> a tiny config (head 16 or 32, one layer of each kind)
+FLUX_TINY = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+             "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 32, "in_channels": 4}
+DIFFUSERS_ROPE_CONFIGS = {
+    "FluxTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32},
+    "ChromaTransformer2DModel": {**FLUX_TINY, "approximator_hidden_dim": 32, "approximator_layers": 1},
+    "LongCatImageTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32},
+    "OvisImageTransformer2DModel": {**FLUX_TINY},
+    "Krea2Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                "num_key_value_heads": 1, "intermediate_size": 32, "text_hidden_dim": 32,
+                                "num_text_layers": 1, "text_num_attention_heads": 2, "text_num_key_value_heads": 2,
+                                "text_intermediate_size": 32, "num_layerwise_text_blocks": 1,
+                                "num_refiner_text_blocks": 1, "axes_dims_rope": (4, 6, 6), "rope_theta": 1000.0,
+                                "in_channels": 4},
+    "Flux2Transformer2DModel": {**FLUX_TINY, "axes_dims_rope": (4, 4, 4, 4), "rope_theta": 2000},
+    "Flux3Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                "axes_dims_rope": (4, 4, 4, 4), "rope_theta": 10000},
+    "BriaTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32, "rope_theta": 500},
+    "BriaFiboTransformer2DModel": {**FLUX_TINY, "pooled_projection_dim": 32, "rope_theta": 500},
+    "HiDreamImageTransformer2DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "axes_dims_rope": (4, 6, 6),
+                                       "caption_channels": [16, 16], "text_emb_dim": 16, "llama_layers": [0, 0],
+                                       "in_channels": 4, "out_channels": 4, "patch_size": 2},
+    "ZImageTransformer2DModel": {"dim": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1, "n_refiner_layers": 1,
+                                 "cap_feat_dim": 16, "axes_dims": (4, 6, 6), "axes_lens": (16, 8, 8),
+                                 "rope_theta": 256.0, "in_channels": 4},
+    "BriaFibo2Transformer2DModel": {"dim": 32, "n_heads": 2, "n_layers": 1, "n_refiner_layers": 1,
+                                    "cap_feat_dim": 16, "axes_dims": (4, 6, 6), "axes_lens": (16, 8, 8),
+                                    "injection_layer_ids": (0,), "perceiver_num_layers": 1, "in_channels": 4},
+    "Lumina2Transformer2DModel": {"hidden_size": 32, "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 1,
+                                  "num_refiner_layers": 1, "multiple_of": 16, "axes_dim_rope": (4, 6, 6),
+                                  "axes_lens": (16, 8, 8), "cap_feat_dim": 16, "in_channels": 4},
+    "HunyuanVideoTransformer3DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "rope_axes_dim": (4, 6, 6), "rope_theta": 256.0,
+                                       "text_embed_dim": 16, "pooled_projection_dim": 16, "in_channels": 4},
+    "HunyuanVideo15Transformer3DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                         "rope_axes_dim": (4, 6, 6), "text_embed_dim": 16, "in_channels": 4,
+                                         "patch_size": 2},
+    "MotifVideoTransformer3DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                     "num_attention_heads": 2, "rope_axes_dim": (4, 6, 6), "in_channels": 4},
+    "HunyuanImageTransformer2DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                                       "num_attention_heads": 2, "rope_axes_dim": (8, 8), "text_embed_dim": 16,
+                                       "in_channels": 4},
+    "WanTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                              "text_dim": 16, "ffn_dim": 32, "rope_max_seq_len": 64, "in_channels": 4},
+    "WanVACETransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                  "text_dim": 16, "ffn_dim": 32, "vace_layers": [0], "vace_in_channels": 4,
+                                  "in_channels": 4},
+    "WanAnimateTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                     "text_dim": 16, "ffn_dim": 32, "image_dim": 16, "motion_encoder_size": 64,
+                                     "motion_style_dim": 16, "motion_encoder_dim": 16, "face_encoder_hidden_dim": 16},
+    "SkyReelsV2Transformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                     "text_dim": 16, "ffn_dim": 32, "in_channels": 4},
+    "SanaVideoTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                    "cross_attention_head_dim": 16, "cross_attention_dim": 32,
+                                    "caption_channels": 16, "in_channels": 4},
+    "Kandinsky5Transformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "in_text_dim": 16,
+                                     "in_text_dim2": 16, "num_text_blocks": 1, "num_visual_blocks": 1,
+                                     "axes_dims": (8, 12, 12)},
+    "CogVideoXTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                    "text_embed_dim": 16, "time_embed_dim": 16, "in_channels": 4,
+                                    "use_rotary_positional_embeddings": True},
+    "ConsisIDTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                   "text_embed_dim": 16, "time_embed_dim": 16, "in_channels": 4,
+                                   "use_rotary_positional_embeddings": True},
+    "EasyAnimateTransformer3DModel": {"num_layers": 1, "mmdit_layers": 1, "attention_head_dim": 32,
+                                      "num_attention_heads": 2, "text_embed_dim": 16, "time_embed_dim": 16,
+                                      "in_channels": 4, "out_channels": 4, "patch_size": 2},
+    "ChronoEditTransformer3DModel": {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                                     "text_dim": 16, "ffn_dim": 32, "in_channels": 4, "rope_temporal_skip_len": 5},
+    "HunyuanDiT2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "hidden_size": 32,
+                          "cross_attention_dim": 16, "cross_attention_dim_t5": 16, "pooled_projection_dim": 16,
+                          "text_len": 4, "text_len_t5": 4, "in_channels": 4, "patch_size": 2, "sample_size": 8},
+    "PRXTransformer2DModel": {"hidden_size": 32, "num_heads": 2, "axes_dim": (8, 8), "depth": 1,
+                              "context_in_dim": 16, "in_channels": 4, "theta": 500},
+    "GlmImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                   "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
+                                   "prior_vq_quantizer_codebook_size": 16, "in_channels": 4},
+    "QwenImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                    "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4},
+    "NucleusMoEImageTransformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                          "axes_dims_rope": (4, 6, 6), "joint_attention_dim": 16, "in_channels": 4,
+                                          "moe_enabled": False},
+    "Kandinsky6Transformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "in_text_dim": 16,
+                                     "in_text_dim2": 16, "num_text_blocks": 1, "num_visual_blocks": 1,
+                                     "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "Kandinsky6SRTransformer3DModel": {"model_dim": 64, "ff_dim": 32, "time_dim": 16, "num_visual_blocks": 1,
+                                       "axes_dims": (8, 12, 12), "in_visual_dim": 4, "out_visual_dim": 4},
+    "MiniMaxH3Transformer3DModel": {"num_layers": 1, "num_refiner_layers": 1, "attention_head_dim": 32,
+                                    "num_attention_heads": 2, "hidden_size": 64, "ffn_dim": 32, "text_dim": 16,
+                                    "freq_dim": 16, "time_embed_hidden_dim": 16, "time_embed_dim": 16,
+                                    "rope_freq_dim": 4, "rope_theta": 500.0, "in_channels": 4,
+                                    "audio_in_channels": 4},
+    "JoyImageEditTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
+                                       "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256, "in_channels": 4},
+    "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                      "axes_dims_rope": (4, 6, 6), "context_in_dim": 16, "in_channels": 4,
+                                      "out_channels": 4},
+    "CogView4Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                                   "text_embed_dim": 16, "time_embed_dim": 16, "condition_dim": 4,
+                                   "rope_axes_dim": (16, 16), "in_channels": 4},
+    "Ideogram4Transformer2DModel": {"in_channels": 4, "num_layers": 1, "attention_head_dim": 32,
+                                    "num_attention_heads": 2, "intermediate_size": 32, "adaln_dim": 16,
+                                    "llm_features_dim": 16, "rope_theta": 50000, "mrope_section": (4, 3, 3)},
+    "Cosmos3OmniTransformer": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+                               "head_dim": 16, "intermediate_size": 32, "num_hidden_layers": 1, "vocab_size": 16,
+                               "patch_latent_dim": 8, "rope_axes_dim": (4, 2, 2), "rope_theta": 50000.0},
+    "AceStepTransformer1DModel": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                  "head_dim": 16, "num_hidden_layers": 1, "intermediate_size": 32,
+                                  "in_channels": 8, "audio_acoustic_hidden_dim": 4, "rope_theta": 1e5},
+    "LongCatAudioDiTTransformer": {"dit_dim": 32, "dit_depth": 1, "dit_heads": 2, "dit_text_dim": 16,
+                                   "latent_dim": 4},
+    "MiniMaxMusic3Transformer1DModel": {"in_channels": 4, "condition_dim": 16, "num_layers": 1,
+                                        "num_attention_heads": 2, "attention_head_dim": 16, "ff_inner_dim": 32,
+                                        "rotary_dim": 8, "fourier_embedding_dim": 16},
+    "StableAudio3DiTModel": {"io_channels": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "cond_token_dim": 16,
+                             "global_cond_dim": 16, "local_add_cond_dim": 4, "timestep_features_dim": 16,
+                             "num_memory_tokens": 2},
+    "StableAudioDiTModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                            "num_key_value_attention_heads": 1, "cross_attention_dim": 16,
+                            "cross_attention_input_dim": 16, "global_states_input_dim": 16, "time_proj_dim": 16,
+                            "in_channels": 4},
+}
+
+
+def diffusers_transformer_classes() -> set:
+    """Every model class (a ConfigMixin) in diffusers/models/transformers/*.py, read from the sources."""
+    import ast
+    models = pytest.importorskip("diffusers.models.transformers")
+    names = set()
+    for path in sorted(pathlib.Path(models.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and any("ConfigMixin" in ast.unparse(base) for base in node.bases):
+                names.add(node.name)
+    return names
+
+
+class TestDiffusersConfig:
+    """``from_config`` on diffusers transformer configs (``_class_name``): each accepted model class against its
+    own position module and attention's apply function (diffusers 0.42.1), and the refusals with their reasons."""
+
+    @pytest.mark.parametrize("name", sorted(DIFFUSERS_ROPE_CONFIGS))
+    def test_rotary_model_matches_its_module(self, name):
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, DIFFUSERS_ROPE_CONFIGS[name])
+        rope = RotaryPositionalEmbedding.from_config(model.config)            # the loaded FrozenDict
+        # the raw config.json and a hand-written dict (our defaults are the model's) read the same
+        saved = json.loads(model.to_json_string())
+        stated = {"_class_name": name, **DIFFUSERS_ROPE_CONFIGS[name]}
+        assert _rotary_kwargs_from_config(saved) == _rotary_kwargs_from_config(stated) == \
+            _rotary_kwargs_from_config(model.config)
+        positions, rotate = diffusers_rope_case(name, model)
+        x = torch.randn(1, positions.shape[0], 2, rope.dim)                    # [1, N, H, D], diffusers' layout
+        ours = rope(x.transpose(1, 2), positions).transpose(1, 2)
+        diff = (ours - rotate(x)).abs().max().item()
+        MAX_DIFF[f"diffusers {name}"] = diff
+        # float32 rounding: most modules compute their angles in float32, a few ulps of the largest angle
+        tolerance = 1e-6 + 4e-7 * positions.abs().max().item()
+        assert diff < tolerance, f"{name}: rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
+
+    # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
+    @staticmethod
+    def added_table(patch_embed, latent):
+        """What ``patch_embed(latent)`` adds to the projected patches: its position table (the projection zeroed)."""
+        with torch.no_grad():
+            for param in patch_embed.proj.parameters():
+                param.zero_()
+            return patch_embed(latent)[0]                                                     # [N, D]
+
+    @pytest.mark.parametrize("name, config, size, positions", [
+        # DiT: a grid of sample_size / patch_size, positions (column, row) / (grid / base_size)
+        ("DiTTransformer2DModel", {"sample_size": 8}, (6, 10), lambda h, w: (torch.arange(w) / (w / 4),
+                                                                            torch.arange(h) / (h / 4))),
+        # PixArt: the same divided by interpolation_scale
+        ("PixArtTransformer2DModel", {"sample_size": 8, "interpolation_scale": 2, "caption_channels": 16},
+         (4, 4), lambda h, w: (torch.arange(w) / 2, torch.arange(h) / 2)),
+        # SD3: the pos_embed_max_size^2 table's centre crop; base size sample_size / patch_size = 4
+        ("SD3Transformer2DModel", {"sample_size": 8, "pos_embed_max_size": 7, "joint_attention_dim": 16,
+                                   "caption_projection_dim": 16, "pooled_projection_dim": 16},
+         (3, 6), lambda h, w: ((torch.arange(w) + (7 - w) // 2) / (7 / 4), (torch.arange(h) + (7 - h) // 2) / (7 / 4))),
+        # Latte: its spatial table as DiT's
+        ("LatteTransformer3DModel", {"sample_size": 8, "patch_size": 2, "caption_channels": 16,
+                                     "cross_attention_dim": 16, "num_embeds_ada_norm": 1000,
+                                     "norm_type": "ada_norm_single"},
+         (4, 4), lambda h, w: (torch.arange(w) / 1.0, torch.arange(h) / 1.0)),
+        # Sana: a table only with interpolation_scale; Transformer2DModel: PixArt's default max(sample_size // 64, 1)
+        ("SanaTransformer2DModel", {"sample_size": 8, "patch_size": 2, "interpolation_scale": 2,
+                                    "num_cross_attention_heads": 2, "cross_attention_head_dim": 8,
+                                    "cross_attention_dim": 16, "caption_channels": 16},
+         (6, 10), lambda h, w: (torch.arange(w) / (w / 4) / 2, torch.arange(h) / (h / 4) / 2)),
+        ("Transformer2DModel", {"sample_size": 8, "patch_size": 2, "norm_type": "ada_norm_zero",
+                                "num_embeds_ada_norm": 1000},
+         (4, 4), lambda h, w: (torch.arange(w) / 1.0, torch.arange(h) / 1.0)),
+    ])
+    def test_sincos_table_matches_its_patch_embedding(self, name, config, size, positions):
+        pytest.importorskip("diffusers")
+        config = {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1, "in_channels": 4, **config}
+        model = diffusers_model(name, config)
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        assert pe.dim == 16 and pe.layout == "concat" and pe.num_axes == 2
+        h, w = size
+        patch_embed = model.patch_embed if name == "SanaTransformer2DModel" else model.pos_embed
+        theirs = self.added_table(patch_embed, torch.zeros(1, 4, 2 * h, 2 * w))               # patch size 2
+        cols, rows = positions(h, w)
+        grid = torch.stack(torch.meshgrid(cols.double(), rows.double(), indexing="xy"), -1)  # [h, w, 2]: (col, row)
+        diff = (pe.embed(grid.reshape(-1, 2)).float() - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name}"] = diff
+        assert diff < 1e-6, f"{name}: the sin-cos table differs by {diff:.3g}"
+        if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
+            frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
+            torch.testing.assert_close(frames, model.temp_pos_embed[0], rtol=0, atol=1e-6)
+
+    def test_cogview3plus_table_matches_its_patch_embedding(self):
+        # the top-left corner of a pos_embed_max_size^2 table (base size = the table's), text tokens get zeros
+        pytest.importorskip("diffusers")
+        model = diffusers_model("CogView3PlusTransformer2DModel", {
+            "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "in_channels": 4, "text_embed_dim": 8,
+            "time_embed_dim": 8, "condition_dim": 4, "pos_embed_max_size": 7, "sample_size": 8})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        with torch.no_grad():
+            for param in [*model.patch_embed.proj.parameters(), *model.patch_embed.text_proj.parameters()]:
+                param.zero_()
+            added = model.patch_embed(torch.zeros(1, 4, 6, 10), torch.zeros(1, 2, 8))[0]      # 2 text + 3 x 5
+        assert not added[:2].any()
+        cols_rows = torch.stack(torch.meshgrid(torch.arange(5), torch.arange(3), indexing="xy"), -1).reshape(-1, 2)
+        diff = (pe.embed(cols_rows) - added[2:]).abs().max().item()
+        MAX_DIFF["diffusers CogView3PlusTransformer2DModel"] = diff
+        assert diff < 1e-6
+
+    def test_learned_1d_tables_match_their_models(self):
+        pytest.importorskip("diffusers")
+        prior = diffusers_model("PriorTransformer", {
+            "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1, "embedding_dim": 8,
+            "num_embeddings": 5, "additional_embeddings": 3})
+        rvq = diffusers_model("MiniMaxMusic3RVQDepthDecoder", {
+            "hidden_size": 16, "num_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+            "audio_vocab_size": 8, "num_codebooks": 2, "max_position_embeddings": 6})
+        film = diffusers_model("T5FilmDecoder", {"input_dims": 4, "targets_length": 7, "d_model": 16,
+                                                 "num_layers": 1, "num_heads": 2, "d_kv": 8, "d_ff": 16})
+        for model, table, init_std in ((prior, prior.positional_embedding[0], 0.0),
+                                       (rvq, rvq.pos_embedding.weight, 1.0),
+                                       (film, film.position_encoding.weight, 1.0)):
+            pe = LearnedPositionalEmbedding.from_config(model.config)
+            assert (pe.max_len, pe.dim, pe.init_std) == (*table.shape, init_std)
+            with torch.no_grad():
+                pe.weight.copy_(table)
+                assert torch.equal(pe.embed(torch.arange(table.shape[0])), table)       # row p for token p
+        MAX_DIFF["diffusers PriorTransformer, MiniMaxMusic3RVQDepthDecoder, T5FilmDecoder"] = 0.0
+
+    def test_temporal_transformer_matches_its_blocks_table(self):
+        # AnimateDiff's temporal transformer: diffusers' SinusoidalPositionalEmbedding (Vaswani's) in each block
+        pytest.importorskip("diffusers")
+        model = diffusers_model("TransformerTemporalModel", {
+            "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 16, "norm_num_groups": 4,
+            "positional_embeddings": "sinusoidal", "num_positional_embeddings": 24})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        theirs = model.transformer_blocks[0].pos_embed.pe[0]                                   # [24, D]
+        diff = (pe.embed(torch.arange(24)) - theirs).abs().max().item()
+        MAX_DIFF["diffusers TransformerTemporalModel"] = diff
+        assert diff < 1e-5, f"the temporal table differs by {diff:.3g}"    # diffusers' angles are float32
+
+    def test_auraflow_learned_table_matches_its_crop(self):
+        pytest.importorskip("diffusers")
+        model = diffusers_model("AuraFlowTransformer2DModel", {
+            "sample_size": 8, "num_mmdit_layers": 1, "num_single_dit_layers": 1, "attention_head_dim": 8,
+            "num_attention_heads": 2, "joint_attention_dim": 16, "caption_projection_dim": 16,
+            "pos_embed_max_size": 64})
+        pe = LearnedPositionalEmbedding.from_config(model.config)
+        assert (pe.max_len, pe.dim, pe.init_std) == (64, 16, 0.1)
+        with torch.no_grad():
+            pe.weight.copy_(model.pos_embed.pos_embed[0])                                     # the checkpoint's table
+        h, w = 3, 6                                                                            # the 8 x 8 grid's centre
+        rows, cols = torch.arange(h) + 8 // 2 - h // 2, torch.arange(w) + 8 // 2 - w // 2
+        positions = (rows[:, None] * 8 + cols[None, :]).reshape(-1)                           # row-major indices
+        theirs = self.added_table(model.pos_embed, torch.zeros(1, 4, 2 * h, 2 * w))
+        with torch.no_grad():
+            assert torch.equal(pe.embed(positions), theirs)
+        MAX_DIFF["diffusers AuraFlowTransformer2DModel"] = 0.0
+
+    def test_omnigen_longrope_and_table_match_its_modules(self):
+        # OmniGen has two encodings: Phi-3's longrope in attention (short factors up to
+        # original_max_position_embeddings, long past it, one attention factor) and a cropped 2-D table on patches
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        model = diffusers_model("OmniGenTransformer2DModel", {
+            "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 32,
+            "num_layers": 1, "vocab_size": 16, "pad_token_id": 0, "time_step_dim": 16, "pos_embed_max_size": 12,
+            "original_max_position_embeddings": 8, "max_position_embeddings": 32,
+            "rope_scaling": {"short_factor": [1.0 + i / 8 for i in range(8)],
+                             "long_factor": [1.0 + i for i in range(8)]}})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        diff = 0.0
+        for n in (6, 12):                                 # the largest position below, then past the original length
+            cos, sin = model.rope(torch.zeros(1), torch.arange(n)[None])
+            x = torch.randn(1, n, 2, 16)
+            theirs = apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-2, sequence_dim=1)
+            diff = max(diff, (rope(x.transpose(1, 2), torch.arange(n)).transpose(1, 2) - theirs).abs().max().item())
+        table = SinusoidalPositionalEmbedding.from_config(model.config)
+        h, w, top, left = 3, 5, (12 - 3) // 2, (12 - 5) // 2            # the centre crop, base size 64
+        rows, cols = torch.meshgrid(torch.arange(h) + top, torch.arange(w) + left, indexing="ij")
+        positions = torch.stack([cols, rows], -1).reshape(-1, 2) / (12 / 64)
+        theirs = model.patch_embedding._cropped_pos_embed(2 * h, 2 * w)[0]
+        diff = max(diff, (table.embed(positions.double()).float() - theirs).abs().max().item())
+        MAX_DIFF["diffusers OmniGenTransformer2DModel"] = diff
+        assert diff < 1e-5, f"OmniGen differs by {diff:.3g}"
+
+    def test_wan_split_against_a_float64_oracle(self):
+        # Wan's head split (h = w = 2 (D // 6), t the rest), each axis its own spectrum, interleaved pairs
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "WanTransformer3DModel", "attention_head_dim": 32})
+        widths = [12, 10, 10]
+        inv_freq = [10000.0 ** (-2 * j / w) for w in widths for j in range(w // 2)]
+        axis = [a for a, w in enumerate(widths) for _ in range(w // 2)]
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([7, 1, 3])            # spread the axes apart
+        x = torch.randn(2, 24, 32, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[a]) for a in axis) for p in positions.tolist()], inv_freq,
+                           interleaved=True)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+
+    def test_every_model_class_is_read_or_refused(self):
+        classes = diffusers_transformer_classes()
+        read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
+        assert not read & refused
+        assert classes == read | refused, (sorted(classes - read - refused), sorted((read | refused) - classes))
+        tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
+                  "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
+                  "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
+                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
+        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
+        page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
+        assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
+
+    def test_refusals_name_the_model_and_why(self):
+        owner = "RotaryPositionalEmbedding.from_config"
+        for name, why in pe_lib._DIFFUSERS_REFUSED.items():
+            with pytest.raises(ValueError, match=f"^{owner}: {name} \\(diffusers config _class_name\\) is not "
+                                                 f"supported: {re.escape(why)}$"):
+                RotaryPositionalEmbedding.from_config({"_class_name": name})
+        with pytest.raises(ValueError, match=f"{owner}: _class_name='UNet2DConditionModel' is not a diffusers "
+                                             f"transformer model this file reads"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "UNet2DConditionModel"})
+        with pytest.raises(ValueError, match=f"{owner}: this diffusers config has no _class_name .*"
+                                             f"dict\\(model.config, _class_name=type\\(model\\).__name__\\)"):
+            RotaryPositionalEmbedding.from_config({"attention_head_dim": 64, "_use_default_values": []})
+        flux = {"_class_name": "FluxTransformer2DModel"}
+        with pytest.raises(ValueError, match=f"{owner}: a diffusers config \\(FluxTransformer2DModel\\) fixes its "
+                                             f"layout; interleaved do not apply, got {{'interleaved': False}}"):
+            RotaryPositionalEmbedding.from_config(flux, interleaved=False)
+        with pytest.raises(ValueError, match=f"{owner}: CogVideoXTransformer3DModel: "
+                                             f"use_rotary_positional_embeddings=False: .*3-D sin-cos table"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "CogVideoXTransformer3DModel"})
+        with pytest.raises(ValueError, match=f"{owner}: QwenImageTransformer2DModel with use_layer3d_rope=True"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "QwenImageTransformer2DModel",
+                                                   "use_layer3d_rope": True})
+        # HiDream's defaults (32, 32) do not fill its 128-channel heads (its checkpoints say (64, 32, 32))
+        with pytest.raises(ValueError, match=f"{owner}: HiDreamImageTransformer2DModel: the per-axis rotary widths "
+                                             f"must be positive, even and sum to the head dim 128, got \\[32, 32\\] "
+                                             f"\\(config field axes_dims_rope\\)"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel"})
+        assert RotaryPositionalEmbedding.from_config({"_class_name": "HiDreamImageTransformer2DModel",
+                                                      "axes_dims_rope": [64, 32, 32]}).sections == [32, 16, 16]
+        # a field a config.json sets to null is read as the model reads it, not replaced by the default
+        assert RotaryPositionalEmbedding.from_config({"_class_name": "PRXTransformer2DModel",
+                                                      "axes_dim": None}).sections == [16, 16]
+        joy = {"_class_name": "JoyImageEditTransformer3DModel", "hidden_size": 96, "num_attention_heads": 2,
+               "rope_dim_list": None}
+        assert RotaryPositionalEmbedding.from_config(joy).sections == [8, 8, 8]   # D // 3 channels each
+        # each model names the class that builds its encoding; the table classes read diffusers configs only
+        with pytest.raises(ValueError, match=f"{owner}: SD3Transformer2DModel \\(diffusers config _class_name\\) uses "
+                                             f"SinusoidalPositionalEmbedding; call SinusoidalPositionalEmbedding"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "SD3Transformer2DModel"})
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: FluxTransformer2DModel .* uses "
+                                             "RotaryPositionalEmbedding"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "FluxTransformer2DModel"})
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: OmniGenTransformer2DModel .* "
+                                             "uses RotaryPositionalEmbedding and SinusoidalPositionalEmbedding"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "OmniGenTransformer2DModel"})
+        with pytest.raises(ValueError, match=f"{owner}: OmniGenTransformer2DModel: rope_scaling must hold short_factor "
+                                             f"and long_factor"):
+            RotaryPositionalEmbedding.from_config({"_class_name": "OmniGenTransformer2DModel"})
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: config must be a diffusers "
+                                             "model config .*with _class_name"):
+            SinusoidalPositionalEmbedding.from_config({"model_type": "llama"})
+        with pytest.raises(TypeError, match="SinusoidalPositionalEmbedding.from_config: config must be a diffusers"):
+            SinusoidalPositionalEmbedding.from_config("facebook/DiT-XL-2-256")
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: TransformerTemporalModel: "
+                                             "positional_embeddings=None: the model adds no position encoding"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "TransformerTemporalModel"})
+        sincos = "SinusoidalPositionalEmbedding.from_config"
+        with pytest.raises(ValueError, match=f"{sincos}: SanaTransformer2DModel: interpolation_scale=None: the model "
+                                             f"adds no position encoding"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "SanaTransformer2DModel"})
+        with pytest.raises(ValueError, match=f"{sincos}: Transformer2DModel: patch_size=None: continuous inputs"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "Transformer2DModel"})
+        with pytest.raises(ValueError, match=f"{sincos}: Transformer2DModel: num_vector_embeds is set: VQ-Diffusion"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": "Transformer2DModel", "num_vector_embeds": 9})
+        # DreamLite's refusal is the model's own: no block holds a position table
+        if importlib.util.find_spec("diffusers") is not None:
+            dreamlite = diffusers_model("DreamLiteTransformer2DModel", {
+                "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "norm_num_groups": 4})
+            assert all(getattr(module, "pos_embed", None) is None for module in dreamlite.modules())
 
 
 LENGTH_DEPENDENT_SCALINGS = {
