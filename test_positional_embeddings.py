@@ -13712,7 +13712,8 @@ def test_attention_reads_no_kind_string():
 TEST_CLASS_SUBJECTS = {
     "TestNoPE": "NoPositionalEmbedding", "TestFourierFeatures": "FourierFeaturePositionalEmbedding",
     "TestGraphEncodings": "LaplacianPositionalEmbedding", "TestVideoRoPE": "VideoRotaryPositionalEmbedding",
-    "TestTUPE": "UnifiedPositionalEmbedding", **dict.fromkeys(
+    "TestTUPE": "UnifiedPositionalEmbedding", "TestDiffusersConfig": "RotaryPositionalEmbedding",   # from_config
+    **dict.fromkeys(
         ("TestAtLength", "TestValueRotation", "TestRotaryOptionsTogether", "TestPairAxes", "TestRerotate"),
         "RotaryPositionalEmbedding"),
 }
