@@ -10599,6 +10599,23 @@ def _video_grid(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(frames, height, width)                                              # [T H W, 3]
 
 
+def _patch_table_ids(*, crop: bool):
+    """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
+    patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
+    def positions(get, frames, height, width, text_len) -> Tensor:
+        base = int(get("sample_size")) // int(get("patch_size"))
+        size = int(get("pos_embed_max_size")) if crop else None
+        if crop and (height > size or width > size):
+            raise ValueError(f"the latent grid {height} x {width} exceeds pos_embed_max_size={size}")
+        axes = [torch.arange(n if size is None else size, dtype=torch.float64) / ((n if size is None else size) / base)
+                for n in (height, width)]
+        if crop:   # the centre crop of the size x size table
+            axes = [axis[(size - n) // 2:(size - n) // 2 + n] for axis, n in zip(axes, (height, width))]
+        rows, cols = torch.meshgrid(*axes, indexing="ij")
+        return torch.stack([cols, rows], -1).reshape(-1, 2).float()                      # [H W, 2]: (col, row)
+    return positions
+
+
 _FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
 _FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
 _HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
@@ -10710,10 +10727,13 @@ _DIFFUSERS_MODELS = {
         lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": int(get("rotary_dim"))}),
     # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
     **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
-                             {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
-       for name, heads, head in (
-        ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
-        ("LatteTransformer3DModel", 16, 88), ("CogView3PlusTransformer2DModel", 64, 40))},
+                             {"num_attention_heads": heads, "attention_head_dim": head, **grid}, _sincos_2d, ids)
+       for name, heads, head, grid, ids in (
+        ("DiTTransformer2DModel", 16, 72, {"sample_size": 32, "patch_size": 2}, _patch_table_ids(crop=False)),
+        ("PixArtTransformer2DModel", 16, 72, {}, None),
+        ("SD3Transformer2DModel", 18, 64, {"sample_size": 128, "patch_size": 2, "pos_embed_max_size": 96},
+         _patch_table_ids(crop=True)),
+        ("LatteTransformer3DModel", 16, 88, {}, None), ("CogView3PlusTransformer2DModel", 64, 40, {}, None))},
     "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
     "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
@@ -10856,11 +10876,14 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
     if video != (frames is not None):
         want = "the latent frames (an int)" if video else "None (an image model)"
         raise ValueError(f"{owner}: {name}: frames must be {want}, got frames={frames!r}")
-    if video and text_len:
+    if (video or entry.encoding != "RotaryPositionalEmbedding") and text_len:
         raise ValueError(f"{owner}: {name}: its text tokens take no positions; text_len must be 0, got "
                          f"text_len={text_len}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
-    return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len)
+    try:
+        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len)
+    except ValueError as error:
+        raise ValueError(f"{owner}: {name}: {error}") from None
 
 
 # ---------------------------------------------------------------------------

@@ -5820,6 +5820,12 @@ class TestDiffusersConfig:
     def test_positions_refuse_bad_sizes(self, kwargs, error):
         with pytest.raises(ValueError, match=f"diffusers_positions: .*{re.escape(error)}"):
             pe_lib.diffusers_positions({"_class_name": "FluxTransformer2DModel"}, **kwargs)
+        sd3 = {"_class_name": "SD3Transformer2DModel", "pos_embed_max_size": 8}
+        with pytest.raises(ValueError, match=r"diffusers_positions: SD3Transformer2DModel: the latent grid 9 x 4 "
+                                             r"exceeds pos_embed_max_size=8"):
+            pe_lib.diffusers_positions(sd3, height=9, width=4)
+        with pytest.raises(ValueError, match="SD3Transformer2DModel: its text tokens take no positions"):
+            pe_lib.diffusers_positions(sd3, height=2, width=2, text_len=1)
 
     def test_positions_refuse_models_not_built(self):
         with pytest.raises(ValueError, match="diffusers_positions: WanTransformer3DModel: frames must be the latent"):
@@ -5879,6 +5885,10 @@ class TestDiffusersConfig:
         grid = torch.stack(torch.meshgrid(cols.double(), rows.double(), indexing="xy"), -1)  # [h, w, 2]: (col, row)
         diff = (pe.embed(grid.reshape(-1, 2)).float() - theirs).abs().max().item()
         MAX_DIFF[f"diffusers {name}"] = diff
+        if name in ("DiTTransformer2DModel", "SD3Transformer2DModel"):   # diffusers_positions builds them
+            ids = pe_lib.diffusers_positions(model.config, height=h, width=w)
+            assert torch.equal(ids, grid.reshape(-1, 2).float())
+            assert (pe.embed(ids).float() - theirs).abs().max().item() < 1e-6
         assert diff < 1e-6, f"{name}: the sin-cos table differs by {diff:.3g}"
         if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
             frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
