@@ -10599,6 +10599,15 @@ def _video_grid(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(frames, height, width)                                              # [T H W, 3]
 
 
+def _qwen_image_ids(get, frames, height, width, text_len) -> Tensor:
+    """Qwen-Image's MSRoPE ids: the text at ``m + i`` on all three axes, ``m = max(H // 2, W // 2)``, then the
+    image at ``(0, row - (H - H // 2), col - (W - W // 2))`` (rows and columns centred on zero)."""
+    start = max(height // 2, width // 2)
+    text = (start + torch.arange(text_len, dtype=torch.float32))[:, None].expand(text_len, 3)     # [L, 3]
+    image = _grid_ids(1, height, width) - torch.tensor([0.0, height - height // 2, width - width // 2])
+    return torch.cat([text, image])                                                               # [L + H W, 3]
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10683,7 +10692,8 @@ _DIFFUSERS_MODELS = {
         _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
                     base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE,
+        _qwen_image_ids),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
        for name in ("NucleusMoEImageTransformer2DModel", "QwenImage21Transformer2DModel")},
     # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs

@@ -5781,7 +5781,7 @@ class TestDiffusersConfig:
                            "BriaFiboTransformer2DModel", "Flux2Transformer2DModel", "HunyuanVideoTransformer3DModel",
                            "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel",
                            "WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
-                           "SkyReelsV2Transformer3DModel")
+                           "SkyReelsV2Transformer3DModel", "QwenImageTransformer2DModel")
 
     @pytest.mark.parametrize("name", DIFFUSERS_POSITIONS)
     def test_positions_through_from_config_match_the_model(self, name):
@@ -5790,6 +5790,15 @@ class TestDiffusersConfig:
         model = diffusers_model(name, DIFFUSERS_ROPE_CONFIGS[name])
         rope = RotaryPositionalEmbedding.from_config(model.config)
         (t, h, w), text = (2, 3, 4), 5
+        if name == "QwenImageTransformer2DModel":   # its module's text and image tables, in the joint order
+            from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+            ids = pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=text)
+            vid, txt = model.pos_embed([(1, h, w)], device=torch.device("cpu"), max_txt_seq_len=text)
+            x = torch.randn(1, ids.shape[0], 2, rope.dim)                                 # [1, N, H, D]
+            ours = rope(x.transpose(1, 2), ids).transpose(1, 2)
+            theirs = apply_rotary_emb_qwen(x, torch.cat([txt, vid]), use_real=False)
+            assert (ours - theirs).abs().max().item() < 1e-6
+            return
         if "Video" in name or name.startswith(("Wan", "SkyReels")):   # the model's module walks its latent grid
             ids = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
             module = getattr(model, "rope", None) or model.rotary_emb
