@@ -10453,6 +10453,7 @@ class _DiffusersModel(NamedTuple):
     defaults: dict      # the model's defaults of the config fields read
     read: object        # get(field) -> keyword arguments of ``encoding``
     # (a model with two encodings, OmniGen's RoPE and patch table, has a tuple of entries)
+    positions: object = None   # (get, frames, height, width, text_len) -> the ids it feeds [N, A] (None: not built)
 
 
 def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
@@ -10574,27 +10575,79 @@ def _interleaved_mrope(head: str, sections) -> object:
     return read
 
 
+def _grid_ids(*sizes: int) -> Tensor:
+    """The row-major grid of ``sizes`` as float ids [prod(sizes), len(sizes)]."""
+    axes = torch.meshgrid(*[torch.arange(size, dtype=torch.float32) for size in sizes], indexing="ij")
+    return torch.stack(axes, -1).reshape(-1, len(sizes))                       # [N, A]
+
+
+def _flux_ids(get, frames, height, width, text_len) -> Tensor:
+    """Flux.1's pipeline: the text ids at zero, then the latent patches at ``(0, row, col)``."""
+    image = torch.cat([torch.zeros(height * width, 1), _grid_ids(height, width)], -1)   # [H W, 3]
+    return torch.cat([torch.zeros(text_len, 3), image])                                  # [L + H W, 3]
+
+
+def _flux2_ids(get, frames, height, width, text_len) -> Tensor:
+    """Flux.2's pipeline over (t, h, w, l): text ``(0, 0, 0, i)``, then the latent patches ``(0, row, col, 0)``."""
+    text = torch.cat([torch.zeros(text_len, 3), torch.arange(text_len, dtype=torch.float32)[:, None]], -1)
+    image = torch.cat([torch.zeros(height * width, 1), _grid_ids(height, width), torch.zeros(height * width, 1)], -1)
+    return torch.cat([text, image])                                                      # [L + H W, 4]
+
+
+def _video_grid(get, frames, height, width, text_len) -> Tensor:
+    """The (t, h, w) grid of the latent patches the model's RoPE module walks (its text tokens get none)."""
+    return _grid_ids(frames, height, width)                                              # [T H W, 3]
+
+
+def _qwen_image_ids(get, frames, height, width, text_len) -> Tensor:
+    """Qwen-Image's MSRoPE ids: the text at ``m + i`` on all three axes, ``m = max(H // 2, W // 2)``, then the
+    image at ``(0, row - (H - H // 2), col - (W - W // 2))`` (rows and columns centred on zero)."""
+    start = max(height // 2, width // 2)
+    text = (start + torch.arange(text_len, dtype=torch.float32))[:, None].expand(text_len, 3)     # [L, 3]
+    image = _grid_ids(1, height, width) - torch.tensor([0.0, height - height // 2, width - width // 2])
+    return torch.cat([text, image])                                                               # [L + H W, 3]
+
+
+def _patch_table_ids(*, crop: bool):
+    """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
+    patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
+    def positions(get, frames, height, width, text_len) -> Tensor:
+        base = int(get("sample_size")) // int(get("patch_size"))
+        size = int(get("pos_embed_max_size")) if crop else None
+        if crop and (height > size or width > size):
+            raise ValueError(f"the latent grid {height} x {width} exceeds pos_embed_max_size={size}")
+        axes = [torch.arange(n if size is None else size, dtype=torch.float64) / ((n if size is None else size) / base)
+                for n in (height, width)]
+        if crop:   # the centre crop of the size x size table
+            axes = [axis[(size - n) // 2:(size - n) // 2 + n] for axis, n in zip(axes, (height, width))]
+        rows, cols = torch.meshgrid(*axes, indexing="ij")
+        return torch.stack([cols, rows], -1).reshape(-1, 2).float()                      # [H W, 2]: (col, row)
+    return positions
+
+
 _FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
 _FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
 _HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
     "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
-    _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"))
-_WAN = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128}, _axial_rope(_wan_axes))
+    _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"), _video_grid)
+_WAN = _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128}, _axial_rope(_wan_axes), _video_grid)
 _DIFFUSERS_MODELS = {
     # axial RoPE over explicit ids (text, h, w, ...): Flux.1 and its clones, theta 10000 in the class
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE, _flux_ids)
+       for name in ("FluxTransformer2DModel", "ChromaTransformer2DModel")},
     **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE) for name in (
-        "FluxTransformer2DModel", "ChromaTransformer2DModel", "LongCatImageTransformer2DModel",
-        "OvisImageTransformer2DModel")},
+        "LongCatImageTransformer2DModel", "OvisImageTransformer2DModel")},
     "Krea2Transformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (32, 48, 48), "rope_theta": 1000.0},
         _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim")),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (32, 32, 32, 32), "rope_theta": theta},
-        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
-       for name, theta in (("Flux2Transformer2DModel", 2000.0), ("Flux3Transformer2DModel", 10000.0))},
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"), ids)
+       for name, theta, ids in (("Flux2Transformer2DModel", 2000.0, _flux2_ids),
+                                ("Flux3Transformer2DModel", 10000.0, None))},
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "rope_theta": 10000.0},
-        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"))
+        _axial_rope("axes_dims_rope", base="rope_theta", dim="attention_head_dim"), _flux_ids)
        for name in ("BriaTransformer2DModel", "BriaFiboTransformer2DModel")},
     "HiDreamImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (32, 32)}, _FLUX_ROPE),
@@ -10639,7 +10692,8 @@ _DIFFUSERS_MODELS = {
         _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
                     base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE),
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE,
+        _qwen_image_ids),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
        for name in ("NucleusMoEImageTransformer2DModel", "QwenImage21Transformer2DModel")},
     # CogView4, GLM-Image: (h, w) halves of the head, half-split pairs
@@ -10683,10 +10737,13 @@ _DIFFUSERS_MODELS = {
         lambda get: {"dim": int(get("attention_head_dim")), "rotary_dim": int(get("rotary_dim"))}),
     # 2-D sin-cos tables added to the patch tokens (PatchEmbed): sines then cosines, the column on the first half
     **{name: _DiffusersModel("SinusoidalPositionalEmbedding",
-                             {"num_attention_heads": heads, "attention_head_dim": head}, _sincos_2d)
-       for name, heads, head in (
-        ("DiTTransformer2DModel", 16, 72), ("PixArtTransformer2DModel", 16, 72), ("SD3Transformer2DModel", 18, 64),
-        ("LatteTransformer3DModel", 16, 88), ("CogView3PlusTransformer2DModel", 64, 40))},
+                             {"num_attention_heads": heads, "attention_head_dim": head, **grid}, _sincos_2d, ids)
+       for name, heads, head, grid, ids in (
+        ("DiTTransformer2DModel", 16, 72, {"sample_size": 32, "patch_size": 2}, _patch_table_ids(crop=False)),
+        ("PixArtTransformer2DModel", 16, 72, {}, None),
+        ("SD3Transformer2DModel", 18, 64, {"sample_size": 128, "patch_size": 2, "pos_embed_max_size": 96},
+         _patch_table_ids(crop=True)),
+        ("LatteTransformer3DModel", 16, 88, {}, None), ("CogView3PlusTransformer2DModel", 64, 40, {}, None))},
     "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
     "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
@@ -10764,22 +10821,77 @@ def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
     if stated:
         raise ValueError(f"{owner}: a diffusers config ({name}) fixes its layout; {', '.join(sorted(stated))} do "
                          f"not apply, got {stated}")
-    if name in _DIFFUSERS_REFUSED:
-        raise ValueError(f"{owner}: {name} (diffusers config _class_name) is not supported: {_DIFFUSERS_REFUSED[name]}")
-    if name not in _DIFFUSERS_MODELS:
-        raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
-                         f"(docs/diffusers.md lists them)")
-    entries = _DIFFUSERS_MODELS[name]
-    entries = (entries,) if isinstance(entries, _DiffusersModel) else entries
+    entries = _diffusers_entries(owner, name, config)
     entry = next((entry for entry in entries if entry.encoding == owner_class), None)
     if entry is None:
         classes = " and ".join(entry.encoding for entry in entries)
         raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {classes}; call "
                          f"{entries[0].encoding}.from_config(config)")
+    try:
+        return entry.read(_diffusers_get(config, entry))
+    except ValueError as error:
+        raise ValueError(f"{owner}: {name}: {error}") from None
+
+
+def _diffusers_get(config, entry: _DiffusersModel):
+    """``get(field)``: a field the config sets, None included (the model reads that None too), else the model's
+    default."""
+    return lambda field: config[field] if field in config else entry.defaults[field]
+
+
+def _diffusers_entries(owner: str, name: str, config) -> tuple:
+    """The table's entries of the model class ``name``, or the ValueError saying why it is refused."""
+    if name in _DIFFUSERS_REFUSED:
+        raise ValueError(f"{owner}: {name} (diffusers config _class_name) is not supported: {_DIFFUSERS_REFUSED[name]}")
+    if name not in _DIFFUSERS_MODELS:
+        raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
+                         f"(docs/diffusers.md lists them)")
     if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
-    try:   # a field the config sets, None included (the model reads that None too), else the model's default
-        return entry.read(lambda field: config[field] if field in config else entry.defaults[field])
+    entries = _DIFFUSERS_MODELS[name]
+    return (entries,) if isinstance(entries, _DiffusersModel) else entries
+
+
+def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,
+                        text_len: int = 0) -> Tensor:
+    """The position ids a diffusers pipeline (or model) feeds the encoding ``from_config`` builds from ``config``.
+
+    Args:
+        config: a diffusers transformer config (its ``config.json`` dict or the loaded ``model.config``), read by
+            its ``_class_name`` as ``from_config`` reads it.
+        height, width: the latent grid after patching (tokens per column and per row).
+        frames: the latent frames after patching, for video models (None for image models).
+        text_len: the text tokens that take positions, before the image (models whose text gets none take 0).
+
+    Shape:
+        - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
+          the encoding's axes. docs/diffusers.md lists the models covered.
+
+    Example:
+        >>> ids = diffusers_positions({"_class_name": "FluxTransformer2DModel"}, height=2, width=3, text_len=4)
+        >>> ids.shape, ids[-1].tolist()
+        (torch.Size([10, 3]), [0.0, 1.0, 2.0])
+    """
+    owner = "diffusers_positions"
+    name = _diffusers_class_name(owner, config)
+    if name is None:
+        error = ValueError if isinstance(config, dict) else TypeError
+        raise error(f"{owner}: config must be a diffusers model config with _class_name, got {_describe(config)}")
+    entry = next((entry for entry in _diffusers_entries(owner, name, config) if entry.positions is not None), None)
+    if entry is None:
+        raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
+    height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
+    text_len = _as_int(owner, "text_len", text_len, minimum=0)
+    video = entry.positions is _video_grid
+    if video != (frames is not None):
+        want = "the latent frames (an int)" if video else "None (an image model)"
+        raise ValueError(f"{owner}: {name}: frames must be {want}, got frames={frames!r}")
+    if (video or entry.encoding != "RotaryPositionalEmbedding") and text_len:
+        raise ValueError(f"{owner}: {name}: its text tokens take no positions; text_len must be 0, got "
+                         f"text_len={text_len}")
+    frames = None if frames is None else _as_int(owner, "frames", frames)
+    try:
+        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len)
     except ValueError as error:
         raise ValueError(f"{owner}: {name}: {error}") from None
 

@@ -5792,6 +5792,77 @@ class TestDiffusersConfig:
         tolerance = 1e-6 + 4e-7 * positions.abs().max().item()
         assert diff < tolerance, f"{name}: rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
 
+    # -- diffusers_positions: the ids each pipeline (or model) feeds, through our encoding, against the model
+    DIFFUSERS_POSITIONS = ("FluxTransformer2DModel", "ChromaTransformer2DModel", "BriaTransformer2DModel",
+                           "BriaFiboTransformer2DModel", "Flux2Transformer2DModel", "HunyuanVideoTransformer3DModel",
+                           "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel",
+                           "WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
+                           "SkyReelsV2Transformer3DModel", "QwenImageTransformer2DModel")
+
+    @pytest.mark.parametrize("name", DIFFUSERS_POSITIONS)
+    def test_positions_through_from_config_match_the_model(self, name):
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        model = diffusers_model(name, DIFFUSERS_ROPE_CONFIGS[name])
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w), text = (2, 3, 4), 5
+        if name == "QwenImageTransformer2DModel":   # its module's text and image tables, in the joint order
+            from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+            ids = pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=text)
+            vid, txt = model.pos_embed([(1, h, w)], device=torch.device("cpu"), max_txt_seq_len=text)
+            x = torch.randn(1, ids.shape[0], 2, rope.dim)                                 # [1, N, H, D]
+            ours = rope(x.transpose(1, 2), ids).transpose(1, 2)
+            theirs = apply_rotary_emb_qwen(x, torch.cat([txt, vid]), use_real=False)
+            assert (ours - theirs).abs().max().item() < 1e-6
+            return
+        if "Video" in name or name.startswith(("Wan", "SkyReels")):   # the model's module walks its latent grid
+            ids = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+            module = getattr(model, "rope", None) or model.rotary_emb
+            cos, sin = module(torch.zeros(1, 1, t, 2 * h, 2 * w))                        # patch 1 x 2 x 2
+            cos, sin = cos.reshape(t * h * w, -1), sin.reshape(t * h * w, -1)             # [N, D]
+        else:                                                                             # the pipeline's ids
+            ids = pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=text)
+            pipe = pytest.importorskip(f"diffusers.pipelines.{'flux2' if 'Flux2' in name else 'flux'}")
+            if name == "Flux2Transformer2DModel":
+                pipeline = pipe.Flux2Pipeline
+                reference = torch.cat([pipeline._prepare_text_ids(torch.zeros(1, text, 1))[0],
+                                       pipeline._prepare_latent_ids(torch.zeros(1, 1, h, w))[0]])
+            else:
+                reference = torch.cat([torch.zeros(text, 3), pipe.FluxPipeline._prepare_latent_image_ids(
+                    1, h, w, torch.device("cpu"), torch.float32)])
+            assert torch.equal(ids, reference.float())
+            cos, sin = model.pos_embed(ids)
+        x = torch.randn(1, ids.shape[0], 2, rope.dim)                                     # [1, N, H, D]
+        ours = rope(x.transpose(1, 2), ids).transpose(1, 2)
+        diff = (ours - apply_rotary_emb(x, (cos, sin), sequence_dim=1)).abs().max().item()
+        assert diff < 1e-6, f"{name}: rotated q differs by {diff:.3g}"
+
+    @pytest.mark.parametrize("kwargs, error", [
+        ({"height": 2, "width": 2, "frames": 2}, "FluxTransformer2DModel: frames must be None"),
+        ({"height": 0, "width": 2}, "height must be a positive int, got height=0"),
+        ({"height": 2, "width": 2, "text_len": -1}, "text_len must be a non-negative int"),
+    ])
+    def test_positions_refuse_bad_sizes(self, kwargs, error):
+        with pytest.raises(ValueError, match=f"diffusers_positions: .*{re.escape(error)}"):
+            pe_lib.diffusers_positions({"_class_name": "FluxTransformer2DModel"}, **kwargs)
+        sd3 = {"_class_name": "SD3Transformer2DModel", "pos_embed_max_size": 8}
+        with pytest.raises(ValueError, match=r"diffusers_positions: SD3Transformer2DModel: the latent grid 9 x 4 "
+                                             r"exceeds pos_embed_max_size=8"):
+            pe_lib.diffusers_positions(sd3, height=9, width=4)
+        with pytest.raises(ValueError, match="SD3Transformer2DModel: its text tokens take no positions"):
+            pe_lib.diffusers_positions(sd3, height=2, width=2, text_len=1)
+
+    def test_positions_refuse_models_not_built(self):
+        with pytest.raises(ValueError, match="diffusers_positions: WanTransformer3DModel: frames must be the latent"):
+            pe_lib.diffusers_positions({"_class_name": "WanTransformer3DModel"}, height=2, width=2)
+        with pytest.raises(ValueError, match="its text tokens take no positions"):
+            pe_lib.diffusers_positions({"_class_name": "WanTransformer3DModel"}, height=2, width=2, frames=1,
+                                       text_len=3)
+        with pytest.raises(ValueError, match="the position ids of OvisImageTransformer2DModel are not built yet"):
+            pe_lib.diffusers_positions({"_class_name": "OvisImageTransformer2DModel"}, height=2, width=2)
+        with pytest.raises(ValueError, match="diffusers_positions: ErnieImageTransformer2DModel .* not a rotation"):
+            pe_lib.diffusers_positions({"_class_name": "ErnieImageTransformer2DModel"}, height=2, width=2)
+
     # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
     @staticmethod
     def added_table(patch_embed, latent):
@@ -5839,6 +5910,10 @@ class TestDiffusersConfig:
         grid = torch.stack(torch.meshgrid(cols.double(), rows.double(), indexing="xy"), -1)  # [h, w, 2]: (col, row)
         diff = (pe.embed(grid.reshape(-1, 2)).float() - theirs).abs().max().item()
         MAX_DIFF[f"diffusers {name}"] = diff
+        if name in ("DiTTransformer2DModel", "SD3Transformer2DModel"):   # diffusers_positions builds them
+            ids = pe_lib.diffusers_positions(model.config, height=h, width=w)
+            assert torch.equal(ids, grid.reshape(-1, 2).float())
+            assert (pe.embed(ids).float() - theirs).abs().max().item() < 1e-6
         assert diff < 1e-6, f"{name}: the sin-cos table differs by {diff:.3g}"
         if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
             frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
