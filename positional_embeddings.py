@@ -145,6 +145,7 @@ __all__ = [
     "VideoRotaryPositionalEmbedding",
     "multimodal_position_ids",
     "layer_encodings",
+    "diffusers_positions",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -11375,7 +11376,7 @@ def _vendor_plain_copy(param: Tensor, value: Tensor) -> None:
 _VENDOR_OPTIONS = {
     "config": {
         "what": "``from_config`` and the Hugging Face config readers",
-        "methods": ("from_config",), "functions": (), "stand_ins": {},
+        "methods": ("from_config",), "functions": ("layer_encodings", "diffusers_positions"), "stand_ins": {},
     },
     "flex": {
         "what": "the FlexAttention path (``score_mod``; ``attention()`` runs every bias densely)",

@@ -13680,6 +13680,8 @@ class TestVendor:
         assert "def _is_dtensor(" not in pe_lib.vendor(["AlgebraicSequencePositionalEmbedding"], distributed=False)
         with pytest.raises(ValueError, match="vendor: shard_positions is left out with distributed=False, but you named it"):
             pe_lib.vendor(["shard_positions"], distributed=False)
+        with pytest.raises(ValueError, match="vendor: diffusers_positions is left out with config=False, but you named it"):
+            pe_lib.vendor(["diffusers_positions"], config=False)
 
     def test_private_docstrings_shrink_to_their_first_sentence(self):
         """Issue 43: a vendored file keeps every public docstring whole and cuts a private function's to its
