@@ -12754,6 +12754,9 @@ SAMPLE_COMPILE_CASES = {"conv_peg_1d", "heinsen", "xpos_interleaved", "string_ca
                         "relpos2d", "graphormer_token", "transformer_xl", "rerope_leaky", "randomized_alibi"}
 COMPILE_CASES = quick_or_slow(CASES, QUICK_COMPILE_CASES, ids=[case.name for case in CASES],
                               sample=SAMPLE_COMPILE_CASES)
+# path_fox_gqa runs path's block loop: its recompiles are path's, and its dynamic graph takes dynamo about a
+# minute to trace (sympy on the blocks' symbolic sizes); the quick-start block still compiles it dynamically
+RECOMPILE_CASES = [param for param in COMPILE_CASES if param.id != "path_fox_gqa"]
 
 
 class TestCompile:
@@ -12778,7 +12781,7 @@ class TestCompile:
             compiled = torch.compile(fn, backend="eager", fullgraph=True)
             torch.testing.assert_close(compiled(*args()), fn(*args()), msg=name)
 
-    @pytest.mark.parametrize("case", COMPILE_CASES)
+    @pytest.mark.parametrize("case", RECOMPILE_CASES)
     def test_compile_recompiles_at_most_once_for_new_lengths(self, case):
         pe = case.make()
         graphs = []

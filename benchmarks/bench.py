@@ -551,8 +551,9 @@ def _bias_encodings(h: int) -> dict:
 def bench_bias_paths(reps: int, compile: bool) -> None:
     """A bias encoding's attention, no grad, causal (ratios to SDPA causal): attention()'s eager
     dense bias (the CPU default), ``flex_attention`` compiled once (the library's
-    ``_compiled_flex_attention``, the CUDA default in eager mode) with the encoding's score_mod
-    and a causal block mask built once outside the timing, attention() compiled whole with its
+    ``_compiled_flex_attention``, the CUDA default in eager mode) with a causal block mask built once
+    outside the timing, without a score_mod (the kernel's own cost: the floor of every flex row) and
+    with the encoding's score_mod, attention() compiled whole with its
     defaults (FlexAttention for T5, ALiBi and KERPLE: their score_mod reads the module's own tensors,
     which inductor's CPU kernel takes; the dense bias for FIRE) and compiled whole with the dense
     bias (``use_flex=False``). Then T5 at 32768 tokens through attention()'s defaults, eager: the dense
@@ -562,6 +563,11 @@ def bench_bias_paths(reps: int, compile: bool) -> None:
     for n, names in ((1024, ("T5", "ALiBi", "KERPLE", "FIRE")), (8192, ("T5",))):
         q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
         calls = {"SDPA causal (no positions)": lambda: sdpa(q, k, v, is_causal=True)}
+        if compile:   # the CPU kernel's own cost: compiled flex_attention with the causal block mask and no score_mod
+            torch._dynamo.reset()
+            flex, mask = pe_lib._compiled_flex_attention(), pe_lib._block_mask(None, True, n, n, q.device)
+            calls["compiled flex_attention, no score_mod"] = lambda flex=flex, mask=mask: flex(
+                q, k, v, block_mask=mask, scale=d ** -0.5)
         for name in names:
             pe = _bias_encodings(h)[name]
             calls[f"{name}: eager, dense bias"] = lambda pe=pe: pe_lib.attention(q, k, v, pe, causal=True,
