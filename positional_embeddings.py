@@ -5422,8 +5422,11 @@ class _TokenRotation(_QKTransform):
 def _mixed_frequencies(head_dim: int, num_heads: int, num_axes: int, base: float) -> Tensor:
     """RoPE-Mixed's initial frequencies ``[A, H, F]`` (float64, drawn on the CPU): magnitudes
     ``base ** (-2A i / Dh)`` along a random frame per head (rope-vit's ``init_random_2d_freqs`` for
-    two axes: an angle ``phi_h``, then ``phi_h + pi/2``; a QR-orthonormal frame for other counts)."""
-    per_vector = head_dim // (2 * num_axes)
+    two axes: an angle ``phi_h``, then ``phi_h + pi/2``; a QR-orthonormal frame for other counts).
+    Each frame vector takes ``ceil(F / A)`` pairs; where ``A`` does not divide ``F`` (Mochi: 64 pairs,
+    3 axes) the last vector takes the pairs left."""
+    pairs = head_dim // 2
+    per_vector = -(-pairs // num_axes)
     magnitude = base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * num_axes / head_dim)  # [F/A]
     if num_axes == 2:
         phi = torch.rand(num_heads, device="cpu").double() * 2 * math.pi                          # [H]
@@ -5432,7 +5435,7 @@ def _mixed_frequencies(head_dim: int, num_heads: int, num_axes: int, base: float
     else:
         frame = torch.linalg.qr(torch.randn(num_heads, num_axes, num_axes, dtype=torch.float64, device="cpu"))[0]
         frame = frame.permute(1, 0, 2)                                                             # [A, H, A]
-    return (frame.unsqueeze(-1) * magnitude).flatten(-2)                                         # [A, H, F]
+    return (frame.unsqueeze(-1) * magnitude).flatten(-2)[..., :pairs]                            # [A, H, F]
 
 
 def _mixed_angles(positions: Tensor, freqs: Tensor) -> Tensor:
@@ -5479,7 +5482,8 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
     (float64 for float64 inputs). Cost: ``O(B H N Dh)`` like RoPE, plus ``O(N H Dh A)`` angles.
 
     Args:
-        head_dim (int): head dim ``Dh``, divisible by ``2 * num_axes`` (by 4 for two axes).
+        head_dim (int): head dim ``Dh``, even (``A`` need not divide the ``Dh / 2`` pairs: Mochi's 128
+            with 3 axes).
         num_heads (int): heads ``H``.
         num_axes (int): position axes ``A``. Default: 2.
         base (float): base of the initial magnitudes. Default: 100.0.
@@ -5500,8 +5504,8 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, base: float = 100.0) -> None:
         super().__init__()
-        if head_dim % (2 * num_axes):
-            raise ValueError(f"{type(self).__name__}: head_dim must be divisible by 2 * num_axes = {2 * num_axes}, "
+        if head_dim % 2:
+            raise ValueError(f"{type(self).__name__}: head_dim must be even (pairs of channels turn), "
                              f"got head_dim={head_dim}")
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, base
         self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
@@ -5511,6 +5515,13 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
     def reset_parameters(self) -> None:
         if not self.freqs.is_meta:   # no storage to fill (and no draw from the global generator)
             _copy_into(self.freqs, _mixed_frequencies(self.head_dim, self.num_heads, self.num_axes, self.base))
+
+    @classmethod
+    def from_config(cls, config) -> "MixedRotaryPositionalEmbedding":
+        """Mochi's learned mixed frequencies from its diffusers config (``_class_name``
+        ``MochiTransformer3DModel``): copy its ``pos_frequencies`` ``[3, H, Dh/2]`` into ``freqs``;
+        ``diffusers_positions`` gives its ``(t, h, w)`` positions."""
+        return cls(**_diffusers_kwargs("MixedRotaryPositionalEmbedding", config, {}))
 
     def angles(self, positions: Tensor) -> Tensor:
         """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A] -> [..., H, N, F]."""
@@ -10609,6 +10620,19 @@ def _qwen_image_ids(get, frames, height, width, text_len) -> Tensor:
     return torch.cat([text, image])                                                               # [L + H W, 3]
 
 
+def _mochi_ids(get, frames, height, width, text_len) -> Tensor:
+    """Mochi's (t, h, w): frames ``0, 1, ...``; rows and columns the midpoints of ``n`` equal cells spanning
+    ``[-n s / 2, n s / 2]``, ``s = sqrt(192^2 / (H W))`` (the model's base area 192 x 192, not in the config), so
+    every grid spans the same area, centred on zero. float32 as the model computes them."""
+    scale = (192 * 192 / (height * width)) ** 0.5
+
+    def centres(n: int) -> Tensor:
+        edges = torch.linspace(-n * scale / 2, n * scale / 2, n + 1)
+        return (edges[:-1] + edges[1:]) / 2                                               # [n]
+    axes = torch.meshgrid(torch.arange(frames, dtype=torch.float32), centres(height), centres(width), indexing="ij")
+    return torch.stack(axes, -1).reshape(-1, 3)                                           # [T H W, 3]
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10722,6 +10746,11 @@ _DIFFUSERS_MODELS = {
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
         _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
                         lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
+    # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
+    "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
+        "num_attention_heads": 24, "attention_head_dim": 128},
+        lambda get: {"head_dim": int(get("attention_head_dim")), "num_heads": int(get("num_attention_heads")),
+                     "num_axes": 3}, _mochi_ids),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10790,8 +10819,6 @@ _DIFFUSERS_REFUSED = {
     "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
     "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
     "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
-    "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
-                               "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
@@ -10883,7 +10910,7 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
-    video = entry.positions is _video_grid
+    video = entry.positions in (_video_grid, _mochi_ids)
     if video != (frames is not None):
         want = "the latent frames (an int)" if video else "None (an image model)"
         raise ValueError(f"{owner}: {name}: frames must be {want}, got frames={frames!r}")

@@ -312,6 +312,9 @@ CASES = [
     Case("fope_authors", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, num_pairs=DH // 4, padded="ones")),
     Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
     Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
+    Case("mixed_rope_mochi_split", lambda: MixedRotaryPositionalEmbedding(DH, H, 3),   # 3 axes, 16 pairs
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
     Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
          has_offset=False),
     Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
@@ -6025,6 +6028,31 @@ class TestDiffusersConfig:
                            interleaved=True)
         torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
 
+    def test_mochi_matches_its_module(self):
+        # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
+        # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
+        pytest.importorskip("diffusers")
+        model = diffusers_model("MochiTransformer3DModel", {
+            "num_attention_heads": 2, "attention_head_dim": 128, "num_layers": 1, "pooled_projection_dim": 16,
+            "in_channels": 4, "text_embed_dim": 16, "time_embed_dim": 16})
+        pe = MixedRotaryPositionalEmbedding.from_config(model.config)
+        assert (pe.head_dim, pe.num_heads, pe.num_axes) == (128, 2, 3)
+        with torch.no_grad():
+            model.pos_frequencies.normal_(std=0.05)
+            pe.freqs.copy_(model.pos_frequencies)
+        (t, h, w) = (2, 3, 4)
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+        assert torch.equal(positions, model.rope._get_positions(t, h, w, dtype=torch.float32))
+        cos, sin = model.rope(model.pos_frequencies, t, h, w, dtype=torch.float32)          # [N, H, 64]
+        x = torch.randn(1, t * h * w, 2, 128)                                               # [B, N, H, D]
+        even, odd = x[..., 0::2], x[..., 1::2]   # MochiAttnProcessor2_0's inline apply_rotary_emb
+        theirs = torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+        with torch.no_grad():
+            ours = pe(x.transpose(1, 2), positions).transpose(1, 2)
+        diff = (ours - theirs).abs().max().item()
+        MAX_DIFF["diffusers MochiTransformer3DModel"] = diff
+        assert diff < 2e-6, f"rotated q differs by {diff:.3g}"   # its float32 angles, up to ~8 rad
+
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
@@ -6034,7 +6062,8 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
-        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
+        own_tests = {"MochiTransformer3DModel"}   # rotary constructs compared in a test of their own
+        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
 
@@ -8593,9 +8622,29 @@ class TestMixedRotary:
         video = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
         assert pe(torch.randn(1, 3, 12, 24), video.reshape(12, 3)).shape == (1, 3, 12, 24)
 
+    def test_axes_that_do_not_divide_the_pairs(self):
+        # Mochi: 64 pairs over 3 axes; here 5 pairs over 3: each frame vector takes ceil(5 / 3) = 2, the last 1
+        torch.manual_seed(0)
+        pe = MixedRotaryPositionalEmbedding(10, 2, 3, base=10.0).double()
+        directions = pe.freqs.detach()                                          # [A, H, F]
+        for h in range(2):
+            for f in range(5):   # vector f // 2 of the frame, magnitude 10 ** (-6 (f % 2) / 10)
+                assert abs(directions[:, h, f].norm().item() - 10.0 ** (-6 * (f % 2) / 10)) < 1e-6   # float32
+            frame = directions[:, h, ::2] / directions[:, h, ::2].norm(dim=0)  # the three unit vectors [A, 3]
+            torch.testing.assert_close(frame.T @ frame, torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
+        with torch.no_grad():
+            pe.freqs.normal_()
+        x = torch.randn(1, 2, 4, 10, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.5, -1.0], [1.0, 2.0, 3.0], [-3.5, 0.25, 9.0], [7.0, -1.0, 0.0]])
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(4):
+                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f]) for a in range(3)) for f in range(5)]
+                torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
+
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be divisible by 2 \\* num_axes = 4, got head_dim=30"):
-            MixedRotaryPositionalEmbedding(30, 4)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got head_dim=31"):
+            MixedRotaryPositionalEmbedding(31, 4)
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
             MixedRotaryPositionalEmbedding(32, 4, base=1.0)
         with pytest.raises(TypeError, match="MixedRotaryPositionalEmbedding: num_heads must be an int, got bool True"):
