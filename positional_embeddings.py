@@ -10492,6 +10492,17 @@ def _wan_axes(get) -> list:
     return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
 
 
+def _cosmos_rope(get) -> dict:
+    """Cosmos 1.0 / 2: Wan's split of the head among (t, h, w), half-split pairs, and axis ``a`` its own spectrum
+    over its ``w_a`` channels from its own NTK-scaled base ``10000 * rope_scale[a] ** (w_a / (w_a - 2))``: the
+    per-axis spectra as explicit ``frequencies``."""
+    widths, scales = _wan_axes(get), [float(scale) for scale in get("rope_scale")]
+    frequencies = [(10000.0 * scale ** (width / (width - 2))) ** (-2 * j / width)
+                   for width, scale in zip(widths, scales) for j in range(width // 2)]
+    return {"dim": int(get("attention_head_dim")), "sections": [width // 2 for width in widths],
+            "frequencies": frequencies}
+
+
 def _split_3d_axes(get) -> list:
     """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
     head = int(get("attention_head_dim"))
@@ -10633,6 +10644,14 @@ def _mochi_ids(get, frames, height, width, text_len) -> Tensor:
     return torch.stack(axes, -1).reshape(-1, 3)                                           # [T H W, 3]
 
 
+def _cosmos_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """Cosmos 1.0 / 2's (t, h, w) grid; a video's frames (``fps`` given) at ``frame / fps * 24`` (its base fps)."""
+    grid = _grid_ids(frames, height, width)                                               # [T H W, 3]
+    if fps is not None:
+        grid[:, 0] = grid[:, 0] / fps * 24
+    return grid
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10746,6 +10765,9 @@ _DIFFUSERS_MODELS = {
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
         _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
                         lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
+    # Cosmos 1.0 / 2: a base per axis (1.0's learned per-axis tables, extra_pos_embed_type, are added to the tokens)
+    "CosmosTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_scale": (2.0, 1.0, 1.0)}, _cosmos_rope, _cosmos_ids),
     # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
     "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
         "num_attention_heads": 24, "attention_head_dim": 128},
@@ -10818,7 +10840,6 @@ _DIFFUSERS_REFUSED = {
     "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
     "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
     "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
-    "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
@@ -10881,7 +10902,7 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,
-                        text_len: int = 0) -> Tensor:
+                        text_len: int = 0, fps: Optional[float] = None) -> Tensor:
     """The position ids a diffusers pipeline (or model) feeds the encoding ``from_config`` builds from ``config``.
 
     Args:
@@ -10890,6 +10911,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         height, width: the latent grid after patching (tokens per column and per row).
         frames: the latent frames after patching, for video models (None for image models).
         text_len: the text tokens that take positions, before the image (models whose text gets none take 0).
+        fps: the frame rate a video pipeline passes its transformer, for the models whose positions take it
+            (Cosmos: frames at ``frame / fps * 24``); None for the others (Cosmos then numbers the frames).
 
     Shape:
         - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
@@ -10910,7 +10933,10 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
-    video = entry.positions in (_video_grid, _mochi_ids)
+    video = entry.positions in (_video_grid, _mochi_ids, _cosmos_ids)
+    timed = entry.positions in (_cosmos_ids,)
+    if fps is not None and not timed:
+        raise ValueError(f"{owner}: {name}: its positions take no frame rate; fps must be None, got fps={fps!r}")
     if video != (frames is not None):
         want = "the latent frames (an int)" if video else "None (an image model)"
         raise ValueError(f"{owner}: {name}: frames must be {want}, got frames={frames!r}")
@@ -10919,7 +10945,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
                          f"text_len={text_len}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
     try:
-        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len)
+        fps = () if fps is None else (_as_float(owner, "fps", fps, minimum=0.0, exclusive=True),)
+        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len, *fps)
     except ValueError as error:
         raise ValueError(f"{owner}: {name}: {error}") from None
 

@@ -6028,6 +6028,46 @@ class TestDiffusersConfig:
                            interleaved=True)
         torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
 
+    @pytest.mark.parametrize("fps", [None, 16])
+    def test_cosmos_matches_its_module(self, fps):
+        # a base per axis (rope_scale), half-split pairs; frames at frame / fps * 24 for a video, else numbered
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        model = diffusers_model("CosmosTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 32, "num_layers": 1,
+            "text_embed_dim": 16, "adaln_lora_dim": 8, "max_size": (8, 16, 16), "rope_scale": (2.0, 3.0, 1.5)})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w) = (3, 4, 5)
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        cos, sin = model.rope(torch.zeros(1, 5, t, 2 * h, 2 * w), fps=fps)                  # patch 1 x 2 x 2
+        x = torch.randn(1, 2, t * h * w, 32)                                                # [B, H, N, D]
+        diff = (rope(x, positions) - apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-2)).abs().max()
+        MAX_DIFF[f"diffusers CosmosTransformer3DModel fps={fps}"] = diff.item()
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
+    def test_cosmos_bases_match_a_loop_oracle(self):
+        # axis a: w_a channels (Wan's split: h = w = 2 (D // 6), t the rest) at theta_a ** (-2j / w_a),
+        # theta_a = 10000 * rope_scale[a] ** (w_a / (w_a - 2)); pair i is (i, i + D / 2)
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "CosmosTransformer3DModel", "attention_head_dim": 20,
+                                                      "rope_scale": [2.0, 3.0, 0.5]}).double()
+        widths, scales = (8, 6, 6), (2.0, 3.0, 0.5)
+        inv_freq, axis = [], []
+        for a in range(3):
+            theta = 10000.0 * scales[a] ** (widths[a] / (widths[a] - 2))
+            for j in range(widths[a] // 2):
+                inv_freq.append(theta ** (-2 * j / widths[a]))
+                axis.append(a)
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([1.5, 1, 1])
+        x = torch.randn(2, 24, 20, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[a]) for a in axis) for p in positions.tolist()], inv_freq)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="diffusers_positions: CosmosTransformer3DModel: .*fps must be a finite "
+                                             "number > 0.0, got fps=0"):
+            pe_lib.diffusers_positions({"_class_name": "CosmosTransformer3DModel"}, frames=1, height=1, width=1, fps=0)
+        with pytest.raises(ValueError, match="diffusers_positions: WanTransformer3DModel: its positions take no frame "
+                                             "rate; fps must be None, got fps=24"):
+            pe_lib.diffusers_positions({"_class_name": "WanTransformer3DModel"}, frames=1, height=1, width=1, fps=24)
+
     def test_mochi_matches_its_module(self):
         # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
         # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
@@ -6062,7 +6102,7 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
-        own_tests = {"MochiTransformer3DModel"}   # rotary constructs compared in a test of their own
+        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel"}   # rotary constructs compared in a test of their own
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
