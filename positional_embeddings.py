@@ -3528,6 +3528,11 @@ def _check_rotary_arguments(owner: str, arguments: dict) -> None:
         raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
                          f"per axis), got no pair on axes {unused}")
     _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
+    chunk = arguments.get("chunk_size")
+    if chunk is not None and (arguments["interleaved"] or chunk % 2 or rotary_dim != dim or dim % chunk):
+        raise ValueError(f"{owner}: chunk_size (half-split pairs inside each chunk) needs interleaved=False, an even "
+                         f"chunk_size dividing dim and rotary_dim == dim, got chunk_size={chunk}, dim={dim}, "
+                         f"rotary_dim={rotary_dim}, interleaved={arguments['interleaved']}")
 
 
 def _largest_position(positions: Optional[Tensor], n: int, offset: int):
@@ -3551,12 +3556,15 @@ class _RotaryLayout(_AttentionEncoding):
     ``seq_dim=-3``, ``[..., N, H, Dh]``; ``rerotate`` also takes positions per head.
     """
 
+    chunk_size: Optional[int] = None   # half-split pairs inside chunks of this many channels (None: one chunk)
+
     def _set_layout(self, params: dict, rotary_dim: Optional[int], sections: Optional[list], section_layout: str,
-                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list]) -> None:
+                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list],
+                    chunk_size: Optional[int] = None) -> None:
         """The layout of the constructor's arguments, as the scaling dict ``params`` completes it."""
         self.rotary_dim, self.sections, self.section_layout = _rotary_layout(
             type(self).__name__, self.dim, rotary_dim, params, sections, section_layout)
-        self.axis_spectrum, self.frequencies = axis_spectrum, frequencies
+        self.axis_spectrum, self.frequencies, self.chunk_size = axis_spectrum, frequencies, chunk_size
         pair_axes = self._axis_of_pair() if pair_axes is None else pair_axes
         self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
         self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
@@ -3572,7 +3580,19 @@ class _RotaryLayout(_AttentionEncoding):
             text += f", pair_axes={self.pair_axes}"
         if self.frequencies is not None:
             text += f", frequencies={self.frequencies}"
-        return text
+        return text if self.chunk_size is None else text + f", chunk_size={self.chunk_size}"
+
+    def _rotate_layout(self, xs: tuple, cos: tuple, sin: tuple) -> tuple:
+        """``_rotate_all`` in this layout. With ``chunk_size`` C, pair ``i = c C/2 + j`` is channels
+        ``(c C + j, c C + C/2 + j)``: the chunks' first halves gathered ahead of their second halves are
+        the plain half-split layout, so each x is reordered to it, turned, and put back (exact copies)."""
+        trailing = self.rotated_channels == "trailing"
+        if self.chunk_size is None:
+            return _rotate_all(xs, cos, sin, self.interleaved, self.rotary_dim, trailing)
+        chunks = (self.dim // self.chunk_size, 2, self.chunk_size // 2)
+        xs = tuple(x.unflatten(-1, chunks).transpose(-3, -2).flatten(-3) for x in xs)    # [..., K, 2, C/2] -> [..., D]
+        turned = _rotate_all(xs, cos, sin, False, self.rotary_dim, trailing)
+        return tuple(x.unflatten(-1, chunks[1::-1] + chunks[2:]).transpose(-3, -2).flatten(-3) for x in turned)
 
     def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
         """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
@@ -3714,6 +3734,10 @@ class RotaryPositionalEmbedding(_RotaryLayout):
             of ``sections``; ``A = max(pair_axes) + 1``. Default: None.
         frequencies (list of float or 1-D tensor, optional): the frequency of each pair, instead of
             ``base ** (-2i / R)`` (no ``scaling`` then). Default: None.
+        chunk_size (int, optional): half-split pairs inside each chunk of ``C`` channels: pair ``i`` is
+            channels ``(cC + j, cC + C/2 + j)``, ``c, j = divmod(i, C/2)`` (Allegro's per-axis chunks,
+            LTX-2's per-head slices of one RoPE over all heads); needs ``interleaved=False`` and
+            ``rotary_dim == dim``. Default: None (one chunk: the plain layouts).
 
     Shape:
         - x: ``[..., N, Dh]`` (``[B, H, N, Dh]`` for attention); positions ``[N]``, ``[B, N]``
@@ -3730,6 +3754,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
     translation_invariant = True
     arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints, "pair_axes": _axis_list,
                  "frequencies": _frequency_list, "cache_len": functools.partial(_as_int, minimum=0),
+                 "chunk_size": _check_positive_int,
                  "section_layout": functools.partial(_check_choice,
                                                      choices=("contiguous", "interleaved", "alternating")),
                  "axis_spectrum": functools.partial(_check_choice, choices=("shared", "per_axis", "strided")),
@@ -3747,11 +3772,11 @@ class RotaryPositionalEmbedding(_RotaryLayout):
                  axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared", cache_len: int = 4096,
                  head_dim: Optional[int] = None, rotated_channels: Literal["leading", "trailing"] = "leading",
                  rotate_values: bool = False, pair_axes: Optional[list] = None,
-                 frequencies: Optional[list] = None) -> None:
+                 frequencies: Optional[list] = None, chunk_size: Optional[int] = None) -> None:
         super().__init__()
         self.dim, self.base, self.interleaved = dim if head_dim is None else head_dim, float(base), interleaved
         params = _check_scaling(type(self).__name__, scaling, self.base)
-        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies)
+        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies, chunk_size)
         self.rotated_channels, self.rotate_values, self.cache_len = rotated_channels, rotate_values, cache_len
         self._set_scaling(params)
 
@@ -3900,8 +3925,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
             cos_q, sin_q = cos_k, sin_k
         else:
             cos_q, sin_q = self._call_cos_sin("q", q_len, k_len, positions_q, positions_k, q.device, dtype)
-        return _rotate_all((q, k), (cos_q, cos_k), (sin_q, sin_k), self.interleaved, self.rotary_dim,
-                           self.rotated_channels == "trailing")
+        return self._rotate_layout((q, k), (cos_q, cos_k), (sin_q, sin_k))
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
@@ -4014,7 +4038,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
         if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return _rotate(x, cos, sin, self.interleaved, self.rotary_dim, self.rotated_channels == "trailing")
+        return self._rotate_layout((x,), (cos,), (sin,))[0]
 
 
 class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
@@ -10503,6 +10527,15 @@ def _cosmos_rope(get) -> dict:
             "frequencies": frequencies}
 
 
+def _allegro_rope(get) -> dict:
+    """Allegro: a 1-D RoPE per third of the head (t, h, w), each half-split with its own spectrum: per-axis
+    sections in chunks of ``D / 3`` channels."""
+    head = int(get("attention_head_dim"))
+    if head % 6:
+        raise ValueError(f"attention_head_dim must be a multiple of 6 (three chunks of pairs), got {head}")
+    return {"dim": head, "sections": [head // 6] * 3, "axis_spectrum": "per_axis", "chunk_size": head // 3}
+
+
 def _split_3d_axes(get) -> list:
     """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
     head = int(get("attention_head_dim"))
@@ -10652,6 +10685,14 @@ def _cosmos_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
     return grid
 
 
+def _allegro_ids(get, frames, height, width, text_len) -> Tensor:
+    """Allegro's pipeline: the (t, h, w) grid, each axis divided by the config's ``interpolation_scale_{t,h,w}``."""
+    scales = [get(f"interpolation_scale_{axis}") for axis in "thw"]
+    if None in scales:   # the model falls back on a default, but its pipeline divides by the config's value
+        raise ValueError(f"the pipeline divides the grid by interpolation_scale_(t, h, w), got {scales}")
+    return _grid_ids(frames, height, width) / torch.tensor([float(scale) for scale in scales])   # [T H W, 3]
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10768,6 +10809,10 @@ _DIFFUSERS_MODELS = {
     # Cosmos 1.0 / 2: a base per axis (1.0's learned per-axis tables, extra_pos_embed_type, are added to the tokens)
     "CosmosTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "rope_scale": (2.0, 1.0, 1.0)}, _cosmos_rope, _cosmos_ids),
+    # Allegro: a 1-D RoPE per third of the head, each half-split (chunks)
+    "AllegroTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 96, "interpolation_scale_t": 2.2, "interpolation_scale_h": 2.0,
+        "interpolation_scale_w": 2.0}, _allegro_rope, _allegro_ids),
     # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
     "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
         "num_attention_heads": 24, "attention_head_dim": 128},
@@ -10838,7 +10883,6 @@ _DIFFUSERS_REFUSED = {
     "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
                                    "pairs with fractional coordinates, per head slice",
     "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
-    "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
     "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
@@ -10933,7 +10977,7 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
-    video = entry.positions in (_video_grid, _mochi_ids, _cosmos_ids)
+    video = entry.positions in (_video_grid, _mochi_ids, _cosmos_ids, _allegro_ids)
     timed = entry.positions in (_cosmos_ids,)
     if fps is not None and not timed:
         raise ValueError(f"{owner}: {name}: its positions take no frame rate; fps must be None, got fps={fps!r}")

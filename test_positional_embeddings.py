@@ -294,6 +294,11 @@ CASES = [
     Case("rotary_interleaved_partial", lambda: RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)),
     Case("rotary_yarn", lambda: RotaryPositionalEmbedding(
         DH, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+    Case("rotary_chunks", lambda: RotaryPositionalEmbedding(DH, sections=[4, 4, 4, 4], axis_spectrum="per_axis",
+                                                            chunk_size=DH // 4),   # Allegro's layout, 4 axes
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3, torch.arange(n) % 5], -1),
+         has_offset=False),
     Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
@@ -6068,6 +6073,27 @@ class TestDiffusersConfig:
                                              "rate; fps must be None, got fps=24"):
             pe_lib.diffusers_positions({"_class_name": "WanTransformer3DModel"}, frames=1, height=1, width=1, fps=24)
 
+    def test_allegro_matches_its_module(self):
+        # a 1-D RoPE per third of the head, half-split inside each; the pipeline's tables over the grid divided by
+        # the interpolation scales, indexed by the (t, h, w) grid
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb_allegro
+        from diffusers.pipelines.allegro.pipeline_allegro import AllegroPipeline
+        model = diffusers_model("AllegroTransformer3DModel", {
+            "num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1, "cross_attention_dim": 48,
+            "caption_channels": 16, "interpolation_scale_t": 2.2, "interpolation_scale_h": 1.5})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w) = (3, 4, 5)
+        pipeline = type("Pipeline", (), {"vae_scale_factor_spatial": 8, "transformer": model})()
+        freqs, grid = AllegroPipeline._prepare_rotary_positional_embeddings(
+            pipeline, 1, 16 * h, 16 * w, t, torch.device("cpu"))                            # patch 2, VAE 8
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+        assert torch.equal(torch.stack(grid, -1)[0].float() / torch.tensor([2.2, 1.5, 2.0]), positions)
+        x = torch.randn(1, 2, t * h * w, 24)                                                # [B, H, N, D]
+        diff = (rope(x, positions) - apply_rotary_emb_allegro(x, freqs, grid)).abs().max().item()
+        MAX_DIFF["diffusers AllegroTransformer3DModel"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
     def test_mochi_matches_its_module(self):
         # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
         # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
@@ -6102,7 +6128,7 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
-        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel"}   # rotary constructs compared in a test of their own
+        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel"}   # rotary constructs compared in a test of their own
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
@@ -6519,9 +6545,10 @@ class TestPairAxes:
 
     # ------------------------------------------------------------------------------------------------ oracle
     @staticmethod
-    def oracle(x, positions, axis_of_pair, inv_freq, *, interleaved=False):
-        """Float64 plain-loop RoPE: pair ``f`` (channels ``(f, f + F)`` half-split or ``(2f, 2f + 1)``
-        interleaved, ``F = len(axis_of_pair)``, the leading ``2F`` channels) turns by
+    def oracle(x, positions, axis_of_pair, inv_freq, *, interleaved=False, chunk=None):
+        """Float64 plain-loop RoPE: pair ``f`` (channels ``(f, f + F)`` half-split, ``(2f, 2f + 1)``
+        interleaved, or ``(cC + j, cC + C/2 + j)`` for ``c, j = divmod(f, C/2)`` with ``chunk=C``;
+        ``F = len(axis_of_pair)``, the leading ``2F`` channels) turns by
         ``positions[..., n, axis_of_pair[f]] * inv_freq[f]``; ``(a, b) -> (a cos - b sin, b cos + a sin)``.
 
         x ``[..., N, Dh]``; positions ``[N, A]`` (every row of x) or ``[B, N, A]`` (B = x's first dim)."""
@@ -6538,6 +6565,9 @@ class TestPairAxes:
             for n in range(p.shape[0]):
                 for f in range(pairs):
                     i, j = (2 * f, 2 * f + 1) if interleaved else (f, f + pairs)
+                    if chunk is not None:
+                        c, r = divmod(f, chunk // 2)
+                        i, j = c * chunk + r, c * chunk + chunk // 2 + r
                     angle = float(p[n, axis_of_pair[f]]) * float(inv_freq[f])
                     c, s = math.cos(angle), math.sin(angle)
                     a, b = xs[..., n, i], xs[..., n, j]
@@ -6605,6 +6635,40 @@ class TestPairAxes:
         positions = torch.randint(0, 50, (5, 2))
         want = self.oracle(x, positions, [0, 0, 0, 1, 1, 1, 1, 1], freqs)
         assert self.diff(rope(x, positions), want) < 2e-6
+
+    # --------------------------------------------------------------------- half-split pairs inside chunks
+    @pytest.mark.parametrize("kwargs, axes, freqs", [
+        # Allegro: a chunk per axis, each its own spectrum over its chunk
+        (dict(sections=[2, 2, 2], axis_spectrum="per_axis", chunk_size=4), [0, 0, 1, 1, 2, 2],
+         [1.0, 0.01] * 3),
+        # LTX-2's split RoPE: one chunk per head slice of any pair map (zero frequencies: its padding pairs)
+        (dict(pair_axes=[0, 0, 1, 2, 0, 1], frequencies=[0.0, 0.0, 0.5, 2.0, 1.25, 0.03], chunk_size=6),
+         [0, 0, 1, 2, 0, 1], [0.0, 0.0, 0.5, 2.0, 1.25, 0.03]),
+    ])
+    def test_chunks_match_oracle(self, kwargs, axes, freqs):
+        torch.manual_seed(8)
+        rope = RotaryPositionalEmbedding(12, **kwargs)
+        x = torch.randn(2, 3, 5, 12, dtype=torch.float64)
+        positions = torch.rand(2, 5, 3, dtype=torch.float64) * 20 - 5
+        want = self.oracle(x, positions, axes, freqs, chunk=kwargs["chunk_size"])
+        assert self.diff(rope(x, positions), want) < 1e-12
+        # the other paths: [B, N, H, Dh], q and k together, keys moved to new positions
+        assert self.diff(rope(x.transpose(1, 2), positions, seq_dim=-3).transpose(1, 2), want) < 1e-12
+        q, k = rope.encode_qk(x, x.flip(-2), positions, positions)
+        assert self.diff(q, want) < 1e-12
+        assert self.diff(k, self.oracle(x.flip(-2), positions, axes, freqs, chunk=kwargs["chunk_size"])) < 1e-12
+        assert self.diff(rope.rerotate(rope(x, positions), positions, positions + 3), rope(x, positions + 3)) < 1e-12
+        # one chunk is the plain half-split layout
+        whole = RotaryPositionalEmbedding(12, **{**kwargs, "chunk_size": 12})
+        assert torch.equal(whole(x, positions), RotaryPositionalEmbedding(12, **{
+            key: value for key, value in kwargs.items() if key != "chunk_size"})(x, positions))
+
+    @pytest.mark.parametrize("kwargs", [dict(chunk_size=4, interleaved=True), dict(chunk_size=5),
+                                        dict(chunk_size=8), dict(chunk_size=4, rotary_dim=8)])
+    def test_chunks_need_a_half_split_full_rotation(self, kwargs):
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: chunk_size \\(half-split pairs inside each "
+                                             "chunk\\) needs interleaved=False, an even chunk_size dividing dim"):
+            RotaryPositionalEmbedding(12, **kwargs)
 
     # -------------------------------------------------------------------------- presets, written out by hand
     @pytest.mark.parametrize("dim, sections, layout, interleaved, axes", [
