@@ -10536,6 +10536,17 @@ def _allegro_rope(get) -> dict:
     return {"dim": head, "sections": [head // 6] * 3, "axis_spectrum": "per_axis", "chunk_size": head // 3}
 
 
+def _lumina_next_rope(get) -> dict:
+    """Lumina-Next: each of (row, col) its own spectrum ``10000 ** (-4k / D)`` over ``D / 2`` channels, the pairs
+    alternating ``row k, col k`` (interleaved channels): an explicit map. The pipeline's time-aware scaling (a
+    linear factor dividing the frequencies, or an NTK factor multiplying the base) is docs/diffusers.md's."""
+    head = int(get("hidden_size")) // int(get("num_attention_heads"))
+    if head % 4:
+        raise ValueError(f"the head dim must be a multiple of 4 (two axes of pairs), got {head}")
+    return {"dim": head, "interleaved": True, "pair_axes": [0, 1] * (head // 4),
+            "frequencies": [10000.0 ** (-4 * k / head) for k in range(head // 4) for _ in range(2)]}
+
+
 def _split_3d_axes(get) -> list:
     """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
     head = int(get("attention_head_dim"))
@@ -10693,6 +10704,13 @@ def _allegro_ids(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(frames, height, width) / torch.tensor([float(scale) for scale in scales])   # [T H W, 3]
 
 
+def _image_grid(get, frames, height, width, text_len) -> Tensor:
+    """The (row, col) grid of the image patches, which alone take positions (Lumina-Next)."""
+    if text_len:
+        raise ValueError(f"its text tokens take no positions; text_len must be 0, got text_len={text_len}")
+    return _grid_ids(height, width)                                                       # [H W, 2]
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10813,6 +10831,10 @@ _DIFFUSERS_MODELS = {
     "AllegroTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 96, "interpolation_scale_t": 2.2, "interpolation_scale_h": 2.0,
         "interpolation_scale_w": 2.0}, _allegro_rope, _allegro_ids),
+    # Lumina-Next: (row, col) pairs alternating, a spectrum per axis
+    "LuminaNextDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"hidden_size": 2304,
+                                                                          "num_attention_heads": 32},
+                                            _lumina_next_rope, _image_grid),
     # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
     "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
         "num_attention_heads": 24, "attention_head_dim": 128},
@@ -10883,7 +10905,6 @@ _DIFFUSERS_REFUSED = {
     "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
                                    "pairs with fractional coordinates, per head slice",
     "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
-    "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",

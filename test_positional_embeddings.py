@@ -6094,6 +6094,44 @@ class TestDiffusersConfig:
         MAX_DIFF["diffusers AllegroTransformer3DModel"] = diff
         assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
 
+    def test_lumina_next_map_matches_a_loop_oracle(self):
+        # pair 2k turns with the row, 2k + 1 with the column, both at 10000 ** (-4k / D); pairs (2i, 2i + 1)
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "LuminaNextDiT2DModel", "hidden_size": 32,
+                                                      "num_attention_heads": 2}).double()
+        inv_freq = [10000.0 ** (-4 * (i // 2) / 16) for i in range(8)]
+        positions = diffusers_grid((3, 4)) * torch.tensor([3, 1])
+        x = torch.randn(2, 12, 16, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[i % 2]) for i in range(8)) for p in positions.tolist()], inv_freq,
+                           interleaved=True)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+
+    @pytest.mark.parametrize("linear, ntk", [(1.0, 1.0), (2.0, 1.0), (1.0, 1.5)])
+    def test_lumina_next_matches_its_module(self, linear, ntk):
+        # (row, col) pairs alternating, each axis a spectrum over D / 2; the pipeline's time-aware factors as
+        # docs/diffusers.md builds them: the linear factor divides the frequencies, the NTK factor the base's
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed_lumina
+        model = diffusers_model("LuminaNextDiT2DModel", {
+            "hidden_size": 48, "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 1, "cross_attention_dim": 16,
+            "sample_size": 8, "in_channels": 4})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        assert rope.dim == model.head_dim == 24
+        frequencies = [(10000.0 * ntk) ** (-4 * (i // 2) / 24) / linear for i in range(12)]
+        if (linear, ntk) != (1.0, 1.0):
+            rope = RotaryPositionalEmbedding(24, interleaved=True, pair_axes=rope.pair_axes, frequencies=frequencies)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(frequencies, dtype=torch.float64), rtol=1e-15, atol=0)
+        (h, w) = (5, 6)
+        positions = pe_lib.diffusers_positions(model.config, height=h, width=w)
+        freqs = get_2d_rotary_pos_embed_lumina(24, h, w, linear_factor=linear, ntk_factor=ntk)    # [h, w, 12]
+        x = torch.randn(1, h * w, 2, 24)                                                     # [B, N, H, D]
+        theirs = apply_rotary_emb(x, freqs.flatten(0, 1)[None], use_real=False)
+        diff = (rope(x.transpose(1, 2), positions).transpose(1, 2) - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers LuminaNextDiT2DModel linear={linear} ntk={ntk}"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+        with pytest.raises(ValueError, match="diffusers_positions: LuminaNextDiT2DModel: its text tokens take no "
+                                             "positions; text_len must be 0, got text_len=3"):
+            pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=3)
+
     def test_mochi_matches_its_module(self):
         # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
         # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
@@ -6128,7 +6166,8 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
-        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel"}   # rotary constructs compared in a test of their own
+        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel",
+                     "LuminaNextDiT2DModel"}   # rotary constructs compared in a test of their own
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
