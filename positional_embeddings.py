@@ -10547,6 +10547,24 @@ def _lumina_next_rope(get) -> dict:
             "frequencies": [10000.0 ** (-4 * k / head) for k in range(head // 4) for _ in range(2)]}
 
 
+def _ltx_rope(ltx2: bool):
+    """LTX-Video, LTX-2 and the Sana-WM refiner: one RoPE over the model width ``D = H Dh`` (q and k before the
+    head split). ``F = D // 6`` frequencies rise, ``theta ** (k / (F - 1)) * pi / 2``; pair ``i`` of the ``3F``
+    turns with axis ``i % 3`` (t h w t h w ...) at frequency ``i // 3``, after the ``D / 2 - 3F`` padding pairs
+    (frequency 0: they pass unrotated). Pairs are interleaved, or with LTX-2's ``rope_type="split"`` half-split
+    inside each head's slice (``chunk_size=Dh``). LTX-Video's theta 10000 is in its class."""
+    def read(get) -> dict:
+        head = int(get("attention_head_dim"))
+        dim, theta = int(get("num_attention_heads")) * head, float(get("rope_theta")) if ltx2 else 10000.0
+        count = dim // 6
+        pad, spectrum = dim // 2 - 3 * count, [theta ** (k / max(count - 1, 1)) * math.pi / 2 for k in range(count)]
+        kwargs = {"dim": dim, "pair_axes": [0] * pad + [i % 3 for i in range(3 * count)],
+                  "frequencies": [0.0] * pad + [spectrum[i // 3] for i in range(3 * count)]}
+        split = ltx2 and get("rope_type") == "split"
+        return {**kwargs, "chunk_size": head} if split else {**kwargs, "interleaved": True}
+    return read
+
+
 def _split_3d_axes(get) -> list:
     """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
     head = int(get("attention_head_dim"))
@@ -10711,6 +10729,38 @@ def _image_grid(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(height, width)                                                       # [H W, 2]
 
 
+def _ltx_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """LTX-Video's pipeline: the latent grid times ``(8 / fps, 32, 32)`` (its VAE's compression; ``fps`` the frame
+    rate, default 25) and the patch sizes, over the base ``(20, 2048, 2048)``, mapped to ``2 g - 1``. float32 in the
+    model's order of operations."""
+    fps = 25 if fps is None else fps
+    grid = _grid_ids(frames, height, width)                                               # [T H W, 3]
+    patch = [int(get("patch_size_t"))] + [int(get("patch_size"))] * 2
+    for axis, (scale, base) in enumerate(zip((8 / fps, 32, 32), (20, 2048, 2048))):
+        grid[:, axis] = grid[:, axis] * scale * patch[axis] / base
+    return grid * 2 - 1
+
+
+def _ltx2_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """LTX-2's (and the Sana-WM refiner's) video positions: each patch's pixel span ``[start, end)`` on each axis
+    (latent units times ``vae_scale_factors``; frames shifted by ``causal_offset - 8``, clamped at 0, over ``fps``,
+    default 24), its midpoint over the base ``(pos_embed_max_pos, base_height, base_width)``, mapped to
+    ``2 g - 1``. float32 in the model's order of operations."""
+    fps = 24 if fps is None else fps
+    patch = [int(get("patch_size_t"))] + [int(get("patch_size"))] * 2
+    scales, offset = [int(scale) for scale in get("vae_scale_factors")], int(get("causal_offset"))
+    bases = [int(get("pos_embed_max_pos")), int(get("base_height")), int(get("base_width"))]
+    axes = []
+    for n, size, scale, base in zip((frames, height, width), patch, scales, bases):
+        start = torch.arange(n, dtype=torch.float32) * size
+        span = torch.stack([start, start + size]) * scale                                # [2, n]: pixel [start, end)
+        if not axes:   # the first frame is one pixel frame (causal VAE), later ones scale apart
+            span = (span + offset - scale).clamp(min=0) / fps
+        axes.append((span[0] + span[1]) / 2.0 / base)                                    # [n]
+    grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)           # [T H W, 3]
+    return grid * 2 - 1
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10835,6 +10885,15 @@ _DIFFUSERS_MODELS = {
     "LuminaNextDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"hidden_size": 2304,
                                                                           "num_attention_heads": 32},
                                             _lumina_next_rope, _image_grid),
+    # LTX-Video, LTX-2, the Sana-WM refiner: a rising spectrum over t h w interleaved pairs of the whole width
+    "LTXVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 64, "patch_size": 1, "patch_size_t": 1}, _ltx_rope(False),
+        _ltx_ids),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 128, "rope_theta": 10000.0, "rope_type": "interleaved",
+        "patch_size": 1, "patch_size_t": 1, "vae_scale_factors": (8, 32, 32), "causal_offset": 1,
+        "pos_embed_max_pos": 20, "base_height": 2048, "base_width": 2048}, _ltx_rope(True), _ltx2_ids)
+       for name in ("LTX2VideoTransformer3DModel", "SanaWMLTX2RefinerTransformer3DModel")},
     # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
     "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
         "num_attention_heads": 24, "attention_head_dim": 128},
@@ -10900,11 +10959,6 @@ _DIFFUSERS_REFUSED = {
     "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
-    "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
-                                  "with fractional coordinates",
-    "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
-                                   "pairs with fractional coordinates, per head slice",
-    "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
@@ -10977,7 +11031,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         frames: the latent frames after patching, for video models (None for image models).
         text_len: the text tokens that take positions, before the image (models whose text gets none take 0).
         fps: the frame rate a video pipeline passes its transformer, for the models whose positions take it
-            (Cosmos: frames at ``frame / fps * 24``); None for the others (Cosmos then numbers the frames).
+            (Cosmos: frames at ``frame / fps * 24``, None numbers them; LTX-Video, LTX-2: the frame rate, None
+            their pipelines' default 25, 24); None for the others.
 
     Shape:
         - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
@@ -10998,8 +11053,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
-    video = entry.positions in (_video_grid, _mochi_ids, _cosmos_ids, _allegro_ids)
-    timed = entry.positions in (_cosmos_ids,)
+    timed = entry.positions in (_cosmos_ids, _ltx_ids, _ltx2_ids)
+    video = entry.positions in (_video_grid, _mochi_ids, _allegro_ids) or timed
     if fps is not None and not timed:
         raise ValueError(f"{owner}: {name}: its positions take no frame rate; fps must be None, got fps={fps!r}")
     if video != (frames is not None):

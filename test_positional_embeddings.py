@@ -6132,6 +6132,72 @@ class TestDiffusersConfig:
                                              "positions; text_len must be 0, got text_len=3"):
             pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=3)
 
+    def test_ltx_video_matches_its_module(self):
+        # D = H Dh = 20: F = 3 rising frequencies over t h w interleaved pairs, 2 padding channels ahead (2 % 6 of D)
+        pytest.importorskip("diffusers")
+        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+        model = diffusers_model("LTXVideoTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10,
+            "cross_attention_dim": 20, "num_layers": 1, "caption_channels": 16, "patch_size_t": 2})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w), fps = (3, 4, 5), 24
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        scale = (8 / fps, 32, 32)
+        assert torch.equal(model.rope._prepare_video_coords(1, t, h, w, scale, torch.device("cpu"))[0] * 2 - 1,
+                           positions)
+        cos, sin = model.rope(torch.zeros(1, t * h * w, 20), t, h, w, rope_interpolation_scale=scale)
+        x = torch.randn(1, t * h * w, 20)                                                  # q before the head split
+        diff = (rope(x, positions) - apply_rotary_emb(x, (cos, sin))).abs().max().item()
+        MAX_DIFF["diffusers LTXVideoTransformer3DModel"] = diff
+        # diffusers' float32 angles, up to 10000 pi / 2 * |2 g - 1|: a few ulps of ~1.6e4
+        tolerance = 4e-7 * max(rope.frequencies) * positions.abs().max().item()
+        assert diff < tolerance, f"rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
+        assert torch.equal(rope(x, positions)[..., :2], x[..., :2])                         # the padding channels
+
+    @pytest.mark.parametrize("name, rope_type", [("LTX2VideoTransformer3DModel", "interleaved"),
+                                                 ("LTX2VideoTransformer3DModel", "split"),
+                                                 ("SanaWMLTX2RefinerTransformer3DModel", "split")])
+    def test_ltx2_matches_its_module(self, name, rope_type):
+        # D = H Dh = 20: one padding pair, then 9 rising pairs; split: each head's 5 pairs half-split in its slice;
+        # positions the midpoints of each patch's pixel span over the base sizes, as 2 g - 1
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10,
+            "cross_attention_dim": 20, "num_layers": 1, "caption_channels": 16, "audio_in_channels": 4,
+            "audio_out_channels": 4, "audio_num_attention_heads": 2, "audio_attention_head_dim": 4,
+            "audio_cross_attention_dim": 8, "rope_type": rope_type, "rope_theta": 5000.0, "patch_size": 2})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w), fps = (3, 2, 4), 25.0
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        coords = model.rope.prepare_video_coords(1, t, 2 * h, 2 * w, torch.device("cpu"), fps=fps)   # patch 2
+        bases = torch.tensor([20, 2048, 2048])
+        assert torch.equal(((coords[..., 0] + coords[..., 1]) / 2.0)[0].T / bases * 2 - 1, positions)
+        cos, sin = model.rope(coords)
+        module = importlib.import_module(type(model).__module__)
+        x = torch.randn(1, t * h * w, 20)                                                  # q before the head split
+        apply = module.apply_split_rotary_emb if rope_type == "split" else module.apply_interleaved_rotary_emb
+        theirs = apply(x, (cos, sin))
+        theirs = theirs.swapaxes(1, 2).flatten(2) if theirs.dim() == 4 else theirs           # [B, H, N, Dh] -> [B, N, D]
+        diff = (rope(x, positions) - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name} {rope_type}"] = diff
+        tolerance = 4e-7 * max(rope.frequencies) * positions.abs().max().item()
+        assert diff < tolerance, f"rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
+
+    def test_ltx_layouts_match_a_loop_oracle(self):
+        # pair i after the padding: axis i % 3, frequency theta ** (k / (F - 1)) * pi / 2 with k = i // 3
+        for config, chunk in (({"_class_name": "LTXVideoTransformer3DModel"}, None),
+                              ({"_class_name": "LTX2VideoTransformer3DModel", "rope_type": "split",
+                                "rope_theta": 100.0}, 10)):
+            rope = RotaryPositionalEmbedding.from_config({**config, "num_attention_heads": 2,
+                                                          "attention_head_dim": 10}).double()
+            theta = config.get("rope_theta", 10000.0)
+            axes = [0] + [i % 3 for i in range(9)]
+            freqs = [0.0] + [theta ** ((i // 3) / 2) * math.pi / 2 for i in range(9)]
+            positions = torch.rand(6, 3, dtype=torch.float64) * 2 - 1
+            x = torch.randn(2, 6, 20, dtype=torch.float64)
+            want = TestPairAxes.oracle(x, positions, axes, freqs, interleaved=chunk is None, chunk=chunk)
+            torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-9)
+
     def test_mochi_matches_its_module(self):
         # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
         # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
@@ -6167,7 +6233,8 @@ class TestDiffusersConfig:
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
         own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel",
-                     "LuminaNextDiT2DModel"}   # rotary constructs compared in a test of their own
+                     "LuminaNextDiT2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
+                     "SanaWMLTX2RefinerTransformer3DModel"}   # rotary constructs compared in a test of their own
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
