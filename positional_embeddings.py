@@ -3776,7 +3776,8 @@ class RotaryPositionalEmbedding(_RotaryLayout):
         super().__init__()
         self.dim, self.base, self.interleaved = dim if head_dim is None else head_dim, float(base), interleaved
         params = _check_scaling(type(self).__name__, scaling, self.base)
-        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies, chunk_size)
+        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies,
+                         chunk_size)
         self.rotated_channels, self.rotate_values, self.cache_len = rotated_channels, rotate_values, cache_len
         self._set_scaling(params)
 

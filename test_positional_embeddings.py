@@ -6053,8 +6053,8 @@ class TestDiffusersConfig:
     def test_cosmos_bases_match_a_loop_oracle(self):
         # axis a: w_a channels (Wan's split: h = w = 2 (D // 6), t the rest) at theta_a ** (-2j / w_a),
         # theta_a = 10000 * rope_scale[a] ** (w_a / (w_a - 2)); pair i is (i, i + D / 2)
-        rope = RotaryPositionalEmbedding.from_config({"_class_name": "CosmosTransformer3DModel", "attention_head_dim": 20,
-                                                      "rope_scale": [2.0, 3.0, 0.5]}).double()
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "CosmosTransformer3DModel",
+                                                      "attention_head_dim": 20, "rope_scale": [2.0, 3.0, 0.5]}).double()
         widths, scales = (8, 6, 6), (2.0, 3.0, 0.5)
         inv_freq, axis = [], []
         for a in range(3):
@@ -6177,7 +6177,7 @@ class TestDiffusersConfig:
         x = torch.randn(1, t * h * w, 20)                                                  # q before the head split
         apply = module.apply_split_rotary_emb if rope_type == "split" else module.apply_interleaved_rotary_emb
         theirs = apply(x, (cos, sin))
-        theirs = theirs.swapaxes(1, 2).flatten(2) if theirs.dim() == 4 else theirs           # [B, H, N, Dh] -> [B, N, D]
+        theirs = theirs.swapaxes(1, 2).flatten(2) if theirs.dim() == 4 else theirs   # [B, H, N, Dh] -> [B, N, D]
         diff = (rope(x, positions) - theirs).abs().max().item()
         MAX_DIFF[f"diffusers {name} {rope_type}"] = diff
         tolerance = 4e-7 * max(rope.frequencies) * positions.abs().max().item()
@@ -8849,11 +8849,13 @@ class TestMixedRotary:
         got = pe(x, positions)
         for h in range(2):
             for n in range(4):
-                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f]) for a in range(3)) for f in range(5)]
+                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(3))
+                         for f in range(5)]
                 torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
 
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got head_dim=31"):
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got "
+                                             "head_dim=31"):
             MixedRotaryPositionalEmbedding(31, 4)
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
             MixedRotaryPositionalEmbedding(32, 4, base=1.0)
