@@ -6607,7 +6607,10 @@ class TestRotaryOptionsTogether:
          "rotate_values=True"),
         (VideoRotaryPositionalEmbedding(32, temporal_spacing=1.5),
          "dim=32, sections=[4, 6, 6], temporal_spacing=1.5, base=10000.0, interleaved=False"),
-    ], ids=["frequencies", "pair_axes_trailing", "alternating_values", "video"])
+        (RotaryPositionalEmbedding(12, sections=[2, 2, 2], axis_spectrum="per_axis", chunk_size=4),
+         "dim=12, base=10000.0, interleaved=False, rotary_dim=12, sections=[2, 2, 2], axis_spectrum='per_axis', "
+         "chunk_size=4"),
+    ], ids=["frequencies", "pair_axes_trailing", "alternating_values", "video", "chunks"])
     def test_reprs_name_every_option_and_rebuild_the_module(self, pe, text):
         """The repr names each option passed (written out here), and evaluating it builds a module that attends
         the same, bitwise."""
