@@ -3528,6 +3528,11 @@ def _check_rotary_arguments(owner: str, arguments: dict) -> None:
         raise ValueError(f"{owner}: pair_axes must use every axis 0 .. {max(pair_axes)} (positions have one column "
                          f"per axis), got no pair on axes {unused}")
     _check_scaling_fits(owner, params, rotary_dim, axis_spectrum, frequencies)
+    chunk = arguments.get("chunk_size")
+    if chunk is not None and (arguments["interleaved"] or chunk % 2 or rotary_dim != dim or dim % chunk):
+        raise ValueError(f"{owner}: chunk_size (half-split pairs inside each chunk) needs interleaved=False, an even "
+                         f"chunk_size dividing dim and rotary_dim == dim, got chunk_size={chunk}, dim={dim}, "
+                         f"rotary_dim={rotary_dim}, interleaved={arguments['interleaved']}")
 
 
 def _largest_position(positions: Optional[Tensor], n: int, offset: int):
@@ -3551,12 +3556,15 @@ class _RotaryLayout(_AttentionEncoding):
     ``seq_dim=-3``, ``[..., N, H, Dh]``; ``rerotate`` also takes positions per head.
     """
 
+    chunk_size: Optional[int] = None   # half-split pairs inside chunks of this many channels (None: one chunk)
+
     def _set_layout(self, params: dict, rotary_dim: Optional[int], sections: Optional[list], section_layout: str,
-                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list]) -> None:
+                    axis_spectrum: str, pair_axes: Optional[list], frequencies: Optional[list],
+                    chunk_size: Optional[int] = None) -> None:
         """The layout of the constructor's arguments, as the scaling dict ``params`` completes it."""
         self.rotary_dim, self.sections, self.section_layout = _rotary_layout(
             type(self).__name__, self.dim, rotary_dim, params, sections, section_layout)
-        self.axis_spectrum, self.frequencies = axis_spectrum, frequencies
+        self.axis_spectrum, self.frequencies, self.chunk_size = axis_spectrum, frequencies, chunk_size
         pair_axes = self._axis_of_pair() if pair_axes is None else pair_axes
         self.pair_axes = None if pair_axes is None or max(pair_axes) == 0 else pair_axes   # one axis: plain RoPE
         self.num_axes = 1 if self.pair_axes is None else max(self.pair_axes) + 1
@@ -3572,7 +3580,19 @@ class _RotaryLayout(_AttentionEncoding):
             text += f", pair_axes={self.pair_axes}"
         if self.frequencies is not None:
             text += f", frequencies={self.frequencies}"
-        return text
+        return text if self.chunk_size is None else text + f", chunk_size={self.chunk_size}"
+
+    def _rotate_layout(self, xs: tuple, cos: tuple, sin: tuple) -> tuple:
+        """``_rotate_all`` in this layout. With ``chunk_size`` C, pair ``i = c C/2 + j`` is channels
+        ``(c C + j, c C + C/2 + j)``: the chunks' first halves gathered ahead of their second halves are
+        the plain half-split layout, so each x is reordered to it, turned, and put back (exact copies)."""
+        trailing = self.rotated_channels == "trailing"
+        if self.chunk_size is None:
+            return _rotate_all(xs, cos, sin, self.interleaved, self.rotary_dim, trailing)
+        chunks = (self.dim // self.chunk_size, 2, self.chunk_size // 2)
+        xs = tuple(x.unflatten(-1, chunks).transpose(-3, -2).flatten(-3) for x in xs)    # [..., K, 2, C/2] -> [..., D]
+        turned = _rotate_all(xs, cos, sin, False, self.rotary_dim, trailing)
+        return tuple(x.unflatten(-1, chunks[1::-1] + chunks[2:]).transpose(-3, -2).flatten(-3) for x in turned)
 
     def _check_rotated(self, x: Tensor, seq_dim: int, per_head: bool = False, **positions: Optional[Tensor]):
         """Validate ``forward``'s x (``[..., N, Dh]`` or, with ``seq_dim=-3``, ``[..., N, H, Dh]``) and
@@ -3714,6 +3734,10 @@ class RotaryPositionalEmbedding(_RotaryLayout):
             of ``sections``; ``A = max(pair_axes) + 1``. Default: None.
         frequencies (list of float or 1-D tensor, optional): the frequency of each pair, instead of
             ``base ** (-2i / R)`` (no ``scaling`` then). Default: None.
+        chunk_size (int, optional): half-split pairs inside each chunk of ``C`` channels: pair ``i`` is
+            channels ``(cC + j, cC + C/2 + j)``, ``c, j = divmod(i, C/2)`` (Allegro's per-axis chunks,
+            LTX-2's per-head slices of one RoPE over all heads); needs ``interleaved=False`` and
+            ``rotary_dim == dim``. Default: None (one chunk: the plain layouts).
 
     Shape:
         - x: ``[..., N, Dh]`` (``[B, H, N, Dh]`` for attention); positions ``[N]``, ``[B, N]``
@@ -3730,6 +3754,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
     translation_invariant = True
     arguments = {"rotary_dim": _check_positive_int, "sections": _positive_ints, "pair_axes": _axis_list,
                  "frequencies": _frequency_list, "cache_len": functools.partial(_as_int, minimum=0),
+                 "chunk_size": _check_positive_int,
                  "section_layout": functools.partial(_check_choice,
                                                      choices=("contiguous", "interleaved", "alternating")),
                  "axis_spectrum": functools.partial(_check_choice, choices=("shared", "per_axis", "strided")),
@@ -3747,11 +3772,12 @@ class RotaryPositionalEmbedding(_RotaryLayout):
                  axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared", cache_len: int = 4096,
                  head_dim: Optional[int] = None, rotated_channels: Literal["leading", "trailing"] = "leading",
                  rotate_values: bool = False, pair_axes: Optional[list] = None,
-                 frequencies: Optional[list] = None) -> None:
+                 frequencies: Optional[list] = None, chunk_size: Optional[int] = None) -> None:
         super().__init__()
         self.dim, self.base, self.interleaved = dim if head_dim is None else head_dim, float(base), interleaved
         params = _check_scaling(type(self).__name__, scaling, self.base)
-        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies)
+        self._set_layout(params, rotary_dim, sections, section_layout, axis_spectrum, pair_axes, frequencies,
+                         chunk_size)
         self.rotated_channels, self.rotate_values, self.cache_len = rotated_channels, rotate_values, cache_len
         self._set_scaling(params)
 
@@ -3900,8 +3926,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
             cos_q, sin_q = cos_k, sin_k
         else:
             cos_q, sin_q = self._call_cos_sin("q", q_len, k_len, positions_q, positions_k, q.device, dtype)
-        return _rotate_all((q, k), (cos_q, cos_k), (sin_q, sin_k), self.interleaved, self.rotary_dim,
-                           self.rotated_channels == "trailing")
+        return self._rotate_layout((q, k), (cos_q, cos_k), (sin_q, sin_k))
 
     def encode_v(self, v, q_len, positions_q=None, positions_k=None):
         """With ``rotate_values`` (DeepSeek-V4): v ``[..., Nk, Dh]`` rotated at the key positions, as k is."""
@@ -4014,7 +4039,7 @@ class RotaryPositionalEmbedding(_RotaryLayout):
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
         if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return _rotate(x, cos, sin, self.interleaved, self.rotary_dim, self.rotated_channels == "trailing")
+        return self._rotate_layout((x,), (cos,), (sin,))[0]
 
 
 class HoPEPositionalEmbedding(RotaryPositionalEmbedding):
@@ -5422,8 +5447,11 @@ class _TokenRotation(_QKTransform):
 def _mixed_frequencies(head_dim: int, num_heads: int, num_axes: int, base: float) -> Tensor:
     """RoPE-Mixed's initial frequencies ``[A, H, F]`` (float64, drawn on the CPU): magnitudes
     ``base ** (-2A i / Dh)`` along a random frame per head (rope-vit's ``init_random_2d_freqs`` for
-    two axes: an angle ``phi_h``, then ``phi_h + pi/2``; a QR-orthonormal frame for other counts)."""
-    per_vector = head_dim // (2 * num_axes)
+    two axes: an angle ``phi_h``, then ``phi_h + pi/2``; a QR-orthonormal frame for other counts).
+    Each frame vector takes ``ceil(F / A)`` pairs; where ``A`` does not divide ``F`` (Mochi: 64 pairs,
+    3 axes) the last vector takes the pairs left."""
+    pairs = head_dim // 2
+    per_vector = -(-pairs // num_axes)
     magnitude = base ** -(torch.arange(per_vector, dtype=torch.float64, device="cpu") * 2 * num_axes / head_dim)  # [F/A]
     if num_axes == 2:
         phi = torch.rand(num_heads, device="cpu").double() * 2 * math.pi                          # [H]
@@ -5432,7 +5460,7 @@ def _mixed_frequencies(head_dim: int, num_heads: int, num_axes: int, base: float
     else:
         frame = torch.linalg.qr(torch.randn(num_heads, num_axes, num_axes, dtype=torch.float64, device="cpu"))[0]
         frame = frame.permute(1, 0, 2)                                                             # [A, H, A]
-    return (frame.unsqueeze(-1) * magnitude).flatten(-2)                                         # [A, H, F]
+    return (frame.unsqueeze(-1) * magnitude).flatten(-2)[..., :pairs]                            # [A, H, F]
 
 
 def _mixed_angles(positions: Tensor, freqs: Tensor) -> Tensor:
@@ -5479,7 +5507,8 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
     (float64 for float64 inputs). Cost: ``O(B H N Dh)`` like RoPE, plus ``O(N H Dh A)`` angles.
 
     Args:
-        head_dim (int): head dim ``Dh``, divisible by ``2 * num_axes`` (by 4 for two axes).
+        head_dim (int): head dim ``Dh``, even (``A`` need not divide the ``Dh / 2`` pairs: Mochi's 128
+            with 3 axes).
         num_heads (int): heads ``H``.
         num_axes (int): position axes ``A``. Default: 2.
         base (float): base of the initial magnitudes. Default: 100.0.
@@ -5500,8 +5529,8 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     def __init__(self, head_dim: int, num_heads: int, num_axes: int = 2, *, base: float = 100.0) -> None:
         super().__init__()
-        if head_dim % (2 * num_axes):
-            raise ValueError(f"{type(self).__name__}: head_dim must be divisible by 2 * num_axes = {2 * num_axes}, "
+        if head_dim % 2:
+            raise ValueError(f"{type(self).__name__}: head_dim must be even (pairs of channels turn), "
                              f"got head_dim={head_dim}")
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, base
         self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
@@ -5511,6 +5540,13 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
     def reset_parameters(self) -> None:
         if not self.freqs.is_meta:   # no storage to fill (and no draw from the global generator)
             _copy_into(self.freqs, _mixed_frequencies(self.head_dim, self.num_heads, self.num_axes, self.base))
+
+    @classmethod
+    def from_config(cls, config) -> "MixedRotaryPositionalEmbedding":
+        """Mochi's learned mixed frequencies from its diffusers config (``_class_name``
+        ``MochiTransformer3DModel``): copy its ``pos_frequencies`` ``[3, H, Dh/2]`` into ``freqs``;
+        ``diffusers_positions`` gives its ``(t, h, w)`` positions."""
+        return cls(**_diffusers_kwargs("MixedRotaryPositionalEmbedding", config, {}))
 
     def angles(self, positions: Tensor) -> Tensor:
         """``sum_a p_a freqs[a, h, f]`` in float64: positions [..., N, A] -> [..., H, N, F]."""
@@ -10475,6 +10511,55 @@ def _wan_axes(get) -> list:
     return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
 
 
+def _cosmos_rope(get) -> dict:
+    """Cosmos 1.0 / 2: Wan's split of the head among (t, h, w), half-split pairs, and axis ``a`` its own spectrum
+    over its ``w_a`` channels from its own NTK-scaled base ``10000 * rope_scale[a] ** (w_a / (w_a - 2))``: the
+    per-axis spectra as explicit ``frequencies``."""
+    widths, scales = _wan_axes(get), [float(scale) for scale in get("rope_scale")]
+    frequencies = [(10000.0 * scale ** (width / (width - 2))) ** (-2 * j / width)
+                   for width, scale in zip(widths, scales) for j in range(width // 2)]
+    return {"dim": int(get("attention_head_dim")), "sections": [width // 2 for width in widths],
+            "frequencies": frequencies}
+
+
+def _allegro_rope(get) -> dict:
+    """Allegro: a 1-D RoPE per third of the head (t, h, w), each half-split with its own spectrum: per-axis
+    sections in chunks of ``D / 3`` channels."""
+    head = int(get("attention_head_dim"))
+    if head % 6:
+        raise ValueError(f"attention_head_dim must be a multiple of 6 (three chunks of pairs), got {head}")
+    return {"dim": head, "sections": [head // 6] * 3, "axis_spectrum": "per_axis", "chunk_size": head // 3}
+
+
+def _lumina_next_rope(get) -> dict:
+    """Lumina-Next: each of (row, col) its own spectrum ``10000 ** (-4k / D)`` over ``D / 2`` channels, the pairs
+    alternating ``row k, col k`` (interleaved channels): an explicit map. The pipeline's time-aware scaling (a
+    linear factor dividing the frequencies, or an NTK factor multiplying the base) is docs/diffusers.md's."""
+    head = int(get("hidden_size")) // int(get("num_attention_heads"))
+    if head % 4:
+        raise ValueError(f"the head dim must be a multiple of 4 (two axes of pairs), got {head}")
+    return {"dim": head, "interleaved": True, "pair_axes": [0, 1] * (head // 4),
+            "frequencies": [10000.0 ** (-4 * k / head) for k in range(head // 4) for _ in range(2)]}
+
+
+def _ltx_rope(ltx2: bool):
+    """LTX-Video, LTX-2 and the Sana-WM refiner: one RoPE over the model width ``D = H Dh`` (q and k before the
+    head split). ``F = D // 6`` frequencies rise, ``theta ** (k / (F - 1)) * pi / 2``; pair ``i`` of the ``3F``
+    turns with axis ``i % 3`` (t h w t h w ...) at frequency ``i // 3``, after the ``D / 2 - 3F`` padding pairs
+    (frequency 0: they pass unrotated). Pairs are interleaved, or with LTX-2's ``rope_type="split"`` half-split
+    inside each head's slice (``chunk_size=Dh``). LTX-Video's theta 10000 is in its class."""
+    def read(get) -> dict:
+        head = int(get("attention_head_dim"))
+        dim, theta = int(get("num_attention_heads")) * head, float(get("rope_theta")) if ltx2 else 10000.0
+        count = dim // 6
+        pad, spectrum = dim // 2 - 3 * count, [theta ** (k / max(count - 1, 1)) * math.pi / 2 for k in range(count)]
+        kwargs = {"dim": dim, "pair_axes": [0] * pad + [i % 3 for i in range(3 * count)],
+                  "frequencies": [0.0] * pad + [spectrum[i // 3] for i in range(3 * count)]}
+        split = ltx2 and get("rope_type") == "split"
+        return {**kwargs, "chunk_size": head} if split else {**kwargs, "interleaved": True}
+    return read
+
+
 def _split_3d_axes(get) -> list:
     """``get_3d_rotary_pos_embed``'s split of the head among (t, h, w): D / 4, then 3 D / 8 each."""
     head = int(get("attention_head_dim"))
@@ -10603,6 +10688,74 @@ def _qwen_image_ids(get, frames, height, width, text_len) -> Tensor:
     return torch.cat([text, image])                                                               # [L + H W, 3]
 
 
+def _mochi_ids(get, frames, height, width, text_len) -> Tensor:
+    """Mochi's (t, h, w): frames ``0, 1, ...``; rows and columns the midpoints of ``n`` equal cells spanning
+    ``[-n s / 2, n s / 2]``, ``s = sqrt(192^2 / (H W))`` (the model's base area 192 x 192, not in the config), so
+    every grid spans the same area, centred on zero. float32 as the model computes them."""
+    scale = (192 * 192 / (height * width)) ** 0.5
+
+    def centres(n: int) -> Tensor:
+        edges = torch.linspace(-n * scale / 2, n * scale / 2, n + 1)
+        return (edges[:-1] + edges[1:]) / 2                                               # [n]
+    axes = torch.meshgrid(torch.arange(frames, dtype=torch.float32), centres(height), centres(width), indexing="ij")
+    return torch.stack(axes, -1).reshape(-1, 3)                                           # [T H W, 3]
+
+
+def _cosmos_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """Cosmos 1.0 / 2's (t, h, w) grid; a video's frames (``fps`` given) at ``frame / fps * 24`` (its base fps)."""
+    grid = _grid_ids(frames, height, width)                                               # [T H W, 3]
+    if fps is not None:
+        grid[:, 0] = grid[:, 0] / fps * 24
+    return grid
+
+
+def _allegro_ids(get, frames, height, width, text_len) -> Tensor:
+    """Allegro's pipeline: the (t, h, w) grid, each axis divided by the config's ``interpolation_scale_{t,h,w}``."""
+    scales = [get(f"interpolation_scale_{axis}") for axis in "thw"]
+    if None in scales:   # the model falls back on a default, but its pipeline divides by the config's value
+        raise ValueError(f"the pipeline divides the grid by interpolation_scale_(t, h, w), got {scales}")
+    return _grid_ids(frames, height, width) / torch.tensor([float(scale) for scale in scales])   # [T H W, 3]
+
+
+def _image_grid(get, frames, height, width, text_len) -> Tensor:
+    """The (row, col) grid of the image patches, which alone take positions (Lumina-Next)."""
+    if text_len:
+        raise ValueError(f"its text tokens take no positions; text_len must be 0, got text_len={text_len}")
+    return _grid_ids(height, width)                                                       # [H W, 2]
+
+
+def _ltx_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """LTX-Video's pipeline: the latent grid times ``(8 / fps, 32, 32)`` (its VAE's compression; ``fps`` the frame
+    rate, default 25) and the patch sizes, over the base ``(20, 2048, 2048)``, mapped to ``2 g - 1``. float32 in the
+    model's order of operations."""
+    fps = 25 if fps is None else fps
+    grid = _grid_ids(frames, height, width)                                               # [T H W, 3]
+    patch = [int(get("patch_size_t"))] + [int(get("patch_size"))] * 2
+    for axis, (scale, base) in enumerate(zip((8 / fps, 32, 32), (20, 2048, 2048))):
+        grid[:, axis] = grid[:, axis] * scale * patch[axis] / base
+    return grid * 2 - 1
+
+
+def _ltx2_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
+    """LTX-2's (and the Sana-WM refiner's) video positions: each patch's pixel span ``[start, end)`` on each axis
+    (latent units times ``vae_scale_factors``; frames shifted by ``causal_offset - 8``, clamped at 0, over ``fps``,
+    default 24), its midpoint over the base ``(pos_embed_max_pos, base_height, base_width)``, mapped to
+    ``2 g - 1``. float32 in the model's order of operations."""
+    fps = 24 if fps is None else fps
+    patch = [int(get("patch_size_t"))] + [int(get("patch_size"))] * 2
+    scales, offset = [int(scale) for scale in get("vae_scale_factors")], int(get("causal_offset"))
+    bases = [int(get("pos_embed_max_pos")), int(get("base_height")), int(get("base_width"))]
+    axes = []
+    for n, size, scale, base in zip((frames, height, width), patch, scales, bases):
+        start = torch.arange(n, dtype=torch.float32) * size
+        span = torch.stack([start, start + size]) * scale                                # [2, n]: pixel [start, end)
+        if not axes:   # the first frame is one pixel frame (causal VAE), later ones scale apart
+            span = (span + offset - scale).clamp(min=0) / fps
+        axes.append((span[0] + span[1]) / 2.0 / base)                                    # [n]
+    grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)           # [T H W, 3]
+    return grid * 2 - 1
+
+
 def _patch_table_ids(*, crop: bool):
     """PatchEmbed's sin-cos positions ``(column, row)``: each axis ``arange(n) / (n / base)``, ``base = sample_size /
     patch_size``, over the latent grid (DiT), or over the ``pos_embed_max_size`` grid centre-cropped to it (SD3)."""
@@ -10716,6 +10869,31 @@ _DIFFUSERS_MODELS = {
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
         _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
                         lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
+    # Cosmos 1.0 / 2: a base per axis (1.0's learned per-axis tables, extra_pos_embed_type, are added to the tokens)
+    "CosmosTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "rope_scale": (2.0, 1.0, 1.0)}, _cosmos_rope, _cosmos_ids),
+    # Allegro: a 1-D RoPE per third of the head, each half-split (chunks)
+    "AllegroTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 96, "interpolation_scale_t": 2.2, "interpolation_scale_h": 2.0,
+        "interpolation_scale_w": 2.0}, _allegro_rope, _allegro_ids),
+    # Lumina-Next: (row, col) pairs alternating, a spectrum per axis
+    "LuminaNextDiT2DModel": _DiffusersModel("RotaryPositionalEmbedding", {"hidden_size": 2304,
+                                                                          "num_attention_heads": 32},
+                                            _lumina_next_rope, _image_grid),
+    # LTX-Video, LTX-2, the Sana-WM refiner: a rising spectrum over t h w interleaved pairs of the whole width
+    "LTXVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 64, "patch_size": 1, "patch_size_t": 1}, _ltx_rope(False),
+        _ltx_ids),
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
+        "num_attention_heads": 32, "attention_head_dim": 128, "rope_theta": 10000.0, "rope_type": "interleaved",
+        "patch_size": 1, "patch_size_t": 1, "vae_scale_factors": (8, 32, 32), "causal_offset": 1,
+        "pos_embed_max_pos": 20, "base_height": 2048, "base_width": 2048}, _ltx_rope(True), _ltx2_ids)
+       for name in ("LTX2VideoTransformer3DModel", "SanaWMLTX2RefinerTransformer3DModel")},
+    # Mochi: RoPE-Mixed, learned [3, H, Dh/2] frequencies (zeros until its checkpoint loads)
+    "MochiTransformer3DModel": _DiffusersModel("MixedRotaryPositionalEmbedding", {
+        "num_attention_heads": 24, "attention_head_dim": 128},
+        lambda get: {"head_dim": int(get("attention_head_dim")), "num_heads": int(get("num_attention_heads")),
+                     "num_axes": 3}, _mochi_ids),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10776,16 +10954,6 @@ _DIFFUSERS_REFUSED = {
     "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
-    "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
-                                  "with fractional coordinates",
-    "LTX2VideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved "
-                                   "pairs with fractional coordinates, per head slice",
-    "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
-    "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
-    "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
-    "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
-    "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
-                               "which takes multiples of 6",
     **{name: _NOT_CHECKED for name in (
         "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
         "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
@@ -10848,7 +11016,7 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,
-                        text_len: int = 0) -> Tensor:
+                        text_len: int = 0, fps: Optional[float] = None) -> Tensor:
     """The position ids a diffusers pipeline (or model) feeds the encoding ``from_config`` builds from ``config``.
 
     Args:
@@ -10857,6 +11025,9 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         height, width: the latent grid after patching (tokens per column and per row).
         frames: the latent frames after patching, for video models (None for image models).
         text_len: the text tokens that take positions, before the image (models whose text gets none take 0).
+        fps: the frame rate a video pipeline passes its transformer, for the models whose positions take it
+            (Cosmos: frames at ``frame / fps * 24``, None numbers them; LTX-Video, LTX-2: the frame rate, None
+            their pipelines' default 25, 24); None for the others.
 
     Shape:
         - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
@@ -10877,7 +11048,10 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         raise ValueError(f"{owner}: the position ids of {name} are not built yet (docs/diffusers.md gives them)")
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
-    video = entry.positions is _video_grid
+    timed = entry.positions in (_cosmos_ids, _ltx_ids, _ltx2_ids)
+    video = entry.positions in (_video_grid, _mochi_ids, _allegro_ids) or timed
+    if fps is not None and not timed:
+        raise ValueError(f"{owner}: {name}: its positions take no frame rate; fps must be None, got fps={fps!r}")
     if video != (frames is not None):
         want = "the latent frames (an int)" if video else "None (an image model)"
         raise ValueError(f"{owner}: {name}: frames must be {want}, got frames={frames!r}")
@@ -10886,7 +11060,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
                          f"text_len={text_len}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
     try:
-        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len)
+        fps = () if fps is None else (_as_float(owner, "fps", fps, minimum=0.0, exclusive=True),)
+        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len, *fps)
     except ValueError as error:
         raise ValueError(f"{owner}: {name}: {error}") from None
 

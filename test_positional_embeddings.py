@@ -294,6 +294,11 @@ CASES = [
     Case("rotary_interleaved_partial", lambda: RotaryPositionalEmbedding(DH, interleaved=True, rotary_dim=DH // 2)),
     Case("rotary_yarn", lambda: RotaryPositionalEmbedding(
         DH, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+    Case("rotary_chunks", lambda: RotaryPositionalEmbedding(DH, sections=[4, 4, 4, 4], axis_spectrum="per_axis",
+                                                            chunk_size=DH // 4),   # Allegro's layout, 4 axes
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3, torch.arange(n) % 5], -1),
+         has_offset=False),
     Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
@@ -312,6 +317,9 @@ CASES = [
     Case("fope_authors", lambda: FoPEPositionalEmbedding(DH, H, train_length=64, num_pairs=DH // 4, padded="ones")),
     Case("mixed_rope", lambda: MixedRotaryPositionalEmbedding(DH, H), required_positions=grid_rc, has_offset=False),
     Case("mixed_rope_one_axis", lambda: MixedRotaryPositionalEmbedding(DH, H, 1, base=10.0)),
+    Case("mixed_rope_mochi_split", lambda: MixedRotaryPositionalEmbedding(DH, H, 3),   # 3 axes, 16 pairs
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
     Case("liere_blocks", lambda: LieREPositionalEmbedding(DH, H, block_size=4), required_positions=grid_rc,
          has_offset=False),
     Case("liere_full_one_axis", lambda: LieREPositionalEmbedding(DH, H, 1)),
@@ -6042,6 +6050,196 @@ class TestDiffusersConfig:
                            interleaved=True)
         torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
 
+    @pytest.mark.parametrize("fps", [None, 16])
+    def test_cosmos_matches_its_module(self, fps):
+        # a base per axis (rope_scale), half-split pairs; frames at frame / fps * 24 for a video, else numbered
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        model = diffusers_model("CosmosTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 32, "num_layers": 1,
+            "text_embed_dim": 16, "adaln_lora_dim": 8, "max_size": (8, 16, 16), "rope_scale": (2.0, 3.0, 1.5)})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w) = (3, 4, 5)
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        cos, sin = model.rope(torch.zeros(1, 5, t, 2 * h, 2 * w), fps=fps)                  # patch 1 x 2 x 2
+        x = torch.randn(1, 2, t * h * w, 32)                                                # [B, H, N, D]
+        diff = (rope(x, positions) - apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-2)).abs().max()
+        MAX_DIFF[f"diffusers CosmosTransformer3DModel fps={fps}"] = diff.item()
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
+    def test_cosmos_bases_match_a_loop_oracle(self):
+        # axis a: w_a channels (Wan's split: h = w = 2 (D // 6), t the rest) at theta_a ** (-2j / w_a),
+        # theta_a = 10000 * rope_scale[a] ** (w_a / (w_a - 2)); pair i is (i, i + D / 2)
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "CosmosTransformer3DModel",
+                                                      "attention_head_dim": 20, "rope_scale": [2.0, 3.0, 0.5]}).double()
+        widths, scales = (8, 6, 6), (2.0, 3.0, 0.5)
+        inv_freq, axis = [], []
+        for a in range(3):
+            theta = 10000.0 * scales[a] ** (widths[a] / (widths[a] - 2))
+            for j in range(widths[a] // 2):
+                inv_freq.append(theta ** (-2 * j / widths[a]))
+                axis.append(a)
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([1.5, 1, 1])
+        x = torch.randn(2, 24, 20, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[a]) for a in axis) for p in positions.tolist()], inv_freq)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="diffusers_positions: CosmosTransformer3DModel: .*fps must be a finite "
+                                             "number > 0.0, got fps=0"):
+            pe_lib.diffusers_positions({"_class_name": "CosmosTransformer3DModel"}, frames=1, height=1, width=1, fps=0)
+        with pytest.raises(ValueError, match="diffusers_positions: WanTransformer3DModel: its positions take no frame "
+                                             "rate; fps must be None, got fps=24"):
+            pe_lib.diffusers_positions({"_class_name": "WanTransformer3DModel"}, frames=1, height=1, width=1, fps=24)
+
+    def test_allegro_matches_its_module(self):
+        # a 1-D RoPE per third of the head, half-split inside each; the pipeline's tables over the grid divided by
+        # the interpolation scales, indexed by the (t, h, w) grid
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb_allegro
+        from diffusers.pipelines.allegro.pipeline_allegro import AllegroPipeline
+        model = diffusers_model("AllegroTransformer3DModel", {
+            "num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1, "cross_attention_dim": 48,
+            "caption_channels": 16, "interpolation_scale_t": 2.2, "interpolation_scale_h": 1.5})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w) = (3, 4, 5)
+        pipeline = type("Pipeline", (), {"vae_scale_factor_spatial": 8, "transformer": model})()
+        freqs, grid = AllegroPipeline._prepare_rotary_positional_embeddings(
+            pipeline, 1, 16 * h, 16 * w, t, torch.device("cpu"))                            # patch 2, VAE 8
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+        assert torch.equal(torch.stack(grid, -1)[0].float() / torch.tensor([2.2, 1.5, 2.0]), positions)
+        x = torch.randn(1, 2, t * h * w, 24)                                                # [B, H, N, D]
+        diff = (rope(x, positions) - apply_rotary_emb_allegro(x, freqs, grid)).abs().max().item()
+        MAX_DIFF["diffusers AllegroTransformer3DModel"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
+    def test_lumina_next_map_matches_a_loop_oracle(self):
+        # pair 2k turns with the row, 2k + 1 with the column, both at 10000 ** (-4k / D); pairs (2i, 2i + 1)
+        rope = RotaryPositionalEmbedding.from_config({"_class_name": "LuminaNextDiT2DModel", "hidden_size": 32,
+                                                      "num_attention_heads": 2}).double()
+        inv_freq = [10000.0 ** (-4 * (i // 2) / 16) for i in range(8)]
+        positions = diffusers_grid((3, 4)) * torch.tensor([3, 1])
+        x = torch.randn(2, 12, 16, dtype=torch.float64)
+        want = rope_oracle(x, [tuple(float(p[i % 2]) for i in range(8)) for p in positions.tolist()], inv_freq,
+                           interleaved=True)
+        torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+
+    @pytest.mark.parametrize("linear, ntk", [(1.0, 1.0), (2.0, 1.0), (1.0, 1.5)])
+    def test_lumina_next_matches_its_module(self, linear, ntk):
+        # (row, col) pairs alternating, each axis a spectrum over D / 2; the pipeline's time-aware factors as
+        # docs/diffusers.md builds them: the linear factor divides the frequencies, the NTK factor the base's
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed_lumina
+        model = diffusers_model("LuminaNextDiT2DModel", {
+            "hidden_size": 48, "num_attention_heads": 2, "num_kv_heads": 2, "num_layers": 1, "cross_attention_dim": 16,
+            "sample_size": 8, "in_channels": 4})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        assert rope.dim == model.head_dim == 24
+        frequencies = [(10000.0 * ntk) ** (-4 * (i // 2) / 24) / linear for i in range(12)]
+        if (linear, ntk) != (1.0, 1.0):
+            rope = RotaryPositionalEmbedding(24, interleaved=True, pair_axes=rope.pair_axes, frequencies=frequencies)
+        torch.testing.assert_close(rope.inv_freq, torch.tensor(frequencies, dtype=torch.float64), rtol=1e-15, atol=0)
+        (h, w) = (5, 6)
+        positions = pe_lib.diffusers_positions(model.config, height=h, width=w)
+        freqs = get_2d_rotary_pos_embed_lumina(24, h, w, linear_factor=linear, ntk_factor=ntk)    # [h, w, 12]
+        x = torch.randn(1, h * w, 2, 24)                                                     # [B, N, H, D]
+        theirs = apply_rotary_emb(x, freqs.flatten(0, 1)[None], use_real=False)
+        diff = (rope(x.transpose(1, 2), positions).transpose(1, 2) - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers LuminaNextDiT2DModel linear={linear} ntk={ntk}"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+        with pytest.raises(ValueError, match="diffusers_positions: LuminaNextDiT2DModel: its text tokens take no "
+                                             "positions; text_len must be 0, got text_len=3"):
+            pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=3)
+
+    def test_ltx_video_matches_its_module(self):
+        # D = H Dh = 20: F = 3 rising frequencies over t h w interleaved pairs, 2 padding channels ahead (2 % 6 of D)
+        pytest.importorskip("diffusers")
+        from diffusers.models.transformers.transformer_ltx import apply_rotary_emb
+        model = diffusers_model("LTXVideoTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10,
+            "cross_attention_dim": 20, "num_layers": 1, "caption_channels": 16, "patch_size_t": 2})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w), fps = (3, 4, 5), 24
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        scale = (8 / fps, 32, 32)
+        assert torch.equal(model.rope._prepare_video_coords(1, t, h, w, scale, torch.device("cpu"))[0] * 2 - 1,
+                           positions)
+        cos, sin = model.rope(torch.zeros(1, t * h * w, 20), t, h, w, rope_interpolation_scale=scale)
+        x = torch.randn(1, t * h * w, 20)                                                  # q before the head split
+        diff = (rope(x, positions) - apply_rotary_emb(x, (cos, sin))).abs().max().item()
+        MAX_DIFF["diffusers LTXVideoTransformer3DModel"] = diff
+        # diffusers' float32 angles, up to 10000 pi / 2 * |2 g - 1|: a few ulps of ~1.6e4
+        tolerance = 4e-7 * max(rope.frequencies) * positions.abs().max().item()
+        assert diff < tolerance, f"rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
+        assert torch.equal(rope(x, positions)[..., :2], x[..., :2])                         # the padding channels
+
+    @pytest.mark.parametrize("name, rope_type", [("LTX2VideoTransformer3DModel", "interleaved"),
+                                                 ("LTX2VideoTransformer3DModel", "split"),
+                                                 ("SanaWMLTX2RefinerTransformer3DModel", "split")])
+    def test_ltx2_matches_its_module(self, name, rope_type):
+        # D = H Dh = 20: one padding pair, then 9 rising pairs; split: each head's 5 pairs half-split in its slice;
+        # positions the midpoints of each patch's pixel span over the base sizes, as 2 g - 1
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10,
+            "cross_attention_dim": 20, "num_layers": 1, "caption_channels": 16, "audio_in_channels": 4,
+            "audio_out_channels": 4, "audio_num_attention_heads": 2, "audio_attention_head_dim": 4,
+            "audio_cross_attention_dim": 8, "rope_type": rope_type, "rope_theta": 5000.0, "patch_size": 2})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, h, w), fps = (3, 2, 4), 25.0
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w, fps=fps)
+        coords = model.rope.prepare_video_coords(1, t, 2 * h, 2 * w, torch.device("cpu"), fps=fps)   # patch 2
+        bases = torch.tensor([20, 2048, 2048])
+        assert torch.equal(((coords[..., 0] + coords[..., 1]) / 2.0)[0].T / bases * 2 - 1, positions)
+        cos, sin = model.rope(coords)
+        module = importlib.import_module(type(model).__module__)
+        x = torch.randn(1, t * h * w, 20)                                                  # q before the head split
+        apply = module.apply_split_rotary_emb if rope_type == "split" else module.apply_interleaved_rotary_emb
+        theirs = apply(x, (cos, sin))
+        theirs = theirs.swapaxes(1, 2).flatten(2) if theirs.dim() == 4 else theirs   # [B, H, N, Dh] -> [B, N, D]
+        diff = (rope(x, positions) - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name} {rope_type}"] = diff
+        tolerance = 4e-7 * max(rope.frequencies) * positions.abs().max().item()
+        assert diff < tolerance, f"rotated q differs by {diff:.3g} (tolerance {tolerance:.3g})"
+
+    def test_ltx_layouts_match_a_loop_oracle(self):
+        # pair i after the padding: axis i % 3, frequency theta ** (k / (F - 1)) * pi / 2 with k = i // 3
+        for config, chunk in (({"_class_name": "LTXVideoTransformer3DModel"}, None),
+                              ({"_class_name": "LTX2VideoTransformer3DModel", "rope_type": "split",
+                                "rope_theta": 100.0}, 10)):
+            rope = RotaryPositionalEmbedding.from_config({**config, "num_attention_heads": 2,
+                                                          "attention_head_dim": 10}).double()
+            theta = config.get("rope_theta", 10000.0)
+            axes = [0] + [i % 3 for i in range(9)]
+            freqs = [0.0] + [theta ** ((i // 3) / 2) * math.pi / 2 for i in range(9)]
+            positions = torch.rand(6, 3, dtype=torch.float64) * 2 - 1
+            x = torch.randn(2, 6, 20, dtype=torch.float64)
+            want = TestPairAxes.oracle(x, positions, axes, freqs, interleaved=chunk is None, chunk=chunk)
+            torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-9)
+
+    def test_mochi_matches_its_module(self):
+        # RoPE-Mixed at head dim 128 over 3 axes (64 pairs): its learned pos_frequencies copied into freqs, its
+        # (t, h, w) positions from diffusers_positions, against MochiRoPE's cos/sin and its processor's rotation
+        pytest.importorskip("diffusers")
+        model = diffusers_model("MochiTransformer3DModel", {
+            "num_attention_heads": 2, "attention_head_dim": 128, "num_layers": 1, "pooled_projection_dim": 16,
+            "in_channels": 4, "text_embed_dim": 16, "time_embed_dim": 16})
+        pe = MixedRotaryPositionalEmbedding.from_config(model.config)
+        assert (pe.head_dim, pe.num_heads, pe.num_axes) == (128, 2, 3)
+        with torch.no_grad():
+            model.pos_frequencies.normal_(std=0.05)
+            pe.freqs.copy_(model.pos_frequencies)
+        (t, h, w) = (2, 3, 4)
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+        assert torch.equal(positions, model.rope._get_positions(t, h, w, dtype=torch.float32))
+        cos, sin = model.rope(model.pos_frequencies, t, h, w, dtype=torch.float32)          # [N, H, 64]
+        x = torch.randn(1, t * h * w, 2, 128)                                               # [B, N, H, D]
+        even, odd = x[..., 0::2], x[..., 1::2]   # MochiAttnProcessor2_0's inline apply_rotary_emb
+        theirs = torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+        with torch.no_grad():
+            ours = pe(x.transpose(1, 2), positions).transpose(1, 2)
+        diff = (ours - theirs).abs().max().item()
+        MAX_DIFF["diffusers MochiTransformer3DModel"] = diff
+        assert diff < 2e-6, f"rotated q differs by {diff:.3g}"   # its float32 angles, up to ~8 rad
+
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
@@ -6051,7 +6249,10 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
-        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
+        own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel",
+                     "LuminaNextDiT2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
+                     "SanaWMLTX2RefinerTransformer3DModel"}   # rotary constructs compared in a test of their own
+        assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables | own_tests     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
 
@@ -6423,7 +6624,10 @@ class TestRotaryOptionsTogether:
          "rotate_values=True"),
         (VideoRotaryPositionalEmbedding(32, temporal_spacing=1.5),
          "dim=32, sections=[4, 6, 6], temporal_spacing=1.5, base=10000.0, interleaved=False"),
-    ], ids=["frequencies", "pair_axes_trailing", "alternating_values", "video"])
+        (RotaryPositionalEmbedding(12, sections=[2, 2, 2], axis_spectrum="per_axis", chunk_size=4),
+         "dim=12, base=10000.0, interleaved=False, rotary_dim=12, sections=[2, 2, 2], axis_spectrum='per_axis', "
+         "chunk_size=4"),
+    ], ids=["frequencies", "pair_axes_trailing", "alternating_values", "video", "chunks"])
     def test_reprs_name_every_option_and_rebuild_the_module(self, pe, text):
         """The repr names each option passed (written out here), and evaluating it builds a module that attends
         the same, bitwise."""
@@ -6467,9 +6671,10 @@ class TestPairAxes:
 
     # ------------------------------------------------------------------------------------------------ oracle
     @staticmethod
-    def oracle(x, positions, axis_of_pair, inv_freq, *, interleaved=False):
-        """Float64 plain-loop RoPE: pair ``f`` (channels ``(f, f + F)`` half-split or ``(2f, 2f + 1)``
-        interleaved, ``F = len(axis_of_pair)``, the leading ``2F`` channels) turns by
+    def oracle(x, positions, axis_of_pair, inv_freq, *, interleaved=False, chunk=None):
+        """Float64 plain-loop RoPE: pair ``f`` (channels ``(f, f + F)`` half-split, ``(2f, 2f + 1)``
+        interleaved, or ``(cC + j, cC + C/2 + j)`` for ``c, j = divmod(f, C/2)`` with ``chunk=C``;
+        ``F = len(axis_of_pair)``, the leading ``2F`` channels) turns by
         ``positions[..., n, axis_of_pair[f]] * inv_freq[f]``; ``(a, b) -> (a cos - b sin, b cos + a sin)``.
 
         x ``[..., N, Dh]``; positions ``[N, A]`` (every row of x) or ``[B, N, A]`` (B = x's first dim)."""
@@ -6486,6 +6691,9 @@ class TestPairAxes:
             for n in range(p.shape[0]):
                 for f in range(pairs):
                     i, j = (2 * f, 2 * f + 1) if interleaved else (f, f + pairs)
+                    if chunk is not None:
+                        c, r = divmod(f, chunk // 2)
+                        i, j = c * chunk + r, c * chunk + chunk // 2 + r
                     angle = float(p[n, axis_of_pair[f]]) * float(inv_freq[f])
                     c, s = math.cos(angle), math.sin(angle)
                     a, b = xs[..., n, i], xs[..., n, j]
@@ -6553,6 +6761,40 @@ class TestPairAxes:
         positions = torch.randint(0, 50, (5, 2))
         want = self.oracle(x, positions, [0, 0, 0, 1, 1, 1, 1, 1], freqs)
         assert self.diff(rope(x, positions), want) < 2e-6
+
+    # --------------------------------------------------------------------- half-split pairs inside chunks
+    @pytest.mark.parametrize("kwargs, axes, freqs", [
+        # Allegro: a chunk per axis, each its own spectrum over its chunk
+        (dict(sections=[2, 2, 2], axis_spectrum="per_axis", chunk_size=4), [0, 0, 1, 1, 2, 2],
+         [1.0, 0.01] * 3),
+        # LTX-2's split RoPE: one chunk per head slice of any pair map (zero frequencies: its padding pairs)
+        (dict(pair_axes=[0, 0, 1, 2, 0, 1], frequencies=[0.0, 0.0, 0.5, 2.0, 1.25, 0.03], chunk_size=6),
+         [0, 0, 1, 2, 0, 1], [0.0, 0.0, 0.5, 2.0, 1.25, 0.03]),
+    ])
+    def test_chunks_match_oracle(self, kwargs, axes, freqs):
+        torch.manual_seed(8)
+        rope = RotaryPositionalEmbedding(12, **kwargs)
+        x = torch.randn(2, 3, 5, 12, dtype=torch.float64)
+        positions = torch.rand(2, 5, 3, dtype=torch.float64) * 20 - 5
+        want = self.oracle(x, positions, axes, freqs, chunk=kwargs["chunk_size"])
+        assert self.diff(rope(x, positions), want) < 1e-12
+        # the other paths: [B, N, H, Dh], q and k together, keys moved to new positions
+        assert self.diff(rope(x.transpose(1, 2), positions, seq_dim=-3).transpose(1, 2), want) < 1e-12
+        q, k = rope.encode_qk(x, x.flip(-2), positions, positions)
+        assert self.diff(q, want) < 1e-12
+        assert self.diff(k, self.oracle(x.flip(-2), positions, axes, freqs, chunk=kwargs["chunk_size"])) < 1e-12
+        assert self.diff(rope.rerotate(rope(x, positions), positions, positions + 3), rope(x, positions + 3)) < 1e-12
+        # one chunk is the plain half-split layout
+        whole = RotaryPositionalEmbedding(12, **{**kwargs, "chunk_size": 12})
+        assert torch.equal(whole(x, positions), RotaryPositionalEmbedding(12, **{
+            key: value for key, value in kwargs.items() if key != "chunk_size"})(x, positions))
+
+    @pytest.mark.parametrize("kwargs", [dict(chunk_size=4, interleaved=True), dict(chunk_size=5),
+                                        dict(chunk_size=8), dict(chunk_size=4, rotary_dim=8)])
+    def test_chunks_need_a_half_split_full_rotation(self, kwargs):
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding: chunk_size \\(half-split pairs inside each "
+                                             "chunk\\) needs interleaved=False, an even chunk_size dividing dim"):
+            RotaryPositionalEmbedding(12, **kwargs)
 
     # -------------------------------------------------------------------------- presets, written out by hand
     @pytest.mark.parametrize("dim, sections, layout, interleaved, axes", [
@@ -8610,9 +8852,31 @@ class TestMixedRotary:
         video = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij"), -1)
         assert pe(torch.randn(1, 3, 12, 24), video.reshape(12, 3)).shape == (1, 3, 12, 24)
 
+    def test_axes_that_do_not_divide_the_pairs(self):
+        # Mochi: 64 pairs over 3 axes; here 5 pairs over 3: each frame vector takes ceil(5 / 3) = 2, the last 1
+        torch.manual_seed(0)
+        pe = MixedRotaryPositionalEmbedding(10, 2, 3, base=10.0).double()
+        directions = pe.freqs.detach()                                          # [A, H, F]
+        for h in range(2):
+            for f in range(5):   # vector f // 2 of the frame, magnitude 10 ** (-6 (f % 2) / 10)
+                assert abs(directions[:, h, f].norm().item() - 10.0 ** (-6 * (f % 2) / 10)) < 1e-6   # float32
+            frame = directions[:, h, ::2] / directions[:, h, ::2].norm(dim=0)  # the three unit vectors [A, 3]
+            torch.testing.assert_close(frame.T @ frame, torch.eye(3, dtype=torch.float64), atol=1e-6, rtol=0)
+        with torch.no_grad():
+            pe.freqs.normal_()
+        x = torch.randn(1, 2, 4, 10, dtype=torch.float64)
+        positions = torch.tensor([[0.0, 0.5, -1.0], [1.0, 2.0, 3.0], [-3.5, 0.25, 9.0], [7.0, -1.0, 0.0]])
+        got = pe(x, positions)
+        for h in range(2):
+            for n in range(4):
+                angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(3))
+                         for f in range(5)]
+                torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
+
     def test_bad_input(self):
-        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be divisible by 2 \\* num_axes = 4, got head_dim=30"):
-            MixedRotaryPositionalEmbedding(30, 4)
+        with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got "
+                                             "head_dim=31"):
+            MixedRotaryPositionalEmbedding(31, 4)
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: base must be a finite number > 1.0"):
             MixedRotaryPositionalEmbedding(32, 4, base=1.0)
         with pytest.raises(TypeError, match="MixedRotaryPositionalEmbedding: num_heads must be an int, got bool True"):
