@@ -10475,10 +10475,29 @@ def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
     return read
 
 
+def _wan_split(head: int) -> list:
+    """Wan's split of a head of ``head`` channels among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
+    spatial = 2 * (head // 6)
+    return [head - 2 * spatial, spatial, spatial]
+
+
 def _wan_axes(get) -> list:
-    """Wan's split of the head among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
-    spatial = 2 * (int(get("attention_head_dim")) // 6)
-    return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
+    """Wan's split of ``attention_head_dim`` (and of Wan's derivatives that name it so)."""
+    return _wan_split(int(get("attention_head_dim")))
+
+
+def _anyflow_far_axes(get) -> list:
+    """AnyFlow FAR: Wan's split. Its compressed context frames average the cos and sin of ``k`` neighbouring
+    positions per axis (``k = compressed_patch_size / patch_size``) and rescale each pair to unit length. The
+    average of ``exp(i w (k p + j))`` over ``j < k`` is ``exp(i w (k p + (k - 1) / 2))`` times
+    ``sin(k w / 2) / (k sin(w / 2))``, so the rescaled pair is RoPE at the midpoint ``k p + (k - 1) / 2`` while that
+    factor is positive for every frequency ``w <= 1``: ``k <= 6``. Past it the fastest pairs flip by pi."""
+    ratios = [int(c) // int(p) for c, p in zip(get("compressed_patch_size"), get("patch_size"))]
+    if max(ratios) > 6:
+        raise ValueError(f"compressed_patch_size / patch_size = {ratios}: a pooling window over 6 positions flips "
+                         f"the fastest pairs of the compressed frames by pi (their averaged cos/sin turn negative), "
+                         f"which no position gives")
+    return _wan_axes(get)
 
 
 def _split_3d_axes(get) -> list:
@@ -10668,7 +10687,12 @@ _DIFFUSERS_MODELS = {
         "attention_head_dim": 128, "rope_axes_dim": (64, 64), "rope_theta": 256.0},
         _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim")),
     **{name: _WAN for name in ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
-                               "SkyReelsV2Transformer3DModel")},
+                               "SkyReelsV2Transformer3DModel", "AnyFlowTransformer3DModel")},
+    "AnyFlowFARTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "patch_size": (1, 2, 2), "compressed_patch_size": (1, 4, 4)},
+        _axial_rope(_anyflow_far_axes)),
+    "WanAnimate2Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"dim": 5120, "num_heads": 40},
+                                                     _axial_rope(lambda get: _wan_split(get("dim") // get("num_heads")))),
     "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
                                                    _axial_rope(_wan_axes)),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": axes}, _axial_rope("axes_dims"))
@@ -10688,10 +10712,11 @@ _DIFFUSERS_MODELS = {
         "hidden_size": 1792, "num_heads": 28, "axes_dim": None, "theta": 10000.0},
         _axial_rope(lambda get: get("axes_dim") or (32, 32), base="theta",
                     dim=lambda get: get("hidden_size") // get("num_heads"))),
-    "JoyImageEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "hidden_size": 3072, "num_attention_heads": 24, "rope_dim_list": (16, 56, 56), "theta": 256.0},
         _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
-                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
+                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads")))
+       for name in ("JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel")},
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE,
         _qwen_image_ids),
@@ -10792,10 +10817,11 @@ _DIFFUSERS_REFUSED = {
     "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
     "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
                                "which takes multiples of 6",
-    **{name: _NOT_CHECKED for name in (
-        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
-        "RFD4ProteinaTransformer")},
+    "RFD4ProteinaTransformer": "a protein model whose tokens carry no position index: its one position-like "
+                               "signal, the bond-path length between tokens (one-hot, seq_sep_dim bins), enters "
+                               "the pair representation with distances and bond features, is updated by triangle "
+                               "multiplications, and biases attention only through it, so no position encoding "
+                               "separates from the model",
 }
 
 

@@ -5531,6 +5531,30 @@ def diffusers_rope_case(name: str, model):
         ids = torch.cat([torch.arange(3)[:, None].expand(3, 3), diffusers_grid((2, 3, 4)) + 3])   # [N, 3]
         cos, sin = model.rope(ids)
         return ids, lambda x: _apply_rotary_emb(x, cos, sin)
+    if name.startswith("AnyFlow"):
+        from diffusers.models.transformers.transformer_anyflow import apply_rotary_emb   # on [B, H, N, D]
+        cpu = torch.device("cpu")
+        if name == "AnyFlowTransformer3DModel":
+            positions = diffusers_grid((2, 3, 4)).double()
+            freqs = model.rope(layout_cfg={"total_frames": 2, "full_frame_shape": (3, 4)}, device=cpu)["query"]
+        else:   # FAR: 1 compressed frame of 2 x 2 tokens (each pooling a 2 x 2 window), then 2 frames of 3 x 4
+            compressed = diffusers_grid((1, 2, 2)) * torch.tensor([1, 2, 2]) + torch.tensor([0.0, 0.5, 0.5])
+            positions = torch.cat([compressed.double(), diffusers_grid((2, 3, 4)) + torch.tensor([1, 0, 0])])
+            freqs = model.rope(far_cfg={"total_frames": 3, "full_frame_shape": (3, 4), "compressed_frame_shape": (2, 2),
+                                        "num_compressed_frames": 1}, device=cpu)["query"]
+        return positions, lambda x: apply_rotary_emb(x.transpose(1, 2), freqs).transpose(1, 2)
+    if name == "JoyImageEditPlusTransformer3DModel":   # two components, the second's frames after the first's
+        from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
+        tables = [model._get_rotary_pos_embed_for_range((0, 0, 0), (1, 3, 4)),
+                  model._get_rotary_pos_embed_for_range((1, 0, 0), (3, 2, 3))]
+        cos, sin = (torch.cat([table[i] for table in tables])[None] for i in (0, 1))         # [1, N, D]
+        positions = torch.cat([diffusers_grid((1, 3, 4)), diffusers_grid((2, 2, 3)) + torch.tensor([1, 0, 0])])
+        return positions, lambda x: _apply_rotary_emb_batched(x, x, (cos, sin))[0]
+    if name == "WanAnimate2Transformer3DModel":   # a reference stream: axes offset (1, 0, 3), frames every 2nd
+        from diffusers.models.transformers.transformer_wan_animate_2 import rope_apply
+        freqs = model._rope_freqs((1, 0, 3), torch.device("cpu"))
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([2, 1, 1]) + torch.tensor([1, 0, 3])
+        return positions, lambda x: rope_apply(x, torch.tensor([[2, 3, 4]]), freqs, time_stride=2)
     if name == "JoyImageEditTransformer3DModel":
         from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
         sizes, text = (2, 3, 4), 3   # text after the largest visual index, on every axis
@@ -5727,6 +5751,15 @@ DIFFUSERS_ROPE_CONFIGS = {
                                     "audio_in_channels": 4},
     "JoyImageEditTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
                                        "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256, "in_channels": 4},
+    "JoyImageEditPlusTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
+                                           "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256,
+                                           "in_channels": 4},
+    **{name: {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2, "text_dim": 16, "ffn_dim": 32,
+              "freq_dim": 16, "in_channels": 4, "out_channels": 4, "rope_max_seq_len": 64}
+       for name in ("AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel")},
+    "WanAnimate2Transformer3DModel": {"dim": 64, "num_heads": 2, "ffn_dim": 32, "freq_dim": 16, "text_dim": 16,
+                                      "num_layers": 1, "in_dim": 4, "out_dim": 4, "text_len": 8,
+                                      "use_img_emb": False},
     "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                       "axes_dims_rope": (4, 6, 6), "context_in_dim": 16, "in_channels": 4,
                                       "out_channels": 4},
@@ -6024,6 +6057,31 @@ class TestDiffusersConfig:
         want = rope_oracle(x, [tuple(float(p[a]) for a in axis) for p in positions.tolist()], inv_freq,
                            interleaved=True)
         torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=1e-12)
+
+    def test_anyflow_far_pooled_frames_are_rope_at_the_midpoint(self):
+        # AnyFlow FAR's compressed frames: cos and sin averaged over k positions, each pair rescaled to unit length,
+        # are RoPE at k p + (k - 1) / 2 for k <= 6 (the reader's limit); at k = 7 the fastest pair points backwards
+        config = {"_class_name": "AnyFlowFARTransformer3DModel", "attention_head_dim": 32}
+        rope = RotaryPositionalEmbedding.from_config(config)
+        inv_freq = [10000.0 ** (-2 * j / w) for w in (12, 10, 10) for j in range(w // 2)]   # Wan's split of 32
+        unit = torch.tensor([1.0, 0.0], dtype=torch.float64).repeat(16)[None]                # every pair (1, 0)
+        for k in (2, 3, 6, 7):
+            for p in (0, 3):
+                pooled = []
+                for w in inv_freq:
+                    c = sum(math.cos(w * (k * p + j)) for j in range(k)) / k
+                    s = sum(math.sin(w * (k * p + j)) for j in range(k)) / k
+                    pooled += [c / math.hypot(c, s), s / math.hypot(c, s)]
+                mid = torch.full((1, 3), k * p + (k - 1) / 2, dtype=torch.float64)
+                gap = (rope(unit, mid)[0] - torch.tensor(pooled, dtype=torch.float64)).abs().max().item()
+                assert (gap < 1e-12) == (k <= 6), (k, p, gap)
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding.from_config: AnyFlowFARTransformer3DModel: "
+                                             r"compressed_patch_size / patch_size = \[1, 7, 7\]: a pooling window "
+                                             r"over 6 positions flips"):
+            RotaryPositionalEmbedding.from_config({**config, "compressed_patch_size": (1, 14, 14)})
+        # plain AnyFlow's module walks the latent grid, as Wan's does
+        assert torch.equal(pe_lib.diffusers_positions({"_class_name": "AnyFlowTransformer3DModel"}, frames=2,
+                                                      height=3, width=4), diffusers_grid((2, 3, 4)).float())
 
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
