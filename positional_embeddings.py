@@ -1470,7 +1470,9 @@ class SinusoidalPositionalEmbedding(_AddedInput):
 
     With ``num_axes = A > 1`` positions are ``[..., N, A]`` (images, video) and the
     channels split into ``A`` equal slices, slice ``a`` holding the 1-D encoding of
-    width ``dim / A`` of axis ``a``.
+    width ``dim / A`` of axis ``a``; ``sections`` makes the slices unequal: axis ``a``
+    takes ``2 * sections[a]`` channels with its own spectrum ``base ** (-2i / (2 sections[a]))``
+    (CogVideoX's 3-D table: ``D / 4`` for time, ``3 D / 8`` for each spatial axis).
 
     Conventions of other codebases, as options:
 
@@ -1492,6 +1494,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         base (float): wavelength base. Default: 10000.0.
         layout (str): ``"interleaved"`` or ``"concat"``. Default: ``"interleaved"``.
         num_axes (int): position axes ``A``. Default: 1.
+        sections (sequence of int, optional): sin-cos pairs per axis, ``A`` of them summing to
+            ``dim / 2`` (unequal slices, above). Default: None (equal slices).
         spectrum (str): ``"vaswani"`` (``base ** (-2i / dim)``) or ``"fairseq"``
             (``base ** (-i / (F - 1))``). Default: ``"vaswani"``.
         padding_idx (int, optional): fairseq's padding index (see above). Default: None.
@@ -1516,28 +1520,35 @@ class SinusoidalPositionalEmbedding(_AddedInput):
     arguments = {"spectrum": functools.partial(_check_choice, choices=("vaswani", "fairseq")),
                  "layout": functools.partial(_check_choice, choices=("interleaved", "concat")),
                  "padding_idx": functools.partial(_as_int, minimum=None),
-                 "num_prefix_tokens": functools.partial(_as_int, minimum=0)}
+                 "num_prefix_tokens": functools.partial(_as_int, minimum=0), "sections": _as_sizes}
 
     def __init__(self, dim: int, *, base: float = 10000.0,
                  layout: Literal["interleaved", "concat"] = "interleaved", num_axes: int = 1,
                  spectrum: Literal["vaswani", "fairseq"] = "vaswani", padding_idx: Optional[int] = None,
-                 num_prefix_tokens: int = 0) -> None:
+                 num_prefix_tokens: int = 0, sections: Optional[Sequence[int]] = None) -> None:
         super().__init__()
+        if sections is not None and (len(sections) != num_axes or 2 * sum(sections) != dim
+                                     or (spectrum == "fairseq" and min(sections) < 2)):
+            fairseq = ", each at least 2 with spectrum='fairseq'" if spectrum == "fairseq" else ""
+            raise ValueError(f"{type(self).__name__}: sections must hold num_axes={num_axes} sizes summing to dim / 2 "
+                             f"= {dim / 2:g}{fairseq}, got sections={list(sections)}")
         odd_ok = spectrum == "fairseq" and num_axes == 1
-        if dim % (2 * num_axes) and not (odd_ok and dim % 2):
+        if sections is None and dim % (2 * num_axes) and not (odd_ok and dim % 2):
             raise ValueError(f"{type(self).__name__}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}"
                              f"{' (or odd, with spectrum=fairseq and one axis)' if num_axes == 1 else ''}, got dim={dim!r}")
-        if spectrum == "fairseq" and dim // (2 * num_axes) < 2:
+        if sections is None and spectrum == "fairseq" and dim // (2 * num_axes) < 2:
             raise ValueError(f"{type(self).__name__}: spectrum='fairseq' needs at least 2 frequencies per axis "
                              f"(its denominator is F - 1), got dim={dim} for {num_axes} axes")
         self.dim, self.base, self.layout, self.num_axes = dim, base, layout, num_axes
         self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
+        self.sections = None if sections is None else list(sections)
 
     @classmethod
     def from_config(cls, config) -> "SinusoidalPositionalEmbedding":
         """The sin-cos table a diffusers model adds to its tokens, from its config (the ``config.json`` dict or the
         loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3, Latte and CogView3-Plus's 2-D
-        patch table, AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
+        patch table, CogVideoX 1.0 2B's 3-D table, AnimateDiff's temporal transformer. docs/diffusers.md gives the
+        positions each model feeds."""
         return cls(**_diffusers_kwargs("SinusoidalPositionalEmbedding", config, {}))
 
     def extra_repr(self) -> str:
@@ -1548,6 +1559,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
             text += f", padding_idx={self.padding_idx}"
         if self.num_prefix_tokens:
             text += f", num_prefix_tokens={self.num_prefix_tokens}"
+        if self.sections is not None:
+            text += f", sections={self.sections}"
         return text
 
     def embed(self, positions: Tensor) -> Tensor:
@@ -1568,8 +1581,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         if self.num_axes == 1:
             table = self._encode_axis(positions, self.dim)
         else:
-            width = self.dim // self.num_axes
-            table = torch.cat([self._encode_axis(positions[..., a], width) for a in range(self.num_axes)], dim=-1)
+            widths = [2 * size for size in self.sections or [self.dim // (2 * self.num_axes)] * self.num_axes]
+            table = torch.cat([self._encode_axis(positions[..., a], width) for a, width in enumerate(widths)], dim=-1)
         if self.padding_idx is not None:
             table = table.masked_fill((positions == self.padding_idx).unsqueeze(-1), 0.0)
         return table
@@ -10510,9 +10523,21 @@ def _cogvideox_axes(get) -> list:
     """CogVideoX's (and ConsisID's) RoPE, which its config switches on: ``get_3d_rotary_pos_embed``'s split."""
     if not get("use_rotary_positional_embeddings"):
         raise ValueError("use_rotary_positional_embeddings=False: this CogVideoX (1.0 2B) adds a 3-D sin-cos table "
-                         "whose axes have unequal widths (t D/4, h and w 3D/8), which SinusoidalPositionalEmbedding "
-                         "does not express yet")
+                         "instead (SinusoidalPositionalEmbedding.from_config)")
     return _split_3d_axes(get)
+
+
+def _cogvideox_sincos(get) -> dict:
+    """CogVideoX 1.0 2B (and ConsisID) without RoPE: ``get_3d_sincos_pos_embed``'s table on the model width D,
+    (t, column, row) slices of D / 4, 3 D / 8 and 3 D / 8 channels, each sines then cosines."""
+    if get("use_rotary_positional_embeddings"):
+        raise ValueError("use_rotary_positional_embeddings=True: the model rotates q and k instead "
+                         "(RotaryPositionalEmbedding.from_config)")
+    dim = int(get("num_attention_heads")) * int(get("attention_head_dim"))
+    if dim % 16:
+        raise ValueError(f"the model width num_attention_heads * attention_head_dim must be a multiple of 16 (slices "
+                         f"of D / 4 and 3 D / 8 channels in sin-cos pairs), got {dim}")
+    return {"dim": dim, "layout": "concat", "num_axes": 3, "sections": [dim // 8, 3 * dim // 16, 3 * dim // 16]}
 
 
 def _chronoedit_axes(get) -> list:
@@ -10699,8 +10724,12 @@ _DIFFUSERS_MODELS = {
        for name, axes in (("Kandinsky5Transformer3DModel", (16, 24, 24)),
                           ("Kandinsky6Transformer3DModel", (32, 48, 48)),
                           ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
-    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes))
+    # CogVideoX: RoPE, or (1.0 2B, use_rotary_positional_embeddings=False) a 3-D sin-cos table of unequal slices
+    **{name: (_DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes)),
+              _DiffusersModel("SinusoidalPositionalEmbedding", {"num_attention_heads": 30, "attention_head_dim": 64,
+                                                                "use_rotary_positional_embeddings": False},
+                              _cogvideox_sincos))
        for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
     "EasyAnimateTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                                      _axial_rope(_split_3d_axes)),

@@ -268,6 +268,10 @@ CASES = [
     Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
     Case("sinusoidal_concat", lambda: SinusoidalPositionalEmbedding(D, layout="concat")),
     Case("sinusoidal_fairseq", lambda: SinusoidalPositionalEmbedding(D, spectrum="fairseq", layout="concat")),
+    Case("sinusoidal_sections", lambda: SinusoidalPositionalEmbedding(D, layout="concat", num_axes=3,
+                                                                      sections=[D // 8, 3 * D // 16, 3 * D // 16]),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 6, torch.arange(n) % 6 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
     Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
     Case("nope", lambda: NoPositionalEmbedding(dim=D)),
     Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
@@ -2452,6 +2456,27 @@ class TestSinusoidal:
                                        rtol=0, atol=1e-7)
         x = torch.randn(B, 3, 24)
         torch.testing.assert_close(pe(x, positions), x + got.float())
+
+    @pytest.mark.parametrize("layout", ["interleaved", "concat"])
+    def test_sections_give_unequal_slices(self, layout):
+        # axis a on 2 * sections[a] channels with its own spectrum base ** (-2i / (2 sections[a])), in axis order
+        pe = SinusoidalPositionalEmbedding(32, layout=layout, num_axes=3, sections=[4, 6, 6])
+        positions = torch.tensor([[0.0, 1.5, 2.0], [5.0, 3.25, 9.0], [40.0, 2.0, 0.5]])
+        got, start = pe.embed(positions.double()), 0
+        for a, width in enumerate((8, 12, 12)):
+            want = sinusoid_oracle(positions[:, a], width, layout=layout)
+            torch.testing.assert_close(got[:, start:start + width], want, rtol=0, atol=1e-12)
+            start += width
+        assert "sections=[4, 6, 6]" in repr(pe)
+        with pytest.raises(ValueError, match=r"SinusoidalPositionalEmbedding: sections must hold num_axes=3 sizes "
+                                             r"summing to dim / 2 = 16, got sections=\[4, 6, 4\]"):
+            SinusoidalPositionalEmbedding(32, num_axes=3, sections=[4, 6, 4])
+        with pytest.raises(ValueError, match="sections must hold num_axes=2 sizes"):
+            SinusoidalPositionalEmbedding(32, num_axes=2, sections=[4, 6, 6])
+        with pytest.raises(ValueError, match=r"each at least 2 with spectrum='fairseq', got sections=\[1, 7\]"):
+            SinusoidalPositionalEmbedding(16, num_axes=2, spectrum="fairseq", sections=[1, 7])
+        with pytest.raises(ValueError, match=r"SinusoidalPositionalEmbedding: sections\[1\] must be a positive int"):
+            SinusoidalPositionalEmbedding(32, num_axes=3, sections=[4, 0, 12])
 
     def test_float64_positions_give_float64_table(self):
         table = SinusoidalPositionalEmbedding(8).embed(torch.tensor([0.5], dtype=torch.float64))
@@ -5951,6 +5976,42 @@ class TestDiffusersConfig:
         if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
             frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
             torch.testing.assert_close(frames, model.temp_pos_embed[0], rtol=0, atol=1e-6)
+
+    @pytest.mark.parametrize("name", ["CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"])
+    def test_cogvideox_3d_sincos_table_matches_its_patch_embedding(self, name):
+        # CogVideoX 1.0 2B: get_3d_sincos_pos_embed, (t, column, row) on D / 4, 3 D / 8, 3 D / 8 channels, positions
+        # divided by the interpolation scales; its text tokens get zeros
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, {
+            "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "in_channels": 4,
+            "text_embed_dim": 8, "time_embed_dim": 8, "sample_width": 8, "sample_height": 6, "sample_frames": 5,
+            "max_text_seq_length": 3, "temporal_interpolation_scale": 2.0})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        assert (pe.dim, pe.layout, pe.num_axes, pe.sections) == (16, "concat", 3, [2, 3, 3])
+        with pytest.raises(ValueError, match=f"RotaryPositionalEmbedding.from_config: {name}: use_rotary_positional_"
+                                             f"embeddings=False: .*SinusoidalPositionalEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        embed = model.patch_embed
+        with torch.no_grad():
+            for param in [*embed.proj.parameters(), *embed.text_proj.parameters()]:
+                param.zero_()
+        diff = 0.0
+        for t, h, w in ((2, 3, 4), (3, 5, 2)):        # the stored table (the sample size), then one rebuilt
+            with torch.no_grad():
+                added = embed(torch.zeros(1, 3, 8), torch.zeros(1, t, 4, 2 * h, 2 * w))[0]          # patch 2
+            assert not added[:3].any()
+            axes = torch.meshgrid(torch.arange(t, dtype=torch.float32) / 2.0,                   # float32, as theirs
+                                  torch.arange(h, dtype=torch.float32) / 1.875,
+                                  torch.arange(w, dtype=torch.float32) / 1.875, indexing="ij")
+            positions = torch.stack([axes[0], axes[2], axes[1]], -1).reshape(-1, 3)             # (t, column, row)
+            diff = max(diff, (pe.embed(positions) - added[3:]).abs().max().item())
+        MAX_DIFF[f"diffusers {name} (sin-cos)"] = diff
+        assert diff < 1e-6, f"the 3-D sin-cos table differs by {diff:.3g}"
+        with pytest.raises(ValueError, match="use_rotary_positional_embeddings=True: the model rotates q and k"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": name, "use_rotary_positional_embeddings": True})
+        with pytest.raises(ValueError, match="must be a multiple of 16 .*got 24"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": name, "num_attention_heads": 2,
+                                                       "attention_head_dim": 12})
 
     def test_cogview3plus_table_matches_its_patch_embedding(self):
         # the top-left corner of a pos_embed_max_size^2 table (base size = the table's), text tokens get zeros
