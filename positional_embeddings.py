@@ -1617,27 +1617,46 @@ class LearnedPositionalEmbedding(_AddedInput):
     IndexError or a device-side assert). ``resize`` interpolates the table to a new
     length, or, for a ViT-style 2-D patch grid, to a new ``(h, w)``.
 
+    Per-axis tables (DALL-E's and VQ-Diffusion's rows and columns, Cosmos 1.0's frames, rows and
+    columns): ``max_len=(L_1, ..., L_A)`` holds ``A`` tables and embeds a position ``(p_1, ..., p_A)``
+    as the sum of row ``p_a`` of table ``a``; ``weight`` stacks them, ``[L_1 + ... + L_A, D]``, so
+    a checkpoint's tables load as ``torch.cat`` of them in axis order. ``normalize=True`` divides
+    each embedding (the sum) by ``eps +`` its root mean square over ``D`` (Cosmos 1.0).
+
     Args:
-        max_len (int): number of positions in the table.
+        max_len (int or sequence of int): number of positions in the table, or per axis.
         dim (int): embedding width ``D``.
         init_std (float): standard deviation of the normal init (BERT/GPT-2). Default: 0.02.
+        normalize (bool): divide each embedding by ``eps + sqrt(mean(e ** 2))``. Default: False.
+        eps (float): the ``eps`` of ``normalize``. Default: 1e-6.
 
     Shape:
-        - x: ``[..., N, D]``; positions: integer ``[N]`` or ``[B, N]``.
+        - x: ``[..., N, D]``; positions: integer ``[N]`` or ``[B, N]`` (``[N, A]`` or ``[B, N, A]``,
+          required, for ``A`` tables).
         - Output: ``[..., N, D]``.
 
     Example:
         >>> pe = LearnedPositionalEmbedding(512, 768)
         >>> pe(torch.randn(2, 100, 768)).shape
         torch.Size([2, 100, 768])
+        >>> rows_cols = LearnedPositionalEmbedding((32, 32), 512)           # VQ-Diffusion's 32 x 32 latents
+        >>> rows_cols(torch.randn(2, 6, 512), torch.tensor([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]])).shape
+        torch.Size([2, 6, 512])
     """
 
     integer_positions = True
+    arguments = {"max_len": lambda owner, name, value: _as_sizes(owner, name, value) if isinstance(value, (
+        tuple, list, torch.Size)) else _check_positive_int(owner, name, value), "normalize": _check_flag,
+                 "eps": _positive_float}
 
-    def __init__(self, max_len: int, dim: int, *, init_std: float = 0.02) -> None:
+    def __init__(self, max_len: Union[int, Sequence[int]], dim: int, *, init_std: float = 0.02,
+                 normalize: bool = False, eps: float = 1e-6) -> None:
         super().__init__()
         self.max_len, self.dim, self.init_std = max_len, dim, init_std
-        self.weight = nn.Parameter(torch.empty(max_len, dim))                            # [max_len, D]
+        self.normalize, self.eps = normalize, eps
+        self.num_axes = len(max_len) if isinstance(max_len, tuple) else 1
+        rows = sum(max_len) if isinstance(max_len, tuple) else max_len
+        self.weight = nn.Parameter(torch.empty(rows, dim))                               # [max_len, D]
         self.reset_parameters()
 
     @classmethod
@@ -1647,16 +1666,37 @@ class LearnedPositionalEmbedding(_AddedInput):
         ``_class_name``); copy the checkpoint's table into ``weight``. docs/diffusers.md gives the rows each takes."""
         return cls(**_diffusers_kwargs("LearnedPositionalEmbedding", config, {}))
 
+    def extra_repr(self) -> str:
+        text = f"max_len={self.max_len}, dim={self.dim}, init_std={self.init_std}"
+        return text + (f", normalize=True, eps={self.eps}" if self.normalize else "")
+
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
     def embed(self, positions: Tensor) -> Tensor:
-        """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``."""
-        _check_table_range(type(self).__name__, "positions", positions, self.max_len)
+        """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``; with
+        per-axis tables, the sum of their rows for ``positions`` ``[..., N, A]``."""
+        owner = type(self).__name__
+        if self.num_axes == 1:
+            _check_table_range(owner, "positions", positions, self.max_len)
+        elif not isinstance(positions, Tensor) or positions.dim() < 2 or positions.shape[-1] != self.num_axes:
+            raise ValueError(f"{owner}: positions must have shape [..., N, {self.num_axes}] (one row per table), got "
+                             f"{_describe(positions)}")
         if positions.device != self.weight.device:
-            raise ValueError(f"{type(self).__name__}: positions must be on the device of the table "
+            raise ValueError(f"{owner}: positions must be on the device of the table "
                              f"({self.weight.device}), got positions on {positions.device}")
-        return F.embedding(positions.long(), self.weight)                                # uint8, int16 widen
+        if self.num_axes == 1:
+            table = F.embedding(positions.long(), self.weight)                           # uint8, int16 widen
+        else:   # table a holds rows first .. first + L_a - 1 of weight
+            table, first = 0, 0
+            for a, size in enumerate(self.max_len):
+                _check_table_range(owner, f"positions[..., {a}]", positions[..., a], size)
+                table = table + F.embedding(positions[..., a].long() + first, self.weight)  # [..., N, D]
+                first += size
+        if self.normalize:   # e / (eps + rms(e)), the norm in float32 (float64 for a float64 table)
+            norm = torch.linalg.vector_norm(table, dim=-1, keepdim=True, dtype=_compute_dtype(table.dtype))
+            table = (table / torch.add(self.eps, norm, alpha=math.sqrt(1.0 / self.dim))).to(table.dtype)
+        return table
 
     @torch.no_grad()
     def resize(self, new_size: Union[int, tuple], *, old_grid: Optional[tuple] = None,
@@ -1681,6 +1721,9 @@ class LearnedPositionalEmbedding(_AddedInput):
         Returns ``self``.
         """
         owner = type(self).__name__
+        if self.num_axes > 1:
+            raise ValueError(f"{owner}: resize interpolates one table; these are {self.num_axes} per-axis tables "
+                             f"(max_len={self.max_len}): resize each slice of weight instead")
         num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, minimum=0)
         if num_prefix_tokens >= self.max_len:
             raise ValueError(f"{owner}: num_prefix_tokens must be < max_len={self.max_len}, "
@@ -10576,11 +10619,40 @@ def _sana_sincos(get) -> dict:
 def _transformer_2d_sincos(get) -> dict:
     """Transformer2DModel adds the table to patch inputs (``patch_size``) only."""
     if get("num_vector_embeds") is not None:
-        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (h, w) tables, summed "
-                         "(ImagePositionalEmbeddings), which no class expresses yet")
+        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (row, column) tables, summed "
+                         "(LearnedPositionalEmbedding.from_config)")
     if get("patch_size") is None:
         raise ValueError("patch_size=None: continuous inputs get no position encoding")
     return _sincos_2d(get)
+
+
+def _vq_diffusion_tables(get) -> dict:
+    """Transformer2DModel over VQ-Diffusion's discrete latents: ``ImagePositionalEmbeddings``' row and column
+    tables of ``sample_size`` rows each (``nn.Embedding``'s N(0, 1) init), summed."""
+    if get("num_vector_embeds") is None:
+        raise ValueError("num_vector_embeds=None: only discrete (VQ-Diffusion) inputs get learned tables; patch inputs "
+                         "add a sin-cos table (SinusoidalPositionalEmbedding.from_config), continuous ones none")
+    if get("sample_size") is None:
+        raise ValueError("sample_size=None: VQ-Diffusion's tables have sample_size rows each, so it must be set")
+    size = int(get("sample_size"))
+    return {"max_len": (size, size), "dim": int(get("num_attention_heads")) * int(get("attention_head_dim")),
+            "init_std": 1.0}
+
+
+def _cosmos_tables(get) -> dict:
+    """Cosmos 1.0 (``extra_pos_embed_type="learnable"``): ``CosmosLearnablePositionalEmbed``'s (t, h, w) tables of
+    ``max_size / patch_size`` rows (zeros until the checkpoint loads), summed, each sum divided by ``1e-6 +`` its RMS."""
+    if get("extra_pos_embed_type") != "learnable":
+        raise ValueError(f"extra_pos_embed_type={get('extra_pos_embed_type')!r}: the model adds no learned table "
+                         f"(only 'learnable' adds one)")
+    sizes = tuple(int(size) // int(patch) for size, patch in zip(get("max_size"), get("patch_size")))
+    return {"max_len": sizes, "dim": int(get("num_attention_heads")) * int(get("attention_head_dim")),
+            "init_std": 0.0, "normalize": True, "eps": 1e-6}
+
+
+def _cosmos_rope_refused(get) -> dict:
+    """Cosmos 1.0 / 2's RoPE (refused here: each axis has its own NTK-scaled base)."""
+    raise ValueError("each axis has its own NTK-scaled base")
 
 
 def _omnigen_rope(get) -> dict:
@@ -10776,6 +10848,12 @@ _DIFFUSERS_MODELS = {
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
         _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
                         lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
+    # Cosmos 1.0 / 2: RoPE (refused), and 1.0's learned (t, h, w) tables, summed and RMS-normalised, in every block
+    "CosmosTransformer3DModel": (
+        _DiffusersModel("RotaryPositionalEmbedding", {}, _cosmos_rope_refused),
+        _DiffusersModel("LearnedPositionalEmbedding", {
+            "num_attention_heads": 32, "attention_head_dim": 128, "max_size": (128, 240, 240),
+            "patch_size": (1, 2, 2), "extra_pos_embed_type": "learnable"}, _cosmos_tables)),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10801,9 +10879,13 @@ _DIFFUSERS_MODELS = {
         ("LatteTransformer3DModel", 16, 88, {}, None), ("CogView3PlusTransformer2DModel", 64, 40, {}, None))},
     "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
-    "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+    "Transformer2DModel": (_DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "patch_size": None, "num_vector_embeds": None},
         _transformer_2d_sincos),
+        # VQ-Diffusion (num_vector_embeds): learned (row, column) tables, summed
+        _DiffusersModel("LearnedPositionalEmbedding", {
+            "num_attention_heads": 16, "attention_head_dim": 88, "num_vector_embeds": None, "sample_size": None},
+            _vq_diffusion_tables)),
     # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
     "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
@@ -10843,7 +10925,6 @@ _DIFFUSERS_REFUSED = {
     "SanaWMLTX2RefinerTransformer3DModel": "it uses LTX-2's rising spectrum with fractional coordinates",
     "AllegroTransformer3DModel": "it rotates one chunk per axis, each chunk half-split",
     "LuminaNextDiT2DModel": "it builds its frequencies and pair order by hand (with NTK and linear factors)",
-    "CosmosTransformer3DModel": "each axis has its own NTK-scaled base",
     "MochiTransformer3DModel": "its learned mixed frequencies need MixedRotaryPositionalEmbedding at head dim 128, "
                                "which takes multiples of 6",
     "RFD4ProteinaTransformer": "a protein model whose tokens carry no position index: its one position-like "

@@ -273,6 +273,8 @@ CASES = [
          required_positions=lambda n: torch.stack([torch.arange(n) // 6, torch.arange(n) % 6 // 3,
                                                    torch.arange(n) % 3], -1), has_offset=False),
     Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
+    Case("learned_axes_normalized", lambda: LearnedPositionalEmbedding((16, 4), D, normalize=True),
+         required_positions=grid_rc, has_offset=False),
     Case("nope", lambda: NoPositionalEmbedding(dim=D)),
     Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
          takes_positions=False),
@@ -2597,6 +2599,38 @@ class TestLearned:
         out = pe(x, positions)
         torch.testing.assert_close(out[0, 3], x[0, 3] + pe.weight[31])
         torch.testing.assert_close(out[1], x[1] + pe.weight[1])
+
+    @pytest.mark.parametrize("normalize", [False, True])
+    def test_per_axis_tables_are_summed(self, normalize):
+        # max_len=(L_1, ..., L_A): row p_a of table a (rows first_a .. of weight), summed over the axes; normalize
+        # divides the sum by eps + its root mean square (Cosmos 1.0)
+        pe = LearnedPositionalEmbedding((3, 4, 5), 6, init_std=1.0, normalize=normalize, eps=0.25).double()
+        positions = torch.tensor([[0, 0, 0], [2, 3, 4], [1, 0, 3], [2, 1, 0]])
+        weight, want = pe.weight.detach(), torch.zeros(4, 6, dtype=torch.float64)
+        for n, position in enumerate(positions.tolist()):
+            for d in range(6):
+                want[n, d] = weight[position[0], d] + weight[3 + position[1], d] + weight[7 + position[2], d]
+            if normalize:
+                want[n] /= 0.25 + math.sqrt(sum(float(v) ** 2 for v in want[n]) / 6)
+        assert pe.weight.shape == (12, 6) and pe.num_axes == 3
+        torch.testing.assert_close(pe.embed(positions), want, rtol=0, atol=1e-6)   # the norm is float32
+        x = torch.randn(2, 4, 6, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, positions), x + pe.embed(positions))
+        assert repr(pe).endswith(f"(max_len=(3, 4, 5), dim=6, init_std=1.0{', normalize=True, eps=0.25' * normalize})")
+
+    def test_per_axis_tables_refuse_bad_positions(self):
+        pe = LearnedPositionalEmbedding((3, 4), 8)
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions\[..., 1\] must lie in "
+                                             r"\[0, max_len=4\), got position 4"):
+            pe.embed(torch.tensor([[0, 4]]))
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions must have shape \[..., N, 2\]"):
+            pe.embed(torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match="positions is required for 2 axes"):
+            pe(torch.randn(1, 3, 8))
+        with pytest.raises(ValueError, match=r"resize interpolates one table; these are 2 per-axis tables"):
+            pe.resize(8)
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: max_len\[1\] must be a positive int"):
+            LearnedPositionalEmbedding((3, 0), 8)
 
     def test_init_std(self):
         pe = LearnedPositionalEmbedding(4096, 64)
@@ -6080,6 +6114,48 @@ class TestDiffusersConfig:
             assert torch.equal(pe.embed(positions), theirs)
         MAX_DIFF["diffusers AuraFlowTransformer2DModel"] = 0.0
 
+    def test_per_axis_learned_tables_match_vq_diffusion_and_cosmos(self):
+        # VQ-Diffusion (Transformer2DModel over discrete latents): row and column tables summed; Cosmos 1.0: (t, h, w)
+        # tables summed, then divided by 1e-6 + their RMS. Loaded with weight = cat of the model's tables.
+        pytest.importorskip("diffusers")
+        vq = diffusers_model("Transformer2DModel", {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1,
+                                                    "num_vector_embeds": 9, "sample_size": 4,
+                                                    "num_embeds_ada_norm": 10, "norm_type": "ada_norm"})
+        pe = LearnedPositionalEmbedding.from_config(vq.config)
+        assert (pe.max_len, pe.dim, pe.init_std, pe.normalize) == ((4, 4), 16, 1.0, False)
+        module = vq.latent_image_embedding
+        with torch.no_grad():
+            pe.weight.copy_(torch.cat([module.height_emb.weight, module.width_emb.weight]))
+            module.emb.weight.zero_()                                                     # only the positions
+            theirs = module(torch.zeros(1, 14, dtype=torch.long))[0]                      # the first 14 of 4 x 4
+            diff = (pe.embed(diffusers_grid((4, 4))[:14]) - theirs).abs().max().item()
+        cosmos = diffusers_model("CosmosTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
+            "text_embed_dim": 16, "adaln_lora_dim": 8, "max_size": (4, 8, 8)})
+        pe = LearnedPositionalEmbedding.from_config(cosmos.config)
+        assert (pe.max_len, pe.dim, pe.normalize, pe.eps) == ((4, 4, 4), 32, True, 1e-6)
+        module = cosmos.learnable_pos_embed
+        with torch.no_grad():
+            for table in (module.pos_emb_t, module.pos_emb_h, module.pos_emb_w):
+                table.normal_()
+            pe.weight.copy_(torch.cat([module.pos_emb_t, module.pos_emb_h, module.pos_emb_w]))
+            theirs = module(torch.zeros(1, 4, 2, 6, 8))[0]                                # 2 x 3 x 4 patches
+            diff = max(diff, (pe.embed(diffusers_grid((2, 3, 4))) - theirs).abs().max().item())
+        MAX_DIFF["diffusers Transformer2DModel (VQ-Diffusion), CosmosTransformer3DModel (learned)"] = diff
+        assert diff < 1e-6, f"the per-axis tables differ by {diff:.3g}"
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: CosmosTransformer3DModel: "
+                                             "extra_pos_embed_type=None: the model adds no learned table"):
+            LearnedPositionalEmbedding.from_config(dict(cosmos.config, extra_pos_embed_type=None))
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding.from_config: CosmosTransformer3DModel: each "
+                                             "axis has its own NTK-scaled base"):
+            RotaryPositionalEmbedding.from_config(cosmos.config)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: Transformer2DModel: "
+                                             "num_vector_embeds is set: .*LearnedPositionalEmbedding.from_config"):
+            SinusoidalPositionalEmbedding.from_config(vq.config)
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: Transformer2DModel: "
+                                             "num_vector_embeds=None: only discrete"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "Transformer2DModel", "patch_size": 2})
+
     def test_omnigen_longrope_and_table_match_its_modules(self):
         # OmniGen has two encodings: Phi-3's longrope in attention (short factors up to
         # original_max_position_embeddings, long past it, one attention factor) and a cropped 2-D table on patches
@@ -6152,7 +6228,8 @@ class TestDiffusersConfig:
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
-                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
+                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel",
+                  "CosmosTransformer3DModel"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
