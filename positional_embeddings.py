@@ -146,6 +146,7 @@ __all__ = [
     "multimodal_position_ids",
     "layer_encodings",
     "diffusers_positions",
+    "DiffusersCompatRotaryEmbedding",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -10655,6 +10656,13 @@ def _cosmos_rope_refused(get) -> dict:
     raise ValueError("each axis has its own NTK-scaled base")
 
 
+def _ernie_image_compat(get) -> dict:
+    """ERNIE-Image: Flux-style per-axis angles (``rope_axes_dim``, ``rope_theta``) over the whole head, in
+    ``DiffusersCompatRotaryEmbedding``'s ``"ernie_image"`` mode (its own half-split application)."""
+    axial = _axial_rope("rope_axes_dim", base="rope_theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))
+    return {"mode": "ernie_image", **{key: value for key, value in axial(get).items() if key != "interleaved"}}
+
+
 def _omnigen_rope(get) -> dict:
     """OmniGen's Phi-3 RoPE: longrope from ``rope_scaling``'s factors, lengths and base from the config."""
     scaling = dict(get("rope_scaling") or {})
@@ -10854,6 +10862,10 @@ _DIFFUSERS_MODELS = {
         _DiffusersModel("LearnedPositionalEmbedding", {
             "num_attention_heads": 32, "attention_head_dim": 128, "max_size": (128, 240, 240),
             "patch_size": (1, 2, 2), "extra_pos_embed_type": "learnable"}, _cosmos_tables)),
+    # ERNIE-Image: per-axis angles repeated twice and applied half-split (not a rotation: a compatibility mode)
+    "ErnieImageTransformer2DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "hidden_size": 3072, "num_attention_heads": 24, "rope_theta": 256, "rope_axes_dim": (32, 48, 48)},
+        _ernie_image_compat),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10915,7 +10927,6 @@ _DIFFUSERS_REFUSED = {
                                                "their pairs shrink: not a rotation",
     "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
                                 "not a rotation",
-    "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
     "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
@@ -10987,6 +10998,75 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
     entries = _DIFFUSERS_MODELS[name]
     return (entries,) if isinstance(entries, _DiffusersModel) else entries
+
+
+class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
+    """Compatibility mode for a diffusers model whose "RoPE" is not a rotation (``mode="ernie_image"``).
+
+    ERNIE-Image (``ErnieImageTransformer2DModel``) builds Flux-style per-axis angles ``f_0, f_1, ...`` (``F = Dh / 2``
+    of them, axis ``a`` on ``rope_axes_dim[a] / 2`` with its own spectrum ``rope_theta ** (-2j / rope_axes_dim[a])``),
+    repeats each twice (``f_0 f_0 f_1 f_1 ...``, ``Dh`` angles for ``Dh`` channels) and applies them half-split
+    (``x * cos + rotate_half(x) * sin``). Channels ``c`` and ``c + Dh / 2`` form each pair, but channel ``c`` turns by
+    ``f_{c // 2}`` and channel ``c + Dh / 2`` by ``f_{c // 2 + Dh / 4}``: the pair's matrix ``[[cos a, -sin a], [sin b,
+    cos b]]`` has determinant ``cos(a - b)``, so it is not a rotation. What that costs: the norms of q and k change
+    with position (each pair shrinks or grows by up to ``|sin(a - b)|``), and ``q . k`` depends on both positions, not
+    only on their difference (RoPE's relative-position property is lost). This class reproduces it exactly, for
+    loading ERNIE-Image's checkpoints; it is not a position encoding to choose for a new model.
+
+    Built with ``from_config`` (the diffusers config) or as ``RotaryPositionalEmbedding`` is (``interleaved=False``,
+    the per-axis ``sections``); ``rerotate`` refuses (there is no rotation to compose), ``rotate_values`` is not taken.
+
+    Args:
+        mode (str): ``"ernie_image"``.
+        dim, base, sections, axis_spectrum: as ``RotaryPositionalEmbedding``'s (the whole head turns).
+
+    Shape:
+        - x: ``[..., N, Dh]`` (or ``[..., N, H, Dh]`` with ``seq_dim=-3``); positions ``[N, A]`` or ``[B, N, A]``.
+        - Output: x's shape.
+
+    Example:
+        >>> ernie = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
+        ...                                                      "hidden_size": 256, "num_attention_heads": 2})
+        >>> ernie(torch.randn(1, 2, 5, 128), torch.tensor([[4.0, 0, 0], [4, 0, 1], [0, 0, 0], [1, 0, 0], [2, 0, 0]])).shape
+        torch.Size([1, 2, 5, 128])
+    """
+
+    arguments = {"mode": functools.partial(_check_choice, choices=("ernie_image",))}
+
+    def __init__(self, dim: int, *, mode: Literal["ernie_image"] = "ernie_image", base: float = 10000.0,
+                 sections: Optional[list] = None, axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared",
+                 cache_len: int = 4096) -> None:
+        super().__init__(dim, base=base, sections=sections, axis_spectrum=axis_spectrum, cache_len=cache_len)
+        self.mode = mode
+
+    @classmethod
+    def from_config(cls, config) -> "DiffusersCompatRotaryEmbedding":
+        """The compatibility mode of a diffusers model config (``config.json`` dict or ``model.config``, with
+        ``_class_name``): ERNIE-Image's. docs/diffusers.md gives the positions it feeds."""
+        return cls(**_diffusers_kwargs("DiffusersCompatRotaryEmbedding", config, {}))
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, " + super().extra_repr()
+
+    def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *, seq_dim: int = -2) -> Tensor:
+        raise TypeError(f"{type(self).__name__}: mode={self.mode!r} is not a rotation, so keys cannot be turned "
+                        f"from old to new positions; encode them again from the unrotated keys")
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
+        positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                                        q.device)
+        return tuple(self._apply_rotation(x, *self._call_cos_sin(side, q_len, k_len, positions_q, positions_k,
+                                                                  x.device, dtype)) for side, x in (("q", q), ("k", k)))
+
+    def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
+        if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        # channel c takes angle f_{c // 2} (f_0 f_0 f_1 f_1 ...), paired half-split with channel c + Dh / 2
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)          # [..., N, Dh]
+        first, second = x.to(cos.dtype).chunk(2, -1)                                   # [..., N, Dh / 2] each
+        turned = torch.cat([first, second], -1) * cos + torch.cat([-second, first], -1) * sin
+        return turned.to(x.dtype)
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,

@@ -52,6 +52,7 @@ from positional_embeddings import (
     AlgebraicSequencePositionalEmbedding,
     AlgebraicTreePositionalEmbedding,
     CoPEPositionalEmbedding,
+    DiffusersCompatRotaryEmbedding,
     ReRoPEPositionalEmbedding,
     SelfExtendPositionalEmbedding,
     DualChunkPositionalEmbedding,
@@ -304,6 +305,10 @@ CASES = [
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
          has_offset=False),
+    Case("diffusers_compat_ernie_image", lambda: DiffusersCompatRotaryEmbedding(DH, sections=[4, 6, 6],
+                                                                                axis_spectrum="per_axis", base=256.0),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
     Case("hope", lambda: HoPEPositionalEmbedding(DH, train_length=64)),
     Case("hope_interleaved", lambda: HoPEPositionalEmbedding(DH, train_length=300, base=500.0, interleaved=True)),
     Case("video_rope", lambda: VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6]), required_positions=video_tthw,
@@ -5861,6 +5866,49 @@ def diffusers_transformer_classes() -> set:
     return names
 
 
+class TestDiffusersCompatRotary:
+    """``DiffusersCompatRotaryEmbedding``: diffusers' position code that is not a rotation, against float64 loops."""
+
+    @staticmethod
+    def ernie_oracle(x, positions, axes, theta):
+        """ERNIE-Image's apply, one channel at a time: angles f (per axis, Flux's spectrum) repeated twice,
+        channel c paired half-split with c +- Dh / 2 and turned by its own angle f[c // 2]."""
+        out, dh = torch.zeros_like(x), x.shape[-1]
+        for n, p in enumerate(positions.tolist()):
+            f = [p[a] * theta ** (-2 * j / width) for a, width in enumerate(axes) for j in range(width // 2)]
+            for c in range(dh):
+                partner = -x[n, c + dh // 2] if c < dh // 2 else x[n, c - dh // 2]
+                out[n, c] = x[n, c] * math.cos(f[c // 2]) + partner * math.sin(f[c // 2])
+        return out
+
+    def test_ernie_image_matches_a_float64_loop(self):
+        pe = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
+                                                         "hidden_size": 64, "num_attention_heads": 2,
+                                                         "rope_axes_dim": [8, 12, 12], "rope_theta": 256})
+        positions = torch.tensor([[5.0, 0, 0], [5, 1, 2], [0, 0, 0], [3, 0, 0], [7.5, 2, 9]], dtype=torch.float64)
+        x = torch.randn(5, 32, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, positions), self.ernie_oracle(x, positions, (8, 12, 12), 256.0),
+                                   rtol=0, atol=1e-12)
+        # the attention path (encode_qk) and the seq_dim=-3 layout turn q and k as forward does
+        q, k = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
+        turned = pe.encode_qk(q, k, positions.float(), positions.float())
+        torch.testing.assert_close(turned[0], pe(q, positions.float()))
+        torch.testing.assert_close(turned[1], pe(k, positions.float()))
+        torch.testing.assert_close(pe(q.transpose(1, 2), positions.float(), seq_dim=-3).transpose(1, 2), turned[0])
+
+    def test_ernie_image_is_not_a_rotation(self):
+        # what the docs say it costs: norms change with position, and q . k is not a function of p_q - p_k
+        pe = DiffusersCompatRotaryEmbedding(32, sections=[4, 6, 6], axis_spectrum="per_axis", base=256.0)
+        x = torch.randn(1, 32, dtype=torch.float64)
+        at = lambda *p: pe(x, torch.tensor([p], dtype=torch.float64))[0]                   # noqa: E731
+        assert abs(at(0, 5, 3).norm() - x.norm()) > 1e-3
+        assert abs(at(0, 0, 0) @ at(0, 0, 1) - at(0, 0, 7) @ at(0, 0, 8)) > 1e-3
+        with pytest.raises(TypeError, match="DiffusersCompatRotaryEmbedding: mode='ernie_image' is not a rotation"):
+            pe.rerotate(x, torch.zeros(1, 3), torch.ones(1, 3))
+        with pytest.raises(ValueError, match="DiffusersCompatRotaryEmbedding: mode must be one of"):
+            DiffusersCompatRotaryEmbedding(32, mode="framepack")
+
+
 class TestDiffusersConfig:
     """``from_config`` on diffusers transformer configs (``_class_name``): each accepted model class against its
     own position module and attention's apply function (diffusers 0.42.1), and the refusals with their reasons."""
@@ -5952,8 +6000,8 @@ class TestDiffusersConfig:
                                        text_len=3)
         with pytest.raises(ValueError, match="the position ids of OvisImageTransformer2DModel are not built yet"):
             pe_lib.diffusers_positions({"_class_name": "OvisImageTransformer2DModel"}, height=2, width=2)
-        with pytest.raises(ValueError, match="diffusers_positions: ErnieImageTransformer2DModel .* not a rotation"):
-            pe_lib.diffusers_positions({"_class_name": "ErnieImageTransformer2DModel"}, height=2, width=2)
+        with pytest.raises(ValueError, match="diffusers_positions: HeliosTransformer3DModel .* not a rotation"):
+            pe_lib.diffusers_positions({"_class_name": "HeliosTransformer3DModel"}, height=2, width=2)
 
     # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
     @staticmethod
@@ -6220,6 +6268,35 @@ class TestDiffusersConfig:
         assert torch.equal(pe_lib.diffusers_positions({"_class_name": "AnyFlowTransformer3DModel"}, frames=2,
                                                       height=3, width=4), diffusers_grid((2, 3, 4)).float())
 
+    def test_ernie_image_compat_matches_its_attention(self, monkeypatch):
+        # its attention processor, with identity projections and no q/k norm, hands the turned q, k to the kernel
+        pytest.importorskip("diffusers")
+        from diffusers.models.transformers import transformer_ernie_image
+        model = diffusers_model("ErnieImageTransformer2DModel", {
+            "hidden_size": 64, "num_attention_heads": 2, "num_layers": 1, "ffn_hidden_size": 32, "in_channels": 4,
+            "out_channels": 4, "text_in_dim": 16, "rope_axes_dim": (8, 12, 12)})
+        pe = DiffusersCompatRotaryEmbedding.from_config(model.config)
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding.from_config: ErnieImageTransformer2DModel .* "
+                                             "uses DiffusersCompatRotaryEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        attn = model.layers[0].self_attention
+        with torch.no_grad():
+            for linear in (attn.to_q, attn.to_k):
+                linear.weight.copy_(torch.eye(64))
+        attn.norm_q = attn.norm_k = None
+        seen = {}
+        monkeypatch.setattr(transformer_ernie_image, "dispatch_attention_fn",
+                            lambda q, k, v, **kw: seen.update(q=q, k=k) or v)
+        # its ids: the image at (text length, row, col), then the text at (i, 0, 0)
+        text = torch.arange(3.0)[:, None] * torch.tensor([1.0, 0, 0])
+        ids = torch.cat([torch.cat([torch.full((12, 1), 3.0), diffusers_grid((3, 4)).float()], -1), text])
+        x = torch.randn(1, 15, 64)
+        attn(x, image_rotary_emb=model.pos_embed(ids[None]))
+        ours = pe(x.unflatten(-1, (2, 32)), ids, seq_dim=-3)                                # [1, N, H, Dh]
+        diff = max((ours - seen["q"]).abs().max().item(), (ours - seen["k"]).abs().max().item())
+        MAX_DIFF["diffusers ErnieImageTransformer2DModel (compatibility mode)"] = diff
+        assert diff < 1e-6, f"ERNIE-Image's turned q differs by {diff:.3g}"
+
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
@@ -6229,7 +6306,7 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel",
-                  "CosmosTransformer3DModel"}
+                  "CosmosTransformer3DModel", "ErnieImageTransformer2DModel"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
