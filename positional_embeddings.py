@@ -10656,11 +10656,11 @@ def _cosmos_rope_refused(get) -> dict:
     raise ValueError("each axis has its own NTK-scaled base")
 
 
-def _ernie_image_compat(get) -> dict:
-    """ERNIE-Image: Flux-style per-axis angles (``rope_axes_dim``, ``rope_theta``) over the whole head, in
-    ``DiffusersCompatRotaryEmbedding``'s ``"ernie_image"`` mode (its own half-split application)."""
-    axial = _axial_rope("rope_axes_dim", base="rope_theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))
-    return {"mode": "ernie_image", **{key: value for key, value in axial(get).items() if key != "interleaved"}}
+def _compat_rope(mode: str, axes: str, dim) -> object:
+    """``DiffusersCompatRotaryEmbedding`` in ``mode`` over the per-axis spectrum ``_axial_rope`` reads (the widths
+    ``axes``, base ``rope_theta``, head dim ``dim``); the pair layout is the mode's own."""
+    axial = _axial_rope(axes, base="rope_theta", dim=dim)
+    return lambda get: {"mode": mode, **{key: value for key, value in axial(get).items() if key != "interleaved"}}
 
 
 def _omnigen_rope(get) -> dict:
@@ -10865,7 +10865,14 @@ _DIFFUSERS_MODELS = {
     # ERNIE-Image: per-axis angles repeated twice and applied half-split (not a rotation: a compatibility mode)
     "ErnieImageTransformer2DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
         "hidden_size": 3072, "num_attention_heads": 24, "rope_theta": 256, "rope_axes_dim": (32, 48, 48)},
-        _ernie_image_compat),
+        _compat_rope("ernie_image", "rope_axes_dim", lambda get: get("hidden_size") // get("num_attention_heads"))),
+    # FramePack, Helios: HunyuanVideo's / their own RoPE, with history tokens whose cos and sin are window averages
+    "HunyuanVideoFramepackTransformer3DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
+        _compat_rope("pooled", "rope_axes_dim", "attention_head_dim")),
+    "HeliosTransformer3DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "attention_head_dim": 128, "rope_dim": (44, 42, 42), "rope_theta": 10000.0},
+        _compat_rope("pooled", "rope_dim", "attention_head_dim")),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10923,10 +10930,6 @@ _DIFFUSERS_MODELS = {
 # Model classes whose config from_config refuses: why (docs/diffusers.md says the same).
 _NOT_CHECKED = "not yet checked against its diffusers module (issue 44, phase 2)"
 _DIFFUSERS_REFUSED = {
-    "HunyuanVideoFramepackTransformer3DModel": "its history frames average the cos/sin of several positions, so "
-                                               "their pairs shrink: not a rotation",
-    "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
-                                "not a rotation",
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
     "LTXVideoTransformer3DModel": "its spectrum rises (theta ** (k / (F - 1)) * pi / 2) over t-h-w interleaved pairs "
@@ -11001,7 +11004,7 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
 
 
 class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
-    """Compatibility mode for a diffusers model whose "RoPE" is not a rotation (``mode="ernie_image"``).
+    """Compatibility modes for diffusers models whose "RoPE" is not a rotation (``"ernie_image"``, ``"pooled"``).
 
     ERNIE-Image (``ErnieImageTransformer2DModel``) builds Flux-style per-axis angles ``f_0, f_1, ...`` (``F = Dh / 2``
     of them, axis ``a`` on ``rope_axes_dim[a] / 2`` with its own spectrum ``rope_theta ** (-2j / rope_axes_dim[a])``),
@@ -11013,15 +11016,26 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
     only on their difference (RoPE's relative-position property is lost). This class reproduces it exactly, for
     loading ERNIE-Image's checkpoints; it is not a position encoding to choose for a new model.
 
-    Built with ``from_config`` (the diffusers config) or as ``RotaryPositionalEmbedding`` is (``interleaved=False``,
-    the per-axis ``sections``); ``rerotate`` refuses (there is no rotation to compose), ``rotate_values`` is not taken.
+    ``"pooled"``: FramePack's (``HunyuanVideoFramepackTransformer3DModel``) and Helios's history tokens. Each stands
+    for a window of latent positions, and the model averages the cos and the sin of those positions (RoPE's interleaved
+    pairs, each axis its own spectrum) instead of turning by one angle. Positions are ``[..., N, A, K]``: ``K``
+    positions per axis per token, whose cos and sin are averaged (an ordinary token repeats its position ``K`` times;
+    the average over a window ``W_t x W_h x W_w`` is the per-axis average, since each pair reads one axis). An average
+    of unit vectors is shorter than 1, by ``|sum_j exp(i w p_j)| / K``: the fast pairs of a wide window shrink towards
+    zero, so q and k lose norm and ``q . k`` no longer depends on the difference of positions alone. Exact for loading
+    those checkpoints, and not a rotation.
+
+    Built with ``from_config`` (the diffusers config) or as ``RotaryPositionalEmbedding`` is (the per-axis
+    ``sections``; half-split pairs for ``"ernie_image"``, interleaved for ``"pooled"``); ``rerotate`` refuses (there is
+    no rotation to compose), ``rotate_values`` is not taken.
 
     Args:
-        mode (str): ``"ernie_image"``.
+        mode (str): ``"ernie_image"`` or ``"pooled"``.
         dim, base, sections, axis_spectrum: as ``RotaryPositionalEmbedding``'s (the whole head turns).
 
     Shape:
-        - x: ``[..., N, Dh]`` (or ``[..., N, H, Dh]`` with ``seq_dim=-3``); positions ``[N, A]`` or ``[B, N, A]``.
+        - x: ``[..., N, Dh]`` (or ``[..., N, H, Dh]`` with ``seq_dim=-3``); positions ``[N, A]`` or ``[B, N, A]``
+          (``"pooled"``: ``[N, A, K]`` or ``[B, N, A, K]``, required).
         - Output: x's shape.
 
     Example:
@@ -11031,12 +11045,13 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         torch.Size([1, 2, 5, 128])
     """
 
-    arguments = {"mode": functools.partial(_check_choice, choices=("ernie_image",))}
+    arguments = {"mode": functools.partial(_check_choice, choices=("ernie_image", "pooled"))}
 
-    def __init__(self, dim: int, *, mode: Literal["ernie_image"] = "ernie_image", base: float = 10000.0,
+    def __init__(self, dim: int, *, mode: Literal["ernie_image", "pooled"] = "ernie_image", base: float = 10000.0,
                  sections: Optional[list] = None, axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared",
                  cache_len: int = 4096) -> None:
-        super().__init__(dim, base=base, sections=sections, axis_spectrum=axis_spectrum, cache_len=cache_len)
+        super().__init__(dim, base=base, sections=sections, axis_spectrum=axis_spectrum, cache_len=cache_len,
+                         interleaved=mode == "pooled")
         self.mode = mode
 
     @classmethod
@@ -11052,7 +11067,51 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         raise TypeError(f"{type(self).__name__}: mode={self.mode!r} is not a rotation, so keys cannot be turned "
                         f"from old to new positions; encode them again from the unrotated keys")
 
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0,
+                seq_dim: Literal[-2, -3] = -2) -> Tensor:
+        if self.mode != "pooled":
+            return super().forward(x, positions, offset=offset, seq_dim=seq_dim)
+        self._check_rotated(x, seq_dim)
+        lead, n = tuple(x.shape[:seq_dim]), x.shape[seq_dim]
+        check = lambda p: _check_positions(type(self).__name__, "positions", p, lead, n, self.num_axes,  # noqa: E731
+                                           device=x.device)
+        return self._apply_rotation(x, *self._pooled_cos_sin("positions", positions, check, x.dtype), seq_dim)
+
+    def _pooled_slice(self, name: str, positions, j: int) -> Tensor:
+        """``"pooled"``: the ``j``-th of the ``K`` positions of each axis, ``[..., N, A]`` (``[..., N]`` for one
+        axis), from ``positions`` ``[..., N, A, K]``, whose shape is checked here."""
+        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes:
+            error = ValueError if isinstance(positions, Tensor) else TypeError
+            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K "
+                        f"positions per axis, averaged), got {_describe(positions)}")
+        return positions[..., j] if self.num_axes > 1 else positions[..., 0, j]
+
+    def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                  grouped: bool = False) -> tuple:
+        if self.mode != "pooled":
+            return super()._check_qk(q, k, positions_q, positions_k, grouped)
+        super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
+                          self._pooled_slice("positions_k", positions_k, 0), grouped)
+        return positions_q, positions_k
+
+    def _pooled_cos_sin(self, name: str, positions, check, dtype: torch.dtype) -> tuple:
+        """``"pooled"``: cos and sin ``[..., N, F]`` averaged over the ``K`` positions of ``positions``
+        ``[..., N, A, K]``, each ``K`` slice validated by ``check`` (as ``forward`` or ``encode_qk`` take them)."""
+        cos = sin = 0.0
+        self._pooled_slice(name, positions, 0)                                          # checks the shape
+        for j in range(positions.shape[-1]):
+            angles = self._pair_angles(check(self._pooled_slice(name, positions, j)), self.inv_freq)  # [..., N, F]
+            cos, sin = cos + angles.cos(), sin + angles.sin()                           # float64
+        dtype = _compute_dtype(dtype)
+        return (cos / positions.shape[-1]).to(dtype), (sin / positions.shape[-1]).to(dtype)
+
     def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        if self.mode == "pooled":   # each side's slices checked as the base's hooks check positions
+            lead, q_len, k_len = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+            check_q = lambda p: self._hook_positions(lead, q_len, k_len, p, None, q.device)[0]   # noqa: E731
+            check_k = lambda p: self._hook_positions(lead, q_len, k_len, None, p, q.device)[1]   # noqa: E731
+            return (self._apply_rotation(q, *self._pooled_cos_sin("positions_q", positions_q, check_q, q.dtype)),
+                    self._apply_rotation(k, *self._pooled_cos_sin("positions_k", positions_k, check_k, k.dtype)))
         q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
         positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
                                                         q.device)
@@ -11060,6 +11119,8 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
                                                                   x.device, dtype)) for side, x in (("q", q), ("k", k)))
 
     def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
+        if self.mode == "pooled":   # RoPE's formula on the shortened (cos, sin): x * cos + rotate(x) * sin
+            return super()._apply_rotation(x, cos, sin, seq_dim)
         if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         # channel c takes angle f_{c // 2} (f_0 f_0 f_1 f_1 ...), paired half-split with channel c + Dh / 2

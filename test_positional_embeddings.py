@@ -309,6 +309,11 @@ CASES = [
                                                                                 axis_spectrum="per_axis", base=256.0),
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1), has_offset=False),
+    Case("diffusers_compat_pooled", lambda: DiffusersCompatRotaryEmbedding(DH, mode="pooled", sections=[4, 6, 6],
+                                                                           axis_spectrum="per_axis"),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1)[..., None] * 2 + torch.arange(2),
+         has_offset=False),
     Case("hope", lambda: HoPEPositionalEmbedding(DH, train_length=64)),
     Case("hope_interleaved", lambda: HoPEPositionalEmbedding(DH, train_length=300, base=500.0, interleaved=True)),
     Case("video_rope", lambda: VideoRotaryPositionalEmbedding(DH, sections=[4, 6, 6]), required_positions=video_tthw,
@@ -5896,6 +5901,36 @@ class TestDiffusersCompatRotary:
         torch.testing.assert_close(turned[1], pe(k, positions.float()))
         torch.testing.assert_close(pe(q.transpose(1, 2), positions.float(), seq_dim=-3).transpose(1, 2), turned[0])
 
+    def test_pooled_matches_a_float64_loop(self):
+        # FramePack / Helios history tokens: per pair, cos and sin averaged over the token's K positions on the
+        # pair's axis, applied to the interleaved pair (2i, 2i + 1)
+        pe = DiffusersCompatRotaryEmbedding(16, mode="pooled", sections=[2, 3, 3], axis_spectrum="per_axis", base=256.0)
+        positions = torch.tensor([[[0, 0], [1, 1], [2, 2]], [[4, 5], [0, 1], [3, 3]], [[9, 9], [2, 2], [6, 7]]],
+                                 dtype=torch.float64)                                     # [N, A, K]
+        x = torch.randn(3, 16, dtype=torch.float64)
+        want = torch.zeros_like(x)
+        for n in range(3):
+            pair = 0
+            for a, width in enumerate((4, 6, 6)):
+                for j in range(width // 2):
+                    w = 256.0 ** (-2 * j / width)
+                    c = sum(math.cos(w * float(p)) for p in positions[n, a]) / 2
+                    s = sum(math.sin(w * float(p)) for p in positions[n, a]) / 2
+                    x0, x1 = x[n, 2 * pair], x[n, 2 * pair + 1]
+                    want[n, 2 * pair], want[n, 2 * pair + 1] = x0 * c - x1 * s, x0 * s + x1 * c
+                    pair += 1
+        out = pe(x, positions)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        # the cost: an ordinary token (its position repeated) keeps its norm, a pooled one loses some
+        assert abs(out[0].norm() - x[0].norm()) < 1e-12 and out[1].norm() < x[1].norm() - 1e-3
+        q, k = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+        turned = pe.encode_qk(q, k, positions.float(), positions.float())
+        torch.testing.assert_close(turned[0], pe(q, positions.float()))
+        torch.testing.assert_close(turned[1], pe(k, positions.float()))
+        with pytest.raises(ValueError, match=r"DiffusersCompatRotaryEmbedding: mode='pooled' needs positions "
+                                             r"\[..., N, 3, K\]"):
+            pe(x, positions[..., 0])
+
     def test_ernie_image_is_not_a_rotation(self):
         # what the docs say it costs: norms change with position, and q . k is not a function of p_q - p_k
         pe = DiffusersCompatRotaryEmbedding(32, sections=[4, 6, 6], axis_spectrum="per_axis", base=256.0)
@@ -6000,8 +6035,8 @@ class TestDiffusersConfig:
                                        text_len=3)
         with pytest.raises(ValueError, match="the position ids of OvisImageTransformer2DModel are not built yet"):
             pe_lib.diffusers_positions({"_class_name": "OvisImageTransformer2DModel"}, height=2, width=2)
-        with pytest.raises(ValueError, match="diffusers_positions: HeliosTransformer3DModel .* not a rotation"):
-            pe_lib.diffusers_positions({"_class_name": "HeliosTransformer3DModel"}, height=2, width=2)
+        with pytest.raises(ValueError, match="diffusers_positions: SanaWMTransformer3DModel .* camera matrices"):
+            pe_lib.diffusers_positions({"_class_name": "SanaWMTransformer3DModel"}, height=2, width=2)
 
     # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
     @staticmethod
@@ -6297,6 +6332,42 @@ class TestDiffusersConfig:
         MAX_DIFF["diffusers ErnieImageTransformer2DModel (compatibility mode)"] = diff
         assert diff < 1e-6, f"ERNIE-Image's turned q differs by {diff:.3g}"
 
+    @pytest.mark.parametrize("name", ["HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"])
+    def test_pooled_history_matches_the_model(self, name):
+        # history tokens: the model's cos/sin over the latent grid, replicate-padded and averaged over 2 x 2 x 2
+        # windows; ours averages each axis's window (its frames' indices, rows, columns, clamped at the edges)
+        pytest.importorskip("diffusers")
+        config = {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "in_channels": 4}
+        if name == "HeliosTransformer3DModel":
+            from diffusers.models.transformers import transformer_helios as module
+            config.update(rope_dim=(4, 6, 6), text_dim=16, ffn_dim=32, freq_dim=16, out_channels=4)
+        else:
+            from diffusers.models.transformers import transformer_hunyuan_video_framepack as module
+            config.update(num_single_layers=1, rope_axes_dim=(4, 6, 6), text_embed_dim=16, pooled_projection_dim=16,
+                          image_condition_type=None)
+        model = diffusers_model(name, config)
+        pe = DiffusersCompatRotaryEmbedding.from_config(model.config)
+        with pytest.raises(ValueError, match=f"RotaryPositionalEmbedding.from_config: {name} .* uses "
+                                             f"DiffusersCompatRotaryEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        frames, (h, w) = torch.tensor([0, 4, 9]), (3, 5)
+        x = torch.randn(1, 2 * 2 * 3, 2, 16)                                                # 2 x 2 x 3 pooled tokens
+        if name == "HeliosTransformer3DModel":
+            table = model.rope(frame_indices=frames[None], height=h, width=w, device=torch.device("cpu"))
+            table = module.center_down_sample_3d(module.pad_for_3d_conv(table, (2, 2, 2)), (2, 2, 2))
+            theirs = module.apply_rotary_emb_transposed(x, table.flatten(2).transpose(1, 2))
+        else:
+            from diffusers.models.embeddings import apply_rotary_emb
+            cos, sin = model.rope(frame_indices=frames, height=2 * h, width=2 * w, device=torch.device("cpu"))
+            theirs = apply_rotary_emb(x, model._pad_rotary_emb((cos, sin), h, w, (2, 2, 2)), sequence_dim=1)
+        windows = [frames[[0, 1]], frames[[2, 2]]], [torch.tensor([0, 1]), torch.tensor([2, 2])], \
+            [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 4])]               # replicate padding
+        positions = torch.stack([torch.stack([t, r, c]) for t in windows[0] for r in windows[1] for c in windows[2]])
+        ours = pe(x, positions.float(), seq_dim=-3)                                          # [N, 3, 2] positions
+        diff = (ours - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name} (pooled history)"] = diff
+        assert diff < 1e-6, f"{name}: the pooled history tokens differ by {diff:.3g}"
+
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
@@ -6306,7 +6377,8 @@ class TestDiffusersConfig:
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
                   "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel",
-                  "CosmosTransformer3DModel", "ErnieImageTransformer2DModel"}
+                  "CosmosTransformer3DModel", "ErnieImageTransformer2DModel",
+                  "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"}
         assert read == set(DIFFUSERS_ROPE_CONFIGS) | tables     # every accepted class has its comparison
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
