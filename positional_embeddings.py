@@ -10642,7 +10642,8 @@ def _vq_diffusion_tables(get) -> dict:
 
 def _cosmos_tables(get) -> dict:
     """Cosmos 1.0 (``extra_pos_embed_type="learnable"``): ``CosmosLearnablePositionalEmbed``'s (t, h, w) tables of
-    ``max_size / patch_size`` rows (zeros until the checkpoint loads), summed, each sum divided by ``1e-6 +`` its RMS."""
+    ``max_size / patch_size`` rows (zeros until the checkpoint loads), summed, each sum divided by ``1e-6 +`` its
+    RMS."""
     if get("extra_pos_embed_type") != "learnable":
         raise ValueError(f"extra_pos_embed_type={get('extra_pos_embed_type')!r}: the model adds no learned table "
                          f"(only 'learnable' adds one)")
@@ -10796,8 +10797,9 @@ _DIFFUSERS_MODELS = {
     "AnyFlowFARTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "patch_size": (1, 2, 2), "compressed_patch_size": (1, 4, 4)},
         _axial_rope(_anyflow_far_axes)),
-    "WanAnimate2Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"dim": 5120, "num_heads": 40},
-                                                     _axial_rope(lambda get: _wan_split(get("dim") // get("num_heads")))),
+    "WanAnimate2Transformer3DModel": _DiffusersModel(
+        "RotaryPositionalEmbedding", {"dim": 5120, "num_heads": 40},
+        _axial_rope(lambda get: _wan_split(get("dim") // get("num_heads")))),
     "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
                                                    _axial_rope(_wan_axes)),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": axes}, _axial_rope("axes_dims"))
@@ -11041,8 +11043,9 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
     Example:
         >>> ernie = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
         ...                                                      "hidden_size": 256, "num_attention_heads": 2})
-        >>> ernie(torch.randn(1, 2, 5, 128), torch.tensor([[4.0, 0, 0], [4, 0, 1], [0, 0, 0], [1, 0, 0], [2, 0, 0]])).shape
-        torch.Size([1, 2, 5, 128])
+        >>> ids = torch.tensor([[2.0, 0, 0], [2, 0, 1], [0, 0, 0], [1, 0, 0]])   # image (L, row, col), text (i, 0, 0)
+        >>> ernie(torch.randn(1, 2, 4, 128), ids).shape
+        torch.Size([1, 2, 4, 128])
     """
 
     arguments = {"mode": functools.partial(_check_choice, choices=("ernie_image", "pooled"))}
