@@ -146,6 +146,7 @@ __all__ = [
     "multimodal_position_ids",
     "layer_encodings",
     "diffusers_positions",
+    "DiffusersCompatRotaryEmbedding",
     "ROPE_SCALING",
     "permute_rotary_weight",
     "T5PositionalEmbedding",
@@ -1470,7 +1471,9 @@ class SinusoidalPositionalEmbedding(_AddedInput):
 
     With ``num_axes = A > 1`` positions are ``[..., N, A]`` (images, video) and the
     channels split into ``A`` equal slices, slice ``a`` holding the 1-D encoding of
-    width ``dim / A`` of axis ``a``.
+    width ``dim / A`` of axis ``a``; ``sections`` makes the slices unequal: axis ``a``
+    takes ``2 * sections[a]`` channels with its own spectrum ``base ** (-2i / (2 sections[a]))``
+    (CogVideoX's 3-D table: ``D / 4`` for time, ``3 D / 8`` for each spatial axis).
 
     Conventions of other codebases, as options:
 
@@ -1492,6 +1495,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         base (float): wavelength base. Default: 10000.0.
         layout (str): ``"interleaved"`` or ``"concat"``. Default: ``"interleaved"``.
         num_axes (int): position axes ``A``. Default: 1.
+        sections (sequence of int, optional): sin-cos pairs per axis, ``A`` of them summing to
+            ``dim / 2`` (unequal slices, above). Default: None (equal slices).
         spectrum (str): ``"vaswani"`` (``base ** (-2i / dim)``) or ``"fairseq"``
             (``base ** (-i / (F - 1))``). Default: ``"vaswani"``.
         padding_idx (int, optional): fairseq's padding index (see above). Default: None.
@@ -1516,28 +1521,35 @@ class SinusoidalPositionalEmbedding(_AddedInput):
     arguments = {"spectrum": functools.partial(_check_choice, choices=("vaswani", "fairseq")),
                  "layout": functools.partial(_check_choice, choices=("interleaved", "concat")),
                  "padding_idx": functools.partial(_as_int, minimum=None),
-                 "num_prefix_tokens": functools.partial(_as_int, minimum=0)}
+                 "num_prefix_tokens": functools.partial(_as_int, minimum=0), "sections": _as_sizes}
 
     def __init__(self, dim: int, *, base: float = 10000.0,
                  layout: Literal["interleaved", "concat"] = "interleaved", num_axes: int = 1,
                  spectrum: Literal["vaswani", "fairseq"] = "vaswani", padding_idx: Optional[int] = None,
-                 num_prefix_tokens: int = 0) -> None:
+                 num_prefix_tokens: int = 0, sections: Optional[Sequence[int]] = None) -> None:
         super().__init__()
+        if sections is not None and (len(sections) != num_axes or 2 * sum(sections) != dim
+                                     or (spectrum == "fairseq" and min(sections) < 2)):
+            fairseq = ", each at least 2 with spectrum='fairseq'" if spectrum == "fairseq" else ""
+            raise ValueError(f"{type(self).__name__}: sections must hold num_axes={num_axes} sizes summing to dim / 2 "
+                             f"= {dim / 2:g}{fairseq}, got sections={list(sections)}")
         odd_ok = spectrum == "fairseq" and num_axes == 1
-        if dim % (2 * num_axes) and not (odd_ok and dim % 2):
+        if sections is None and dim % (2 * num_axes) and not (odd_ok and dim % 2):
             raise ValueError(f"{type(self).__name__}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}"
                              f"{' (or odd, with spectrum=fairseq and one axis)' if num_axes == 1 else ''}, got dim={dim!r}")
-        if spectrum == "fairseq" and dim // (2 * num_axes) < 2:
+        if sections is None and spectrum == "fairseq" and dim // (2 * num_axes) < 2:
             raise ValueError(f"{type(self).__name__}: spectrum='fairseq' needs at least 2 frequencies per axis "
                              f"(its denominator is F - 1), got dim={dim} for {num_axes} axes")
         self.dim, self.base, self.layout, self.num_axes = dim, base, layout, num_axes
         self.spectrum, self.padding_idx, self.num_prefix_tokens = spectrum, padding_idx, num_prefix_tokens
+        self.sections = None if sections is None else list(sections)
 
     @classmethod
     def from_config(cls, config) -> "SinusoidalPositionalEmbedding":
         """The sin-cos table a diffusers model adds to its tokens, from its config (the ``config.json`` dict or the
         loaded ``model.config``, naming the model in ``_class_name``): DiT, PixArt, SD3, Latte and CogView3-Plus's 2-D
-        patch table, AnimateDiff's temporal transformer. docs/diffusers.md gives the positions each model feeds."""
+        patch table, CogVideoX 1.0 2B's 3-D table, AnimateDiff's temporal transformer. docs/diffusers.md gives the
+        positions each model feeds."""
         return cls(**_diffusers_kwargs("SinusoidalPositionalEmbedding", config, {}))
 
     def extra_repr(self) -> str:
@@ -1548,6 +1560,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
             text += f", padding_idx={self.padding_idx}"
         if self.num_prefix_tokens:
             text += f", num_prefix_tokens={self.num_prefix_tokens}"
+        if self.sections is not None:
+            text += f", sections={self.sections}"
         return text
 
     def embed(self, positions: Tensor) -> Tensor:
@@ -1568,8 +1582,8 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         if self.num_axes == 1:
             table = self._encode_axis(positions, self.dim)
         else:
-            width = self.dim // self.num_axes
-            table = torch.cat([self._encode_axis(positions[..., a], width) for a in range(self.num_axes)], dim=-1)
+            widths = [2 * size for size in self.sections or [self.dim // (2 * self.num_axes)] * self.num_axes]
+            table = torch.cat([self._encode_axis(positions[..., a], width) for a, width in enumerate(widths)], dim=-1)
         if self.padding_idx is not None:
             table = table.masked_fill((positions == self.padding_idx).unsqueeze(-1), 0.0)
         return table
@@ -1604,27 +1618,46 @@ class LearnedPositionalEmbedding(_AddedInput):
     IndexError or a device-side assert). ``resize`` interpolates the table to a new
     length, or, for a ViT-style 2-D patch grid, to a new ``(h, w)``.
 
+    Per-axis tables (DALL-E's and VQ-Diffusion's rows and columns, Cosmos 1.0's frames, rows and
+    columns): ``max_len=(L_1, ..., L_A)`` holds ``A`` tables and embeds a position ``(p_1, ..., p_A)``
+    as the sum of row ``p_a`` of table ``a``; ``weight`` stacks them, ``[L_1 + ... + L_A, D]``, so
+    a checkpoint's tables load as ``torch.cat`` of them in axis order. ``normalize=True`` divides
+    each embedding (the sum) by ``eps +`` its root mean square over ``D`` (Cosmos 1.0).
+
     Args:
-        max_len (int): number of positions in the table.
+        max_len (int or sequence of int): number of positions in the table, or per axis.
         dim (int): embedding width ``D``.
         init_std (float): standard deviation of the normal init (BERT/GPT-2). Default: 0.02.
+        normalize (bool): divide each embedding by ``eps + sqrt(mean(e ** 2))``. Default: False.
+        eps (float): the ``eps`` of ``normalize``. Default: 1e-6.
 
     Shape:
-        - x: ``[..., N, D]``; positions: integer ``[N]`` or ``[B, N]``.
+        - x: ``[..., N, D]``; positions: integer ``[N]`` or ``[B, N]`` (``[N, A]`` or ``[B, N, A]``,
+          required, for ``A`` tables).
         - Output: ``[..., N, D]``.
 
     Example:
         >>> pe = LearnedPositionalEmbedding(512, 768)
         >>> pe(torch.randn(2, 100, 768)).shape
         torch.Size([2, 100, 768])
+        >>> rows_cols = LearnedPositionalEmbedding((32, 32), 512)           # VQ-Diffusion's 32 x 32 latents
+        >>> rows_cols(torch.randn(2, 6, 512), torch.tensor([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]])).shape
+        torch.Size([2, 6, 512])
     """
 
     integer_positions = True
+    arguments = {"max_len": lambda owner, name, value: _as_sizes(owner, name, value) if isinstance(value, (
+        tuple, list, torch.Size)) else _check_positive_int(owner, name, value), "normalize": _check_flag,
+                 "eps": _positive_float}
 
-    def __init__(self, max_len: int, dim: int, *, init_std: float = 0.02) -> None:
+    def __init__(self, max_len: Union[int, Sequence[int]], dim: int, *, init_std: float = 0.02,
+                 normalize: bool = False, eps: float = 1e-6) -> None:
         super().__init__()
         self.max_len, self.dim, self.init_std = max_len, dim, init_std
-        self.weight = nn.Parameter(torch.empty(max_len, dim))                            # [max_len, D]
+        self.normalize, self.eps = normalize, eps
+        self.num_axes = len(max_len) if isinstance(max_len, tuple) else 1
+        rows = sum(max_len) if isinstance(max_len, tuple) else max_len
+        self.weight = nn.Parameter(torch.empty(rows, dim))                               # [max_len, D]
         self.reset_parameters()
 
     @classmethod
@@ -1634,16 +1667,37 @@ class LearnedPositionalEmbedding(_AddedInput):
         ``_class_name``); copy the checkpoint's table into ``weight``. docs/diffusers.md gives the rows each takes."""
         return cls(**_diffusers_kwargs("LearnedPositionalEmbedding", config, {}))
 
+    def extra_repr(self) -> str:
+        text = f"max_len={self.max_len}, dim={self.dim}, init_std={self.init_std}"
+        return text + (f", normalize=True, eps={self.eps}" if self.normalize else "")
+
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
     def embed(self, positions: Tensor) -> Tensor:
-        """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``."""
-        _check_table_range(type(self).__name__, "positions", positions, self.max_len)
+        """Rows of the table for integer ``positions`` ``[..., N]`` (any integer dtype): ``[..., N, D]``; with
+        per-axis tables, the sum of their rows for ``positions`` ``[..., N, A]``."""
+        owner = type(self).__name__
+        if self.num_axes == 1:
+            _check_table_range(owner, "positions", positions, self.max_len)
+        elif not isinstance(positions, Tensor) or positions.dim() < 2 or positions.shape[-1] != self.num_axes:
+            raise ValueError(f"{owner}: positions must have shape [..., N, {self.num_axes}] (one row per table), got "
+                             f"{_describe(positions)}")
         if positions.device != self.weight.device:
-            raise ValueError(f"{type(self).__name__}: positions must be on the device of the table "
+            raise ValueError(f"{owner}: positions must be on the device of the table "
                              f"({self.weight.device}), got positions on {positions.device}")
-        return F.embedding(positions.long(), self.weight)                                # uint8, int16 widen
+        if self.num_axes == 1:
+            table = F.embedding(positions.long(), self.weight)                           # uint8, int16 widen
+        else:   # table a holds rows first .. first + L_a - 1 of weight
+            table, first = 0, 0
+            for a, size in enumerate(self.max_len):
+                _check_table_range(owner, f"positions[..., {a}]", positions[..., a], size)
+                table = table + F.embedding(positions[..., a].long() + first, self.weight)  # [..., N, D]
+                first += size
+        if self.normalize:   # e / (eps + rms(e)), the norm in float32 (float64 for a float64 table)
+            norm = torch.linalg.vector_norm(table, dim=-1, keepdim=True, dtype=_compute_dtype(table.dtype))
+            table = (table / torch.add(self.eps, norm, alpha=math.sqrt(1.0 / self.dim))).to(table.dtype)
+        return table
 
     @torch.no_grad()
     def resize(self, new_size: Union[int, tuple], *, old_grid: Optional[tuple] = None,
@@ -1668,6 +1722,9 @@ class LearnedPositionalEmbedding(_AddedInput):
         Returns ``self``.
         """
         owner = type(self).__name__
+        if self.num_axes > 1:
+            raise ValueError(f"{owner}: resize interpolates one table; these are {self.num_axes} per-axis tables "
+                             f"(max_len={self.max_len}): resize each slice of weight instead")
         num_prefix_tokens = _as_int(owner, "num_prefix_tokens", num_prefix_tokens, minimum=0)
         if num_prefix_tokens >= self.max_len:
             raise ValueError(f"{owner}: num_prefix_tokens must be < max_len={self.max_len}, "
@@ -10505,10 +10562,29 @@ def _axial_rope(axes, *, base=10000.0, dim=None, interleaved: bool = True):
     return read
 
 
+def _wan_split(head: int) -> list:
+    """Wan's split of a head of ``head`` channels among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
+    spatial = 2 * (head // 6)
+    return [head - 2 * spatial, spatial, spatial]
+
+
 def _wan_axes(get) -> list:
-    """Wan's split of the head among (t, h, w): h = w = 2 (D // 6) channels, t the rest."""
-    spatial = 2 * (int(get("attention_head_dim")) // 6)
-    return [int(get("attention_head_dim")) - 2 * spatial, spatial, spatial]
+    """Wan's split of ``attention_head_dim`` (and of Wan's derivatives that name it so)."""
+    return _wan_split(int(get("attention_head_dim")))
+
+
+def _anyflow_far_axes(get) -> list:
+    """AnyFlow FAR: Wan's split. Its compressed context frames average the cos and sin of ``k`` neighbouring
+    positions per axis (``k = compressed_patch_size / patch_size``) and rescale each pair to unit length. The
+    average of ``exp(i w (k p + j))`` over ``j < k`` is ``exp(i w (k p + (k - 1) / 2))`` times
+    ``sin(k w / 2) / (k sin(w / 2))``, so the rescaled pair is RoPE at the midpoint ``k p + (k - 1) / 2`` while that
+    factor is positive for every frequency ``w <= 1``: ``k <= 6``. Past it the fastest pairs flip by pi."""
+    ratios = [int(c) // int(p) for c, p in zip(get("compressed_patch_size"), get("patch_size"))]
+    if max(ratios) > 6:
+        raise ValueError(f"compressed_patch_size / patch_size = {ratios}: a pooling window over 6 positions flips "
+                         f"the fastest pairs of the compressed frames by pi (their averaged cos/sin turn negative), "
+                         f"which no position gives")
+    return _wan_axes(get)
 
 
 def _cosmos_rope(get) -> dict:
@@ -10570,9 +10646,21 @@ def _cogvideox_axes(get) -> list:
     """CogVideoX's (and ConsisID's) RoPE, which its config switches on: ``get_3d_rotary_pos_embed``'s split."""
     if not get("use_rotary_positional_embeddings"):
         raise ValueError("use_rotary_positional_embeddings=False: this CogVideoX (1.0 2B) adds a 3-D sin-cos table "
-                         "whose axes have unequal widths (t D/4, h and w 3D/8), which SinusoidalPositionalEmbedding "
-                         "does not express yet")
+                         "instead (SinusoidalPositionalEmbedding.from_config)")
     return _split_3d_axes(get)
+
+
+def _cogvideox_sincos(get) -> dict:
+    """CogVideoX 1.0 2B (and ConsisID) without RoPE: ``get_3d_sincos_pos_embed``'s table on the model width D,
+    (t, column, row) slices of D / 4, 3 D / 8 and 3 D / 8 channels, each sines then cosines."""
+    if get("use_rotary_positional_embeddings"):
+        raise ValueError("use_rotary_positional_embeddings=True: the model rotates q and k instead "
+                         "(RotaryPositionalEmbedding.from_config)")
+    dim = int(get("num_attention_heads")) * int(get("attention_head_dim"))
+    if dim % 16:
+        raise ValueError(f"the model width num_attention_heads * attention_head_dim must be a multiple of 16 (slices "
+                         f"of D / 4 and 3 D / 8 channels in sin-cos pairs), got {dim}")
+    return {"dim": dim, "layout": "concat", "num_axes": 3, "sections": [dim // 8, 3 * dim // 16, 3 * dim // 16]}
 
 
 def _chronoedit_axes(get) -> list:
@@ -10611,11 +10699,43 @@ def _sana_sincos(get) -> dict:
 def _transformer_2d_sincos(get) -> dict:
     """Transformer2DModel adds the table to patch inputs (``patch_size``) only."""
     if get("num_vector_embeds") is not None:
-        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (h, w) tables, summed "
-                         "(ImagePositionalEmbeddings), which no class expresses yet")
+        raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (row, column) tables, summed "
+                         "(LearnedPositionalEmbedding.from_config)")
     if get("patch_size") is None:
         raise ValueError("patch_size=None: continuous inputs get no position encoding")
     return _sincos_2d(get)
+
+
+def _vq_diffusion_tables(get) -> dict:
+    """Transformer2DModel over VQ-Diffusion's discrete latents: ``ImagePositionalEmbeddings``' row and column
+    tables of ``sample_size`` rows each (``nn.Embedding``'s N(0, 1) init), summed."""
+    if get("num_vector_embeds") is None:
+        raise ValueError("num_vector_embeds=None: only discrete (VQ-Diffusion) inputs get learned tables; patch inputs "
+                         "add a sin-cos table (SinusoidalPositionalEmbedding.from_config), continuous ones none")
+    if get("sample_size") is None:
+        raise ValueError("sample_size=None: VQ-Diffusion's tables have sample_size rows each, so it must be set")
+    size = int(get("sample_size"))
+    return {"max_len": (size, size), "dim": int(get("num_attention_heads")) * int(get("attention_head_dim")),
+            "init_std": 1.0}
+
+
+def _cosmos_tables(get) -> dict:
+    """Cosmos 1.0 (``extra_pos_embed_type="learnable"``): ``CosmosLearnablePositionalEmbed``'s (t, h, w) tables of
+    ``max_size / patch_size`` rows (zeros until the checkpoint loads), summed, each sum divided by ``1e-6 +`` its
+    RMS."""
+    if get("extra_pos_embed_type") != "learnable":
+        raise ValueError(f"extra_pos_embed_type={get('extra_pos_embed_type')!r}: the model adds no learned table "
+                         f"(only 'learnable' adds one)")
+    sizes = tuple(int(size) // int(patch) for size, patch in zip(get("max_size"), get("patch_size")))
+    return {"max_len": sizes, "dim": int(get("num_attention_heads")) * int(get("attention_head_dim")),
+            "init_std": 0.0, "normalize": True, "eps": 1e-6}
+
+
+def _compat_rope(mode: str, axes: str, dim) -> object:
+    """``DiffusersCompatRotaryEmbedding`` in ``mode`` over the per-axis spectrum ``_axial_rope`` reads (the widths
+    ``axes``, base ``rope_theta``, head dim ``dim``); the pair layout is the mode's own."""
+    axial = _axial_rope(axes, base="rope_theta", dim=dim)
+    return lambda get: {"mode": mode, **{key: value for key, value in axial(get).items() if key != "interleaved"}}
 
 
 def _omnigen_rope(get) -> dict:
@@ -10815,15 +10935,25 @@ _DIFFUSERS_MODELS = {
         "attention_head_dim": 128, "rope_axes_dim": (64, 64), "rope_theta": 256.0},
         _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim")),
     **{name: _WAN for name in ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
-                               "SkyReelsV2Transformer3DModel")},
+                               "SkyReelsV2Transformer3DModel", "AnyFlowTransformer3DModel")},
+    "AnyFlowFARTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 128, "patch_size": (1, 2, 2), "compressed_patch_size": (1, 4, 4)},
+        _axial_rope(_anyflow_far_axes)),
+    "WanAnimate2Transformer3DModel": _DiffusersModel(
+        "RotaryPositionalEmbedding", {"dim": 5120, "num_heads": 40},
+        _axial_rope(lambda get: _wan_split(get("dim") // get("num_heads")))),
     "SanaVideoTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 112},
                                                    _axial_rope(_wan_axes)),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {"axes_dims": axes}, _axial_rope("axes_dims"))
        for name, axes in (("Kandinsky5Transformer3DModel", (16, 24, 24)),
                           ("Kandinsky6Transformer3DModel", (32, 48, 48)),
                           ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
-    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes))
+    # CogVideoX: RoPE, or (1.0 2B, use_rotary_positional_embeddings=False) a 3-D sin-cos table of unequal slices
+    **{name: (_DiffusersModel("RotaryPositionalEmbedding", {
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes)),
+              _DiffusersModel("SinusoidalPositionalEmbedding", {"num_attention_heads": 30, "attention_head_dim": 64,
+                                                                "use_rotary_positional_embeddings": False},
+                              _cogvideox_sincos))
        for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
     "EasyAnimateTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                                      _axial_rope(_split_3d_axes)),
@@ -10835,10 +10965,11 @@ _DIFFUSERS_MODELS = {
         "hidden_size": 1792, "num_heads": 28, "axes_dim": None, "theta": 10000.0},
         _axial_rope(lambda get: get("axes_dim") or (32, 32), base="theta",
                     dim=lambda get: get("hidden_size") // get("num_heads"))),
-    "JoyImageEditTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
+    **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "hidden_size": 3072, "num_attention_heads": 24, "rope_dim_list": (16, 56, 56), "theta": 256.0},
         _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
-                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads"))),
+                    base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads")))
+       for name in ("JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel")},
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE,
         _qwen_image_ids),
@@ -10869,9 +11000,14 @@ _DIFFUSERS_MODELS = {
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}, _omnigen_rope),
         _DiffusersModel("SinusoidalPositionalEmbedding", {"hidden_size": 3072},
                         lambda get: {"dim": int(get("hidden_size")), "layout": "concat", "num_axes": 2})),
-    # Cosmos 1.0 / 2: a base per axis (1.0's learned per-axis tables, extra_pos_embed_type, are added to the tokens)
-    "CosmosTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 128, "rope_scale": (2.0, 1.0, 1.0)}, _cosmos_rope, _cosmos_ids),
+    # Cosmos 1.0 / 2: RoPE with a base per axis, and 1.0's learned (t, h, w) tables, summed and RMS-normalised, in
+    # every block
+    "CosmosTransformer3DModel": (
+        _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 128, "rope_scale": (2.0, 1.0, 1.0)},
+                        _cosmos_rope, _cosmos_ids),
+        _DiffusersModel("LearnedPositionalEmbedding", {
+            "num_attention_heads": 32, "attention_head_dim": 128, "max_size": (128, 240, 240),
+            "patch_size": (1, 2, 2), "extra_pos_embed_type": "learnable"}, _cosmos_tables)),
     # Allegro: a 1-D RoPE per third of the head, each half-split (chunks)
     "AllegroTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 96, "interpolation_scale_t": 2.2, "interpolation_scale_h": 2.0,
@@ -10894,6 +11030,17 @@ _DIFFUSERS_MODELS = {
         "num_attention_heads": 24, "attention_head_dim": 128},
         lambda get: {"head_dim": int(get("attention_head_dim")), "num_heads": int(get("num_attention_heads")),
                      "num_axes": 3}, _mochi_ids),
+    # ERNIE-Image: per-axis angles repeated twice and applied half-split (not a rotation: a compatibility mode)
+    "ErnieImageTransformer2DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "hidden_size": 3072, "num_attention_heads": 24, "rope_theta": 256, "rope_axes_dim": (32, 48, 48)},
+        _compat_rope("ernie_image", "rope_axes_dim", lambda get: get("hidden_size") // get("num_attention_heads"))),
+    # FramePack, Helios: HunyuanVideo's / their own RoPE, with history tokens whose cos and sin are window averages
+    "HunyuanVideoFramepackTransformer3DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
+        _compat_rope("pooled", "rope_axes_dim", "attention_head_dim")),
+    "HeliosTransformer3DModel": _DiffusersModel("DiffusersCompatRotaryEmbedding", {
+        "attention_head_dim": 128, "rope_dim": (44, 42, 42), "rope_theta": 10000.0},
+        _compat_rope("pooled", "rope_dim", "attention_head_dim")),
     # 1-D RoPE of the audio models
     "StableAudioDiTModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                            lambda get: _half_rope(int(get("attention_head_dim")))),
@@ -10919,9 +11066,13 @@ _DIFFUSERS_MODELS = {
         ("LatteTransformer3DModel", 16, 88, {}, None), ("CogView3PlusTransformer2DModel", 64, 40, {}, None))},
     "SanaTransformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 70, "attention_head_dim": 32, "interpolation_scale": None}, _sana_sincos),
-    "Transformer2DModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
+    "Transformer2DModel": (_DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "patch_size": None, "num_vector_embeds": None},
         _transformer_2d_sincos),
+        # VQ-Diffusion (num_vector_embeds): learned (row, column) tables, summed
+        _DiffusersModel("LearnedPositionalEmbedding", {
+            "num_attention_heads": 16, "attention_head_dim": 88, "num_vector_embeds": None, "sample_size": None},
+            _vq_diffusion_tables)),
     # AnimateDiff-style temporal transformer: diffusers' SinusoidalPositionalEmbedding in each block (Vaswani's)
     "TransformerTemporalModel": _DiffusersModel("SinusoidalPositionalEmbedding", {
         "num_attention_heads": 16, "attention_head_dim": 88, "positional_embeddings": None}, _temporal_sincos),
@@ -10947,17 +11098,13 @@ _DIFFUSERS_MODELS = {
 # Model classes whose config from_config refuses: why (docs/diffusers.md says the same).
 _NOT_CHECKED = "not yet checked against its diffusers module (issue 44, phase 2)"
 _DIFFUSERS_REFUSED = {
-    "HunyuanVideoFramepackTransformer3DModel": "its history frames average the cos/sin of several positions, so "
-                                               "their pairs shrink: not a rotation",
-    "HeliosTransformer3DModel": "its history frames average the cos/sin of several positions, so their pairs shrink: "
-                                "not a rotation",
-    "ErnieImageTransformer2DModel": "the two channels of a pair turn by different angles: not a rotation",
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
-    **{name: _NOT_CHECKED for name in (
-        "AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel",
-        "JoyImageEditPlusTransformer3DModel", "WanAnimate2Transformer3DModel",
-        "RFD4ProteinaTransformer")},
+    "RFD4ProteinaTransformer": "a protein model whose tokens carry no position index: its one position-like "
+                               "signal, the bond-path length between tokens (one-hot, seq_sep_dim bins), enters "
+                               "the pair representation with distances and bond features, is updated by triangle "
+                               "multiplications, and biases attention only through it, so no position encoding "
+                               "separates from the model",
 }
 
 
@@ -11013,6 +11160,134 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
     entries = _DIFFUSERS_MODELS[name]
     return (entries,) if isinstance(entries, _DiffusersModel) else entries
+
+
+class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
+    """Compatibility modes for diffusers models whose "RoPE" is not a rotation (``"ernie_image"``, ``"pooled"``).
+
+    ERNIE-Image (``ErnieImageTransformer2DModel``) builds Flux-style per-axis angles ``f_0, f_1, ...`` (``F = Dh / 2``
+    of them, axis ``a`` on ``rope_axes_dim[a] / 2`` with its own spectrum ``rope_theta ** (-2j / rope_axes_dim[a])``),
+    repeats each twice (``f_0 f_0 f_1 f_1 ...``, ``Dh`` angles for ``Dh`` channels) and applies them half-split
+    (``x * cos + rotate_half(x) * sin``). Channels ``c`` and ``c + Dh / 2`` form each pair, but channel ``c`` turns by
+    ``f_{c // 2}`` and channel ``c + Dh / 2`` by ``f_{c // 2 + Dh / 4}``: the pair's matrix ``[[cos a, -sin a], [sin b,
+    cos b]]`` has determinant ``cos(a - b)``, so it is not a rotation. What that costs: the norms of q and k change
+    with position (each pair shrinks or grows by up to ``|sin(a - b)|``), and ``q . k`` depends on both positions, not
+    only on their difference (RoPE's relative-position property is lost). This class reproduces it exactly, for
+    loading ERNIE-Image's checkpoints; it is not a position encoding to choose for a new model.
+
+    ``"pooled"``: FramePack's (``HunyuanVideoFramepackTransformer3DModel``) and Helios's history tokens. Each stands
+    for a window of latent positions, and the model averages the cos and the sin of those positions (RoPE's interleaved
+    pairs, each axis its own spectrum) instead of turning by one angle. Positions are ``[..., N, A, K]``: ``K``
+    positions per axis per token, whose cos and sin are averaged (an ordinary token repeats its position ``K`` times;
+    the average over a window ``W_t x W_h x W_w`` is the per-axis average, since each pair reads one axis). An average
+    of unit vectors is shorter than 1, by ``|sum_j exp(i w p_j)| / K``: the fast pairs of a wide window shrink towards
+    zero, so q and k lose norm and ``q . k`` no longer depends on the difference of positions alone. Exact for loading
+    those checkpoints, and not a rotation.
+
+    Built with ``from_config`` (the diffusers config) or as ``RotaryPositionalEmbedding`` is (the per-axis
+    ``sections``; half-split pairs for ``"ernie_image"``, interleaved for ``"pooled"``); ``rerotate`` refuses (there is
+    no rotation to compose), ``rotate_values`` is not taken.
+
+    Args:
+        mode (str): ``"ernie_image"`` or ``"pooled"``.
+        dim, base, sections, axis_spectrum: as ``RotaryPositionalEmbedding``'s (the whole head turns).
+
+    Shape:
+        - x: ``[..., N, Dh]`` (or ``[..., N, H, Dh]`` with ``seq_dim=-3``); positions ``[N, A]`` or ``[B, N, A]``
+          (``"pooled"``: ``[N, A, K]`` or ``[B, N, A, K]``, required).
+        - Output: x's shape.
+
+    Example:
+        >>> ernie = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
+        ...                                                      "hidden_size": 256, "num_attention_heads": 2})
+        >>> ids = torch.tensor([[2.0, 0, 0], [2, 0, 1], [0, 0, 0], [1, 0, 0]])   # image (L, row, col), text (i, 0, 0)
+        >>> ernie(torch.randn(1, 2, 4, 128), ids).shape
+        torch.Size([1, 2, 4, 128])
+    """
+
+    arguments = {"mode": functools.partial(_check_choice, choices=("ernie_image", "pooled"))}
+
+    def __init__(self, dim: int, *, mode: Literal["ernie_image", "pooled"] = "ernie_image", base: float = 10000.0,
+                 sections: Optional[list] = None, axis_spectrum: Literal["shared", "per_axis", "strided"] = "shared",
+                 cache_len: int = 4096) -> None:
+        super().__init__(dim, base=base, sections=sections, axis_spectrum=axis_spectrum, cache_len=cache_len,
+                         interleaved=mode == "pooled")
+        self.mode = mode
+
+    @classmethod
+    def from_config(cls, config) -> "DiffusersCompatRotaryEmbedding":
+        """The compatibility mode of a diffusers model config (``config.json`` dict or ``model.config``, with
+        ``_class_name``): ERNIE-Image's. docs/diffusers.md gives the positions it feeds."""
+        return cls(**_diffusers_kwargs("DiffusersCompatRotaryEmbedding", config, {}))
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, " + super().extra_repr()
+
+    def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *, seq_dim: int = -2) -> Tensor:
+        raise TypeError(f"{type(self).__name__}: mode={self.mode!r} is not a rotation, so keys cannot be turned "
+                        f"from old to new positions; encode them again from the unrotated keys")
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0,
+                seq_dim: Literal[-2, -3] = -2) -> Tensor:
+        if self.mode != "pooled":
+            return super().forward(x, positions, offset=offset, seq_dim=seq_dim)
+        self._check_rotated(x, seq_dim)
+        lead, n = tuple(x.shape[:seq_dim]), x.shape[seq_dim]
+        check = lambda p: _check_positions(type(self).__name__, "positions", p, lead, n, self.num_axes,  # noqa: E731
+                                           device=x.device)
+        return self._apply_rotation(x, *self._pooled_cos_sin("positions", positions, check, x.dtype), seq_dim)
+
+    def _pooled_slice(self, name: str, positions, j: int) -> Tensor:
+        """``"pooled"``: the ``j``-th of the ``K`` positions of each axis, ``[..., N, A]`` (``[..., N]`` for one
+        axis), from ``positions`` ``[..., N, A, K]``, whose shape is checked here."""
+        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes:
+            error = ValueError if isinstance(positions, Tensor) else TypeError
+            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K "
+                        f"positions per axis, averaged), got {_describe(positions)}")
+        return positions[..., j] if self.num_axes > 1 else positions[..., 0, j]
+
+    def _check_qk(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor], positions_k: Optional[Tensor],
+                  grouped: bool = False) -> tuple:
+        if self.mode != "pooled":
+            return super()._check_qk(q, k, positions_q, positions_k, grouped)
+        super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
+                          self._pooled_slice("positions_k", positions_k, 0), grouped)
+        return positions_q, positions_k
+
+    def _pooled_cos_sin(self, name: str, positions, check, dtype: torch.dtype) -> tuple:
+        """``"pooled"``: cos and sin ``[..., N, F]`` averaged over the ``K`` positions of ``positions``
+        ``[..., N, A, K]``, each ``K`` slice validated by ``check`` (as ``forward`` or ``encode_qk`` take them)."""
+        cos = sin = 0.0
+        self._pooled_slice(name, positions, 0)                                          # checks the shape
+        for j in range(positions.shape[-1]):
+            angles = self._pair_angles(check(self._pooled_slice(name, positions, j)), self.inv_freq)  # [..., N, F]
+            cos, sin = cos + angles.cos(), sin + angles.sin()                           # float64
+        dtype = _compute_dtype(dtype)
+        return (cos / positions.shape[-1]).to(dtype), (sin / positions.shape[-1]).to(dtype)
+
+    def encode_qk(self, q, k, positions_q=None, positions_k=None):
+        if self.mode == "pooled":   # each side's slices checked as the base's hooks check positions
+            lead, q_len, k_len = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+            check_q = lambda p: self._hook_positions(lead, q_len, k_len, p, None, q.device)[0]   # noqa: E731
+            check_k = lambda p: self._hook_positions(lead, q_len, k_len, None, p, q.device)[1]   # noqa: E731
+            return (self._apply_rotation(q, *self._pooled_cos_sin("positions_q", positions_q, check_q, q.dtype)),
+                    self._apply_rotation(k, *self._pooled_cos_sin("positions_k", positions_k, check_k, k.dtype)))
+        q_len, k_len, dtype = q.shape[-2], k.shape[-2], _compute_dtype(q.dtype)
+        positions_q, positions_k = self._hook_positions(tuple(q.shape[:-2]), q_len, k_len, positions_q, positions_k,
+                                                        q.device)
+        return tuple(self._apply_rotation(x, *self._call_cos_sin(side, q_len, k_len, positions_q, positions_k,
+                                                                  x.device, dtype)) for side, x in (("q", q), ("k", k)))
+
+    def _apply_rotation(self, x: Tensor, cos: Tensor, sin: Tensor, seq_dim: int = -2) -> Tensor:
+        if self.mode == "pooled":   # RoPE's formula on the shortened (cos, sin): x * cos + rotate(x) * sin
+            return super()._apply_rotation(x, cos, sin, seq_dim)
+        if seq_dim == -3:  # [..., N, F] -> [..., N, 1, F]: one angle for every head
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        # channel c takes angle f_{c // 2} (f_0 f_0 f_1 f_1 ...), paired half-split with channel c + Dh / 2
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)          # [..., N, Dh]
+        first, second = x.to(cos.dtype).chunk(2, -1)                                   # [..., N, Dh / 2] each
+        turned = torch.cat([first, second], -1) * cos + torch.cat([-second, first], -1) * sin
+        return turned.to(x.dtype)
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,

@@ -52,6 +52,7 @@ from positional_embeddings import (
     AlgebraicSequencePositionalEmbedding,
     AlgebraicTreePositionalEmbedding,
     CoPEPositionalEmbedding,
+    DiffusersCompatRotaryEmbedding,
     ReRoPEPositionalEmbedding,
     SelfExtendPositionalEmbedding,
     DualChunkPositionalEmbedding,
@@ -268,7 +269,13 @@ CASES = [
     Case("sinusoidal", lambda: SinusoidalPositionalEmbedding(D)),
     Case("sinusoidal_concat", lambda: SinusoidalPositionalEmbedding(D, layout="concat")),
     Case("sinusoidal_fairseq", lambda: SinusoidalPositionalEmbedding(D, spectrum="fairseq", layout="concat")),
+    Case("sinusoidal_sections", lambda: SinusoidalPositionalEmbedding(D, layout="concat", num_axes=3,
+                                                                      sections=[D // 8, 3 * D // 16, 3 * D // 16]),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 6, torch.arange(n) % 6 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
     Case("learned", lambda: LearnedPositionalEmbedding(64, D)),
+    Case("learned_axes_normalized", lambda: LearnedPositionalEmbedding((16, 4), D, normalize=True),
+         required_positions=grid_rc, has_offset=False),
     Case("nope", lambda: NoPositionalEmbedding(dim=D)),
     Case("conv_peg_1d", lambda: ConvolutionalPositionalEmbedding(D, num_axes=1), has_offset=False,
          takes_positions=False),
@@ -302,6 +309,15 @@ CASES = [
     Case("rotary_mrope", lambda: RotaryPositionalEmbedding(DH, sections=[4, 6, 6]),
          required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
                                                    torch.arange(n) % 3], -1),
+         has_offset=False),
+    Case("diffusers_compat_ernie_image", lambda: DiffusersCompatRotaryEmbedding(DH, sections=[4, 6, 6],
+                                                                                axis_spectrum="per_axis", base=256.0),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1), has_offset=False),
+    Case("diffusers_compat_pooled", lambda: DiffusersCompatRotaryEmbedding(DH, mode="pooled", sections=[4, 6, 6],
+                                                                           axis_spectrum="per_axis"),
+         required_positions=lambda n: torch.stack([torch.arange(n) // 8, torch.arange(n) % 8 // 3,
+                                                   torch.arange(n) % 3], -1)[..., None] * 2 + torch.arange(2),
          has_offset=False),
     Case("hope", lambda: HoPEPositionalEmbedding(DH, train_length=64)),
     Case("hope_interleaved", lambda: HoPEPositionalEmbedding(DH, train_length=300, base=500.0, interleaved=True)),
@@ -2478,6 +2494,27 @@ class TestSinusoidal:
         x = torch.randn(B, 3, 24)
         torch.testing.assert_close(pe(x, positions), x + got.float())
 
+    @pytest.mark.parametrize("layout", ["interleaved", "concat"])
+    def test_sections_give_unequal_slices(self, layout):
+        # axis a on 2 * sections[a] channels with its own spectrum base ** (-2i / (2 sections[a])), in axis order
+        pe = SinusoidalPositionalEmbedding(32, layout=layout, num_axes=3, sections=[4, 6, 6])
+        positions = torch.tensor([[0.0, 1.5, 2.0], [5.0, 3.25, 9.0], [40.0, 2.0, 0.5]])
+        got, start = pe.embed(positions.double()), 0
+        for a, width in enumerate((8, 12, 12)):
+            want = sinusoid_oracle(positions[:, a], width, layout=layout)
+            torch.testing.assert_close(got[:, start:start + width], want, rtol=0, atol=1e-12)
+            start += width
+        assert "sections=[4, 6, 6]" in repr(pe)
+        with pytest.raises(ValueError, match=r"SinusoidalPositionalEmbedding: sections must hold num_axes=3 sizes "
+                                             r"summing to dim / 2 = 16, got sections=\[4, 6, 4\]"):
+            SinusoidalPositionalEmbedding(32, num_axes=3, sections=[4, 6, 4])
+        with pytest.raises(ValueError, match="sections must hold num_axes=2 sizes"):
+            SinusoidalPositionalEmbedding(32, num_axes=2, sections=[4, 6, 6])
+        with pytest.raises(ValueError, match=r"each at least 2 with spectrum='fairseq', got sections=\[1, 7\]"):
+            SinusoidalPositionalEmbedding(16, num_axes=2, spectrum="fairseq", sections=[1, 7])
+        with pytest.raises(ValueError, match=r"SinusoidalPositionalEmbedding: sections\[1\] must be a positive int"):
+            SinusoidalPositionalEmbedding(32, num_axes=3, sections=[4, 0, 12])
+
     def test_float64_positions_give_float64_table(self):
         table = SinusoidalPositionalEmbedding(8).embed(torch.tensor([0.5], dtype=torch.float64))
         assert table.dtype == torch.float64
@@ -2597,6 +2634,38 @@ class TestLearned:
         out = pe(x, positions)
         torch.testing.assert_close(out[0, 3], x[0, 3] + pe.weight[31])
         torch.testing.assert_close(out[1], x[1] + pe.weight[1])
+
+    @pytest.mark.parametrize("normalize", [False, True])
+    def test_per_axis_tables_are_summed(self, normalize):
+        # max_len=(L_1, ..., L_A): row p_a of table a (rows first_a .. of weight), summed over the axes; normalize
+        # divides the sum by eps + its root mean square (Cosmos 1.0)
+        pe = LearnedPositionalEmbedding((3, 4, 5), 6, init_std=1.0, normalize=normalize, eps=0.25).double()
+        positions = torch.tensor([[0, 0, 0], [2, 3, 4], [1, 0, 3], [2, 1, 0]])
+        weight, want = pe.weight.detach(), torch.zeros(4, 6, dtype=torch.float64)
+        for n, position in enumerate(positions.tolist()):
+            for d in range(6):
+                want[n, d] = weight[position[0], d] + weight[3 + position[1], d] + weight[7 + position[2], d]
+            if normalize:
+                want[n] /= 0.25 + math.sqrt(sum(float(v) ** 2 for v in want[n]) / 6)
+        assert pe.weight.shape == (12, 6) and pe.num_axes == 3
+        torch.testing.assert_close(pe.embed(positions), want, rtol=0, atol=1e-6)   # the norm is float32
+        x = torch.randn(2, 4, 6, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, positions), x + pe.embed(positions))
+        assert repr(pe).endswith(f"(max_len=(3, 4, 5), dim=6, init_std=1.0{', normalize=True, eps=0.25' * normalize})")
+
+    def test_per_axis_tables_refuse_bad_positions(self):
+        pe = LearnedPositionalEmbedding((3, 4), 8)
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions\[..., 1\] must lie in "
+                                             r"\[0, max_len=4\), got position 4"):
+            pe.embed(torch.tensor([[0, 4]]))
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: positions must have shape \[..., N, 2\]"):
+            pe.embed(torch.tensor([0, 1]))
+        with pytest.raises(ValueError, match="positions is required for 2 axes"):
+            pe(torch.randn(1, 3, 8))
+        with pytest.raises(ValueError, match=r"resize interpolates one table; these are 2 per-axis tables"):
+            pe.resize(8)
+        with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: max_len\[1\] must be a positive int"):
+            LearnedPositionalEmbedding((3, 0), 8)
 
     def test_init_std(self):
         pe = LearnedPositionalEmbedding(4096, 64)
@@ -5556,6 +5625,30 @@ def diffusers_rope_case(name: str, model):
         ids = torch.cat([torch.arange(3)[:, None].expand(3, 3), diffusers_grid((2, 3, 4)) + 3])   # [N, 3]
         cos, sin = model.rope(ids)
         return ids, lambda x: _apply_rotary_emb(x, cos, sin)
+    if name.startswith("AnyFlow"):
+        from diffusers.models.transformers.transformer_anyflow import apply_rotary_emb   # on [B, H, N, D]
+        cpu = torch.device("cpu")
+        if name == "AnyFlowTransformer3DModel":
+            positions = diffusers_grid((2, 3, 4)).double()
+            freqs = model.rope(layout_cfg={"total_frames": 2, "full_frame_shape": (3, 4)}, device=cpu)["query"]
+        else:   # FAR: 1 compressed frame of 2 x 2 tokens (each pooling a 2 x 2 window), then 2 frames of 3 x 4
+            compressed = diffusers_grid((1, 2, 2)) * torch.tensor([1, 2, 2]) + torch.tensor([0.0, 0.5, 0.5])
+            positions = torch.cat([compressed.double(), diffusers_grid((2, 3, 4)) + torch.tensor([1, 0, 0])])
+            freqs = model.rope(far_cfg={"total_frames": 3, "full_frame_shape": (3, 4), "compressed_frame_shape": (2, 2),
+                                        "num_compressed_frames": 1}, device=cpu)["query"]
+        return positions, lambda x: apply_rotary_emb(x.transpose(1, 2), freqs).transpose(1, 2)
+    if name == "JoyImageEditPlusTransformer3DModel":   # two components, the second's frames after the first's
+        from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
+        tables = [model._get_rotary_pos_embed_for_range((0, 0, 0), (1, 3, 4)),
+                  model._get_rotary_pos_embed_for_range((1, 0, 0), (3, 2, 3))]
+        cos, sin = (torch.cat([table[i] for table in tables])[None] for i in (0, 1))         # [1, N, D]
+        positions = torch.cat([diffusers_grid((1, 3, 4)), diffusers_grid((2, 2, 3)) + torch.tensor([1, 0, 0])])
+        return positions, lambda x: _apply_rotary_emb_batched(x, x, (cos, sin))[0]
+    if name == "WanAnimate2Transformer3DModel":   # a reference stream: axes offset (1, 0, 3), frames every 2nd
+        from diffusers.models.transformers.transformer_wan_animate_2 import rope_apply
+        freqs = model._rope_freqs((1, 0, 3), torch.device("cpu"))
+        positions = diffusers_grid((2, 3, 4)) * torch.tensor([2, 1, 1]) + torch.tensor([1, 0, 3])
+        return positions, lambda x: rope_apply(x, torch.tensor([[2, 3, 4]]), freqs, time_stride=2)
     if name == "JoyImageEditTransformer3DModel":
         from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
         sizes, text = (2, 3, 4), 3   # text after the largest visual index, on every axis
@@ -5752,6 +5845,15 @@ DIFFUSERS_ROPE_CONFIGS = {
                                     "audio_in_channels": 4},
     "JoyImageEditTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
                                        "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256, "in_channels": 4},
+    "JoyImageEditPlusTransformer3DModel": {"hidden_size": 32, "num_attention_heads": 2, "text_dim": 16,
+                                           "num_layers": 1, "rope_dim_list": (4, 6, 6), "theta": 256,
+                                           "in_channels": 4},
+    **{name: {"num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2, "text_dim": 16, "ffn_dim": 32,
+              "freq_dim": 16, "in_channels": 4, "out_channels": 4, "rope_max_seq_len": 64}
+       for name in ("AnyFlowTransformer3DModel", "AnyFlowFARTransformer3DModel")},
+    "WanAnimate2Transformer3DModel": {"dim": 64, "num_heads": 2, "ffn_dim": 32, "freq_dim": 16, "text_dim": 16,
+                                      "num_layers": 1, "in_dim": 4, "out_dim": 4, "text_len": 8,
+                                      "use_img_emb": False},
     "QwenImage21Transformer2DModel": {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
                                       "axes_dims_rope": (4, 6, 6), "context_in_dim": 16, "in_channels": 4,
                                       "out_channels": 4},
@@ -5792,6 +5894,79 @@ def diffusers_transformer_classes() -> set:
             if isinstance(node, ast.ClassDef) and any("ConfigMixin" in ast.unparse(base) for base in node.bases):
                 names.add(node.name)
     return names
+
+
+class TestDiffusersCompatRotary:
+    """``DiffusersCompatRotaryEmbedding``: diffusers' position code that is not a rotation, against float64 loops."""
+
+    @staticmethod
+    def ernie_oracle(x, positions, axes, theta):
+        """ERNIE-Image's apply, one channel at a time: angles f (per axis, Flux's spectrum) repeated twice,
+        channel c paired half-split with c +- Dh / 2 and turned by its own angle f[c // 2]."""
+        out, dh = torch.zeros_like(x), x.shape[-1]
+        for n, p in enumerate(positions.tolist()):
+            f = [p[a] * theta ** (-2 * j / width) for a, width in enumerate(axes) for j in range(width // 2)]
+            for c in range(dh):
+                partner = -x[n, c + dh // 2] if c < dh // 2 else x[n, c - dh // 2]
+                out[n, c] = x[n, c] * math.cos(f[c // 2]) + partner * math.sin(f[c // 2])
+        return out
+
+    def test_ernie_image_matches_a_float64_loop(self):
+        pe = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
+                                                         "hidden_size": 64, "num_attention_heads": 2,
+                                                         "rope_axes_dim": [8, 12, 12], "rope_theta": 256})
+        positions = torch.tensor([[5.0, 0, 0], [5, 1, 2], [0, 0, 0], [3, 0, 0], [7.5, 2, 9]], dtype=torch.float64)
+        x = torch.randn(5, 32, dtype=torch.float64)
+        torch.testing.assert_close(pe(x, positions), self.ernie_oracle(x, positions, (8, 12, 12), 256.0),
+                                   rtol=0, atol=1e-12)
+        # the attention path (encode_qk) and the seq_dim=-3 layout turn q and k as forward does
+        q, k = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
+        turned = pe.encode_qk(q, k, positions.float(), positions.float())
+        torch.testing.assert_close(turned[0], pe(q, positions.float()))
+        torch.testing.assert_close(turned[1], pe(k, positions.float()))
+        torch.testing.assert_close(pe(q.transpose(1, 2), positions.float(), seq_dim=-3).transpose(1, 2), turned[0])
+
+    def test_pooled_matches_a_float64_loop(self):
+        # FramePack / Helios history tokens: per pair, cos and sin averaged over the token's K positions on the
+        # pair's axis, applied to the interleaved pair (2i, 2i + 1)
+        pe = DiffusersCompatRotaryEmbedding(16, mode="pooled", sections=[2, 3, 3], axis_spectrum="per_axis", base=256.0)
+        positions = torch.tensor([[[0, 0], [1, 1], [2, 2]], [[4, 5], [0, 1], [3, 3]], [[9, 9], [2, 2], [6, 7]]],
+                                 dtype=torch.float64)                                     # [N, A, K]
+        x = torch.randn(3, 16, dtype=torch.float64)
+        want = torch.zeros_like(x)
+        for n in range(3):
+            pair = 0
+            for a, width in enumerate((4, 6, 6)):
+                for j in range(width // 2):
+                    w = 256.0 ** (-2 * j / width)
+                    c = sum(math.cos(w * float(p)) for p in positions[n, a]) / 2
+                    s = sum(math.sin(w * float(p)) for p in positions[n, a]) / 2
+                    x0, x1 = x[n, 2 * pair], x[n, 2 * pair + 1]
+                    want[n, 2 * pair], want[n, 2 * pair + 1] = x0 * c - x1 * s, x0 * s + x1 * c
+                    pair += 1
+        out = pe(x, positions)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        # the cost: an ordinary token (its position repeated) keeps its norm, a pooled one loses some
+        assert abs(out[0].norm() - x[0].norm()) < 1e-12 and out[1].norm() < x[1].norm() - 1e-3
+        q, k = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+        turned = pe.encode_qk(q, k, positions.float(), positions.float())
+        torch.testing.assert_close(turned[0], pe(q, positions.float()))
+        torch.testing.assert_close(turned[1], pe(k, positions.float()))
+        with pytest.raises(ValueError, match=r"DiffusersCompatRotaryEmbedding: mode='pooled' needs positions "
+                                             r"\[..., N, 3, K\]"):
+            pe(x, positions[..., 0])
+
+    def test_ernie_image_is_not_a_rotation(self):
+        # what the docs say it costs: norms change with position, and q . k is not a function of p_q - p_k
+        pe = DiffusersCompatRotaryEmbedding(32, sections=[4, 6, 6], axis_spectrum="per_axis", base=256.0)
+        x = torch.randn(1, 32, dtype=torch.float64)
+        at = lambda *p: pe(x, torch.tensor([p], dtype=torch.float64))[0]                   # noqa: E731
+        assert abs(at(0, 5, 3).norm() - x.norm()) > 1e-3
+        assert abs(at(0, 0, 0) @ at(0, 0, 1) - at(0, 0, 7) @ at(0, 0, 8)) > 1e-3
+        with pytest.raises(TypeError, match="DiffusersCompatRotaryEmbedding: mode='ernie_image' is not a rotation"):
+            pe.rerotate(x, torch.zeros(1, 3), torch.ones(1, 3))
+        with pytest.raises(ValueError, match="DiffusersCompatRotaryEmbedding: mode must be one of"):
+            DiffusersCompatRotaryEmbedding(32, mode="framepack")
 
 
 class TestDiffusersConfig:
@@ -5885,8 +6060,8 @@ class TestDiffusersConfig:
                                        text_len=3)
         with pytest.raises(ValueError, match="the position ids of OvisImageTransformer2DModel are not built yet"):
             pe_lib.diffusers_positions({"_class_name": "OvisImageTransformer2DModel"}, height=2, width=2)
-        with pytest.raises(ValueError, match="diffusers_positions: ErnieImageTransformer2DModel .* not a rotation"):
-            pe_lib.diffusers_positions({"_class_name": "ErnieImageTransformer2DModel"}, height=2, width=2)
+        with pytest.raises(ValueError, match="diffusers_positions: SanaWMTransformer3DModel .* camera matrices"):
+            pe_lib.diffusers_positions({"_class_name": "SanaWMTransformer3DModel"}, height=2, width=2)
 
     # -- tables added to the tokens: the patch embedding with its projection zeroed returns the table it adds
     @staticmethod
@@ -5943,6 +6118,42 @@ class TestDiffusersConfig:
         if name == "LatteTransformer3DModel":   # its temporal table: 1-D, concat, over the frames
             frames = SinusoidalPositionalEmbedding(pe.dim, layout="concat").embed(torch.arange(16))
             torch.testing.assert_close(frames, model.temp_pos_embed[0], rtol=0, atol=1e-6)
+
+    @pytest.mark.parametrize("name", ["CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"])
+    def test_cogvideox_3d_sincos_table_matches_its_patch_embedding(self, name):
+        # CogVideoX 1.0 2B: get_3d_sincos_pos_embed, (t, column, row) on D / 4, 3 D / 8, 3 D / 8 channels, positions
+        # divided by the interpolation scales; its text tokens get zeros
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, {
+            "num_layers": 1, "attention_head_dim": 8, "num_attention_heads": 2, "in_channels": 4,
+            "text_embed_dim": 8, "time_embed_dim": 8, "sample_width": 8, "sample_height": 6, "sample_frames": 5,
+            "max_text_seq_length": 3, "temporal_interpolation_scale": 2.0})
+        pe = SinusoidalPositionalEmbedding.from_config(model.config)
+        assert (pe.dim, pe.layout, pe.num_axes, pe.sections) == (16, "concat", 3, [2, 3, 3])
+        with pytest.raises(ValueError, match=f"RotaryPositionalEmbedding.from_config: {name}: use_rotary_positional_"
+                                             f"embeddings=False: .*SinusoidalPositionalEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        embed = model.patch_embed
+        with torch.no_grad():
+            for param in [*embed.proj.parameters(), *embed.text_proj.parameters()]:
+                param.zero_()
+        diff = 0.0
+        for t, h, w in ((2, 3, 4), (3, 5, 2)):        # the stored table (the sample size), then one rebuilt
+            with torch.no_grad():
+                added = embed(torch.zeros(1, 3, 8), torch.zeros(1, t, 4, 2 * h, 2 * w))[0]          # patch 2
+            assert not added[:3].any()
+            axes = torch.meshgrid(torch.arange(t, dtype=torch.float32) / 2.0,                   # float32, as theirs
+                                  torch.arange(h, dtype=torch.float32) / 1.875,
+                                  torch.arange(w, dtype=torch.float32) / 1.875, indexing="ij")
+            positions = torch.stack([axes[0], axes[2], axes[1]], -1).reshape(-1, 3)             # (t, column, row)
+            diff = max(diff, (pe.embed(positions) - added[3:]).abs().max().item())
+        MAX_DIFF[f"diffusers {name} (sin-cos)"] = diff
+        assert diff < 1e-6, f"the 3-D sin-cos table differs by {diff:.3g}"
+        with pytest.raises(ValueError, match="use_rotary_positional_embeddings=True: the model rotates q and k"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": name, "use_rotary_positional_embeddings": True})
+        with pytest.raises(ValueError, match="must be a multiple of 16 .*got 24"):
+            SinusoidalPositionalEmbedding.from_config({"_class_name": name, "num_attention_heads": 2,
+                                                       "attention_head_dim": 12})
 
     def test_cogview3plus_table_matches_its_patch_embedding(self):
         # the top-left corner of a pos_embed_max_size^2 table (base size = the table's), text tokens get zeros
@@ -6010,6 +6221,48 @@ class TestDiffusersConfig:
         with torch.no_grad():
             assert torch.equal(pe.embed(positions), theirs)
         MAX_DIFF["diffusers AuraFlowTransformer2DModel"] = 0.0
+
+    def test_per_axis_learned_tables_match_vq_diffusion_and_cosmos(self):
+        # VQ-Diffusion (Transformer2DModel over discrete latents): row and column tables summed; Cosmos 1.0: (t, h, w)
+        # tables summed, then divided by 1e-6 + their RMS. Loaded with weight = cat of the model's tables.
+        pytest.importorskip("diffusers")
+        vq = diffusers_model("Transformer2DModel", {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 1,
+                                                    "num_vector_embeds": 9, "sample_size": 4,
+                                                    "num_embeds_ada_norm": 10, "norm_type": "ada_norm"})
+        pe = LearnedPositionalEmbedding.from_config(vq.config)
+        assert (pe.max_len, pe.dim, pe.init_std, pe.normalize) == ((4, 4), 16, 1.0, False)
+        module = vq.latent_image_embedding
+        with torch.no_grad():
+            pe.weight.copy_(torch.cat([module.height_emb.weight, module.width_emb.weight]))
+            module.emb.weight.zero_()                                                     # only the positions
+            theirs = module(torch.zeros(1, 14, dtype=torch.long))[0]                      # the first 14 of 4 x 4
+            diff = (pe.embed(diffusers_grid((4, 4))[:14]) - theirs).abs().max().item()
+        cosmos = diffusers_model("CosmosTransformer3DModel", {
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
+            "text_embed_dim": 16, "adaln_lora_dim": 8, "max_size": (4, 8, 8)})
+        pe = LearnedPositionalEmbedding.from_config(cosmos.config)
+        assert (pe.max_len, pe.dim, pe.normalize, pe.eps) == ((4, 4, 4), 32, True, 1e-6)
+        module = cosmos.learnable_pos_embed
+        with torch.no_grad():
+            for table in (module.pos_emb_t, module.pos_emb_h, module.pos_emb_w):
+                table.normal_()
+            pe.weight.copy_(torch.cat([module.pos_emb_t, module.pos_emb_h, module.pos_emb_w]))
+            theirs = module(torch.zeros(1, 4, 2, 6, 8))[0]                                # 2 x 3 x 4 patches
+            diff = max(diff, (pe.embed(diffusers_grid((2, 3, 4))) - theirs).abs().max().item())
+        MAX_DIFF["diffusers Transformer2DModel (VQ-Diffusion), CosmosTransformer3DModel (learned)"] = diff
+        assert diff < 1e-6, f"the per-axis tables differ by {diff:.3g}"
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: CosmosTransformer3DModel: "
+                                             "extra_pos_embed_type=None: the model adds no learned table"):
+            LearnedPositionalEmbedding.from_config(dict(cosmos.config, extra_pos_embed_type=None))
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding.from_config: CosmosTransformer3DModel: each "
+                                             "axis has its own NTK-scaled base"):
+            RotaryPositionalEmbedding.from_config(cosmos.config)
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: Transformer2DModel: "
+                                             "num_vector_embeds is set: .*LearnedPositionalEmbedding.from_config"):
+            SinusoidalPositionalEmbedding.from_config(vq.config)
+        with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: Transformer2DModel: "
+                                             "num_vector_embeds=None: only discrete"):
+            LearnedPositionalEmbedding.from_config({"_class_name": "Transformer2DModel", "patch_size": 2})
 
     def test_omnigen_longrope_and_table_match_its_modules(self):
         # OmniGen has two encodings: Phi-3's longrope in attention (short factors up to
@@ -6240,6 +6493,96 @@ class TestDiffusersConfig:
         MAX_DIFF["diffusers MochiTransformer3DModel"] = diff
         assert diff < 2e-6, f"rotated q differs by {diff:.3g}"   # its float32 angles, up to ~8 rad
 
+    def test_anyflow_far_pooled_frames_are_rope_at_the_midpoint(self):
+        # AnyFlow FAR's compressed frames: cos and sin averaged over k positions, each pair rescaled to unit length,
+        # are RoPE at k p + (k - 1) / 2 for k <= 6 (the reader's limit); at k = 7 the fastest pair points backwards
+        config = {"_class_name": "AnyFlowFARTransformer3DModel", "attention_head_dim": 32}
+        rope = RotaryPositionalEmbedding.from_config(config)
+        inv_freq = [10000.0 ** (-2 * j / w) for w in (12, 10, 10) for j in range(w // 2)]   # Wan's split of 32
+        unit = torch.tensor([1.0, 0.0], dtype=torch.float64).repeat(16)[None]                # every pair (1, 0)
+        for k in (2, 3, 6, 7):
+            for p in (0, 3):
+                pooled = []
+                for w in inv_freq:
+                    c = sum(math.cos(w * (k * p + j)) for j in range(k)) / k
+                    s = sum(math.sin(w * (k * p + j)) for j in range(k)) / k
+                    pooled += [c / math.hypot(c, s), s / math.hypot(c, s)]
+                mid = torch.full((1, 3), k * p + (k - 1) / 2, dtype=torch.float64)
+                gap = (rope(unit, mid)[0] - torch.tensor(pooled, dtype=torch.float64)).abs().max().item()
+                assert (gap < 1e-12) == (k <= 6), (k, p, gap)
+        with pytest.raises(ValueError, match=r"RotaryPositionalEmbedding.from_config: AnyFlowFARTransformer3DModel: "
+                                             r"compressed_patch_size / patch_size = \[1, 7, 7\]: a pooling window "
+                                             r"over 6 positions flips"):
+            RotaryPositionalEmbedding.from_config({**config, "compressed_patch_size": (1, 14, 14)})
+        # plain AnyFlow's module walks the latent grid, as Wan's does
+        assert torch.equal(pe_lib.diffusers_positions({"_class_name": "AnyFlowTransformer3DModel"}, frames=2,
+                                                      height=3, width=4), diffusers_grid((2, 3, 4)).float())
+
+    def test_ernie_image_compat_matches_its_attention(self, monkeypatch):
+        # its attention processor, with identity projections and no q/k norm, hands the turned q, k to the kernel
+        pytest.importorskip("diffusers")
+        from diffusers.models.transformers import transformer_ernie_image
+        model = diffusers_model("ErnieImageTransformer2DModel", {
+            "hidden_size": 64, "num_attention_heads": 2, "num_layers": 1, "ffn_hidden_size": 32, "in_channels": 4,
+            "out_channels": 4, "text_in_dim": 16, "rope_axes_dim": (8, 12, 12)})
+        pe = DiffusersCompatRotaryEmbedding.from_config(model.config)
+        with pytest.raises(ValueError, match="RotaryPositionalEmbedding.from_config: ErnieImageTransformer2DModel .* "
+                                             "uses DiffusersCompatRotaryEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        attn = model.layers[0].self_attention
+        with torch.no_grad():
+            for linear in (attn.to_q, attn.to_k):
+                linear.weight.copy_(torch.eye(64))
+        attn.norm_q = attn.norm_k = None
+        seen = {}
+        monkeypatch.setattr(transformer_ernie_image, "dispatch_attention_fn",
+                            lambda q, k, v, **kw: seen.update(q=q, k=k) or v)
+        # its ids: the image at (text length, row, col), then the text at (i, 0, 0)
+        text = torch.arange(3.0)[:, None] * torch.tensor([1.0, 0, 0])
+        ids = torch.cat([torch.cat([torch.full((12, 1), 3.0), diffusers_grid((3, 4)).float()], -1), text])
+        x = torch.randn(1, 15, 64)
+        attn(x, image_rotary_emb=model.pos_embed(ids[None]))
+        ours = pe(x.unflatten(-1, (2, 32)), ids, seq_dim=-3)                                # [1, N, H, Dh]
+        diff = max((ours - seen["q"]).abs().max().item(), (ours - seen["k"]).abs().max().item())
+        MAX_DIFF["diffusers ErnieImageTransformer2DModel (compatibility mode)"] = diff
+        assert diff < 1e-6, f"ERNIE-Image's turned q differs by {diff:.3g}"
+
+    @pytest.mark.parametrize("name", ["HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"])
+    def test_pooled_history_matches_the_model(self, name):
+        # history tokens: the model's cos/sin over the latent grid, replicate-padded and averaged over 2 x 2 x 2
+        # windows; ours averages each axis's window (its frames' indices, rows, columns, clamped at the edges)
+        pytest.importorskip("diffusers")
+        config = {"num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "in_channels": 4}
+        if name == "HeliosTransformer3DModel":
+            from diffusers.models.transformers import transformer_helios as module
+            config.update(rope_dim=(4, 6, 6), text_dim=16, ffn_dim=32, freq_dim=16, out_channels=4)
+        else:
+            from diffusers.models.transformers import transformer_hunyuan_video_framepack as module
+            config.update(num_single_layers=1, rope_axes_dim=(4, 6, 6), text_embed_dim=16, pooled_projection_dim=16,
+                          image_condition_type=None)
+        model = diffusers_model(name, config)
+        pe = DiffusersCompatRotaryEmbedding.from_config(model.config)
+        with pytest.raises(ValueError, match=f"RotaryPositionalEmbedding.from_config: {name} .* uses "
+                                             f"DiffusersCompatRotaryEmbedding"):
+            RotaryPositionalEmbedding.from_config(model.config)
+        frames, (h, w) = torch.tensor([0, 4, 9]), (3, 5)
+        x = torch.randn(1, 2 * 2 * 3, 2, 16)                                                # 2 x 2 x 3 pooled tokens
+        if name == "HeliosTransformer3DModel":
+            table = model.rope(frame_indices=frames[None], height=h, width=w, device=torch.device("cpu"))
+            table = module.center_down_sample_3d(module.pad_for_3d_conv(table, (2, 2, 2)), (2, 2, 2))
+            theirs = module.apply_rotary_emb_transposed(x, table.flatten(2).transpose(1, 2))
+        else:
+            from diffusers.models.embeddings import apply_rotary_emb
+            cos, sin = model.rope(frame_indices=frames, height=2 * h, width=2 * w, device=torch.device("cpu"))
+            theirs = apply_rotary_emb(x, model._pad_rotary_emb((cos, sin), h, w, (2, 2, 2)), sequence_dim=1)
+        windows = [frames[[0, 1]], frames[[2, 2]]], [torch.tensor([0, 1]), torch.tensor([2, 2])], \
+            [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 4])]               # replicate padding
+        positions = torch.stack([torch.stack([t, r, c]) for t in windows[0] for r in windows[1] for c in windows[2]])
+        ours = pe(x, positions.float(), seq_dim=-3)                                          # [N, 3, 2] positions
+        diff = (ours - theirs).abs().max().item()
+        MAX_DIFF[f"diffusers {name} (pooled history)"] = diff
+        assert diff < 1e-6, f"{name}: the pooled history tokens differ by {diff:.3g}"
+
     def test_every_model_class_is_read_or_refused(self):
         classes = diffusers_transformer_classes()
         read, refused = set(pe_lib._DIFFUSERS_MODELS), set(pe_lib._DIFFUSERS_REFUSED)
@@ -6248,7 +6591,9 @@ class TestDiffusersConfig:
         tables = {"DiTTransformer2DModel", "PixArtTransformer2DModel", "SD3Transformer2DModel",
                   "LatteTransformer3DModel", "TransformerTemporalModel", "AuraFlowTransformer2DModel",
                   "CogView3PlusTransformer2DModel", "PriorTransformer", "MiniMaxMusic3RVQDepthDecoder",
-                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel"}
+                  "SanaTransformer2DModel", "Transformer2DModel", "T5FilmDecoder", "OmniGenTransformer2DModel",
+                  "CosmosTransformer3DModel", "ErnieImageTransformer2DModel",
+                  "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"}
         own_tests = {"MochiTransformer3DModel", "CosmosTransformer3DModel", "AllegroTransformer3DModel",
                      "LuminaNextDiT2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
                      "SanaWMLTX2RefinerTransformer3DModel"}   # rotary constructs compared in a test of their own

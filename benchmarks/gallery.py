@@ -177,6 +177,11 @@ def _gallery() -> dict:
     if has("VideoRotaryPositionalEmbedding"):   # one frame of the grid, in the diagonal layout
         entries.append(Entry("video_rope", "VideoRotaryPositionalEmbedding",
                              lambda: pe_lib.VideoRotaryPositionalEmbedding(Dh), "grid"))
+    if has("DiffusersCompatRotaryEmbedding"):   # ERNIE-Image's (h, w) angles, not a rotation
+        entries.append(Entry("diffusers_compat_ernie_image", "DiffusersCompatRotaryEmbedding",
+                             lambda: pe_lib.DiffusersCompatRotaryEmbedding(Dh, sections=[Dh // 4, Dh // 4],
+                                                                           axis_spectrum="per_axis", base=256.0),
+                             "grid"))
     if has("ConvolutionalPositionalEmbedding"):
         entries.append(Entry("conv_peg", "ConvolutionalPositionalEmbedding",
                              lambda: pe_lib.ConvolutionalPositionalEmbedding(D, kernel_size=3, num_axes=2), "grid",
