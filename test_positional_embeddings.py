@@ -6254,9 +6254,6 @@ class TestDiffusersConfig:
         with pytest.raises(ValueError, match="LearnedPositionalEmbedding.from_config: CosmosTransformer3DModel: "
                                              "extra_pos_embed_type=None: the model adds no learned table"):
             LearnedPositionalEmbedding.from_config(dict(cosmos.config, extra_pos_embed_type=None))
-        with pytest.raises(ValueError, match="RotaryPositionalEmbedding.from_config: CosmosTransformer3DModel: each "
-                                             "axis has its own NTK-scaled base"):
-            RotaryPositionalEmbedding.from_config(cosmos.config)
         with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding.from_config: Transformer2DModel: "
                                              "num_vector_embeds is set: .*LearnedPositionalEmbedding.from_config"):
             SinusoidalPositionalEmbedding.from_config(vq.config)
