@@ -14390,7 +14390,8 @@ def test_the_contract_lives_in_the_bases():
     wrappers = {"RandomizedPositionalEmbedding"}   # an encoding of any kind inside: it forwards every hook
     own = lambda name: sorted(cls for cls, method in methods if method == name and cls not in bases | wrappers)
     assert own("score_mod") == []   # the forget gate's too: pair_bias on its bias_inputs, per batch row
-    assert own("encode_qk") == ["RotaryPositionalEmbedding"]              # its cos/sin cache: the fast path
+    # RoPE's cos/sin cache: the fast path; the diffusers compatibility modes' averaged or unequal angles
+    assert own("encode_qk") == ["DiffusersCompatRotaryEmbedding", "RotaryPositionalEmbedding"]
     assert own("attention_bias") == [] and own("full_precision_logits") == []
     # every bias's forward(q_len, k_len) is the base's
     bias_forwards = [cls for cls, method in methods if method == "forward" and cls in
@@ -14424,6 +14425,7 @@ TEST_CLASS_SUBJECTS = {
     "TestNoPE": "NoPositionalEmbedding", "TestFourierFeatures": "FourierFeaturePositionalEmbedding",
     "TestGraphEncodings": "LaplacianPositionalEmbedding", "TestVideoRoPE": "VideoRotaryPositionalEmbedding",
     "TestTUPE": "UnifiedPositionalEmbedding", "TestDiffusersConfig": "RotaryPositionalEmbedding",   # from_config
+    "TestDiffusersCompatRotary": "RotaryPositionalEmbedding",   # a RoPE subclass that only diffusers configs need
     **dict.fromkeys(
         ("TestAtLength", "TestValueRotation", "TestRotaryOptionsTogether", "TestPairAxes", "TestRerotate"),
         "RotaryPositionalEmbedding"),

@@ -282,6 +282,8 @@ NOT_1D = {"LearnableFourierPositionalEmbedding", "Time2VecPositionalEmbedding", 
           "LieREPositionalEmbedding", "ComRoPEPositionalEmbedding", "STRINGPositionalEmbedding",
           "VideoRotaryPositionalEmbedding", "ConvolutionalPositionalEmbedding", "FourierFeaturePositionalEmbedding",
           "PositionalEmbedding", "EmbedPosition"}
+# compatibility modes that reproduce checkpoints, not encodings to choose for a new model
+COMPATIBILITY = {"DiffusersCompatRotaryEmbedding"}
 
 
 def uncovered_classes() -> list:
@@ -290,7 +292,8 @@ def uncovered_classes() -> list:
     names = []
     for name in getattr(pe_lib, "__all__", []):
         obj = getattr(pe_lib, name, None)
-        if isinstance(obj, type) and issubclass(obj, pe_lib.PositionalEmbedding) and name not in covered | NOT_1D:
+        if isinstance(obj, type) and issubclass(obj, pe_lib.PositionalEmbedding) and \
+                name not in covered | NOT_1D | COMPATIBILITY:
             names.append(name)
     return names
 
