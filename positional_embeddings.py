@@ -11198,8 +11198,9 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         - Output: x's shape.
 
     Example:
-        >>> ernie = DiffusersCompatRotaryEmbedding.from_config({"_class_name": "ErnieImageTransformer2DModel",
-        ...                                                      "hidden_size": 256, "num_attention_heads": 2})
+        >>> # from_config({"_class_name": "ErnieImageTransformer2DModel", "hidden_size": 256, "num_attention_heads": 2})
+        >>> ernie = DiffusersCompatRotaryEmbedding(128, mode="ernie_image", base=256, sections=[16, 24, 24],
+        ...                                        axis_spectrum="per_axis")
         >>> ids = torch.tensor([[2.0, 0, 0], [2, 0, 1], [0, 0, 0], [1, 0, 0]])   # image (L, row, col), text (i, 0, 0)
         >>> ernie(torch.randn(1, 2, 4, 128), ids).shape
         torch.Size([1, 2, 4, 128])
