@@ -10837,6 +10837,31 @@ def _allegro_ids(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(frames, height, width) / torch.tensor([float(scale) for scale in scales])   # [T H W, 3]
 
 
+def _cogvideox_ids(get, frames, height, width, text_len) -> Tensor:
+    """CogVideoX's (and ConsisID's) pipeline. 1.0 (no ``patch_size_t``): the grid resized to fit the base grid
+    ``(sample_height, sample_width) / patch_size`` keeping its aspect (rounded), centred in it (rounded), and each
+    spatial axis ``linspace(start, stop (n - 1) / n, n)`` over that crop ``[start, stop)``: fractional unless the grid
+    is the base. 1.5 (``patch_size_t``): the plain grid, which must fit in the base grid. float32 as the pipeline."""
+    if not get("use_rotary_positional_embeddings"):
+        raise ValueError("use_rotary_positional_embeddings=False: the positions of its 3-D sin-cos table are not built")
+    patch = int(get("patch_size"))
+    base_h, base_w = int(get("sample_height")) // patch, int(get("sample_width")) // patch
+    if get("patch_size_t") is not None:   # 1.5: rows of the base tables, which fail past them
+        if height > base_h or width > base_w:
+            raise ValueError(f"the latent grid {height} x {width} exceeds the base grid {base_h} x {base_w} "
+                             f"(sample_height, sample_width over patch_size)")
+        return _grid_ids(frames, height, width)                                           # [T H W, 3]
+    if height / width > base_h / base_w:   # fits the base height; the width scales to keep the aspect
+        size = (base_h, int(round(base_h / height * width)))
+    else:
+        size = (int(round(base_w / width * height)), base_w)
+    axes = [torch.arange(frames, dtype=torch.float32)]
+    for n, fit, base in zip((height, width), size, (base_h, base_w)):
+        start = int(round((base - fit) / 2.0))
+        axes.append(torch.linspace(start, (start + fit) * (n - 1) / n, n, dtype=torch.float32))   # [n]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)          # [T H W, 3]
+
+
 def _image_grid(get, frames, height, width, text_len) -> Tensor:
     """The (row, col) grid of the image patches, which alone take positions (Lumina-Next)."""
     if text_len:
@@ -10950,7 +10975,8 @@ _DIFFUSERS_MODELS = {
                           ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
     # CogVideoX: RoPE, or (1.0 2B, use_rotary_positional_embeddings=False) a 3-D sin-cos table of unequal slices
     **{name: (_DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 64, "use_rotary_positional_embeddings": False}, _axial_rope(_cogvideox_axes)),
+        "attention_head_dim": 64, "use_rotary_positional_embeddings": False, "patch_size": 2, "patch_size_t": None,
+        "sample_height": 60, "sample_width": 90}, _axial_rope(_cogvideox_axes), _cogvideox_ids),
               _DiffusersModel("SinusoidalPositionalEmbedding", {"num_attention_heads": 30, "attention_head_dim": 64,
                                                                 "use_rotary_positional_embeddings": False},
                               _cogvideox_sincos))
@@ -11325,7 +11351,7 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
     height, width = _as_int(owner, "height", height), _as_int(owner, "width", width)
     text_len = _as_int(owner, "text_len", text_len, minimum=0)
     timed = entry.positions in (_cosmos_ids, _ltx_ids, _ltx2_ids)
-    video = entry.positions in (_video_grid, _mochi_ids, _allegro_ids) or timed
+    video = entry.positions in (_video_grid, _mochi_ids, _allegro_ids, _cogvideox_ids) or timed
     if fps is not None and not timed:
         raise ValueError(f"{owner}: {name}: its positions take no frame rate; fps must be None, got fps={fps!r}")
     if video != (frames is not None):

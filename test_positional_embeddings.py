@@ -6361,6 +6361,45 @@ class TestDiffusersConfig:
         MAX_DIFF["diffusers AllegroTransformer3DModel"] = diff
         assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
 
+    @pytest.mark.parametrize("name, patch_t, grid", [
+        ("CogVideoXTransformer3DModel", None, (4, 5)), ("CogVideoXTransformer3DModel", None, (4, 7)),
+        ("CogVideoXTransformer3DModel", 2, (4, 5)), ("ConsisIDTransformer3DModel", None, (3, 8))])
+    def test_cogvideox_positions_match_its_pipeline(self, name, patch_t, grid):
+        # 1.0 (and ConsisID): the grid's linspace over its crop of the base grid 6 x 10, fractional; 1.5 (patch_size_t):
+        # the plain grid, the frames ceil(num_frames / patch_size_t)
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.pipelines.cogvideo.pipeline_cogvideox import CogVideoXPipeline
+        from diffusers.pipelines.consisid.pipeline_consisid import ConsisIDPipeline
+        fields = {} if patch_t is None else {"patch_size_t": patch_t}
+        model = diffusers_model(name, {**DIFFUSERS_ROPE_CONFIGS[name], "sample_height": 12, "sample_width": 20,
+                                       **fields})
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (t, (h, w)) = (3, grid)
+        pipeline = type("Pipeline", (), {"vae_scale_factor_spatial": 8, "transformer": model})()
+        prepare = (ConsisIDPipeline if name.startswith("ConsisID") else CogVideoXPipeline)
+        cos, sin = prepare._prepare_rotary_positional_embeddings(
+            pipeline, 16 * h, 16 * w, t * (patch_t or 1) - (patch_t or 1) + 1, torch.device("cpu"))  # VAE 8, patch 2
+        positions = pe_lib.diffusers_positions(model.config, frames=t, height=h, width=w)
+        assert positions.dtype == torch.float32 and positions.shape == (t * h * w, 3)
+        assert (patch_t is None) != torch.equal(positions, diffusers_grid((t, h, w)))   # 1.0 crops: fractional
+        x = torch.randn(1, 2, t * h * w, 32)                                                # [B, H, N, D]
+        diff = (rope(x, positions) - apply_rotary_emb(x, (cos, sin))).abs().max().item()
+        MAX_DIFF[f"diffusers {name} positions patch_size_t={patch_t} grid={grid}"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
+    def test_cogvideox_positions_refuse_what_its_pipeline_cannot_build(self):
+        config = {"_class_name": "CogVideoXTransformer3DModel", "use_rotary_positional_embeddings": True,
+                  "patch_size_t": 2, "sample_height": 12, "sample_width": 20}
+        with pytest.raises(ValueError, match="^diffusers_positions: CogVideoXTransformer3DModel: the latent grid 7 x 5 "
+                                             "exceeds the base grid 6 x 10 \\(sample_height, sample_width over "
+                                             "patch_size\\)$"):
+            pe_lib.diffusers_positions(config, frames=2, height=7, width=5)
+        with pytest.raises(ValueError, match="^diffusers_positions: ConsisIDTransformer3DModel: "
+                                             "use_rotary_positional_embeddings=False: the positions of its 3-D sin-cos "
+                                             "table are not built$"):
+            pe_lib.diffusers_positions({"_class_name": "ConsisIDTransformer3DModel"}, frames=2, height=3, width=3)
+
     def test_lumina_next_map_matches_a_loop_oracle(self):
         # pair 2k turns with the row, 2k + 1 with the column, both at 10000 ** (-4k / D); pairs (2i, 2i + 1)
         rope = RotaryPositionalEmbedding.from_config({"_class_name": "LuminaNextDiT2DModel", "hidden_size": 32,
