@@ -10781,10 +10781,13 @@ def _grid_ids(*sizes: int) -> Tensor:
     return torch.stack(axes, -1).reshape(-1, len(sizes))                       # [N, A]
 
 
-def _flux_ids(get, frames, height, width, text_len) -> Tensor:
-    """Flux.1's pipeline: the text ids at zero, then the latent patches at ``(0, row, col)``."""
-    image = torch.cat([torch.zeros(height * width, 1), _grid_ids(height, width)], -1)   # [H W, 3]
-    return torch.cat([torch.zeros(text_len, 3), image])                                  # [L + H W, 3]
+def _flux_ids(get, frames, height, width, text_len, reference=None) -> Tensor:
+    """Flux.1's pipeline: the text ids at zero, then the latent patches at ``(0, row, col)``; Flux Kontext's
+    reference image (``reference``, its ``(height, width)`` patch grid) after them at ``(1, row, col)``."""
+    ids = [torch.zeros(text_len, 3), torch.cat([torch.zeros(height * width, 1), _grid_ids(height, width)], -1)]
+    if reference is not None:
+        ids.append(torch.cat([torch.ones(reference[0] * reference[1], 1), _grid_ids(*reference)], -1))   # [R, 3]
+    return torch.cat(ids)                                                                # [L + H W (+ R), 3]
 
 
 def _flux2_ids(get, frames, height, width, text_len) -> Tensor:
@@ -11318,7 +11321,7 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,
-                        text_len: int = 0, fps: Optional[float] = None) -> Tensor:
+                        text_len: int = 0, fps: Optional[float] = None, reference: Optional[tuple] = None) -> Tensor:
     """The position ids a diffusers pipeline (or model) feeds the encoding ``from_config`` builds from ``config``.
 
     Args:
@@ -11330,6 +11333,8 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
         fps: the frame rate a video pipeline passes its transformer, for the models whose positions take it
             (Cosmos: frames at ``frame / fps * 24``, None numbers them; LTX-Video, LTX-2: the frame rate, None
             their pipelines' default 25, 24); None for the others.
+        reference: Flux Kontext's reference image, its ``(height, width)`` patch grid: its ids ``(1, row, col)``
+            follow the image's (``FluxKontextPipeline``; ``FluxTransformer2DModel`` only). None: no reference.
 
     Shape:
         - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
@@ -11360,10 +11365,14 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
     if (video or entry.encoding != "RotaryPositionalEmbedding") and text_len:
         raise ValueError(f"{owner}: {name}: its text tokens take no positions; text_len must be 0, got "
                          f"text_len={text_len}")
+    if reference is not None and name != "FluxTransformer2DModel":
+        raise ValueError(f"{owner}: {name}: only Flux.1 (FluxKontextPipeline) takes a reference image; reference "
+                         f"must be None, got reference={_describe(reference)}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
+    extra = {} if reference is None else {"reference": _as_sizes(owner, "reference", reference, 2)}
     try:
         fps = () if fps is None else (_as_float(owner, "fps", fps, minimum=0.0, exclusive=True),)
-        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len, *fps)
+        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len, *fps, **extra)
     except ValueError as error:
         raise ValueError(f"{owner}: {name}: {error}") from None
 

@@ -6037,6 +6037,38 @@ class TestDiffusersConfig:
         diff = (ours - apply_rotary_emb(x, (cos, sin), sequence_dim=1)).abs().max().item()
         assert diff < 1e-6, f"{name}: rotated q differs by {diff:.3g}"
 
+    def test_flux_kontext_reference_matches_its_pipeline(self):
+        # FluxKontextPipeline: text at zero, the image at (0, row, col), then its reference image (here another
+        # size) at (1, row, col), through the model's pos_embed
+        pytest.importorskip("diffusers")
+        from diffusers.models.embeddings import apply_rotary_emb
+        from diffusers.pipelines.flux.pipeline_flux_kontext import FluxKontextPipeline as Kontext
+        model = diffusers_model("FluxTransformer2DModel", DIFFUSERS_ROPE_CONFIGS["FluxTransformer2DModel"])
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (h, w), (rh, rw), text = (3, 4), (2, 5), 5
+        pipeline = type("Pipeline", (), {"vae_scale_factor": 8, "latent_channels": 4,
+                                         **{name: staticmethod(getattr(Kontext, name))
+                                            for name in ("_pack_latents", "_prepare_latent_image_ids")}})()
+        _, _, latent_ids, image_ids = Kontext.prepare_latents(     # the reference given as latents: 2 x 2 patches
+            pipeline, torch.zeros(1, 4, 2 * rh, 2 * rw), 1, 4, 16 * h, 16 * w, torch.float32, torch.device("cpu"))
+        want = torch.cat([torch.zeros(text, 3), latent_ids, image_ids])                    # as its __call__ joins them
+        ids = pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=text, reference=(rh, rw))
+        assert torch.equal(ids, want)
+        cos, sin = model.pos_embed(ids)
+        x = torch.randn(1, ids.shape[0], 2, rope.dim)                                     # [1, N, H, D]
+        ours = rope(x.transpose(1, 2), ids).transpose(1, 2)
+        diff = (ours - apply_rotary_emb(x, (cos, sin), sequence_dim=1)).abs().max().item()
+        MAX_DIFF["diffusers FluxTransformer2DModel Kontext reference"] = diff
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+        with pytest.raises(ValueError, match="^diffusers_positions: reference must be a sequence of 2 positive ints, "
+                                             "got reference=3$"):
+            pe_lib.diffusers_positions(model.config, height=h, width=w, reference=3)
+        with pytest.raises(ValueError, match="^diffusers_positions: ChromaTransformer2DModel: only Flux.1 "
+                                             "\\(FluxKontextPipeline\\) takes a reference image; reference must be "
+                                             "None, got reference=\\(2, 2\\)$"):
+            pe_lib.diffusers_positions({"_class_name": "ChromaTransformer2DModel"}, height=2, width=2,
+                                       reference=(2, 2))
+
     @pytest.mark.parametrize("kwargs, error", [
         ({"height": 2, "width": 2, "frames": 2}, "FluxTransformer2DModel: frames must be None"),
         ({"height": 0, "width": 2}, "height must be a positive int, got height=0"),
