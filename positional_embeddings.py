@@ -11701,6 +11701,8 @@ def _demo_modules(num_heads: int, head_dim: int, seq_len: int) -> dict:
         "comrope": ComRoPEPositionalEmbedding(head_dim, num_heads, block_size=8),
         "string": STRINGPositionalEmbedding(head_dim, num_heads),
         "video_rope": VideoRotaryPositionalEmbedding(head_dim),
+        "diffusers_compat": DiffusersCompatRotaryEmbedding(head_dim, sections=[head_dim // 4] * 2,   # ERNIE-Image's
+                                                           axis_spectrum="per_axis"),                # (not a rotation)
         "conv_peg": ConvolutionalPositionalEmbedding(dim, grid_shape=(math.isqrt(seq_len),) * 2),
         "wav2vec2_conv": ConvolutionalPositionalEmbedding(dim, kernel_size=128, num_axes=1, groups=16,
                                                           weight_norm=True, activation="gelu"),

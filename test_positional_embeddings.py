@@ -14545,8 +14545,8 @@ def test_demo_translation_column_is_measured_for_every_class():
     q, k = torch.randn(2, 1, heads, n, head_dim).unbind(0)
     # FIRE divides by the query's own position, LieRE's generators do not commute, TUPE adds absolute terms
     # Dual Chunk: chunk boundaries sit at absolute positions; FoPE: its noise mixes frequencies; the query
-    # temperature grows with the query's absolute position
-    moves = {"fire", "liere", "tupe", "dual_chunk", "fope", "query_temperature"}
+    # temperature grows with the query's absolute position; ERNIE-Image's angles are not a rotation
+    moves = {"fire", "liere", "tupe", "dual_chunk", "fope", "query_temperature", "diffusers_compat"}
     for name, pe in pe_lib._demo_modules(heads, head_dim, n).items():
         column = pe_lib._demo_translation(pe, q, k, pe_lib._demo_positions(pe, n))
         assert "absolute positions" not in column, (name, column)
