@@ -1610,6 +1610,14 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         return F.pad(table, (0, width % 2))                                                 # [..., N, width]
 
 
+def _table_lengths(owner: str, name: str, value) -> Union[int, tuple]:
+    """A table length, or per-axis lengths (a sequence of them); a sequence of one is that one table's int."""
+    if not isinstance(value, (tuple, list, torch.Size)):
+        return _check_positive_int(owner, name, value)
+    sizes = _as_sizes(owner, name, value)
+    return sizes if len(sizes) > 1 else sizes[0]
+
+
 class LearnedPositionalEmbedding(_AddedInput):
     """Learned absolute position table added to the tokens (BERT, GPT-2, ViT).
 
@@ -1646,8 +1654,7 @@ class LearnedPositionalEmbedding(_AddedInput):
     """
 
     integer_positions = True
-    arguments = {"max_len": lambda owner, name, value: _as_sizes(owner, name, value) if isinstance(value, (
-        tuple, list, torch.Size)) else _check_positive_int(owner, name, value), "normalize": _check_flag,
+    arguments = {"max_len": _table_lengths, "normalize": _check_flag,
                  "eps": _positive_float}
 
     def __init__(self, max_len: Union[int, Sequence[int]], dim: int, *, init_std: float = 0.02,

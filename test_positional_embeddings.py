@@ -2667,6 +2667,16 @@ class TestLearned:
         with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: max_len\[1\] must be a positive int"):
             LearnedPositionalEmbedding((3, 0), 8)
 
+    @pytest.mark.parametrize("max_len", [(5,), [5], torch.Size([5])])
+    def test_one_per_axis_length_is_the_one_table(self, max_len):
+        # a sequence of one length is one table of that many rows (positions [N]), as max_len=5 builds it
+        pe = LearnedPositionalEmbedding(max_len, 4)
+        assert pe.max_len == 5 and pe.num_axes == 1 and pe.weight.shape == (5, 4)
+        x, positions = torch.randn(2, 3, 4), torch.tensor([4, 0, 2])
+        torch.testing.assert_close(pe(x, positions), x + pe.weight[positions], rtol=0, atol=0)
+        torch.testing.assert_close(pe(x, offset=2), x + pe.weight[2:5], rtol=0, atol=0)
+        assert repr(pe) == "LearnedPositionalEmbedding(max_len=5, dim=4, init_std=0.02)"
+
     def test_init_std(self):
         pe = LearnedPositionalEmbedding(4096, 64)
         assert abs(pe.weight.std().item() - 0.02) < 1e-3
