@@ -11257,8 +11257,8 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         ``_class_name``): ERNIE-Image's. docs/diffusers.md gives the positions it feeds."""
         return cls(**_diffusers_kwargs("DiffusersCompatRotaryEmbedding", config, {}))
 
-    def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, " + super().extra_repr()
+    def extra_repr(self) -> str:   # the constructor's own arguments, so that the repr rebuilds the module
+        return f"mode={self.mode!r}, dim={self.dim}, base={self.base}" + self._layout_repr()
 
     def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *, seq_dim: int = -2) -> Tensor:
         raise TypeError(f"{type(self).__name__}: mode={self.mode!r} is not a rotation, so keys cannot be turned "
@@ -11277,9 +11277,10 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
     def _pooled_slice(self, name: str, positions, j: int) -> Tensor:
         """``"pooled"``: the ``j``-th of the ``K`` positions of each axis, ``[..., N, A]`` (``[..., N]`` for one
         axis), from ``positions`` ``[..., N, A, K]``, whose shape is checked here."""
-        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes:
+        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes \
+                or positions.shape[-1] == 0:
             error = ValueError if isinstance(positions, Tensor) else TypeError
-            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K "
+            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K >= 1 "
                         f"positions per axis, averaged), got {_describe(positions)}")
         return positions[..., j] if self.num_axes > 1 else positions[..., 0, j]
 
@@ -11287,9 +11288,18 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
                   grouped: bool = False) -> tuple:
         if self.mode != "pooled":
             return super()._check_qk(q, k, positions_q, positions_k, grouped)
-        super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
-                          self._pooled_slice("positions_k", positions_k, 0), grouped)
+        try:
+            super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
+                              self._pooled_slice("positions_k", positions_k, 0), grouped)
+        except ValueError as error:
+            raise self._pooled_error(error, f"positions_q {list(positions_q.shape)} and positions_k "
+                                            f"{list(positions_k.shape)}") from None
         return positions_q, positions_k
+
+    def _pooled_error(self, error: ValueError, given: str) -> ValueError:
+        """``"pooled"``: a position check's error, which names a ``[..., N, A]`` slice, told of the ``K`` axis."""
+        return ValueError(f"{error} (mode='pooled' checks each [..., N, {self.num_axes}] slice of positions "
+                          f"[..., N, {self.num_axes}, K], got {given})")
 
     def _pooled_cos_sin(self, name: str, positions, check, dtype: torch.dtype) -> tuple:
         """``"pooled"``: cos and sin ``[..., N, F]`` averaged over the ``K`` positions of ``positions``
@@ -11297,7 +11307,11 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         cos = sin = 0.0
         self._pooled_slice(name, positions, 0)                                          # checks the shape
         for j in range(positions.shape[-1]):
-            angles = self._pair_angles(check(self._pooled_slice(name, positions, j)), self.inv_freq)  # [..., N, F]
+            try:
+                checked = check(self._pooled_slice(name, positions, j))
+            except ValueError as error:
+                raise self._pooled_error(error, f"{name} {list(positions.shape)}") from None
+            angles = self._pair_angles(checked, self.inv_freq)                           # [..., N, F]
             cos, sin = cos + angles.cos(), sin + angles.sin()                           # float64
         dtype = _compute_dtype(dtype)
         return (cos / positions.shape[-1]).to(dtype), (sin / positions.shape[-1]).to(dtype)

@@ -5978,6 +5978,35 @@ class TestDiffusersCompatRotary:
         with pytest.raises(ValueError, match="DiffusersCompatRotaryEmbedding: mode must be one of"):
             DiffusersCompatRotaryEmbedding(32, mode="framepack")
 
+    def test_pooled_refuses_bad_positions_naming_the_pooled_shape(self):
+        pe = DiffusersCompatRotaryEmbedding(16, mode="pooled", sections=[2, 3, 3])
+        x = torch.randn(2, 4, 16)
+        with pytest.raises(ValueError, match=r"DiffusersCompatRotaryEmbedding: mode='pooled' needs positions "
+                                             r"\[..., N, 3, K\] \(K >= 1 positions per axis, averaged\), got a "
+                                             r"tensor of shape \[4, 3, 0\]"):
+            pe(x, torch.zeros(4, 3, 0))
+        with pytest.raises(ValueError, match=r"needs positions_k \[..., N, 3, K\] \(K >= 1"):
+            pe.encode_qk(x, x, torch.zeros(4, 3, 1), torch.zeros(4, 3, 0))
+        # a wrong N is reported with the [..., N, A, K] tensor given, not only its [..., N, A] slice
+        with pytest.raises(ValueError, match=r"positions must have shape \[4, 3\] or \[2, 4, 3\], got \(5, 3\) "
+                                             r"\(mode='pooled' checks each \[..., N, 3\] slice of positions "
+                                             r"\[..., N, 3, K\], got positions \[5, 3, 2\]\)"):
+            pe(x, torch.zeros(5, 3, 2))
+        with pytest.raises(ValueError, match=r"positions_q must have shape \[4, 3\] .*got positions_q \[5, 3, 2\] "
+                                             r"and positions_k \[4, 3, 2\]\)"):
+            attention(x[:, None], x[:, None], x[:, None], pe, positions_q=torch.zeros(5, 3, 2),
+                      positions_k=torch.zeros(4, 3, 2))
+
+    @pytest.mark.parametrize("mode", ["ernie_image", "pooled"])
+    def test_repr_names_the_constructor_arguments_and_rebuilds(self, mode):
+        pe = DiffusersCompatRotaryEmbedding(16, mode=mode, base=256.0, sections=[2, 3, 3], axis_spectrum="per_axis")
+        assert repr(pe) == (f"DiffusersCompatRotaryEmbedding(mode={mode!r}, dim=16, base=256.0, sections=[2, 3, 3], "
+                            f"axis_spectrum='per_axis')")
+        rebuilt = eval(repr(pe))
+        x, positions = torch.randn(2, 5, 16), torch.randint(0, 9, (5, 3)).float()
+        positions = positions.unsqueeze(-1).expand(5, 3, 2) if mode == "pooled" else positions
+        assert torch.equal(rebuilt(x, positions), pe(x, positions))
+
 
 class TestDiffusersConfig:
     """``from_config`` on diffusers transformer configs (``_class_name``): each accepted model class against its
