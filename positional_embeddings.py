@@ -5572,7 +5572,7 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     Args:
         head_dim (int): head dim ``Dh``, even (``A`` need not divide the ``Dh / 2`` pairs: Mochi's 128
-            with 3 axes).
+            with 3 axes), with a pair left for the last frame vector (not 8 with 3 axes: 2, 2, 0 pairs).
         num_heads (int): heads ``H``.
         num_axes (int): position axes ``A``. Default: 2.
         base (float): base of the initial magnitudes. Default: 100.0.
@@ -5596,6 +5596,12 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
         if head_dim % 2:
             raise ValueError(f"{type(self).__name__}: head_dim must be even (pairs of channels turn), "
                              f"got head_dim={head_dim}")
+        pairs, per_vector = head_dim // 2, -(-(head_dim // 2) // num_axes)
+        if (num_axes - 1) * per_vector >= pairs:   # the last frame vector would get no pair: a direction unencoded
+            counts = [max(0, min(per_vector, pairs - a * per_vector)) for a in range(num_axes)]
+            raise ValueError(f"{type(self).__name__}: head_dim must leave each of the num_axes frame vectors a pair "
+                             f"(each takes ceil(Dh/2 / num_axes) pairs, the last the rest), got head_dim={head_dim} "
+                             f"for num_axes={num_axes}: {pairs} pairs as {counts}")
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, base
         self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
         self.reset_parameters()

@@ -9325,6 +9325,20 @@ class TestMixedRotary:
                          for f in range(5)]
                 torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
 
+    @pytest.mark.parametrize("head_dim, num_axes, counts", [(8, 3, [2, 2, 0]), (12, 4, [2, 2, 2, 0]),
+                                                             (2, 2, [1, 0]), (4, 3, [1, 1, 0])])
+    def test_axes_that_leave_a_frame_vector_no_pair(self, head_dim, num_axes, counts):
+        # ceil(F / A) pairs per frame vector would leave the last none: the initial frequencies would span A - 1
+        # directions, and positions moved along the last one would all be encoded alike
+        with pytest.raises(ValueError, match=rf"MixedRotaryPositionalEmbedding: head_dim must leave each of the "
+                                             rf"num_axes frame vectors a pair .*, got head_dim={head_dim} for "
+                                             rf"num_axes={num_axes}: {head_dim // 2} pairs as "
+                                             rf"{re.escape(str(counts))}"):
+            MixedRotaryPositionalEmbedding(head_dim, 2, num_axes)
+        for head_dim, num_axes in ((10, 3), (6, 2), (20, 4)):   # the last vector keeps 1, 1 and 2 pairs
+            freqs = MixedRotaryPositionalEmbedding(head_dim, 2, num_axes).freqs.detach().double()   # [A, H, F]
+            assert all(torch.linalg.svdvals(freqs[:, h]).min() > 1e-3 for h in range(2))
+
     def test_bad_input(self):
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got "
                                              "head_dim=31"):
