@@ -1633,7 +1633,8 @@ class LearnedPositionalEmbedding(_AddedInput):
     each embedding (the sum) by ``eps +`` its root mean square over ``D`` (Cosmos 1.0).
 
     Args:
-        max_len (int or sequence of int): number of positions in the table, or per axis.
+        max_len (int or sequence of int): number of positions in the table, or per axis (a sequence of
+            one length is that one table).
         dim (int): embedding width ``D``.
         init_std (float): standard deviation of the normal init (BERT/GPT-2). Default: 0.02.
         normalize (bool): divide each embedding by ``eps + sqrt(mean(e ** 2))``. Default: False.
