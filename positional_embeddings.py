@@ -1610,6 +1610,14 @@ class SinusoidalPositionalEmbedding(_AddedInput):
         return F.pad(table, (0, width % 2))                                                 # [..., N, width]
 
 
+def _table_lengths(owner: str, name: str, value) -> Union[int, tuple]:
+    """A table length, or per-axis lengths (a sequence of them); a sequence of one is that one table's int."""
+    if not isinstance(value, (tuple, list, torch.Size)):
+        return _check_positive_int(owner, name, value)
+    sizes = _as_sizes(owner, name, value)
+    return sizes if len(sizes) > 1 else sizes[0]
+
+
 class LearnedPositionalEmbedding(_AddedInput):
     """Learned absolute position table added to the tokens (BERT, GPT-2, ViT).
 
@@ -1625,7 +1633,8 @@ class LearnedPositionalEmbedding(_AddedInput):
     each embedding (the sum) by ``eps +`` its root mean square over ``D`` (Cosmos 1.0).
 
     Args:
-        max_len (int or sequence of int): number of positions in the table, or per axis.
+        max_len (int or sequence of int): number of positions in the table, or per axis (a sequence of
+            one length is that one table).
         dim (int): embedding width ``D``.
         init_std (float): standard deviation of the normal init (BERT/GPT-2). Default: 0.02.
         normalize (bool): divide each embedding by ``eps + sqrt(mean(e ** 2))``. Default: False.
@@ -1646,8 +1655,7 @@ class LearnedPositionalEmbedding(_AddedInput):
     """
 
     integer_positions = True
-    arguments = {"max_len": lambda owner, name, value: _as_sizes(owner, name, value) if isinstance(value, (
-        tuple, list, torch.Size)) else _check_positive_int(owner, name, value), "normalize": _check_flag,
+    arguments = {"max_len": _table_lengths, "normalize": _check_flag,
                  "eps": _positive_float}
 
     def __init__(self, max_len: Union[int, Sequence[int]], dim: int, *, init_std: float = 0.02,
@@ -5565,7 +5573,7 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
 
     Args:
         head_dim (int): head dim ``Dh``, even (``A`` need not divide the ``Dh / 2`` pairs: Mochi's 128
-            with 3 axes).
+            with 3 axes), with a pair left for the last frame vector (not 8 with 3 axes: 2, 2, 0 pairs).
         num_heads (int): heads ``H``.
         num_axes (int): position axes ``A``. Default: 2.
         base (float): base of the initial magnitudes. Default: 100.0.
@@ -5589,6 +5597,12 @@ class MixedRotaryPositionalEmbedding(_TokenRotation):
         if head_dim % 2:
             raise ValueError(f"{type(self).__name__}: head_dim must be even (pairs of channels turn), "
                              f"got head_dim={head_dim}")
+        pairs, per_vector = head_dim // 2, -(-(head_dim // 2) // num_axes)
+        if (num_axes - 1) * per_vector >= pairs:   # the last frame vector would get no pair: a direction unencoded
+            counts = [max(0, min(per_vector, pairs - a * per_vector)) for a in range(num_axes)]
+            raise ValueError(f"{type(self).__name__}: head_dim must leave each of the num_axes frame vectors a pair "
+                             f"(each takes ceil(Dh/2 / num_axes) pairs, the last the rest), got head_dim={head_dim} "
+                             f"for num_axes={num_axes}: {pairs} pairs as {counts}")
         self.head_dim, self.num_heads, self.num_axes, self.base = head_dim, num_heads, num_axes, base
         self.freqs = nn.Parameter(torch.empty(self.num_axes, self.num_heads, self.head_dim // 2))   # [A, H, F]
         self.reset_parameters()
@@ -11250,8 +11264,8 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         ``_class_name``): ERNIE-Image's. docs/diffusers.md gives the positions it feeds."""
         return cls(**_diffusers_kwargs("DiffusersCompatRotaryEmbedding", config, {}))
 
-    def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, " + super().extra_repr()
+    def extra_repr(self) -> str:   # the constructor's own arguments, so that the repr rebuilds the module
+        return f"mode={self.mode!r}, dim={self.dim}, base={self.base}" + self._layout_repr()
 
     def rerotate(self, x: Tensor, old_positions: Tensor, new_positions: Tensor, *, seq_dim: int = -2) -> Tensor:
         raise TypeError(f"{type(self).__name__}: mode={self.mode!r} is not a rotation, so keys cannot be turned "
@@ -11270,9 +11284,10 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
     def _pooled_slice(self, name: str, positions, j: int) -> Tensor:
         """``"pooled"``: the ``j``-th of the ``K`` positions of each axis, ``[..., N, A]`` (``[..., N]`` for one
         axis), from ``positions`` ``[..., N, A, K]``, whose shape is checked here."""
-        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes:
+        if not isinstance(positions, Tensor) or positions.dim() < 3 or positions.shape[-2] != self.num_axes \
+                or positions.shape[-1] == 0:
             error = ValueError if isinstance(positions, Tensor) else TypeError
-            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K "
+            raise error(f"{type(self).__name__}: mode='pooled' needs {name} [..., N, {self.num_axes}, K] (K >= 1 "
                         f"positions per axis, averaged), got {_describe(positions)}")
         return positions[..., j] if self.num_axes > 1 else positions[..., 0, j]
 
@@ -11280,9 +11295,18 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
                   grouped: bool = False) -> tuple:
         if self.mode != "pooled":
             return super()._check_qk(q, k, positions_q, positions_k, grouped)
-        super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
-                          self._pooled_slice("positions_k", positions_k, 0), grouped)
+        try:
+            super()._check_qk(q, k, self._pooled_slice("positions_q", positions_q, 0),
+                              self._pooled_slice("positions_k", positions_k, 0), grouped)
+        except ValueError as error:
+            raise self._pooled_error(error, f"positions_q {list(positions_q.shape)} and positions_k "
+                                            f"{list(positions_k.shape)}") from None
         return positions_q, positions_k
+
+    def _pooled_error(self, error: ValueError, given: str) -> ValueError:
+        """``"pooled"``: a position check's error, which names a ``[..., N, A]`` slice, told of the ``K`` axis."""
+        return ValueError(f"{error} (mode='pooled' checks each [..., N, {self.num_axes}] slice of positions "
+                          f"[..., N, {self.num_axes}, K], got {given})")
 
     def _pooled_cos_sin(self, name: str, positions, check, dtype: torch.dtype) -> tuple:
         """``"pooled"``: cos and sin ``[..., N, F]`` averaged over the ``K`` positions of ``positions``
@@ -11290,7 +11314,11 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
         cos = sin = 0.0
         self._pooled_slice(name, positions, 0)                                          # checks the shape
         for j in range(positions.shape[-1]):
-            angles = self._pair_angles(check(self._pooled_slice(name, positions, j)), self.inv_freq)  # [..., N, F]
+            try:
+                checked = check(self._pooled_slice(name, positions, j))
+            except ValueError as error:
+                raise self._pooled_error(error, f"{name} {list(positions.shape)}") from None
+            angles = self._pair_angles(checked, self.inv_freq)                           # [..., N, F]
             cos, sin = cos + angles.cos(), sin + angles.sin()                           # float64
         dtype = _compute_dtype(dtype)
         return (cos / positions.shape[-1]).to(dtype), (sin / positions.shape[-1]).to(dtype)

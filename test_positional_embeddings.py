@@ -2667,6 +2667,16 @@ class TestLearned:
         with pytest.raises(ValueError, match=r"LearnedPositionalEmbedding: max_len\[1\] must be a positive int"):
             LearnedPositionalEmbedding((3, 0), 8)
 
+    @pytest.mark.parametrize("max_len", [(5,), [5], torch.Size([5])])
+    def test_one_per_axis_length_is_the_one_table(self, max_len):
+        # a sequence of one length is one table of that many rows (positions [N]), as max_len=5 builds it
+        pe = LearnedPositionalEmbedding(max_len, 4)
+        assert pe.max_len == 5 and pe.num_axes == 1 and pe.weight.shape == (5, 4)
+        x, positions = torch.randn(2, 3, 4), torch.tensor([4, 0, 2])
+        torch.testing.assert_close(pe(x, positions), x + pe.weight[positions], rtol=0, atol=0)
+        torch.testing.assert_close(pe(x, offset=2), x + pe.weight[2:5], rtol=0, atol=0)
+        assert repr(pe) == "LearnedPositionalEmbedding(max_len=5, dim=4, init_std=0.02)"
+
     def test_init_std(self):
         pe = LearnedPositionalEmbedding(4096, 64)
         assert abs(pe.weight.std().item() - 0.02) < 1e-3
@@ -5967,6 +5977,35 @@ class TestDiffusersCompatRotary:
             pe.rerotate(x, torch.zeros(1, 3), torch.ones(1, 3))
         with pytest.raises(ValueError, match="DiffusersCompatRotaryEmbedding: mode must be one of"):
             DiffusersCompatRotaryEmbedding(32, mode="framepack")
+
+    def test_pooled_refuses_bad_positions_naming_the_pooled_shape(self):
+        pe = DiffusersCompatRotaryEmbedding(16, mode="pooled", sections=[2, 3, 3])
+        x = torch.randn(2, 4, 16)
+        with pytest.raises(ValueError, match=r"DiffusersCompatRotaryEmbedding: mode='pooled' needs positions "
+                                             r"\[..., N, 3, K\] \(K >= 1 positions per axis, averaged\), got a "
+                                             r"tensor of shape \[4, 3, 0\]"):
+            pe(x, torch.zeros(4, 3, 0))
+        with pytest.raises(ValueError, match=r"needs positions_k \[..., N, 3, K\] \(K >= 1"):
+            pe.encode_qk(x, x, torch.zeros(4, 3, 1), torch.zeros(4, 3, 0))
+        # a wrong N is reported with the [..., N, A, K] tensor given, not only its [..., N, A] slice
+        with pytest.raises(ValueError, match=r"positions must have shape \[4, 3\] or \[2, 4, 3\], got \(5, 3\) "
+                                             r"\(mode='pooled' checks each \[..., N, 3\] slice of positions "
+                                             r"\[..., N, 3, K\], got positions \[5, 3, 2\]\)"):
+            pe(x, torch.zeros(5, 3, 2))
+        with pytest.raises(ValueError, match=r"positions_q must have shape \[4, 3\] .*got positions_q \[5, 3, 2\] "
+                                             r"and positions_k \[4, 3, 2\]\)"):
+            attention(x[:, None], x[:, None], x[:, None], pe, positions_q=torch.zeros(5, 3, 2),
+                      positions_k=torch.zeros(4, 3, 2))
+
+    @pytest.mark.parametrize("mode", ["ernie_image", "pooled"])
+    def test_repr_names_the_constructor_arguments_and_rebuilds(self, mode):
+        pe = DiffusersCompatRotaryEmbedding(16, mode=mode, base=256.0, sections=[2, 3, 3], axis_spectrum="per_axis")
+        assert repr(pe) == (f"DiffusersCompatRotaryEmbedding(mode={mode!r}, dim=16, base=256.0, sections=[2, 3, 3], "
+                            f"axis_spectrum='per_axis')")
+        rebuilt = eval(repr(pe))
+        x, positions = torch.randn(2, 5, 16), torch.randint(0, 9, (5, 3)).float()
+        positions = positions.unsqueeze(-1).expand(5, 3, 2) if mode == "pooled" else positions
+        assert torch.equal(rebuilt(x, positions), pe(x, positions))
 
 
 class TestDiffusersConfig:
@@ -9285,6 +9324,20 @@ class TestMixedRotary:
                 angle = [sum(float(positions[n, a]) * float(pe.freqs[a, h, f].detach()) for a in range(3))
                          for f in range(5)]
                 torch.testing.assert_close(got[0, h, n], rotate_pairs_oracle(x[0, h, n], angle), rtol=0, atol=1e-12)
+
+    @pytest.mark.parametrize("head_dim, num_axes, counts", [(8, 3, [2, 2, 0]), (12, 4, [2, 2, 2, 0]),
+                                                             (2, 2, [1, 0]), (4, 3, [1, 1, 0])])
+    def test_axes_that_leave_a_frame_vector_no_pair(self, head_dim, num_axes, counts):
+        # ceil(F / A) pairs per frame vector would leave the last none: the initial frequencies would span A - 1
+        # directions, and positions moved along the last one would all be encoded alike
+        with pytest.raises(ValueError, match=rf"MixedRotaryPositionalEmbedding: head_dim must leave each of the "
+                                             rf"num_axes frame vectors a pair .*, got head_dim={head_dim} for "
+                                             rf"num_axes={num_axes}: {head_dim // 2} pairs as "
+                                             rf"{re.escape(str(counts))}"):
+            MixedRotaryPositionalEmbedding(head_dim, 2, num_axes)
+        for head_dim, num_axes in ((10, 3), (6, 2), (20, 4)):   # the last vector keeps 1, 1 and 2 pairs
+            freqs = MixedRotaryPositionalEmbedding(head_dim, 2, num_axes).freqs.detach().double()   # [A, H, F]
+            assert all(torch.linalg.svdvals(freqs[:, h]).min() > 1e-3 for h in range(2))
 
     def test_bad_input(self):
         with pytest.raises(ValueError, match="MixedRotaryPositionalEmbedding: head_dim must be even .*, got "
