@@ -10645,7 +10645,10 @@ def _ltx_rope(ltx2: bool):
         pad, spectrum = dim // 2 - 3 * count, [theta ** (k / max(count - 1, 1)) * math.pi / 2 for k in range(count)]
         kwargs = {"dim": dim, "pair_axes": [0] * pad + [i % 3 for i in range(3 * count)],
                   "frequencies": [0.0] * pad + [spectrum[i // 3] for i in range(3 * count)]}
-        split = ltx2 and get("rope_type") == "split"
+        rope_type = get("rope_type") if ltx2 else "interleaved"
+        if rope_type not in ("interleaved", "split"):
+            raise ValueError(f"rope_type must be 'interleaved' or 'split', got rope_type={rope_type!r}")
+        split = rope_type == "split"
         return {**kwargs, "chunk_size": head} if split else {**kwargs, "interleaved": True}
     return read
 
@@ -10705,17 +10708,17 @@ def _sincos_2d(get) -> dict:
 
 def _sana_sincos(get) -> dict:
     """Sana adds its PatchEmbed's table only when ``interpolation_scale`` is set."""
-    if get("interpolation_scale") is None:
+    if get("interpolation_scale", 1.0) is None:
         raise ValueError("interpolation_scale=None: the model adds no position encoding (its PatchEmbed has none)")
     return _sincos_2d(get)
 
 
 def _transformer_2d_sincos(get) -> dict:
     """Transformer2DModel adds the table to patch inputs (``patch_size``) only."""
-    if get("num_vector_embeds") is not None:
+    if get("num_vector_embeds", 1) is not None:
         raise ValueError("num_vector_embeds is set: VQ-Diffusion's learned (row, column) tables, summed "
                          "(LearnedPositionalEmbedding.from_config)")
-    if get("patch_size") is None:
+    if get("patch_size", 1) is None:
         raise ValueError("patch_size=None: continuous inputs get no position encoding")
     return _sincos_2d(get)
 
@@ -10723,10 +10726,10 @@ def _transformer_2d_sincos(get) -> dict:
 def _vq_diffusion_tables(get) -> dict:
     """Transformer2DModel over VQ-Diffusion's discrete latents: ``ImagePositionalEmbeddings``' row and column
     tables of ``sample_size`` rows each (``nn.Embedding``'s N(0, 1) init), summed."""
-    if get("num_vector_embeds") is None:
+    if get("num_vector_embeds", 1) is None:
         raise ValueError("num_vector_embeds=None: only discrete (VQ-Diffusion) inputs get learned tables; patch inputs "
                          "add a sin-cos table (SinusoidalPositionalEmbedding.from_config), continuous ones none")
-    if get("sample_size") is None:
+    if get("sample_size", 1) is None:
         raise ValueError("sample_size=None: VQ-Diffusion's tables have sample_size rows each, so it must be set")
     size = int(get("sample_size"))
     return {"max_len": (size, size), "dim": int(get("num_attention_heads")) * int(get("attention_head_dim")),
@@ -10754,7 +10757,7 @@ def _compat_rope(mode: str, axes: str, dim) -> object:
 
 def _omnigen_rope(get) -> dict:
     """OmniGen's Phi-3 RoPE: longrope from ``rope_scaling``'s factors, lengths and base from the config."""
-    scaling = dict(get("rope_scaling") or {})
+    scaling = dict(get("rope_scaling", {}) or {})
     if not {"short_factor", "long_factor"} <= set(scaling):
         raise ValueError(f"rope_scaling must hold short_factor and long_factor (the model reads both), got "
                          f"rope_scaling={get('rope_scaling')!r}")
@@ -10781,12 +10784,23 @@ def _interleaved_mrope(head: str, sections) -> object:
     t), ``pair_axes`` states the map."""
     def read(get) -> dict:
         dim, pairs = int(get(head)), [int(p) for p in (sections(get) if callable(sections) else get(sections))]
+        if len(pairs) != 3:
+            raise ValueError(f"the pairs per axis must be 3 (t, h, w), got {pairs}")
         kwargs = {"dim": dim, "base": float(get("rope_theta"))}
         axes = [i % 3 if i % 3 and i < 3 * pairs[i % 3] else 0 for i in range(dim // 2)]
         if [axes.count(a) for a in range(3)] == pairs:    # exactly the preset
             return {**kwargs, "sections": pairs, "section_layout": "interleaved"}
         return {**kwargs, "pair_axes": axes}
     return read
+
+
+def _cosmos3_sections(get) -> list:
+    """Cosmos 3's pairs per axis: ``rope_axes_dim``, else ``rope_scaling``'s ``mrope_section``, else (24, 20, 20)."""
+    section = get("rope_axes_dim", (24, 20, 20))
+    if section is None:
+        section = (get("rope_scaling", {}) or {}).get("mrope_section", (24, 20, 20))
+        return _diffusers_value("rope_scaling", "mrope_section", section, (24, 20, 20))
+    return section
 
 
 def _grid_ids(*sizes: int) -> Tensor:
@@ -10848,9 +10862,7 @@ def _cosmos_ids(get, frames, height, width, text_len, fps=None) -> Tensor:
 
 def _allegro_ids(get, frames, height, width, text_len) -> Tensor:
     """Allegro's pipeline: the (t, h, w) grid, each axis divided by the config's ``interpolation_scale_{t,h,w}``."""
-    scales = [get(f"interpolation_scale_{axis}") for axis in "thw"]
-    if None in scales:   # the model falls back on a default, but its pipeline divides by the config's value
-        raise ValueError(f"the pipeline divides the grid by interpolation_scale_(t, h, w), got {scales}")
+    scales = [get(f"interpolation_scale_{axis}") for axis in "thw"]   # the pipeline divides by them: set, > 0
     return _grid_ids(frames, height, width) / torch.tensor([float(scale) for scale in scales])   # [T H W, 3]
 
 
@@ -10863,7 +10875,7 @@ def _cogvideox_ids(get, frames, height, width, text_len) -> Tensor:
         raise ValueError("use_rotary_positional_embeddings=False: the positions of its 3-D sin-cos table are not built")
     patch = int(get("patch_size"))
     base_h, base_w = int(get("sample_height")) // patch, int(get("sample_width")) // patch
-    if get("patch_size_t") is not None:   # 1.5: rows of the base tables, which fail past them
+    if get("patch_size_t", 1) is not None:   # 1.5: rows of the base tables, which fail past them
         if height > base_h or width > base_w:
             raise ValueError(f"the latent grid {height} x {width} exceeds the base grid {base_h} x {base_w} "
                              f"(sample_height, sample_width over patch_size)")
@@ -11006,11 +11018,12 @@ _DIFFUSERS_MODELS = {
                                          _axial_rope(_halves)),
     "PRXTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "hidden_size": 1792, "num_heads": 28, "axes_dim": None, "theta": 10000.0},
-        _axial_rope(lambda get: get("axes_dim") or (32, 32), base="theta",
+        _axial_rope(lambda get: get("axes_dim", (32, 32)) or (32, 32), base="theta",
                     dim=lambda get: get("hidden_size") // get("num_heads"))),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", {
         "hidden_size": 3072, "num_attention_heads": 24, "rope_dim_list": (16, 56, 56), "theta": 256.0},
-        _axial_rope(lambda get: get("rope_dim_list") or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
+        _axial_rope(lambda get: get("rope_dim_list", (16, 56, 56))
+                    or [get("hidden_size") // get("num_attention_heads") // 3] * 3,
                     base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads")))
        for name in ("JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel")},
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
@@ -11028,8 +11041,7 @@ _DIFFUSERS_MODELS = {
         _interleaved_mrope("attention_head_dim", "mrope_section")),
     "Cosmos3OmniTransformer": _DiffusersModel("RotaryPositionalEmbedding", {
         "head_dim": 128, "rope_theta": 5e6, "rope_axes_dim": None, "rope_scaling": None},
-        _interleaved_mrope("head_dim", lambda get: get("rope_axes_dim") or dict(get("rope_scaling") or {}).get(
-            "mrope_section", (24, 20, 20)))),
+        _interleaved_mrope("head_dim", _cosmos3_sections)),
     # MiniMax-H3: one spectrum over 2F channels per axis, (t, h, w) contiguous, on the leading 6F channels
     "MiniMaxH3Transformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 128, "rope_freq_dim": 16, "rope_theta": 10000.0},
@@ -11180,16 +11192,60 @@ def _diffusers_kwargs(owner_class: str, config, stated: dict) -> dict:
         classes = " and ".join(entry.encoding for entry in entries)
         raise ValueError(f"{owner}: {name} (diffusers config _class_name) uses {classes}; call "
                          f"{entries[0].encoding}.from_config(config)")
+    return _diffusers_call(owner, name, entry.read, _diffusers_get(owner, name, config, entry))
+
+
+def _diffusers_call(owner: str, name: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with the ValueError or TypeError a reader raises prefixed by ``owner`` and the
+    model class ``name`` (the errors of ``_diffusers_get`` carry them already)."""
     try:
-        return entry.read(_diffusers_get(config, entry))
-    except ValueError as error:
-        raise ValueError(f"{owner}: {name}: {error}") from None
+        return function(*args, **kwargs)
+    except (ValueError, TypeError) as error:
+        if str(error).startswith(f"{owner}: "):
+            raise
+        raise (ValueError if isinstance(error, ValueError) else TypeError)(f"{owner}: {name}: {error}") from None
 
 
-def _diffusers_get(config, entry: _DiffusersModel):
-    """``get(field)``: a field the config sets, None included (the model reads that None too), else the model's
-    default."""
-    return lambda field: config[field] if field in config else entry.defaults[field]
+# Config fields of per-axis widths: one entry per axis the model has, so any length (other sequence fields have the
+# length of the model's default); int fields that may be 0 (the others are sizes, counts, strides: positive).
+_DIFFUSERS_PER_AXIS = frozenset({"axes_dims_rope", "rope_axes_dim", "axes_dims", "axes_dim_rope", "rope_dim",
+                                 "axes_dim", "rope_dim_list"})
+_DIFFUSERS_NON_NEGATIVE = frozenset({"additional_embeddings", "causal_offset"})
+
+
+def _diffusers_value(owner: str, field: str, value, like):
+    """A config field's ``value`` checked against ``like``, a value of its type (the model's default): a bool, a
+    positive int (non-negative in ``_DIFFUSERS_NON_NEGATIVE``), a positive finite real number, a string, a dict, or a
+    list or tuple of such (a string or dict field may be None); a None ``like`` checks nothing."""
+    if _is_bool(like):
+        return _check_flag(owner, field, value)
+    if isinstance(like, int):
+        return _as_int(owner, field, value, minimum=0 if field in _DIFFUSERS_NON_NEGATIVE else 1)
+    if isinstance(like, float):
+        return _positive_float(owner, field, value)
+    if isinstance(like, (str, dict)) and not isinstance(value, (type(like), type(None))):   # None: the option off
+        raise TypeError(f"{owner}: {field} must be a {type(like).__name__}, got {type(value).__name__} "
+                        f"{_describe(value)}")
+    if isinstance(like, (tuple, list)):
+        items, free = _as_list(owner, field, value), field in _DIFFUSERS_PER_AXIS
+        if not items or not (free or len(items) == len(like)):
+            want = "a non-empty list (one entry per axis)" if free else f"a list of {len(like)} entries"
+            raise ValueError(f"{owner}: {field} must be {want}, got {field}={_describe(value)}")
+        return [_diffusers_value(owner, f"{field}[{i}]", item, like[0]) for i, item in enumerate(items)]
+    return value
+
+
+def _diffusers_get(owner: str, name: str, config, entry: _DiffusersModel):
+    """``get(field, like=None)``: a field the config sets, else the model's default, checked against the type of the
+    default (``_diffusers_value``), or of ``like``, which a reader passes for a field the model also reads as None.
+    None passes only there, or where the default is None (the model reads that None too)."""
+    def get(field: str, like=None):
+        default = entry.defaults[field]
+        value = config[field] if field in config else default
+        if value is None and (default is None or like is not None):
+            return None
+        return _diffusers_value(f"{owner}: {name}", field, value, default if like is None else like)
+    return get
 
 
 def _diffusers_entries(owner: str, name: str, config) -> tuple:
@@ -11199,7 +11255,8 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
     if name not in _DIFFUSERS_MODELS:
         raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
                          f"(docs/diffusers.md lists them)")
-    if name == "QwenImageTransformer2DModel" and _config_get(config, "use_layer3d_rope"):
+    if name == "QwenImageTransformer2DModel" and _check_flag(f"{owner}: {name}", "use_layer3d_rope",
+                                                             config.get("use_layer3d_rope", False)):
         raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
     entries = _DIFFUSERS_MODELS[name]
     return (entries,) if isinstance(entries, _DiffusersModel) else entries
@@ -11398,11 +11455,13 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
                          f"must be None, got reference={_describe(reference)}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
     extra = {} if reference is None else {"reference": _as_sizes(owner, "reference", reference, 2)}
-    try:
-        fps = () if fps is None else (_as_float(owner, "fps", fps, minimum=0.0, exclusive=True),)
-        return entry.positions(_diffusers_get(config, entry), frames, height, width, text_len, *fps, **extra)
-    except ValueError as error:
-        raise ValueError(f"{owner}: {name}: {error}") from None
+    fps = () if fps is None else (_positive_float(f"{owner}: {name}", "fps", fps),)
+    ids = _diffusers_call(owner, name, entry.positions, _diffusers_get(owner, name, config, entry), frames, height,
+                          width, text_len, *fps, **extra)
+    if fps and not bool(ids.isfinite().all()):   # frames over a tiny fps overflow float32
+        raise ValueError(f"{owner}: {name}: fps={fps[0]!r} puts the frames past float32's range; fps must keep the "
+                         f"positions finite")
+    return ids
 
 
 # ---------------------------------------------------------------------------

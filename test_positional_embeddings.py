@@ -6708,6 +6708,50 @@ class TestDiffusersConfig:
         page = (pathlib.Path(__file__).parent / "docs" / "diffusers.md").read_text()
         assert [name for name in sorted(read | refused) if name not in page] == []   # the docs name each one
 
+    # a field of the wrong type, sign or length, as a hand-written config gets it by accident: refused naming the
+    # function, the model, the field and the value (before: truncated by int(), read as the default, a deep error)
+    @pytest.mark.parametrize("build, config, kwargs, error", [
+        (RotaryPositionalEmbedding, {"_class_name": "FluxTransformer2DModel", "attention_head_dim": 128.5}, None,
+         (TypeError, "FluxTransformer2DModel: attention_head_dim must be an int, got float 128.5")),
+        (RotaryPositionalEmbedding, {"_class_name": "FluxTransformer2DModel", "axes_dims_rope": ["16", 56, 56]}, None,
+         (TypeError, "FluxTransformer2DModel: axes_dims_rope[0] must be an int, got str '16'")),
+        (RotaryPositionalEmbedding, {"_class_name": "LuminaNextDiT2DModel", "num_attention_heads": 0}, None,
+         (ValueError, "LuminaNextDiT2DModel: num_attention_heads must be a positive int, got num_attention_heads=0")),
+        (RotaryPositionalEmbedding, {"_class_name": "HunyuanVideoTransformer3DModel", "rope_theta": None}, None,
+         (TypeError, "HunyuanVideoTransformer3DModel: rope_theta must be a real number, got NoneType None")),
+        (LearnedPositionalEmbedding, {"_class_name": "CosmosTransformer3DModel", "max_size": (8, 16)}, None,
+         (ValueError, "CosmosTransformer3DModel: max_size must be a list of 3 entries, got max_size=(8, 16)")),
+        (RotaryPositionalEmbedding, {"_class_name": "LTX2VideoTransformer3DModel", "rope_type": "splt"}, None,
+         (ValueError, "LTX2VideoTransformer3DModel: rope_type must be 'interleaved' or 'split', got rope_type='splt'")),
+        (RotaryPositionalEmbedding, {"_class_name": "Ideogram4Transformer2DModel", "mrope_section": (24, 20)}, None,
+         (ValueError, "Ideogram4Transformer2DModel: mrope_section must be a list of 3 entries")),
+        (RotaryPositionalEmbedding, {"_class_name": "Cosmos3OmniTransformer",
+                                     "rope_scaling": {"mrope_section": [24.5, 20, 20]}}, None,
+         (TypeError, "Cosmos3OmniTransformer: rope_scaling: mrope_section[0] must be an int, got float 24.5")),
+        (RotaryPositionalEmbedding, {"_class_name": "QwenImageTransformer2DModel", "use_layer3d_rope": "no"}, None,
+         (TypeError, "QwenImageTransformer2DModel: use_layer3d_rope must be a bool, got str 'no'")),
+        (pe_lib.diffusers_positions, {"_class_name": "AllegroTransformer3DModel", "interpolation_scale_t": 0},
+         {"frames": 2}, (ValueError, "AllegroTransformer3DModel: interpolation_scale_t must be a finite number > 0.0, "
+                                     "got interpolation_scale_t=0")),
+        (pe_lib.diffusers_positions, {"_class_name": "LTX2VideoTransformer3DModel", "vae_scale_factors": (8, 32)},
+         {"frames": 2}, (ValueError, "LTX2VideoTransformer3DModel: vae_scale_factors must be a list of 3 entries")),
+        (pe_lib.diffusers_positions, {"_class_name": "CogVideoXTransformer3DModel", "patch_size": "2",
+                                      "use_rotary_positional_embeddings": True}, {"frames": 2},
+         (TypeError, "CogVideoXTransformer3DModel: patch_size must be an int, got str '2'")),
+        (pe_lib.diffusers_positions, {"_class_name": "CosmosTransformer3DModel"}, {"frames": 2, "fps": 1e-300},
+         (ValueError, "CosmosTransformer3DModel: fps=1e-300 puts the frames past float32's range")),
+    ])
+    def test_config_fields_are_checked(self, build, config, kwargs, error):
+        call = build.from_config if kwargs is None else functools.partial(build, height=3, width=4, **kwargs)
+        owner = f"{build.__name__}.from_config" if kwargs is None else "diffusers_positions"
+        with pytest.raises(error[0], match=f"^{owner}: {re.escape(error[1])}"):
+            call(config)
+        # what the models do take still reads: a field at 0 where it may be, None where the model reads None
+        assert LearnedPositionalEmbedding.from_config({"_class_name": "PriorTransformer",
+                                                       "additional_embeddings": 0}).max_len == 77
+        ltx2 = {"_class_name": "LTX2VideoTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 12}
+        assert RotaryPositionalEmbedding.from_config({**ltx2, "causal_offset": 0}).dim == 24
+
     def test_refusals_name_the_model_and_why(self):
         owner = "RotaryPositionalEmbedding.from_config"
         for name, why in pe_lib._DIFFUSERS_REFUSED.items():
