@@ -1499,7 +1499,7 @@ class SinusoidalPositionalEmbedding(_AddedInput):
             ``dim / 2`` (unequal slices, above). Default: None (equal slices).
         spectrum (str): ``"vaswani"`` (``base ** (-2i / dim)``) or ``"fairseq"``
             (``base ** (-i / (F - 1))``). Default: ``"vaswani"``.
-        padding_idx (int, optional): fairseq's padding index (see above). Default: None.
+        padding_idx (int, optional): fairseq's padding index (see above; one axis only). Default: None.
         num_prefix_tokens (int): leading tokens of ``x`` (``[CLS]``) that get no encoding;
             ``positions`` then cover the other ``N - num_prefix_tokens`` tokens. Default: 0.
 
@@ -1533,6 +1533,9 @@ class SinusoidalPositionalEmbedding(_AddedInput):
             fairseq = ", each at least 2 with spectrum='fairseq'" if spectrum == "fairseq" else ""
             raise ValueError(f"{type(self).__name__}: sections must hold num_axes={num_axes} sizes summing to dim / 2 "
                              f"= {dim / 2:g}{fairseq}, got sections={list(sections)}")
+        if padding_idx is not None and num_axes > 1:   # fairseq's padding marks a token by its one position
+            raise ValueError(f"{type(self).__name__}: padding_idx (fairseq's) needs one position axis, got "
+                             f"padding_idx={padding_idx} with num_axes={num_axes}")
         odd_ok = spectrum == "fairseq" and num_axes == 1
         if sections is None and dim % (2 * num_axes) and not (odd_ok and dim % 2):
             raise ValueError(f"{type(self).__name__}: dim must be a positive multiple of 2 * num_axes = {2 * num_axes}"

@@ -2571,6 +2571,12 @@ class TestSinusoidal:
         torch.testing.assert_close(pe(x[:1, :4]), fairseq_oracle(torch.arange(2, 6), dim, padding_idx)[None])
         torch.testing.assert_close(pe(x[:1, :1], offset=3), fairseq_oracle(torch.tensor([5]), dim, padding_idx)[None])
 
+    def test_padding_idx_needs_one_axis(self):
+        # fairseq's padding marks a token by its one position; per axis it made a mask the table could not take
+        with pytest.raises(ValueError, match="SinusoidalPositionalEmbedding: padding_idx \\(fairseq's\\) needs one "
+                                             "position axis, got padding_idx=1 with num_axes=2"):
+            SinusoidalPositionalEmbedding(8, spectrum="fairseq", layout="concat", num_axes=2, padding_idx=1)
+
     def test_fairseq_float32_reference(self):
         # fairseq's get_embedding computes in float32; large positions differ by its rounding only
         half, num = 64, 1024
