@@ -10833,13 +10833,26 @@ def _video_grid(get, frames, height, width, text_len) -> Tensor:
     return _grid_ids(frames, height, width)                                              # [T H W, 3]
 
 
-def _qwen_image_ids(get, frames, height, width, text_len) -> Tensor:
+def _qwen_image_ids(get, frames, height, width, text_len, layers=None, reference=None) -> Tensor:
     """Qwen-Image's MSRoPE ids: the text at ``m + i`` on all three axes, ``m = max(H // 2, W // 2)``, then the
-    image at ``(0, row - (H - H // 2), col - (W - W // 2))`` (rows and columns centred on zero)."""
-    start = max(height // 2, width // 2)
+    image at ``(0, row - (H - H // 2), col - (W - W // 2))`` (rows and columns centred on zero).
+
+    Qwen-Image-Layered (``use_layer3d_rope``, its pipeline's ``layers``): ``layers + 1`` H x W grids at frames
+    ``0 .. layers``, then the condition image (``reference``, default H x W) at frame -1, each centred; the text
+    starts at ``max(m, layers + 1)``, ``m`` over every grid."""
+    layered = get("use_layer3d_rope")
+    if layered != (layers is not None) or (reference is not None and not layered):
+        name, value = ("layers", layers) if layered != (layers is not None) else ("reference", reference)
+        want = "the pipeline's layers (an int >= 1)" if layered else "None (use_layer3d_rope=False)"
+        raise ValueError(f"{name} must be {want}, got {name}={value!r}")
+    grids = [(0, height, width)] if not layered else \
+        [(layer, height, width) for layer in range(layers + 1)] + [(-1, *(reference or (height, width)))]
+    start = max(max(h // 2, w // 2) for _, h, w in grids)
+    start = max(start, layers + 1) if layered else start
     text = (start + torch.arange(text_len, dtype=torch.float32))[:, None].expand(text_len, 3)     # [L, 3]
-    image = _grid_ids(1, height, width) - torch.tensor([0.0, height - height // 2, width - width // 2])
-    return torch.cat([text, image])                                                               # [L + H W, 3]
+    images = [_grid_ids(1, h, w) - torch.tensor([-frame, h - h // 2, w - w // 2], dtype=torch.float32)
+              for frame, h, w in grids]                                                  # [H W, 3] each
+    return torch.cat([text, *images])                                                    # [L + sum H W, 3]
 
 
 def _mochi_ids(get, frames, height, width, text_len) -> Tensor:
@@ -10952,6 +10965,14 @@ def _patch_table_ids(*, crop: bool):
 
 _FLUX_AXES = {"attention_head_dim": 128, "axes_dims_rope": (16, 56, 56)}
 _FLUX_ROPE = _axial_rope("axes_dims_rope", dim="attention_head_dim")   # theta 10000 is in the model class
+
+
+def _qwen_image_rope(get) -> dict:
+    """Qwen-Image's RoPE; its Layer3D variant (``use_layer3d_rope``) turns by the same angles, only its ids differ."""
+    get("use_layer3d_rope")                                                              # checked: a bool
+    return _FLUX_ROPE(get)
+
+
 _HUNYUAN_VIDEO = _DiffusersModel("RotaryPositionalEmbedding", {
     "attention_head_dim": 128, "rope_axes_dim": (16, 56, 56), "rope_theta": 256.0},
     _axial_rope("rope_axes_dim", base="rope_theta", dim="attention_head_dim"), _video_grid)
@@ -11030,7 +11051,7 @@ _DIFFUSERS_MODELS = {
                     base="theta", dim=lambda get: get("hidden_size") // get("num_attention_heads")))
        for name in ("JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel")},
     "QwenImageTransformer2DModel": _DiffusersModel("RotaryPositionalEmbedding", {
-        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _FLUX_ROPE,
+        "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56), "use_layer3d_rope": False}, _qwen_image_rope,
         _qwen_image_ids),
     **{name: _DiffusersModel("RotaryPositionalEmbedding", _FLUX_AXES, _FLUX_ROPE)
        for name in ("NucleusMoEImageTransformer2DModel", "QwenImage21Transformer2DModel")},
@@ -11154,7 +11175,6 @@ _DIFFUSERS_MODELS = {
 
 
 # Model classes whose config from_config refuses: why (docs/diffusers.md says the same).
-_NOT_CHECKED = "not yet checked against its diffusers module (issue 44, phase 2)"
 _DIFFUSERS_REFUSED = {
     "DreamLiteTransformer2DModel": "the model adds no position encoding (its blocks get no positional_embeddings)",
     "SanaWMTransformer3DModel": "it multiplies q and k by per-token 4x4 camera matrices",
@@ -11258,9 +11278,6 @@ def _diffusers_entries(owner: str, name: str, config) -> tuple:
     if name not in _DIFFUSERS_MODELS:
         raise ValueError(f"{owner}: _class_name={name!r} is not a diffusers transformer model this file reads "
                          f"(docs/diffusers.md lists them)")
-    if name == "QwenImageTransformer2DModel" and _check_flag(f"{owner}: {name}", "use_layer3d_rope",
-                                                             config.get("use_layer3d_rope", False)):
-        raise ValueError(f"{owner}: {name} with use_layer3d_rope=True (its Layer3D RoPE) is {_NOT_CHECKED}")
     entries = _DIFFUSERS_MODELS[name]
     return (entries,) if isinstance(entries, _DiffusersModel) else entries
 
@@ -11409,7 +11426,8 @@ class DiffusersCompatRotaryEmbedding(RotaryPositionalEmbedding):
 
 
 def diffusers_positions(config, *, height: int, width: int, frames: Optional[int] = None,
-                        text_len: int = 0, fps: Optional[float] = None, reference: Optional[tuple] = None) -> Tensor:
+                        text_len: int = 0, fps: Optional[float] = None, reference: Optional[tuple] = None,
+                        layers: Optional[int] = None) -> Tensor:
     """The position ids a diffusers pipeline (or model) feeds the encoding ``from_config`` builds from ``config``.
 
     Args:
@@ -11422,7 +11440,11 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
             (Cosmos: frames at ``frame / fps * 24``, None numbers them; LTX-Video, LTX-2: the frame rate, None
             their pipelines' default 25, 24); None for the others.
         reference: Flux Kontext's reference image, its ``(height, width)`` patch grid: its ids ``(1, row, col)``
-            follow the image's (``FluxKontextPipeline``; ``FluxTransformer2DModel`` only). None: no reference.
+            follow the image's (``FluxKontextPipeline``; ``FluxTransformer2DModel``). None: no reference. For
+            Qwen-Image-Layered, the condition image's grid (None: ``height x width``).
+        layers: Qwen-Image-Layered's ``layers`` (``QwenImageTransformer2DModel`` with ``use_layer3d_rope=True``,
+            ``QwenImageLayeredPipeline``): ``layers + 1`` layer grids at frames ``0 .. layers``, then the condition
+            image at frame -1. None for every other model.
 
     Shape:
         - Output: ``[N, A]`` float32, the tokens in the model's order (text, then the patches row-major); ``A``
@@ -11453,11 +11475,17 @@ def diffusers_positions(config, *, height: int, width: int, frames: Optional[int
     if (video or entry.encoding != "RotaryPositionalEmbedding") and text_len:
         raise ValueError(f"{owner}: {name}: its text tokens take no positions; text_len must be 0, got "
                          f"text_len={text_len}")
-    if reference is not None and name != "FluxTransformer2DModel":
-        raise ValueError(f"{owner}: {name}: only Flux.1 (FluxKontextPipeline) takes a reference image; reference "
-                         f"must be None, got reference={_describe(reference)}")
+    layered = name == "QwenImageTransformer2DModel"   # its builder checks use_layer3d_rope against layers
+    if reference is not None and name != "FluxTransformer2DModel" and not layered:
+        raise ValueError(f"{owner}: {name}: only Flux.1 (FluxKontextPipeline) and Qwen-Image-Layered take a reference "
+                         f"image; reference must be None, got reference={_describe(reference)}")
+    if layers is not None and not layered:
+        raise ValueError(f"{owner}: {name}: only Qwen-Image-Layered (QwenImageTransformer2DModel) takes layers; "
+                         f"layers must be None, got layers={_describe(layers)}")
     frames = None if frames is None else _as_int(owner, "frames", frames)
     extra = {} if reference is None else {"reference": _as_sizes(owner, "reference", reference, 2)}
+    if layers is not None:
+        extra["layers"] = _as_int(owner, "layers", layers)
     fps = () if fps is None else (_positive_float(f"{owner}: {name}", "fps", fps),)
     ids = _diffusers_call(owner, name, entry.positions, _diffusers_get(owner, name, config, entry), frames, height,
                           width, text_len, *fps, **extra)

@@ -6082,6 +6082,43 @@ class TestDiffusersConfig:
         diff = (ours - apply_rotary_emb(x, (cos, sin), sequence_dim=1)).abs().max().item()
         assert diff < 1e-6, f"{name}: rotated q differs by {diff:.3g}"
 
+    @pytest.mark.parametrize("layers, grid, condition", [(3, (3, 4), (5, 2)), (1, (2, 2), None), (2, (1, 5), (4, 4))])
+    def test_qwen_image_layered_ids_match_its_layer3d_rope(self, layers, grid, condition):
+        # QwenImageLayeredPipeline: layers + 1 grids of the output size, then the condition image; the model's
+        # QwenEmbedLayer3DRope puts layer l at frame l, the condition at frame -1, the text after every grid
+        pytest.importorskip("diffusers")
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+        name = "QwenImageTransformer2DModel"
+        model = diffusers_model(name, dict(DIFFUSERS_ROPE_CONFIGS[name], use_layer3d_rope=True))
+        rope = RotaryPositionalEmbedding.from_config(model.config)
+        (h, w), text = grid, 4
+        shapes = [(1, h, w)] * (layers + 1) + [(1, *(condition or grid))]
+        vid, txt = model.pos_embed([shapes], max_txt_seq_len=text, device=torch.device("cpu"))
+        ids = pe_lib.diffusers_positions(model.config, height=h, width=w, text_len=text, layers=layers,
+                                         reference=condition)
+        assert ids.shape == (text + sum(f * a * b for f, a, b in shapes), 3)
+        x = torch.randn(1, ids.shape[0], 2, rope.dim)                                     # [1, N, H, D]
+        ours = rope(x.transpose(1, 2), ids).transpose(1, 2)
+        diff = (ours - apply_rotary_emb_qwen(x, torch.cat([txt, vid]), use_real=False)).abs().max().item()
+        MAX_DIFF[f"diffusers {name} Layer3D"] = max(diff, MAX_DIFF.get(f"diffusers {name} Layer3D", 0.0))
+        assert diff < 1e-6, f"rotated q differs by {diff:.3g}"
+
+    def test_qwen_image_layers_only_where_layered(self):
+        qwen = {"_class_name": "QwenImageTransformer2DModel"}
+        with pytest.raises(ValueError, match="^diffusers_positions: QwenImageTransformer2DModel: layers must be the "
+                                             "pipeline's layers \\(an int >= 1\\), got layers=None$"):
+            pe_lib.diffusers_positions(dict(qwen, use_layer3d_rope=True), height=2, width=2)
+        with pytest.raises(ValueError, match="^diffusers_positions: QwenImageTransformer2DModel: layers must be None "
+                                             "\\(use_layer3d_rope=False\\), got layers=2$"):
+            pe_lib.diffusers_positions(qwen, height=2, width=2, layers=2)
+        with pytest.raises(ValueError, match="^diffusers_positions: QwenImageTransformer2DModel: reference must be "
+                                             "None \\(use_layer3d_rope=False\\), got reference=\\(2, 2\\)$"):
+            pe_lib.diffusers_positions(qwen, height=2, width=2, reference=(2, 2))
+        with pytest.raises(ValueError, match="^diffusers_positions: FluxTransformer2DModel: only Qwen-Image-Layered "
+                                             "\\(QwenImageTransformer2DModel\\) takes layers; layers must be None, "
+                                             "got layers=2$"):
+            pe_lib.diffusers_positions({"_class_name": "FluxTransformer2DModel"}, height=2, width=2, layers=2)
+
     def test_flux_kontext_reference_matches_its_pipeline(self):
         # FluxKontextPipeline: text at zero, the image at (0, row, col), then its reference image (here another
         # size) at (1, row, col), through the model's pos_embed
@@ -6109,8 +6146,8 @@ class TestDiffusersConfig:
                                              "got reference=3$"):
             pe_lib.diffusers_positions(model.config, height=h, width=w, reference=3)
         with pytest.raises(ValueError, match="^diffusers_positions: ChromaTransformer2DModel: only Flux.1 "
-                                             "\\(FluxKontextPipeline\\) takes a reference image; reference must be "
-                                             "None, got reference=\\(2, 2\\)$"):
+                                             "\\(FluxKontextPipeline\\) and Qwen-Image-Layered take a reference image; "
+                                             "reference must be None, got reference=\\(2, 2\\)$"):
             pe_lib.diffusers_positions({"_class_name": "ChromaTransformer2DModel"}, height=2, width=2,
                                        reference=(2, 2))
 
@@ -6777,9 +6814,10 @@ class TestDiffusersConfig:
         with pytest.raises(ValueError, match=f"{owner}: CogVideoXTransformer3DModel: "
                                              f"use_rotary_positional_embeddings=False: .*3-D sin-cos table"):
             RotaryPositionalEmbedding.from_config({"_class_name": "CogVideoXTransformer3DModel"})
-        with pytest.raises(ValueError, match=f"{owner}: QwenImageTransformer2DModel with use_layer3d_rope=True"):
-            RotaryPositionalEmbedding.from_config({"_class_name": "QwenImageTransformer2DModel",
-                                                   "use_layer3d_rope": True})
+        # Qwen-Image-Layered's Layer3D RoPE turns by Qwen-Image's angles (its ids differ: diffusers_positions)
+        assert repr(RotaryPositionalEmbedding.from_config({"_class_name": "QwenImageTransformer2DModel",
+                                                           "use_layer3d_rope": True})) == \
+            repr(RotaryPositionalEmbedding.from_config({"_class_name": "QwenImageTransformer2DModel"}))
         # HiDream's defaults (32, 32) do not fill its 128-channel heads (its checkpoints say (64, 32, 32))
         with pytest.raises(ValueError, match=f"{owner}: HiDreamImageTransformer2DModel: the per-axis rotary widths "
                                              f"must be positive, even and sum to the head dim 128, got \\[32, 32\\] "
