@@ -10683,6 +10683,22 @@ def _cogvideox_sincos(get) -> dict:
     return {"dim": dim, "layout": "concat", "num_axes": 3, "sections": [dim // 8, 3 * dim // 16, 3 * dim // 16]}
 
 
+def _cogvideox_learned(get) -> dict:
+    """CogVideoX 1.0 5B I2V (``use_learned_positional_embeddings``, beside its RoPE): one learned table over the joint
+    sequence, ``max_text_seq_length`` text rows then the patches of the sample size, ``T H W`` with ``T = (frames - 1)
+    // temporal_compression_ratio + 1``; the checkpoint's ``patch_embed.pos_embedding[0]`` is its ``weight``."""
+    if not get("use_learned_positional_embeddings"):
+        raise ValueError("use_learned_positional_embeddings=False: the model has no learned table (its RoPE: "
+                         "RotaryPositionalEmbedding.from_config, or a fixed sin-cos table: "
+                         "SinusoidalPositionalEmbedding.from_config)")
+    if get("patch_size_t") is not None:   # the module's table counts 2-D patches: it would not fit 1.5's tokens
+        raise ValueError(f"a learned table with patch_size_t={get('patch_size_t')} (CogVideoX 1.5) does not fit the "
+                         f"model's tokens (diffusers counts 2-D patches for it), and no checkpoint has one")
+    frames = (get("sample_frames") - 1) // get("temporal_compression_ratio") + 1
+    patches = frames * (get("sample_height") // get("patch_size")) * (get("sample_width") // get("patch_size"))
+    return {"max_len": get("max_text_seq_length") + patches, "dim": get("num_attention_heads") * get("attention_head_dim")}
+
+
 def _chronoedit_axes(get) -> list:
     """ChronoEdit's tables are Wan's, but its forward splits them at D // 3: the two agree unless D % 6 == 4."""
     if int(get("attention_head_dim")) % 6 == 4:
@@ -11026,13 +11042,18 @@ _DIFFUSERS_MODELS = {
        for name, axes in (("Kandinsky5Transformer3DModel", (16, 24, 24)),
                           ("Kandinsky6Transformer3DModel", (32, 48, 48)),
                           ("Kandinsky6SRTransformer3DModel", (16, 24, 24)))},
-    # CogVideoX: RoPE, or (1.0 2B, use_rotary_positional_embeddings=False) a 3-D sin-cos table of unequal slices
+    # CogVideoX: RoPE, or (1.0 2B, use_rotary_positional_embeddings=False) a 3-D sin-cos table of unequal slices;
+    # 1.0 5B I2V adds a learned table to its tokens beside the RoPE
     **{name: (_DiffusersModel("RotaryPositionalEmbedding", {
         "attention_head_dim": 64, "use_rotary_positional_embeddings": False, "patch_size": 2, "patch_size_t": None,
         "sample_height": 60, "sample_width": 90}, _axial_rope(_cogvideox_axes), _cogvideox_ids),
               _DiffusersModel("SinusoidalPositionalEmbedding", {"num_attention_heads": 30, "attention_head_dim": 64,
                                                                 "use_rotary_positional_embeddings": False},
-                              _cogvideox_sincos))
+                              _cogvideox_sincos),
+              _DiffusersModel("LearnedPositionalEmbedding", {
+                  "num_attention_heads": 30, "attention_head_dim": 64, "use_learned_positional_embeddings": False,
+                  "patch_size": 2, "patch_size_t": None, "sample_height": 60, "sample_width": 90, "sample_frames": 49,
+                  "temporal_compression_ratio": 4, "max_text_seq_length": 226}, _cogvideox_learned))
        for name in ("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel")},
     "EasyAnimateTransformer3DModel": _DiffusersModel("RotaryPositionalEmbedding", {"attention_head_dim": 64},
                                                      _axial_rope(_split_3d_axes)),

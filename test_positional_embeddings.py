@@ -6269,6 +6269,33 @@ class TestDiffusersConfig:
             SinusoidalPositionalEmbedding.from_config({"_class_name": name, "num_attention_heads": 2,
                                                        "attention_head_dim": 12})
 
+    @pytest.mark.parametrize("name", ["CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"])
+    def test_cogvideox_learned_table_matches_its_patch_embedding(self, name):
+        # CogVideoX 1.0 5B I2V: a learned table over text + patches at the sample size, beside its RoPE
+        pytest.importorskip("diffusers")
+        model = diffusers_model(name, {
+            "num_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2, "in_channels": 4,
+            "text_embed_dim": 8, "time_embed_dim": 8, "sample_width": 8, "sample_height": 6, "sample_frames": 9,
+            "max_text_seq_length": 5, "use_rotary_positional_embeddings": True,
+            "use_learned_positional_embeddings": True})
+        learned = LearnedPositionalEmbedding.from_config(model.config)
+        embed = model.patch_embed
+        assert learned.weight.shape == embed.pos_embedding.shape[1:] == (5 + 3 * 3 * 4, 32)    # T = (9 - 1) // 4 + 1
+        with torch.no_grad():
+            embed.pos_embedding.normal_()                                                   # a checkpoint's values
+            learned.weight.copy_(embed.pos_embedding[0])
+            text, video = torch.randn(1, 5, 8), torch.randn(1, 3, 4, 6, 8)
+            added = embed(text, video)
+            embed.use_learned_positional_embeddings = False                                 # the tokens alone
+            assert torch.equal(learned(embed(text, video)), added)
+        assert RotaryPositionalEmbedding.from_config(model.config).dim == 16                # the RoPE beside it
+        with pytest.raises(ValueError, match=f"LearnedPositionalEmbedding.from_config: {name}: "
+                                             f"use_learned_positional_embeddings=False: the model has no learned table"):
+            LearnedPositionalEmbedding.from_config({"_class_name": name})
+        with pytest.raises(ValueError, match="patch_size_t=2 \\(CogVideoX 1.5\\) does not fit the model's tokens"):
+            LearnedPositionalEmbedding.from_config({"_class_name": name, "use_learned_positional_embeddings": True,
+                                                    "patch_size_t": 2})
+
     def test_cogview3plus_table_matches_its_patch_embedding(self):
         # the top-left corner of a pos_embed_max_size^2 table (base size = the table's), text tokens get zeros
         pytest.importorskip("diffusers")
