@@ -9036,8 +9036,8 @@ class _RotaryPieces(_ExplicitLogits):
 
     def logits(self, q, k, positions_q, positions_k, scale):
         pos_q, pos_k = _pair_positions(q.shape[-2], k.shape[-2], positions_q, positions_k, 0, q.device, k.device)
-        if self.log_scaling_length is not None:  # the patches' max(1, log(t + 1) / log(L_train))
-            growth = torch.log1p(pos_q.to(torch.float64)) / math.log(self.log_scaling_length)
+        if self.log_scaling_length is not None:  # the patches' max(1, log(t + 1) / log(L_train)); 1 for t < 0
+            growth = torch.log1p(pos_q.to(torch.float64).clamp(min=0)) / math.log(self.log_scaling_length)
             q = q * growth.clamp(min=1.0).to(q.dtype).unsqueeze(-1)
         choice = self.piece_of(pos_q, pos_k)                                           # [(B, 1,) Nq, Nk]
         logits = None
@@ -9051,7 +9051,8 @@ class _RotaryPieces(_ExplicitLogits):
 
 def _check_wrapped_rope(owner: str, name: str, rope) -> "RotaryPositionalEmbedding":
     """A one-axis RoPE whose frequencies do not depend on the call's length (each rule of a
-    ``_RotaryPieces`` has its own largest position, so ``dynamic`` / ``longrope`` would differ per rule)."""
+    ``_RotaryPieces`` has its own largest position, so ``dynamic`` / ``longrope`` would differ per rule;
+    fixed with ``at_length`` they are one spectrum)."""
     if not isinstance(rope, RotaryPositionalEmbedding):
         raise TypeError(f"{owner}: {name} must be a RotaryPositionalEmbedding, got {type(rope).__name__}")
     if rope.num_axes != 1:
@@ -9059,9 +9060,10 @@ def _check_wrapped_rope(owner: str, name: str, rope) -> "RotaryPositionalEmbeddi
     if rope.rotate_values:
         raise ValueError(f"{owner}: {name} must not rotate the values (each rule would need its own turn of "
                          f"them), got rotate_values=True")
-    if rope.scaling["rope_type"] in _LENGTH_DEPENDENT:
+    if rope.scaling["rope_type"] in _LENGTH_DEPENDENT and rope.fixed_length is None:
         raise ValueError(f"{owner}: {name} must have length-independent frequencies, got "
-                         f"scaling rope_type={rope.scaling['rope_type']!r} (its spectrum follows each call's length)")
+                         f"scaling rope_type={rope.scaling['rope_type']!r} (its spectrum follows each call's length; "
+                         f"fix it with {name}.at_length(length))")
     return rope
 
 
@@ -9156,7 +9158,8 @@ class SelfExtendPositionalEmbedding(_RotaryPieces):
 
     Args:
         rope (RotaryPositionalEmbedding): the model's RoPE (any layout, ``rotary_dim``, fixed
-            scaling; not ``dynamic`` / ``longrope``, whose spectrum follows the call's length).
+            scaling; ``dynamic`` / ``longrope``, whose spectrum follows the call's length, only fixed
+            by ``at_length``).
         group_size (int): ``G``, positions per group past the window (the reference's
             ``group_size_1``; 1 leaves RoPE unchanged).
         window (int): neighbour window ``W``, distances below it are exact (``group_size_2``).
@@ -9231,7 +9234,7 @@ class DualChunkPositionalEmbedding(_RotaryPieces):
 
     Args:
         rope (RotaryPositionalEmbedding): the model's RoPE (any layout, ``rotary_dim``, fixed
-            scaling; not ``dynamic`` / ``longrope``).
+            scaling; ``dynamic`` / ``longrope`` only fixed by ``at_length``).
         chunk_size (int): the largest query position (ChunkLlama's default: 3/4 of the training length).
         local_size (int): ``chunk_size - L``, the successive-chunk reach (ChunkLlama's
             ``local_window``, default 1/8 of the training length); below ``chunk_size``.
@@ -9285,8 +9288,9 @@ class DualChunkPositionalEmbedding(_RotaryPieces):
         if self.scaling_length is None or k.shape[-2] == 0:
             return logits
         length = k.shape[-2] if positions_k is None else positions_k.max() + 1
-        m = torch.clamp(self.scaling_coefficient * torch.log(torch.as_tensor(length, dtype=torch.float64)
-                                                              / self.scaling_length) + 1.0, min=1.0)
+        # N within the training length (negative positions included) gives m = 1, not the log of N <= 0
+        length = torch.as_tensor(length, dtype=torch.float64).clamp(min=self.scaling_length)
+        m = torch.clamp(self.scaling_coefficient * torch.log(length / self.scaling_length) + 1.0, min=1.0)
         return logits * (m * m).to(logits.dtype)
 
 
@@ -9679,13 +9683,27 @@ def _check_position_taking(owner: str, name: str, encoding) -> PositionalEmbeddi
     """A one-axis encoding that takes positions (the ones a wrapper can change)."""
     if not isinstance(encoding, PositionalEmbedding):
         raise TypeError(f"{owner}: {name} must be a PositionalEmbedding, got {type(encoding).__name__}")
-    if not encoding.takes_positions:
-        raise ValueError(f"{owner}: {name} must take positions, got {type(encoding).__name__} "
-                         f"(its order comes from {encoding.order_from or 'the content'})")
+    if not encoding.takes_positions:   # order_from reads as a clause of its own ("positions are ...", "the order ...")
+        raise ValueError(f"{owner}: {name} must take positions, got {type(encoding).__name__}, which takes none "
+                         f"({encoding.order_from or 'its order comes from the content'})")
     if encoding.num_axes != 1:
         raise ValueError(f"{owner}: {name} must take one position axis, got {type(encoding).__name__} "
                          f"with num_axes={encoding.num_axes}")
     return encoding
+
+
+def _check_randomized_encoding(owner: str, arguments: dict) -> None:
+    """The wrapped encoding of ``RandomizedPositionalEmbedding``: not another such wrapper (one draw per call),
+    and, where it reads a table of ``max_len`` rows (learned, Abacus, TUPE), every drawn position within it
+    (a draw past it would fail at random steps of training)."""
+    encoding, max_len = arguments["encoding"], arguments["max_len"]
+    if isinstance(encoding, RandomizedPositionalEmbedding):
+        raise ValueError(f"{owner}: encoding must not be a {type(encoding).__name__} itself (one draw serves a "
+                         f"call; wrap its .encoding instead), got {type(encoding).__name__}(max_len={encoding.max_len})")
+    rows = getattr(encoding, "max_len", None)
+    if isinstance(rows, int) and max_len > rows:
+        raise ValueError(f"{owner}: max_len must be at most the wrapped {type(encoding).__name__}'s max_len={rows} "
+                         f"(positions are drawn from [0, max_len) and index its table), got max_len={max_len}")
 
 
 def _on_drawn_positions(name: str):
@@ -9785,6 +9803,7 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
     """
 
     arguments = {"encoding": _check_position_taking, "max_len": _check_positive_int}
+    argument_rules = (_check_randomized_encoding,)
     indexes_first = False   # a bias's per-logit score_mod needs default positions; this wrapper's are drawn
 
     def __init__(self, encoding: PositionalEmbedding, max_len: int, *,
@@ -9834,6 +9853,10 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
             return self._forward_input(*args, **kwargs)
         if isinstance(self.encoding, _PairwiseBias):
             return self.attention_bias(*args, **kwargs)
+        if len(args) < 2 and "k" not in kwargs:   # pe(q) as for a plain RoPE: q and k must share one draw
+            raise TypeError(f"{type(self).__name__}: forward of a wrapped {self.kind!r} encoding takes q and k and "
+                            f"returns their logits (one draw serves both), got {len(args)} positional argument(s); "
+                            f"to encode q alone, draw once, p = pe.draw(n), and call pe.encoding(q, p)")
         return self.forward_attn(*args, **kwargs)
 
     def forward_input(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:

@@ -12497,7 +12497,7 @@ def rope_distance_oracle(q, k, positions_q, positions_k, base, distance, log_len
     inv_freq = plain_inv_freq(dh, base)
     out = torch.full((*q.shape[:-2], len(positions_q), len(positions_k)), float("-inf"), dtype=torch.float64)
     for i, t in enumerate(positions_q):
-        growth = 1.0 if log_length is None else max(1.0, math.log(t + 1) / math.log(log_length))
+        growth = 1.0 if log_length is None or t <= 0 else max(1.0, math.log(t + 1) / math.log(log_length))
         for j, s_ in enumerate(positions_k):
             if t < s_:
                 continue
@@ -12550,6 +12550,16 @@ class TestReRoPE:
     def test_decoding_with_raw_keys_matches_the_full_pass(self):
         assert_decoding_matches_full_pass(ReRoPEPositionalEmbedding(DH, window=4, leak=3.0), 12, (0, 5, 11),
                                           causal=True)
+
+    def test_query_scaling_is_one_at_negative_positions(self):
+        # max(1, log(t + 1) / log(L)) was log1p of t <= -1: NaN logits for queries at negative positions
+        pe = ReRoPEPositionalEmbedding(8, window=3, base=100.0, leak=2.0, log_scaling_length=4).double()
+        q, k = torch.randn(2, 3, 6, 8, dtype=torch.float64), torch.randn(2, 3, 6, 8, dtype=torch.float64)
+        positions = torch.tensor([-9, -5, -2, -1, 3, 8])
+        want = rerope_oracle(q, k, positions.tolist(), positions.tolist(), 3, 100.0, 2.0, 4)
+        got = pe.forward_attn(q, k, positions, positions)
+        assert torch.equal(got.isinf(), want.isinf()) and not got.isnan().any()
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
 
     def test_bad_input_is_named(self):
         with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: leak"):
@@ -12629,6 +12639,32 @@ class TestSelfExtend:
     def test_decoding_with_raw_keys_matches_the_full_pass(self, shift):
         pe = SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH), group_size=3, window=4, shift=shift)
         assert_decoding_matches_full_pass(pe, 14, (0, 5, 13), causal=True)
+
+    def test_query_scaling_is_one_at_negative_positions(self):
+        # max(1, log(t + 1) / log(L)) was log1p of t <= -1: NaN logits for queries at negative positions
+        rope = RotaryPositionalEmbedding(8, base=100.0)
+        pe = SelfExtendPositionalEmbedding(rope, 2, 3, log_scaling_length=4).double()
+        q, k = torch.randn(2, 3, 7, 8, dtype=torch.float64), torch.randn(2, 3, 7, 8, dtype=torch.float64)
+        positions = torch.tensor([-12, -7, -4, -2, -1, 0, 9])
+        want = self_extend_oracle(q, k, positions.tolist(), positions.tolist(), 2, 3, 100.0, 2, 4)
+        got = pe.forward_attn(q, k, positions, positions)
+        assert torch.equal(got.isinf(), want.isinf()) and not got.isnan().any()
+        torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
+
+    def test_a_dynamic_rope_fixed_at_a_length_is_wrapped(self):
+        # at_length fixes dynamic / longrope frequencies: one spectrum for every rule, so it is no longer refused
+        rope = RotaryPositionalEmbedding(DH, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                      "original_max_position_embeddings": 8}).at_length(40)
+        q, k, v = qkv(20, 20, dtype=torch.float64)
+        got = attention(q, k, v, SelfExtendPositionalEmbedding(rope, group_size=1, window=3), causal=True)
+        torch.testing.assert_close(got, attention(q, k, v, rope, causal=True), rtol=1e-12, atol=1e-12)
+        got = attention(q, k, v, DualChunkPositionalEmbedding(rope, chunk_size=30, local_size=2), causal=True)
+        torch.testing.assert_close(got, attention(q, k, v, rope, causal=True), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=r"SelfExtendPositionalEmbedding: rope must have length-independent "
+                                             r"frequencies, .* fix it with rope.at_length\(length\)"):
+            SelfExtendPositionalEmbedding(RotaryPositionalEmbedding(DH, scaling={
+                "rope_type": "longrope", "short_factor": [1.0] * (DH // 2), "long_factor": [2.0] * (DH // 2),
+                "original_max_position_embeddings": 8, "max_position_embeddings": 32}))
 
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
@@ -12726,6 +12762,17 @@ class TestDualChunk:
     def test_decoding_with_raw_keys_matches_the_full_pass(self):
         pe = DualChunkPositionalEmbedding(RotaryPositionalEmbedding(DH), chunk_size=5, local_size=2)
         assert_decoding_matches_full_pass(pe, 16, (0, 4, 9, 15), causal=True)
+
+    def test_length_scaling_is_one_below_position_zero(self):
+        # N = the largest key position + 1 <= 0 was the log of a non-positive number: NaN logits, not m = 1
+        rope = RotaryPositionalEmbedding(DH)
+        plain = DualChunkPositionalEmbedding(rope, chunk_size=6, local_size=2)
+        scaled = DualChunkPositionalEmbedding(rope, 6, 2, scaling_length=8)
+        q, k = torch.randn(1, H, 10, DH, dtype=torch.float64), torch.randn(1, H, 10, DH, dtype=torch.float64)
+        for shift in (-30, -11, -10):                                                   # N = -20, -1, 0
+            positions = torch.arange(10) + shift
+            got = scaled.forward_attn(q, k, positions, positions)
+            assert torch.equal(got, plain.forward_attn(q, k, positions, positions))
 
     def test_bad_input_is_named(self):
         rope = RotaryPositionalEmbedding(DH)
@@ -13233,6 +13280,48 @@ class TestRandomized:
             attention(*qkv(9, 9), pe)
         with pytest.raises(ValueError, match="RandomizedPositionalEmbedding: offset=2 in training mode"):
             RandomizedPositionalEmbedding(SinusoidalPositionalEmbedding(D), 64)(torch.randn(1, 4, D), offset=2)
+
+    def test_wrapping_itself_is_refused(self):
+        # a RandomizedPositionalEmbedding of one recursed without end in attention() (RecursionError)
+        inner = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
+        with pytest.raises(ValueError, match=r"^RandomizedPositionalEmbedding: encoding must not be a "
+                                             r"RandomizedPositionalEmbedding itself \(one draw serves a call; wrap "
+                                             r"its .encoding instead\), got RandomizedPositionalEmbedding\(max_len=64\)$"):
+            RandomizedPositionalEmbedding(inner, 64)
+
+    def test_max_len_within_the_wrapped_table(self):
+        # draws past a table's rows failed at random steps of training; now at construction
+        for make, name in ((lambda: LearnedPositionalEmbedding(20, D), "LearnedPositionalEmbedding"),
+                           (lambda: UnifiedPositionalEmbedding(20, H, DH), "UnifiedPositionalEmbedding")):
+            with pytest.raises(ValueError, match=rf"^RandomizedPositionalEmbedding: max_len must be at most the "
+                                                 rf"wrapped {name}'s max_len=20 \(positions are drawn from \[0, "
+                                                 rf"max_len\) and index its table\), got max_len=21$"):
+                RandomizedPositionalEmbedding(make(), 21)
+        inner = LearnedPositionalEmbedding(20, D)
+        pe = RandomizedPositionalEmbedding(inner, 20, generator=seeded(7))             # the whole table: accepted
+        x = torch.randn(B, 12, D)
+        torch.testing.assert_close(pe(x), inner(x, randomized_positions(12, 20, generator=seeded(7))), rtol=0, atol=0)
+
+    def test_encodings_without_positions_are_named_plainly(self):
+        # the message read "its order comes from order comes from the forget gates ..."
+        with pytest.raises(ValueError, match=r"^RandomizedPositionalEmbedding: encoding must take positions, got "
+                                             r"ForgettingPositionalEmbedding, which takes none \(order comes from the "
+                                             r"forget gates of the bound tokens\)$"):
+            RandomizedPositionalEmbedding(ForgettingPositionalEmbedding(D, H), 64)
+        with pytest.raises(ValueError, match=r"^RandomizedPositionalEmbedding: encoding must take positions, got "
+                                             r"CoPEPositionalEmbedding, which takes none \(contextual positions are "
+                                             r"counted by the gates\)$"):
+            RandomizedPositionalEmbedding(CoPEPositionalEmbedding(H, DH), 64)
+
+    def test_forward_of_a_qk_encoding_needs_q_and_k(self):
+        # pe(q), as for a plain RoPE, was a bare "forward_attn() missing 1 required positional argument: 'k'"
+        pe = RandomizedPositionalEmbedding(RotaryPositionalEmbedding(DH), 64)
+        q, k, _ = qkv()
+        with pytest.raises(TypeError, match=r"^RandomizedPositionalEmbedding: forward of a wrapped 'qk' encoding "
+                                            r"takes q and k .*got 1 positional argument\(s\); to encode q alone, draw "
+                                            r"once, p = pe.draw\(n\), and call pe.encoding\(q, p\)$"):
+            pe(q)
+        assert pe(q, k).shape == (B, H, N, N) and pe(q, k=k).shape == (B, H, N, N)
 
     def test_training_compiles_fullgraph_dynamic_as_documented(self):
         """torch.compile(fullgraph=True, dynamic=True) in training (the docstring's seeded generator failed to
