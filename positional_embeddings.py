@@ -9120,6 +9120,7 @@ class ReRoPEPositionalEmbedding(_RotaryPieces):
         self.dim = _even_int(type(self).__name__, "dim", _one_of(type(self).__name__, "dim", dim, "head_dim", head_dim))
         self.window, self.base, self.interleaved = window, base, interleaved
         self.leak, self.log_scaling_length = leak, log_scaling_length
+        self.translation_invariant = log_scaling_length is None   # the query scaling reads the query's own position
         self.rope = RotaryPositionalEmbedding(self.dim, base=base, interleaved=interleaved)
 
     def pieces(self, pos_q, pos_k):

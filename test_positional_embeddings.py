@@ -12561,6 +12561,16 @@ class TestReRoPE:
         assert torch.equal(got.isinf(), want.isinf()) and not got.isnan().any()
         torch.testing.assert_close(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), rtol=1e-12, atol=1e-12)
 
+    def test_translation_invariant_only_without_query_scaling(self):
+        # the flag says what a shift of every position does to the logits, measured here both ways
+        q, k = torch.randn(2, 3, 6, 8, dtype=torch.float64), torch.randn(2, 3, 6, 8, dtype=torch.float64)
+        positions = torch.arange(6)
+        for scaling in (None, 4):
+            pe = ReRoPEPositionalEmbedding(8, window=3, log_scaling_length=scaling).double()
+            moved = pe.forward_attn(q, k, positions + 50, positions + 50)
+            invariant = torch.allclose(pe.forward_attn(q, k, positions, positions), moved, rtol=0, atol=1e-9)
+            assert pe.translation_invariant is invariant is (scaling is None)
+
     def test_bad_input_is_named(self):
         with pytest.raises(ValueError, match="ReRoPEPositionalEmbedding: leak"):
             ReRoPEPositionalEmbedding(DH, window=4, leak=1.0)
