@@ -9695,16 +9695,19 @@ def _check_position_taking(owner: str, name: str, encoding) -> PositionalEmbeddi
 
 def _check_randomized_encoding(owner: str, arguments: dict) -> None:
     """The wrapped encoding of ``RandomizedPositionalEmbedding``: not another such wrapper (one draw per call),
-    and, where it reads a table of ``max_len`` rows (learned, Abacus, TUPE), every drawn position within it
-    (a draw past it would fail at random steps of training)."""
+    and, where it reads a table of ``max_len`` rows (learned, Abacus, TUPE) or the ``num_tokens`` tokens of a window
+    (Swin's and the continuous window biases), every drawn position within it (a draw past it would fail at
+    random steps of training)."""
     encoding, max_len = arguments["encoding"], arguments["max_len"]
     if isinstance(encoding, RandomizedPositionalEmbedding):
         raise ValueError(f"{owner}: encoding must not be a {type(encoding).__name__} itself (one draw serves a "
                          f"call; wrap its .encoding instead), got {type(encoding).__name__}(max_len={encoding.max_len})")
-    rows = getattr(encoding, "max_len", None)
-    if isinstance(rows, int) and max_len > rows:
-        raise ValueError(f"{owner}: max_len must be at most the wrapped {type(encoding).__name__}'s max_len={rows} "
-                         f"(positions are drawn from [0, max_len) and index its table), got max_len={max_len}")
+    for bound in ("max_len", "num_tokens"):
+        rows = getattr(encoding, bound, None)
+        if isinstance(rows, int) and max_len > rows:
+            raise ValueError(f"{owner}: max_len must be at most the wrapped {type(encoding).__name__}'s {bound}={rows} "
+                             f"(positions are drawn from [0, max_len) and index its "
+                             f"{'table' if bound == 'max_len' else 'window'}), got max_len={max_len}")
 
 
 def _on_drawn_positions(name: str):

@@ -13307,6 +13307,12 @@ class TestRandomized:
                                                  rf"wrapped {name}'s max_len=20 \(positions are drawn from \[0, "
                                                  rf"max_len\) and index its table\), got max_len=21$"):
                 RandomizedPositionalEmbedding(make(), 21)
+        for window in (RelativePositionBias2D(H, window_size=(3, 4)), ContinuousPositionBias(H, window_size=(3, 4))):
+            with pytest.raises(ValueError, match=rf"^RandomizedPositionalEmbedding: max_len must be at most the "
+                                                 rf"wrapped {type(window).__name__}'s num_tokens=12 \(positions are "
+                                                 rf"drawn from \[0, max_len\) and index its window\), got max_len=13$"):
+                RandomizedPositionalEmbedding(window, 13)
+            RandomizedPositionalEmbedding(window, 12)                                   # the whole window: accepted
         inner = LearnedPositionalEmbedding(20, D)
         pe = RandomizedPositionalEmbedding(inner, 20, generator=seeded(7))             # the whole table: accepted
         x = torch.randn(B, 12, D)
