@@ -574,6 +574,7 @@ def _check_positions(
 
 
 _LARGEST_POSITION = 2**62 - 1
+_INT64_MAX = 2**63 - 1
 
 
 def _in_base_form(positions, n: int, num_axes: int, device) -> bool:
@@ -6554,7 +6555,8 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
     if not isinstance(relative_position, Tensor) or relative_position.is_floating_point() \
             or relative_position.is_complex() or relative_position.dtype == torch.bool:
         raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
-    relative_position = relative_position.long()
+    # -2**63 has no int64 magnitude (abs and negation wrap to itself): -(2**63 - 1) shares its bucket
+    relative_position = relative_position.long().clamp(min=-_INT64_MAX)
     buckets = torch.zeros_like(relative_position, dtype=torch.long)
     if bidirectional:
         num_buckets //= 2
@@ -8752,13 +8754,17 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
             or relative_position.is_complex() or relative_position.dtype == torch.bool:
         raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
     mid = position_buckets // 2
+    # int64 whatever the integer dtype (a uint8 cannot hold mid - 1 = 511, an int8's -128 has no magnitude);
+    # -2**63 has none in int64 either: -(2**63 - 1) shares its bucket
+    relative_position = relative_position.long().clamp(min=-_INT64_MAX)
     sign = torch.sign(relative_position)
     near = (relative_position < mid) & (relative_position > -mid)
     abs_pos = torch.where(near, torch.full_like(relative_position, mid - 1), relative_position.abs())
     denominator = torch.log(torch.tensor((max_relative_positions - 1) / mid, dtype=torch.float32,
                                          device=relative_position.device))
     log_pos = torch.ceil(torch.log(abs_pos.to(torch.float32) / mid) / denominator * (mid - 1)) + mid
-    return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
+    # near distances keep their exact value (the reference's float32 round trip is exact only below 2**24)
+    return torch.where(abs_pos <= mid, relative_position, (log_pos * sign).long())
 
 
 def _check_deberta_buckets(owner: str, arguments: dict) -> None:

@@ -9816,6 +9816,15 @@ class TestT5:
         want = [t5_bucket_oracle(int(r), bidirectional, num_buckets, max_distance) for r in rp]
         assert got.tolist() == want
 
+    def test_integer_extremes_land_in_the_last_bucket(self):
+        """-2**63 has no int64 magnitude: it got bucket -2**63 (bidirectional) and 0 (causal) before."""
+        for dtype in (torch.int64, torch.int32, torch.int8):
+            info = torch.iinfo(dtype)
+            rp = torch.tensor([info.min, info.min + 1, info.max, -5, 5], dtype=dtype)
+            for bidirectional in (True, False):
+                got = pe_lib.t5_relative_position_bucket(rp, bidirectional=bidirectional)
+                assert got.tolist() == [t5_bucket_oracle(r, bidirectional) for r in rp.tolist()]
+
     @pytest.mark.parametrize("bidirectional", [True, False])
     def test_bias_matches_loop_oracle(self, bidirectional):
         t5 = T5PositionalEmbedding(3, num_buckets=16, max_distance=20, bidirectional=bidirectional)
@@ -12197,6 +12206,19 @@ class TestDeberta:
             want = make_log_bucket_position(distances, buckets, max_position).long()
             assert torch.equal(deberta_log_bucket(distances, position_buckets=buckets,
                                                   max_relative_positions=max_position), want)
+
+    def test_integer_extremes_and_narrow_dtypes(self):
+        """abs(-2**63) wrapped (and int8's -128): the distance came back unbucketed; a uint8 cannot hold
+        mid - 1 (a raw RuntimeError); near distances past 2**24 lost their value in float32."""
+        for dtype, buckets, max_position in ((torch.int64, 256, 512), (torch.int32, 256, 512), (torch.int8, 64, 128),
+                                             (torch.uint8, 1024, 2048)):
+            info = torch.iinfo(dtype)
+            d = torch.tensor([x for x in (info.min, info.min + 1, -5, 0, 5, info.max) if x >= info.min], dtype=dtype)
+            got = deberta_log_bucket(d, position_buckets=buckets, max_relative_positions=max_position)
+            assert got.tolist() == [deberta_bucket_oracle(x, buckets, max_position) for x in d.tolist()], dtype
+        near = torch.tensor([2**25 + 1, -(2**25 + 1)])
+        assert deberta_log_bucket(near, position_buckets=2**27, max_relative_positions=2**28).tolist() == \
+            near.tolist()
 
     @pytest.mark.parametrize("nq, nk", [(6, 6), (3, 9)])
     @pytest.mark.parametrize("options", [dict(position_buckets=4, max_relative_positions=7),
