@@ -4346,7 +4346,7 @@ def _grid_rows(owner: str, name: str, grids: Optional[Tensor]) -> list:
     if grids is None:
         return []
     if not isinstance(grids, Tensor) or grids.dim() != 2 or grids.shape[-1] != 3 or grids.is_floating_point() \
-            or (grids < 1).any():
+            or grids.is_complex() or grids.dtype == torch.bool or (grids < 1).any():
         raise ValueError(f"{owner}: {name} must be a [M, 3] integer tensor of positive (t, h, w), "
                          f"got {_describe(grids)}")
     return [tuple(row) for row in grids.tolist()]
@@ -4398,8 +4398,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
 
     Args:
         token_types (Tensor): ``[B, N]`` integers in {0, 1, 2}.
-        image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging.
-        attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens (left or right padding).
+        image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging (``h``
+            and ``w`` multiples of ``m``).
+        attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens and 0 for padding (left or
+            right); any other value (an additive mask's ``-inf``) is a ValueError.
         model (str, optional): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``,
             ``"qwen2_5_omni"`` or ``"qwen3_omni"``. Default: the config's, else ``"qwen2_vl"``.
         spatial_merge_size (int, optional): ``m``. Default: the config's, else 2 (every model's).
@@ -4432,14 +4434,25 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     model, merge, tokens_per_second = stated["model"] or "qwen2_vl", stated["spatial_merge_size"] or 2, \
         stated["tokens_per_second"]
     layout = _MULTIMODAL_LAYOUTS[model]
+    for name, value in (("token_types", token_types), ("image_grid_thw", image_grid_thw),
+                        ("video_grid_thw", video_grid_thw), ("attention_mask", attention_mask)):
+        if isinstance(value, Tensor) and value.is_meta:
+            raise ValueError(f"{owner}: {name} must hold values (the positions are built from them), "
+                             f"got {_describe(value)} on the meta device")
     if not isinstance(token_types, Tensor) or token_types.dim() != 2 or token_types.is_floating_point() \
+            or token_types.is_complex() or token_types.dtype == torch.bool \
             or not ((token_types >= 0) & (token_types <= 2)).all():
         raise ValueError(f"{owner}: token_types must be a [B, N] integer tensor of 0 (text), 1 (image) and "
                          f"2 (video), got {_describe(token_types)}")
-    real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if real.shape != token_types.shape:
-        raise ValueError(f"{owner}: attention_mask must have token_types' shape {tuple(token_types.shape)}, "
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.is_complex()
+                                       or attention_mask.shape != token_types.shape):
+        raise ValueError(f"{owner}: attention_mask must be a tensor of token_types' shape {tuple(token_types.shape)}, "
                          f"got {_describe(attention_mask)}")
+    # 1 and 0 only: an additive mask (0 real, -inf padded) would read exactly inverted
+    if attention_mask is not None and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError(f"{owner}: attention_mask must hold 1 (real token) and 0 (padding), got the values "
+                         f"{attention_mask.unique()[:4].tolist()}")
+    real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if not layout.time_scale and (tokens_per_second is not None or video_seconds is not None):
         raise ValueError(f"{owner}: model={model!r} has no video timing (a frame's time index is its number); "
                          f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
@@ -4453,6 +4466,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         seconds = [_non_negative_float(owner, f"video_seconds[{i}]", s) for i, s in enumerate(listed)]
     if len(seconds) != len(videos):
         raise ValueError(f"{owner}: video_seconds must have one entry per video ({len(videos)}), got {len(seconds)}")
+    for name, rows in (("image_grid_thw", images), ("video_grid_thw", videos)):
+        if any(h % merge or w % merge for _, h, w in rows):   # the vision tower merges m x m patches
+            raise ValueError(f"{owner}: {name} must have h and w divisible by spatial_merge_size={merge}, got "
+                             f"{[row for row in rows if row[1] % merge or row[2] % merge][:3]}")
     scale = layout.time_scale if tokens_per_second is None else tokens_per_second
     # the time step of each grid, computed in float32 in the models' order of operations
     grids = {1: [(grid, (scale if layout.image_timed else 1.0, 1.0)) for grid in images],
@@ -4493,6 +4510,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     if leftover:
         raise ValueError(f"{owner}: more {' and '.join('image' if k == 1 else 'video' for k in leftover)} grids "
                          f"than runs of their tokens in token_types")
+    if positions.numel() and not positions.abs().max() <= _LARGEST_POSITION:   # NaN fails too (inf * 0 s)
+        raise ValueError(f"{owner}: the video time ids (tokens_per_second x video_seconds x frame) must stay "
+                         f"within 2**62 - 1, got a position of {positions.abs().max().item()} with "
+                         f"tokens_per_second={scale!r}, video_seconds={seconds[:4]}")
     dtype = torch.float64 if layout.fractional else torch.int64
     return positions.to(dtype), torch.tensor(deltas, dtype=dtype).unsqueeze(-1)
 

@@ -8251,7 +8251,7 @@ class TestMultimodalPositionIds:
             assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
             tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
             torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
-        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
+        with pytest.raises(ValueError, match="divisible by spatial_merge_size=2"):          # merge 2: grids of 3s
             multimodal_position_ids(types, **inputs, model=model)
         if tokens_per_second:                                                                # the default timing
             default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
@@ -8346,6 +8346,37 @@ class TestMultimodalPositionIds:
         with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
             multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
                                     model="qwen2_5_vl", video_seconds=[1.0, 2.0])
+
+    def test_bad_dtypes_masks_grids_and_overflow_are_named(self):
+        """Before: bool token_types / grids passed as 0 and 1, complex ones and a meta tensor raised deep in
+        torch, a grid not divisible by the merge size was floored silently, an additive mask (0 real, -inf
+        padded) read inverted, a list mask raised AttributeError, and huge video timing overflowed int64
+        (a raw RuntimeError) or gave NaN positions (Qwen3-Omni)."""
+        owner = "multimodal_position_ids: "
+        types, grid = torch.tensor([[0, 0, 1, 1, 1, 1, 0]]), torch.tensor([[1, 4, 4]])
+        for bad in (types.bool(), types.to(torch.complex64)):
+            with pytest.raises(ValueError, match=owner + r"token_types must be a \[B, N\] integer tensor"):
+                multimodal_position_ids(bad, grid)
+        for bad in (grid.bool(), grid.to(torch.complex64)):
+            with pytest.raises(ValueError, match=owner + r"image_grid_thw must be a \[M, 3\] integer tensor"):
+                multimodal_position_ids(types, bad)
+        with pytest.raises(ValueError, match=owner + "token_types must hold values .* on the meta device"):
+            multimodal_position_ids(types.to("meta"), grid)
+        with pytest.raises(ValueError, match=owner + r"image_grid_thw must have h and w divisible by "
+                                                     r"spatial_merge_size=2, got \[\(1, 5, 4\)\]"):
+            multimodal_position_ids(types, torch.tensor([[1, 5, 4]]))             # 5 // 2 = 2 gave 4 tokens
+        additive = torch.tensor([[-float("inf")] + [0.0] * 6])
+        with pytest.raises(ValueError, match=owner + r"attention_mask must hold 1 \(real token\) and 0 \(padding\), "
+                                                     r"got the values \[-inf, 0.0\]"):
+            multimodal_position_ids(types, grid, attention_mask=additive)
+        with pytest.raises(ValueError, match=owner + r"attention_mask must be a tensor of token_types' shape"):
+            multimodal_position_ids(types, grid, attention_mask=[[1] * 7])
+        video, video_grid = torch.tensor([[0] + [2] * 8 + [0]]), torch.tensor([[2, 4, 4]])
+        for model, scale in (("qwen2_5_vl", 1e30), ("qwen2_5_vl", 1e300), ("qwen3_omni", 1e300)):
+            with pytest.raises(ValueError, match=owner + r"the video time ids .* must stay within 2\*\*62 - 1"):
+                multimodal_position_ids(video, None, video_grid, model=model, tokens_per_second=scale)
+        positions, _ = multimodal_position_ids(types, grid, attention_mask=torch.tensor([[False] + [True] * 6]))
+        assert positions[0, :, 0].tolist() == [0, 0, 1, 1, 1, 1, 3]                     # a bool mask still reads
 
 
 # ---------------------------------------------------------------------------
