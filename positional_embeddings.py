@@ -10522,22 +10522,22 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     text = _text_config(owner, config)
     model_type = _model_type(config, text)
     layers = _config_get(text, "num_hidden_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got {layers!r}")
+    if layers is None:
+        raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got None")
+    layers = _check_positive_int(owner, "num_hidden_layers", layers)
     if model_type in _MISTRAL_LARGE4_MODELS:
         rope = _mistral_large4_rope(owner, config, text, rope_alpha)
-        flags = _config_get(text, "no_rope_layers") or [1] * layers
+        flags = _layer_flags(owner, _config_get(text, "no_rope_layers") or [1] * layers, layers)
         return [rope if flags[i] else NoPositionalEmbedding() for i in range(layers)]
     if rope_alpha is not None:
         raise ValueError(f"{owner}: rope_alpha is Mistral Large 4's learned frequency factor; model_type="
-                         f"{model_type!r} has none, got a tensor of shape {_describe(rope_alpha)}")
+                         f"{model_type!r} has none, got {_describe(rope_alpha)}")
     if model_type in _NO_ROPE_LAYER_MODELS:
         flags = _config_get(text, "no_rope_layers")
-        if not flags:
+        if flags is None or (isinstance(flags, (list, tuple)) and not flags):
             interval = _as_int(owner, "no_rope_layer_interval", _config_get(text, "no_rope_layer_interval", 4))
             flags = [int((i + 1) % interval != 0) for i in range(layers)]
-        if len(flags) < layers:
-            raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
+        flags = _layer_flags(owner, flags, layers)
         rope = RotaryPositionalEmbedding.from_config(config)
         nope = NoPositionalEmbedding()
         if model_type.startswith("llama4") and _config_get(text, "attn_temperature_tuning", True):
@@ -10550,10 +10550,24 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     if types and _per_layer_type(params):
         if model_type == "deepseek_v4":
             types = ["main" if kind == "sliding_attention" else "compress" for kind in types]
+        types = _as_list(owner, "layer_types", types)
+        if len(types) != layers:   # transformers' configs check it too
+            raise ValueError(f"{owner}: layer_types must have num_hidden_layers={layers} entries, got {len(types)}")
         built = {kind: RotaryPositionalEmbedding.from_config(config, layer_type=kind) for kind in set(types)}
-        return [built[kind] for kind in list(types)[:layers]]
+        return [built[kind] for kind in types]
     rope = RotaryPositionalEmbedding.from_config(config)
     return [rope] * layers
+
+
+def _layer_flags(owner: str, flags, layers: int) -> list:
+    """``no_rope_layers``: one 1 (RoPE) or 0 (NoPE) per layer (a string "0" is no 0, and a list of another
+    length belongs to another depth)."""
+    flags = _as_list(owner, "no_rope_layers", flags)
+    if len(flags) != layers:
+        raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
+    if not all(_is_bool(flag) or (isinstance(flag, numbers.Integral) and flag in (0, 1)) for flag in flags):
+        raise ValueError(f"{owner}: no_rope_layers must hold 1 (RoPE) and 0 (NoPE), got {_describe(flags)}")
+    return flags
 
 
 def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositionalEmbedding":
@@ -10562,11 +10576,17 @@ def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositio
     if not isinstance(rope_alpha, Tensor) or not rope_alpha.is_floating_point() or rope_alpha.dim() != 1:
         raise TypeError(f"{owner}: Mistral Large 4 needs rope_alpha, the checkpoint's learned frequency factor "
                         f"(model.rotary_emb.alpha, a float tensor [qk_rope_head_dim / 2]), got {_describe(rope_alpha)}")
+    if rope_alpha.is_meta:
+        raise ValueError(f"{owner}: rope_alpha must hold the checkpoint's values, got {_describe(rope_alpha)} on the "
+                         f"meta device")
     spectrum = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, interleaved=True, spectrum_only=True))
     if spectrum.attention_factor != 1.0 or rope_alpha.shape[0] != spectrum.rotary_dim // 2:
         raise ValueError(f"{owner}: rope_alpha must have qk_rope_head_dim / 2 = {spectrum.rotary_dim // 2} entries "
                          f"for an attention factor of 1 (got {spectrum.attention_factor}), got {_describe(rope_alpha)}")
     frequencies = spectrum.inv_freq.cpu() * rope_alpha.detach().cpu().double().exp()
+    if not torch.isfinite(frequencies).all():   # named here, not as the frequencies the user never passed
+        raise ValueError(f"{owner}: rope_alpha must be finite with exp(rope_alpha) times the config's frequencies "
+                         f"finite, got rope_alpha in [{rope_alpha.min().item()}, {rope_alpha.max().item()}]")
     head_dim = int(_config_get(text, "qk_nope_head_dim")) + spectrum.rotary_dim
     return RotaryPositionalEmbedding(head_dim, rotary_dim=spectrum.rotary_dim, interleaved=True,
                                      rotated_channels="trailing", frequencies=frequencies)

@@ -13490,6 +13490,39 @@ class TestLayerEncodings:
         assert layer_encodings(large4, rope_alpha=torch.zeros(8))[1].frequencies == \
             RotaryPositionalEmbedding(16).inv_freq.tolist()                              # alpha 0: plain RoPE
 
+    def test_per_layer_lists_of_another_length_or_kind_are_refused(self):
+        """Before: layer_types of 2 for 4 layers gave 2 encodings (6 were cut to 4), Mistral Large 4's short
+        no_rope_layers raised IndexError, "0" read as a RoPE layer, a non-finite rope_alpha was blamed on
+        RotaryPositionalEmbedding's frequencies (never passed) and a meta one raised deep in torch."""
+        owner, numpy = "layer_encodings: ", pytest.importorskip("numpy")
+        gemma = {"model_type": "gemma3_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                 "head_dim": 16, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+        for count in (2, 6):
+            with pytest.raises(ValueError, match=owner + f"layer_types must have num_hidden_layers=4 entries, "
+                                                         f"got {count}"):
+                layer_encodings({**gemma, "layer_types": ["sliding_attention", "full_attention"] * (count // 2)})
+        built = layer_encodings({**gemma, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+        assert [pe.base for pe in built] == [1e4] * 3 + [1e6]
+        large4 = {"model_type": "mistral_large4_text", "num_hidden_layers": 3, "head_dim": 16, "qk_rope_head_dim": 16,
+                  "qk_nope_head_dim": 16, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=owner + "no_rope_layers must have num_hidden_layers=3 entries, got 2"):
+            layer_encodings({**large4, "no_rope_layers": [1, 0]}, rope_alpha=torch.zeros(8))
+        smol = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+                "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=owner + "no_rope_layers must have num_hidden_layers=3 entries, got 4"):
+            layer_encodings({**smol, "no_rope_layers": [1, 0, 1, 0]})
+        with pytest.raises(ValueError, match=owner + r"no_rope_layers must hold 1 \(RoPE\) and 0 \(NoPE\)"):
+            layer_encodings({**smol, "no_rope_layers": ["1", "0", "0"]})
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in
+                layer_encodings({**smol, "num_hidden_layers": numpy.int64(3), "no_rope_layers": [True, False, 1]})] \
+            == [False, True, False]
+        for bad in (float("nan"), 1000.0):                                   # exp(1000) overflows
+            with pytest.raises(ValueError, match=owner + "rope_alpha must be finite"):
+                layer_encodings(large4, rope_alpha=torch.full((8,), bad))
+        with pytest.raises(ValueError, match=owner + "rope_alpha must hold the checkpoint's values.*meta device"):
+            layer_encodings(large4, rope_alpha=torch.zeros(8, device="meta"))
+
 
 # ---------------------------------------------------------------------------
 # torch.export with a dynamic sequence length: one program, checked at two other lengths
