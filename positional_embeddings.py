@@ -575,6 +575,7 @@ def _check_positions(
 
 _LARGEST_POSITION = 2**62 - 1
 _INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _in_base_form(positions, n: int, num_axes: int, device) -> bool:
@@ -2193,6 +2194,8 @@ def _digit_ids(owner: str, name: str, value) -> tuple:
         ids = ()
     if not ids:
         raise TypeError(f"{owner}: {name} must be a non-empty sequence of ints, got {_describe(value)}")
+    if not all(-_INT64_MAX - 1 <= i <= _INT64_MAX for i in ids):
+        raise ValueError(f"{owner}: {name} must be token ids within int64, got {_describe(value)}")
     return ids
 
 
@@ -2223,9 +2226,11 @@ def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start"
     """
     owner = "digit_positions"
     if not isinstance(token_ids, Tensor) or token_ids.is_floating_point() or token_ids.is_complex() \
-            or token_ids.dtype == torch.bool or token_ids.dim() < 1:
+            or token_ids.dtype == torch.bool:
         raise TypeError(f"{owner}: token_ids must be an integer tensor [..., N], got "
                         f"{token_ids.dtype if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
+    if token_ids.dim() < 1:
+        raise ValueError(f"{owner}: token_ids must have shape [..., N], got shape {tuple(token_ids.shape)}")
     _check_choice(owner, "count_from", count_from, ("start", "end"))
     digits = torch.tensor(_digit_ids(owner, "digit_ids", digit_ids), device=token_ids.device)
     is_digit = torch.isin(token_ids, digits)                                                # [..., N]
@@ -3487,8 +3492,9 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     if not isinstance(weight, Tensor):
         raise TypeError(f"{owner}: weight must be a torch.Tensor (wrap a numpy array in torch.from_numpy), "
                         f"got {type(weight).__name__} {_describe(weight)}")
-    if weight.dim() < 1:
-        raise ValueError(f"{owner}: weight must be [heads * head_dim, ...], got {_describe(weight)}")
+    if weight.dim() not in (1, 2):   # a stacked [L, ...] or [heads, head_dim, in] would move its first dim's rows
+        raise ValueError(f"{owner}: weight must be a weight [heads * head_dim, in] or a bias [heads * head_dim], "
+                         f"got {_describe(weight)}")
     head_dim = _check_positive_int(owner, "head_dim", head_dim)
     rotary_dim = head_dim if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
     _check_choice(owner, "to", to, ("half_split", "interleaved"))
@@ -5486,8 +5492,9 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     owner = "augment_positions"
     num_axes = _check_positive_int(owner, "num_axes", num_axes)
     shift, local_shift, jitter, rescale = (
-        None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low in
-        (("shift", shift, 0.0), ("local_shift", local_shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
+        None if value is None else _as_float(owner, name, value, minimum=low, maximum=high) for name, value, low, high in
+        (("shift", shift, 0.0, _FLOAT32_MAX), ("local_shift", local_shift, 0.0, _FLOAT32_MAX),   # drawn in float32
+         ("jitter", jitter, 1.0, None), ("rescale", rescale, 1.0, None)))
     _check_generator(owner, generator)
     _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
     if num_axes > 1 and positions.shape[-1] != num_axes:

@@ -3264,6 +3264,16 @@ class TestAbacus:
         assert got.tolist() == want and got.dtype == torch.int64
         assert digit_positions(tokens[0], torch.arange(10), count_from=count_from).tolist() == want[0]
 
+    def test_digit_positions_bad_shapes_and_ids(self):
+        """A 0-d token tensor was a TypeError saying only "got torch.int64"; an id past int64 raised torch's
+        "Overflow when unpacking long long" without the function's name."""
+        with pytest.raises(ValueError, match=r"^digit_positions: token_ids must have shape \[\.\.\., N\], got shape \(\)"):
+            digit_positions(torch.tensor(3), range(10))
+        with pytest.raises(ValueError, match=r"^digit_positions: digit_ids must be token ids within int64"):
+            digit_positions(torch.tensor([3]), [3, 2**70])
+        extremes = torch.tensor([2**63 - 1, -2**63, 5, 2**63 - 1])
+        assert digit_positions(extremes, [2**63 - 1, -2**63]).tolist() == [1, 2, 0, 1]
+
     def test_position_coupling_aligns_significance(self):
         # "0653+0049=0702", most significant digit first: digits of equal significance share a place
         plus, equals = 10, 11
@@ -5169,6 +5179,13 @@ class TestRotary:
         numpy = pytest.importorskip("numpy")
         with pytest.raises(TypeError, match="^permute_rotary_weight: weight must be a torch.Tensor .*got ndarray"):
             permute_rotary_weight(numpy.zeros((8, 2)), 4, to="half_split")
+
+    def test_permute_rotary_weight_rejects_more_than_two_dims(self):
+        """A stacked [layers, heads * head_dim, in] (or [heads, head_dim, in]) whose first size divides by
+        head_dim had its first dim permuted silently: the layers (heads) moved, not the rows."""
+        with pytest.raises(ValueError, match=r"^permute_rotary_weight: weight must be a weight \[heads \* head_dim, "
+                                             r"in\] or a bias \[heads \* head_dim\], got a tensor of shape \[8, 16, 3\]"):
+            permute_rotary_weight(torch.zeros(8, 16, 3), 8, to="half_split")
 
     def test_attention_rejects_rotary_built_for_another_head_dim(self):
         """The one-argument swap of the issue: RotaryPositionalEmbedding(4) (a head count) on head dim 32."""
@@ -9357,6 +9374,15 @@ class TestAugmentPositions:
             augment_positions(torch.zeros(4, 3), num_axes=2)
         with pytest.raises(TypeError, match="augment_positions: positions must be a torch.Tensor, got list"):
             augment_positions([1.0, 2.0])
+
+    def test_shift_bounds_past_float32_are_named(self):
+        """The draws are float32: a bound past its range raised torch's "from is out of bounds for float"."""
+        for name in ("shift", "local_shift"):
+            with pytest.raises(ValueError, match=rf"^augment_positions: {name} must be a finite number >= 0.0 and "
+                                                 rf"<= 3.4028234663852886e\+38, got {name}=1e\+39"):
+                augment_positions(torch.arange(3.0), **{name: 1e39})
+        with pytest.raises(ValueError, match=r"^rope_coordinates: shift must be a finite number >= 0.0 and <= "):
+            rope_coordinates((2, 2), shift=1e300)
 
 
 # ---------------------------------------------------------------------------
