@@ -5492,9 +5492,12 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     owner = "augment_positions"
     num_axes = _check_positive_int(owner, "num_axes", num_axes)
     shift, local_shift, jitter, rescale = (
-        None if value is None else _as_float(owner, name, value, minimum=low, maximum=high) for name, value, low, high in
-        (("shift", shift, 0.0, _FLOAT32_MAX), ("local_shift", local_shift, 0.0, _FLOAT32_MAX),   # drawn in float32
-         ("jitter", jitter, 1.0, None), ("rescale", rescale, 1.0, None)))
+        None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low in
+        (("shift", shift, 0.0), ("local_shift", local_shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
+    for name, value in (("shift", shift), ("local_shift", local_shift)):
+        if value is not None and value > _FLOAT32_MAX:   # the draws are float32
+            raise ValueError(f"{owner}: {name} must be at most float32's largest {_FLOAT32_MAX:.7g} (the draws are "
+                             f"float32), got {name}={value!r}")
     _check_generator(owner, generator)
     _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
     if num_axes > 1 and positions.shape[-1] != num_axes:
