@@ -574,6 +574,8 @@ def _check_positions(
 
 
 _LARGEST_POSITION = 2**62 - 1
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _in_base_form(positions, n: int, num_axes: int, device) -> bool:
@@ -2192,6 +2194,8 @@ def _digit_ids(owner: str, name: str, value) -> tuple:
         ids = ()
     if not ids:
         raise TypeError(f"{owner}: {name} must be a non-empty sequence of ints, got {_describe(value)}")
+    if not all(-_INT64_MAX - 1 <= i <= _INT64_MAX for i in ids):
+        raise ValueError(f"{owner}: {name} must be token ids within int64, got {_describe(value)}")
     return ids
 
 
@@ -2222,9 +2226,11 @@ def digit_positions(token_ids: Tensor, digit_ids, *, count_from: Literal["start"
     """
     owner = "digit_positions"
     if not isinstance(token_ids, Tensor) or token_ids.is_floating_point() or token_ids.is_complex() \
-            or token_ids.dtype == torch.bool or token_ids.dim() < 1:
+            or token_ids.dtype == torch.bool:
         raise TypeError(f"{owner}: token_ids must be an integer tensor [..., N], got "
                         f"{token_ids.dtype if isinstance(token_ids, Tensor) else type(token_ids).__name__}")
+    if token_ids.dim() < 1:
+        raise ValueError(f"{owner}: token_ids must have shape [..., N], got shape {tuple(token_ids.shape)}")
     _check_choice(owner, "count_from", count_from, ("start", "end"))
     digits = torch.tensor(_digit_ids(owner, "digit_ids", digit_ids), device=token_ids.device)
     is_digit = torch.isin(token_ids, digits)                                                # [..., N]
@@ -3486,8 +3492,9 @@ def permute_rotary_weight(weight: Tensor, head_dim: int, *, to: Literal["half_sp
     if not isinstance(weight, Tensor):
         raise TypeError(f"{owner}: weight must be a torch.Tensor (wrap a numpy array in torch.from_numpy), "
                         f"got {type(weight).__name__} {_describe(weight)}")
-    if weight.dim() < 1:
-        raise ValueError(f"{owner}: weight must be [heads * head_dim, ...], got {_describe(weight)}")
+    if weight.dim() not in (1, 2):   # a stacked [L, ...] or [heads, head_dim, in] would move its first dim's rows
+        raise ValueError(f"{owner}: weight must be a weight [heads * head_dim, in] or a bias [heads * head_dim], "
+                         f"got {_describe(weight)}")
     head_dim = _check_positive_int(owner, "head_dim", head_dim)
     rotary_dim = head_dim if rotary_dim is None else _check_positive_int(owner, "rotary_dim", rotary_dim)
     _check_choice(owner, "to", to, ("half_split", "interleaved"))
@@ -4345,7 +4352,7 @@ def _grid_rows(owner: str, name: str, grids: Optional[Tensor]) -> list:
     if grids is None:
         return []
     if not isinstance(grids, Tensor) or grids.dim() != 2 or grids.shape[-1] != 3 or grids.is_floating_point() \
-            or (grids < 1).any():
+            or grids.is_complex() or grids.dtype == torch.bool or (grids < 1).any():
         raise ValueError(f"{owner}: {name} must be a [M, 3] integer tensor of positive (t, h, w), "
                          f"got {_describe(grids)}")
     return [tuple(row) for row in grids.tolist()]
@@ -4397,8 +4404,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
 
     Args:
         token_types (Tensor): ``[B, N]`` integers in {0, 1, 2}.
-        image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging.
-        attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens (left or right padding).
+        image_grid_thw, video_grid_thw (Tensor, optional): ``[M, 3]`` grids before merging (``h``
+            and ``w`` multiples of ``m``).
+        attention_mask (Tensor, optional): ``[B, N]``, 1 for real tokens and 0 for padding (left or
+            right); any other value (an additive mask's ``-inf``) is a ValueError.
         model (str, optional): ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"glm4v"``,
             ``"qwen2_5_omni"`` or ``"qwen3_omni"``. Default: the config's, else ``"qwen2_vl"``.
         spatial_merge_size (int, optional): ``m``. Default: the config's, else 2 (every model's).
@@ -4431,14 +4440,25 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     model, merge, tokens_per_second = stated["model"] or "qwen2_vl", stated["spatial_merge_size"] or 2, \
         stated["tokens_per_second"]
     layout = _MULTIMODAL_LAYOUTS[model]
+    for name, value in (("token_types", token_types), ("image_grid_thw", image_grid_thw),
+                        ("video_grid_thw", video_grid_thw), ("attention_mask", attention_mask)):
+        if isinstance(value, Tensor) and value.is_meta:
+            raise ValueError(f"{owner}: {name} must hold values (the positions are built from them), "
+                             f"got {_describe(value)} on the meta device")
     if not isinstance(token_types, Tensor) or token_types.dim() != 2 or token_types.is_floating_point() \
+            or token_types.is_complex() or token_types.dtype == torch.bool \
             or not ((token_types >= 0) & (token_types <= 2)).all():
         raise ValueError(f"{owner}: token_types must be a [B, N] integer tensor of 0 (text), 1 (image) and "
                          f"2 (video), got {_describe(token_types)}")
-    real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    if real.shape != token_types.shape:
-        raise ValueError(f"{owner}: attention_mask must have token_types' shape {tuple(token_types.shape)}, "
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.is_complex()
+                                       or attention_mask.shape != token_types.shape):
+        raise ValueError(f"{owner}: attention_mask must be a tensor of token_types' shape {tuple(token_types.shape)}, "
                          f"got {_describe(attention_mask)}")
+    # 1 and 0 only: an additive mask (0 real, -inf padded) would read exactly inverted
+    if attention_mask is not None and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError(f"{owner}: attention_mask must hold 1 (real token) and 0 (padding), got the values "
+                         f"{attention_mask.unique()[:4].tolist()}")
+    real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if not layout.time_scale and (tokens_per_second is not None or video_seconds is not None):
         raise ValueError(f"{owner}: model={model!r} has no video timing (a frame's time index is its number); "
                          f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
@@ -4452,6 +4472,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         seconds = [_non_negative_float(owner, f"video_seconds[{i}]", s) for i, s in enumerate(listed)]
     if len(seconds) != len(videos):
         raise ValueError(f"{owner}: video_seconds must have one entry per video ({len(videos)}), got {len(seconds)}")
+    for name, rows in (("image_grid_thw", images), ("video_grid_thw", videos)):
+        if any(h % merge or w % merge for _, h, w in rows):   # the vision tower merges m x m patches
+            raise ValueError(f"{owner}: {name} must have h and w divisible by spatial_merge_size={merge}, got "
+                             f"{[row for row in rows if row[1] % merge or row[2] % merge][:3]}")
     scale = layout.time_scale if tokens_per_second is None else tokens_per_second
     # the time step of each grid, computed in float32 in the models' order of operations
     grids = {1: [(grid, (scale if layout.image_timed else 1.0, 1.0)) for grid in images],
@@ -4492,6 +4516,10 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
     if leftover:
         raise ValueError(f"{owner}: more {' and '.join('image' if k == 1 else 'video' for k in leftover)} grids "
                          f"than runs of their tokens in token_types")
+    if positions.numel() and not positions.abs().max() <= _LARGEST_POSITION:   # NaN fails too (inf * 0 s)
+        raise ValueError(f"{owner}: the video time ids (tokens_per_second x video_seconds x frame) must stay "
+                         f"within 2**62 - 1, got a position of {positions.abs().max().item()} with "
+                         f"tokens_per_second={scale!r}, video_seconds={seconds[:4]}")
     dtype = torch.float64 if layout.fractional else torch.int64
     return positions.to(dtype), torch.tensor(deltas, dtype=dtype).unsqueeze(-1)
 
@@ -5466,6 +5494,10 @@ def augment_positions(positions: Tensor, *, num_axes: int = 1, shift: Optional[f
     shift, local_shift, jitter, rescale = (
         None if value is None else _as_float(owner, name, value, minimum=low) for name, value, low in
         (("shift", shift, 0.0), ("local_shift", local_shift, 0.0), ("jitter", jitter, 1.0), ("rescale", rescale, 1.0)))
+    for name, value in (("shift", shift), ("local_shift", local_shift)):
+        if value is not None and value > _FLOAT32_MAX:   # the draws are float32
+            raise ValueError(f"{owner}: {name} must be at most float32's largest {_FLOAT32_MAX:.7g} (the draws are "
+                             f"float32), got {name}={value!r}")
     _check_generator(owner, generator)
     _check_tensor(owner, "positions", positions, 1 if num_axes == 1 else 2)
     if num_axes > 1 and positions.shape[-1] != num_axes:
@@ -6554,7 +6586,8 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
     if not isinstance(relative_position, Tensor) or relative_position.is_floating_point() \
             or relative_position.is_complex() or relative_position.dtype == torch.bool:
         raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
-    relative_position = relative_position.long()
+    # -2**63 has no int64 magnitude (abs and negation wrap to itself): -(2**63 - 1) shares its bucket
+    relative_position = relative_position.long().clamp(min=-_INT64_MAX)
     buckets = torch.zeros_like(relative_position, dtype=torch.long)
     if bidirectional:
         num_buckets //= 2
@@ -8752,13 +8785,17 @@ def deberta_log_bucket(relative_position: Tensor, *, position_buckets: int = 256
             or relative_position.is_complex() or relative_position.dtype == torch.bool:
         raise TypeError(f"{owner}: relative_position must be an integer tensor, got {_describe(relative_position)}")
     mid = position_buckets // 2
+    # int64 whatever the integer dtype (a uint8 cannot hold mid - 1 = 511, an int8's -128 has no magnitude);
+    # -2**63 has none in int64 either: -(2**63 - 1) shares its bucket
+    relative_position = relative_position.long().clamp(min=-_INT64_MAX)
     sign = torch.sign(relative_position)
     near = (relative_position < mid) & (relative_position > -mid)
     abs_pos = torch.where(near, torch.full_like(relative_position, mid - 1), relative_position.abs())
     denominator = torch.log(torch.tensor((max_relative_positions - 1) / mid, dtype=torch.float32,
                                          device=relative_position.device))
     log_pos = torch.ceil(torch.log(abs_pos.to(torch.float32) / mid) / denominator * (mid - 1)) + mid
-    return torch.where(abs_pos <= mid, relative_position.to(torch.float32), log_pos * sign).long()
+    # near distances keep their exact value (the reference's float32 round trip is exact only below 2**24)
+    return torch.where(abs_pos <= mid, relative_position, (log_pos * sign).long())
 
 
 def _check_deberta_buckets(owner: str, arguments: dict) -> None:
@@ -10522,22 +10559,22 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     text = _text_config(owner, config)
     model_type = _model_type(config, text)
     layers = _config_get(text, "num_hidden_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got {layers!r}")
+    if layers is None:
+        raise ValueError(f"{owner}: config must set num_hidden_layers (a positive int), got None")
+    layers = _check_positive_int(owner, "num_hidden_layers", layers)
     if model_type in _MISTRAL_LARGE4_MODELS:
         rope = _mistral_large4_rope(owner, config, text, rope_alpha)
-        flags = _config_get(text, "no_rope_layers") or [1] * layers
+        flags = _layer_flags(owner, _config_get(text, "no_rope_layers") or [1] * layers, layers)
         return [rope if flags[i] else NoPositionalEmbedding() for i in range(layers)]
     if rope_alpha is not None:
         raise ValueError(f"{owner}: rope_alpha is Mistral Large 4's learned frequency factor; model_type="
-                         f"{model_type!r} has none, got a tensor of shape {_describe(rope_alpha)}")
+                         f"{model_type!r} has none, got {_describe(rope_alpha)}")
     if model_type in _NO_ROPE_LAYER_MODELS:
         flags = _config_get(text, "no_rope_layers")
-        if not flags:
+        if flags is None or (isinstance(flags, (list, tuple)) and not flags):
             interval = _as_int(owner, "no_rope_layer_interval", _config_get(text, "no_rope_layer_interval", 4))
             flags = [int((i + 1) % interval != 0) for i in range(layers)]
-        if len(flags) < layers:
-            raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
+        flags = _layer_flags(owner, flags, layers)
         rope = RotaryPositionalEmbedding.from_config(config)
         nope = NoPositionalEmbedding()
         if model_type.startswith("llama4") and _config_get(text, "attn_temperature_tuning", True):
@@ -10550,10 +10587,24 @@ def layer_encodings(config, *, rope_alpha: Optional[Tensor] = None) -> list:
     if types and _per_layer_type(params):
         if model_type == "deepseek_v4":
             types = ["main" if kind == "sliding_attention" else "compress" for kind in types]
+        types = _as_list(owner, "layer_types", types)
+        if len(types) != layers:   # transformers' configs check it too
+            raise ValueError(f"{owner}: layer_types must have num_hidden_layers={layers} entries, got {len(types)}")
         built = {kind: RotaryPositionalEmbedding.from_config(config, layer_type=kind) for kind in set(types)}
-        return [built[kind] for kind in list(types)[:layers]]
+        return [built[kind] for kind in types]
     rope = RotaryPositionalEmbedding.from_config(config)
     return [rope] * layers
+
+
+def _layer_flags(owner: str, flags, layers: int) -> list:
+    """``no_rope_layers``: one 1 (RoPE) or 0 (NoPE) per layer (a string "0" is no 0, and a list of another
+    length belongs to another depth)."""
+    flags = _as_list(owner, "no_rope_layers", flags)
+    if len(flags) != layers:
+        raise ValueError(f"{owner}: no_rope_layers must have num_hidden_layers={layers} entries, got {len(flags)}")
+    if not all(_is_bool(flag) or (isinstance(flag, numbers.Integral) and flag in (0, 1)) for flag in flags):
+        raise ValueError(f"{owner}: no_rope_layers must hold 1 (RoPE) and 0 (NoPE), got {_describe(flags)}")
+    return flags
 
 
 def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositionalEmbedding":
@@ -10562,11 +10613,17 @@ def _mistral_large4_rope(owner: str, config, text, rope_alpha) -> "RotaryPositio
     if not isinstance(rope_alpha, Tensor) or not rope_alpha.is_floating_point() or rope_alpha.dim() != 1:
         raise TypeError(f"{owner}: Mistral Large 4 needs rope_alpha, the checkpoint's learned frequency factor "
                         f"(model.rotary_emb.alpha, a float tensor [qk_rope_head_dim / 2]), got {_describe(rope_alpha)}")
+    if rope_alpha.is_meta:
+        raise ValueError(f"{owner}: rope_alpha must hold the checkpoint's values, got {_describe(rope_alpha)} on the "
+                         f"meta device")
     spectrum = RotaryPositionalEmbedding(**_rotary_kwargs_from_config(config, interleaved=True, spectrum_only=True))
     if spectrum.attention_factor != 1.0 or rope_alpha.shape[0] != spectrum.rotary_dim // 2:
         raise ValueError(f"{owner}: rope_alpha must have qk_rope_head_dim / 2 = {spectrum.rotary_dim // 2} entries "
                          f"for an attention factor of 1 (got {spectrum.attention_factor}), got {_describe(rope_alpha)}")
     frequencies = spectrum.inv_freq.cpu() * rope_alpha.detach().cpu().double().exp()
+    if not torch.isfinite(frequencies).all():   # named here, not as the frequencies the user never passed
+        raise ValueError(f"{owner}: rope_alpha must be finite with exp(rope_alpha) times the config's frequencies "
+                         f"finite, got rope_alpha in [{rope_alpha.min().item()}, {rope_alpha.max().item()}]")
     head_dim = int(_config_get(text, "qk_nope_head_dim")) + spectrum.rotary_dim
     return RotaryPositionalEmbedding(head_dim, rotary_dim=spectrum.rotary_dim, interleaved=True,
                                      rotated_channels="trailing", frequencies=frequencies)

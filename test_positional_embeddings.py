@@ -3264,6 +3264,16 @@ class TestAbacus:
         assert got.tolist() == want and got.dtype == torch.int64
         assert digit_positions(tokens[0], torch.arange(10), count_from=count_from).tolist() == want[0]
 
+    def test_digit_positions_bad_shapes_and_ids(self):
+        """A 0-d token tensor was a TypeError saying only "got torch.int64"; an id past int64 raised torch's
+        "Overflow when unpacking long long" without the function's name."""
+        with pytest.raises(ValueError, match=r"^digit_positions: token_ids must have shape \[\.\.\., N\], got shape \(\)"):
+            digit_positions(torch.tensor(3), range(10))
+        with pytest.raises(ValueError, match=r"^digit_positions: digit_ids must be token ids within int64"):
+            digit_positions(torch.tensor([3]), [3, 2**70])
+        extremes = torch.tensor([2**63 - 1, -2**63, 5, 2**63 - 1])
+        assert digit_positions(extremes, [2**63 - 1, -2**63]).tolist() == [1, 2, 0, 1]
+
     def test_position_coupling_aligns_significance(self):
         # "0653+0049=0702", most significant digit first: digits of equal significance share a place
         plus, equals = 10, 11
@@ -5169,6 +5179,13 @@ class TestRotary:
         numpy = pytest.importorskip("numpy")
         with pytest.raises(TypeError, match="^permute_rotary_weight: weight must be a torch.Tensor .*got ndarray"):
             permute_rotary_weight(numpy.zeros((8, 2)), 4, to="half_split")
+
+    def test_permute_rotary_weight_rejects_more_than_two_dims(self):
+        """A stacked [layers, heads * head_dim, in] (or [heads, head_dim, in]) whose first size divides by
+        head_dim had its first dim permuted silently: the layers (heads) moved, not the rows."""
+        with pytest.raises(ValueError, match=r"^permute_rotary_weight: weight must be a weight \[heads \* head_dim, "
+                                             r"in\] or a bias \[heads \* head_dim\], got a tensor of shape \[8, 16, 3\]"):
+            permute_rotary_weight(torch.zeros(8, 16, 3), 8, to="half_split")
 
     def test_attention_rejects_rotary_built_for_another_head_dim(self):
         """The one-argument swap of the issue: RotaryPositionalEmbedding(4) (a head count) on head dim 32."""
@@ -8251,7 +8268,7 @@ class TestMultimodalPositionIds:
             assert torch.equal(got.permute(2, 0, 1).to(want.dtype), want), (got.permute(2, 0, 1), want)
             tolerance = 1e-5 if model == "qwen3_omni" else 0       # float32 max + 1 - n in the model
             torch.testing.assert_close(deltas.to(want_deltas.dtype), want_deltas, rtol=0, atol=tolerance)
-        with pytest.raises(ValueError, match="does not match its grid"):                    # merge 2: other counts
+        with pytest.raises(ValueError, match="divisible by spatial_merge_size=2"):          # merge 2: grids of 3s
             multimodal_position_ids(types, **inputs, model=model)
         if tokens_per_second:                                                                # the default timing
             default, _ = multimodal_position_ids(types, **inputs, model=model, spatial_merge_size=3)
@@ -8346,6 +8363,37 @@ class TestMultimodalPositionIds:
         with pytest.raises(ValueError, match=owner + "video_seconds must have one entry per video"):
             multimodal_position_ids(torch.tensor([[2] * 4]), video_grid_thw=torch.tensor([[1, 4, 4]]),
                                     model="qwen2_5_vl", video_seconds=[1.0, 2.0])
+
+    def test_bad_dtypes_masks_grids_and_overflow_are_named(self):
+        """Before: bool token_types / grids passed as 0 and 1, complex ones and a meta tensor raised deep in
+        torch, a grid not divisible by the merge size was floored silently, an additive mask (0 real, -inf
+        padded) read inverted, a list mask raised AttributeError, and huge video timing overflowed int64
+        (a raw RuntimeError) or gave NaN positions (Qwen3-Omni)."""
+        owner = "multimodal_position_ids: "
+        types, grid = torch.tensor([[0, 0, 1, 1, 1, 1, 0]]), torch.tensor([[1, 4, 4]])
+        for bad in (types.bool(), types.to(torch.complex64)):
+            with pytest.raises(ValueError, match=owner + r"token_types must be a \[B, N\] integer tensor"):
+                multimodal_position_ids(bad, grid)
+        for bad in (grid.bool(), grid.to(torch.complex64)):
+            with pytest.raises(ValueError, match=owner + r"image_grid_thw must be a \[M, 3\] integer tensor"):
+                multimodal_position_ids(types, bad)
+        with pytest.raises(ValueError, match=owner + "token_types must hold values .* on the meta device"):
+            multimodal_position_ids(types.to("meta"), grid)
+        with pytest.raises(ValueError, match=owner + r"image_grid_thw must have h and w divisible by "
+                                                     r"spatial_merge_size=2, got \[\(1, 5, 4\)\]"):
+            multimodal_position_ids(types, torch.tensor([[1, 5, 4]]))             # 5 // 2 = 2 gave 4 tokens
+        additive = torch.tensor([[-float("inf")] + [0.0] * 6])
+        with pytest.raises(ValueError, match=owner + r"attention_mask must hold 1 \(real token\) and 0 \(padding\), "
+                                                     r"got the values \[-inf, 0.0\]"):
+            multimodal_position_ids(types, grid, attention_mask=additive)
+        with pytest.raises(ValueError, match=owner + r"attention_mask must be a tensor of token_types' shape"):
+            multimodal_position_ids(types, grid, attention_mask=[[1] * 7])
+        video, video_grid = torch.tensor([[0] + [2] * 8 + [0]]), torch.tensor([[2, 4, 4]])
+        for model, scale in (("qwen2_5_vl", 1e30), ("qwen2_5_vl", 1e300), ("qwen3_omni", 1e300)):
+            with pytest.raises(ValueError, match=owner + r"the video time ids .* must stay within 2\*\*62 - 1"):
+                multimodal_position_ids(video, None, video_grid, model=model, tokens_per_second=scale)
+        positions, _ = multimodal_position_ids(types, grid, attention_mask=torch.tensor([[False] + [True] * 6]))
+        assert positions[0, :, 0].tolist() == [0, 0, 1, 1, 1, 1, 3]                     # a bool mask still reads
 
 
 # ---------------------------------------------------------------------------
@@ -9327,6 +9375,15 @@ class TestAugmentPositions:
         with pytest.raises(TypeError, match="augment_positions: positions must be a torch.Tensor, got list"):
             augment_positions([1.0, 2.0])
 
+    def test_shift_bounds_past_float32_are_named(self):
+        """The draws are float32: a bound past its range raised torch's "from is out of bounds for float"."""
+        for name in ("shift", "local_shift"):
+            with pytest.raises(ValueError, match=rf"^augment_positions: {name} must be at most float32's largest "
+                                                 rf"3.402823e\+38 \(the draws are float32\), got {name}=1e\+39"):
+                augment_positions(torch.arange(3.0), **{name: 1e39})
+        with pytest.raises(ValueError, match=r"^rope_coordinates: shift must be at most float32's largest"):
+            rope_coordinates((2, 2), shift=1e300)
+
 
 # ---------------------------------------------------------------------------
 # RoPE-Mixed
@@ -9815,6 +9872,15 @@ class TestT5:
                                                  max_distance=max_distance)
         want = [t5_bucket_oracle(int(r), bidirectional, num_buckets, max_distance) for r in rp]
         assert got.tolist() == want
+
+    def test_integer_extremes_land_in_the_last_bucket(self):
+        """-2**63 has no int64 magnitude: it got bucket -2**63 (bidirectional) and 0 (causal) before."""
+        for dtype in (torch.int64, torch.int32, torch.int8):
+            info = torch.iinfo(dtype)
+            rp = torch.tensor([info.min, info.min + 1, info.max, -5, 5], dtype=dtype)
+            for bidirectional in (True, False):
+                got = pe_lib.t5_relative_position_bucket(rp, bidirectional=bidirectional)
+                assert got.tolist() == [t5_bucket_oracle(r, bidirectional) for r in rp.tolist()]
 
     @pytest.mark.parametrize("bidirectional", [True, False])
     def test_bias_matches_loop_oracle(self, bidirectional):
@@ -12198,6 +12264,19 @@ class TestDeberta:
             assert torch.equal(deberta_log_bucket(distances, position_buckets=buckets,
                                                   max_relative_positions=max_position), want)
 
+    def test_integer_extremes_and_narrow_dtypes(self):
+        """abs(-2**63) wrapped (and int8's -128): the distance came back unbucketed; a uint8 cannot hold
+        mid - 1 (a raw RuntimeError); near distances past 2**24 lost their value in float32."""
+        for dtype, buckets, max_position in ((torch.int64, 256, 512), (torch.int32, 256, 512), (torch.int8, 64, 128),
+                                             (torch.uint8, 1024, 2048)):
+            info = torch.iinfo(dtype)
+            d = torch.tensor([x for x in (info.min, info.min + 1, -5, 0, 5, info.max) if x >= info.min], dtype=dtype)
+            got = deberta_log_bucket(d, position_buckets=buckets, max_relative_positions=max_position)
+            assert got.tolist() == [deberta_bucket_oracle(x, buckets, max_position) for x in d.tolist()], dtype
+        near = torch.tensor([2**25 + 1, -(2**25 + 1)])
+        assert deberta_log_bucket(near, position_buckets=2**27, max_relative_positions=2**28).tolist() == \
+            near.tolist()
+
     @pytest.mark.parametrize("nq, nk", [(6, 6), (3, 9)])
     @pytest.mark.parametrize("options", [dict(position_buckets=4, max_relative_positions=7),
                                          dict(position_buckets=None, max_relative_positions=3,
@@ -13541,6 +13620,39 @@ class TestLayerEncodings:
             layer_encodings(large4, rope_alpha=[0.0] * 8)
         assert layer_encodings(large4, rope_alpha=torch.zeros(8))[1].frequencies == \
             RotaryPositionalEmbedding(16).inv_freq.tolist()                              # alpha 0: plain RoPE
+
+    def test_per_layer_lists_of_another_length_or_kind_are_refused(self):
+        """Before: layer_types of 2 for 4 layers gave 2 encodings (6 were cut to 4), Mistral Large 4's short
+        no_rope_layers raised IndexError, "0" read as a RoPE layer, a non-finite rope_alpha was blamed on
+        RotaryPositionalEmbedding's frequencies (never passed) and a meta one raised deep in torch."""
+        owner, numpy = "layer_encodings: ", pytest.importorskip("numpy")
+        gemma = {"model_type": "gemma3_text", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                 "head_dim": 16, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}
+        for count in (2, 6):
+            with pytest.raises(ValueError, match=owner + f"layer_types must have num_hidden_layers=4 entries, "
+                                                         f"got {count}"):
+                layer_encodings({**gemma, "layer_types": ["sliding_attention", "full_attention"] * (count // 2)})
+        built = layer_encodings({**gemma, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+        assert [pe.base for pe in built] == [1e4] * 3 + [1e6]
+        large4 = {"model_type": "mistral_large4_text", "num_hidden_layers": 3, "head_dim": 16, "qk_rope_head_dim": 16,
+                  "qk_nope_head_dim": 16, "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=owner + "no_rope_layers must have num_hidden_layers=3 entries, got 2"):
+            layer_encodings({**large4, "no_rope_layers": [1, 0]}, rope_alpha=torch.zeros(8))
+        smol = {"model_type": "smollm3", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
+                "rope_theta": 1e4}
+        with pytest.raises(ValueError, match=owner + "no_rope_layers must have num_hidden_layers=3 entries, got 4"):
+            layer_encodings({**smol, "no_rope_layers": [1, 0, 1, 0]})
+        with pytest.raises(ValueError, match=owner + r"no_rope_layers must hold 1 \(RoPE\) and 0 \(NoPE\)"):
+            layer_encodings({**smol, "no_rope_layers": ["1", "0", "0"]})
+        assert [isinstance(pe, NoPositionalEmbedding) for pe in
+                layer_encodings({**smol, "num_hidden_layers": numpy.int64(3), "no_rope_layers": [True, False, 1]})] \
+            == [False, True, False]
+        for bad in (float("nan"), 1000.0):                                   # exp(1000) overflows
+            with pytest.raises(ValueError, match=owner + "rope_alpha must be finite"):
+                layer_encodings(large4, rope_alpha=torch.full((8,), bad))
+        with pytest.raises(ValueError, match=owner + "rope_alpha must hold the checkpoint's values.*meta device"):
+            layer_encodings(large4, rope_alpha=torch.zeros(8, device="meta"))
 
 
 # ---------------------------------------------------------------------------
