@@ -258,6 +258,20 @@ def _check_generator(owner: str, generator) -> None:
         raise TypeError(f"{owner}: generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
+def _as_device(owner: str, name: str, value) -> Optional[torch.device]:
+    """A ``device=`` argument: None, a ``torch.device``, a device string or index (``"cpu"``, ``"cuda:0"``, 0); a
+    dtype or another type is a TypeError (``.to(torch.float32)`` would cast instead), an unknown string a ValueError."""
+    if value is None or isinstance(value, torch.device):
+        return value
+    if not isinstance(value, (str, int)) or _is_bool(value):
+        raise TypeError(f"{owner}: {name} must be a torch.device, a device string or an index, got "
+                        f"{type(value).__name__} {_describe(value)}")
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{owner}: {name} must name a device such as 'cpu' or 'cuda:0', got {value!r}") from None
+
+
 def _describe(value) -> str:
     """A value for an error message, abbreviated: tensors by shape and dtype, long reprs cut."""
     if isinstance(value, Tensor):
@@ -5432,7 +5446,7 @@ def rope_coordinates(grid_shape, *, normalize: Literal["separate", "max", "min"]
         >>> coords = rope_coordinates((14, 14), jitter=1.3)       # [196, 2]
     """
     owner = "rope_coordinates"
-    sizes = _as_sizes(owner, "grid_shape", grid_shape)
+    sizes, device = _as_sizes(owner, "grid_shape", grid_shape), _as_device(owner, "device", device)
     _check_choice(owner, "normalize", normalize, ("separate", "max", "min"))
     count = len(sizes)
     spans = {"separate": sizes, "max": (max(sizes),) * count, "min": (min(sizes),) * count}[normalize]
@@ -9793,6 +9807,7 @@ def _draw_positions(owner: str, n, max_len, generator, device) -> Tensor:
     """``randomized_positions``, its checks naming ``owner``."""
     n, max_len = _as_int(owner, "n", n, minimum=0), _check_positive_int(owner, "max_len", max_len)
     _check_generator(owner, generator)
+    device = _as_device(owner, "device", device)
     if n > max_len:
         raise ValueError(f"{owner}: a sequence of {n} tokens needs max_len >= {n}, got max_len={max_len}")
     generator_device = generator.device if generator is not None else "cpu"

@@ -9268,7 +9268,20 @@ def cape_oracle(positions: torch.Tensor, seed: int, shift: float, local_shift: f
                           for i in range(n)] for b in range(rows)], dtype=torch.float64)
 
 
+DEVICE_MISTAKES = [(torch.float32, TypeError, "must be a torch.device, a device string or an index, got dtype "
+                                                "torch.float32"),
+                   ("gpu0", ValueError, "must name a device such as 'cpu' or 'cuda:0', got 'gpu0'"),
+                   (True, TypeError, "must be a torch.device, a device string or an index, got bool True")]
+
+
 class TestRopeCoordinates:
+    @pytest.mark.parametrize("device, error, message", DEVICE_MISTAKES)
+    def test_device_is_checked(self, device, error, message):
+        # .to(torch.float32) took a dtype as the device and cast the coordinates instead
+        with pytest.raises(error, match=f"^rope_coordinates: device {re.escape(message)}$"):
+            rope_coordinates((2, 3), device=device)
+        assert rope_coordinates((2, 3), device="cpu").dtype == torch.float64
+
     @pytest.mark.parametrize("normalize", ["separate", "max", "min"])
     @pytest.mark.parametrize("augment", [{}, {"shift": 0.1, "jitter": 1.5, "rescale": 2.0}, {"rescale": 1.3}])
     def test_matches_dinov3(self, normalize, augment):
@@ -13396,6 +13409,13 @@ class TestRandomized:
         pe = RandomizedPositionalEmbedding(inner, 20, generator=seeded(7))             # the whole table: accepted
         x = torch.randn(B, 12, D)
         torch.testing.assert_close(pe(x), inner(x, randomized_positions(12, 20, generator=seeded(7))), rtol=0, atol=0)
+
+    @pytest.mark.parametrize("device, error, message", DEVICE_MISTAKES)
+    def test_draw_device_is_checked(self, device, error, message):
+        # randomized_positions(5, 100, device=torch.float32) returned float positions
+        with pytest.raises(error, match=f"^randomized_positions: device {re.escape(message)}$"):
+            randomized_positions(5, 100, device=device)
+        assert randomized_positions(5, 100, device="cpu").dtype == torch.long
 
     def test_encodings_without_positions_are_named_plainly(self):
         # the message read "its order comes from order comes from the forget gates ..."
