@@ -4473,6 +4473,7 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
         raise ValueError(f"{owner}: attention_mask must hold 1 (real token) and 0 (padding), got the values "
                          f"{attention_mask.unique()[:4].tolist()}")
     real = torch.ones_like(token_types, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    device, token_types, real = token_types.device, token_types.cpu(), real.cpu()   # a Python loop over the runs
     if not layout.time_scale and (tokens_per_second is not None or video_seconds is not None):
         raise ValueError(f"{owner}: model={model!r} has no video timing (a frame's time index is its number); "
                          f"tokens_per_second and video_seconds are for qwen2_5_vl and the Omni models, got "
@@ -4535,7 +4536,7 @@ def multimodal_position_ids(token_types: Tensor, image_grid_thw: Optional[Tensor
                          f"within 2**62 - 1, got a position of {positions.abs().max().item()} with "
                          f"tokens_per_second={scale!r}, video_seconds={seconds[:4]}")
     dtype = torch.float64 if layout.fractional else torch.int64
-    return positions.to(dtype), torch.tensor(deltas, dtype=dtype).unsqueeze(-1)
+    return positions.to(device, dtype), torch.tensor(deltas, dtype=dtype, device=device).unsqueeze(-1)
 
 
 # ---------------------------------------------------------------------------

@@ -8242,6 +8242,17 @@ class TestMultimodalPositionIds:
             assert torch.equal(deltas, want_deltas)
         assert got.dtype == (torch.float64 if model == "qwen3_omni" else torch.int64)
 
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    def test_cuda_inputs_give_the_cpu_ids_on_cuda(self):
+        # the ids were built on the CPU and indexed with the inputs' mask: a CUDA mask failed
+        _, types, mask, _ = transformers_rope_index("qwen2_vl", self.PROMPTS, self.IMAGES, self.VIDEOS, None, None) \
+            if importlib.util.find_spec("transformers") else pytest.skip("transformers builds the prompts")
+        args = (types, torch.tensor(self.IMAGES), torch.tensor(self.VIDEOS))
+        want, want_deltas = multimodal_position_ids(*args, attention_mask=mask, model="qwen2_vl")
+        got, deltas = multimodal_position_ids(*(a.cuda() for a in args), attention_mask=mask.cuda(), model="qwen2_vl")
+        assert got.is_cuda and deltas.is_cuda
+        assert torch.equal(got.cpu(), want) and torch.equal(deltas.cpu(), want_deltas)
+
     CONFIG_PROMPTS = [[2, ("image", (2, 6, 9)), 3, ("video", (3, 6, 6)), 1],
                       [1, ("video", (2, 3, 9)), 2, ("image", (1, 3, 3)), 4]]
     CONFIG_IMAGES = [(2, 6, 9), (1, 3, 3)]
