@@ -8245,8 +8245,8 @@ class TestMultimodalPositionIds:
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
     def test_cuda_inputs_give_the_cpu_ids_on_cuda(self):
         # the ids were built on the CPU and indexed with the inputs' mask: a CUDA mask failed
-        _, types, mask, _ = transformers_rope_index("qwen2_vl", self.PROMPTS, self.IMAGES, self.VIDEOS, None, None) \
-            if importlib.util.find_spec("transformers") else pytest.skip("transformers builds the prompts")
+        pytest.importorskip("transformers")
+        _, types, mask, _ = transformers_rope_index("qwen2_vl", self.PROMPTS, self.IMAGES, self.VIDEOS, None, None)
         args = (types, torch.tensor(self.IMAGES), torch.tensor(self.VIDEOS))
         want, want_deltas = multimodal_position_ids(*args, attention_mask=mask, model="qwen2_vl")
         got, deltas = multimodal_position_ids(*(a.cuda() for a in args), attention_mask=mask.cuda(), model="qwen2_vl")
