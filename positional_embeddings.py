@@ -817,7 +817,7 @@ class PositionalEmbedding(nn.Module):
     ) -> Tensor:
         """Pre-mask, pre-softmax logits ``scale * <q', k'> + bias``: [B, H, Nq, Nk]."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale              # of q's own width
+        scale = self._given_scale(q.shape[-1], scale)                                  # of q's own width
         q, k = self.encode_qk(q, k, positions_q, positions_k)
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale                          # [B, H, Nq, Nk]
         bias = self.attention_bias(q.shape[-2], k.shape[-2], positions_q, positions_k, device=q.device)
@@ -959,6 +959,10 @@ class PositionalEmbedding(nn.Module):
     def logit_scale(self, head_dim: int) -> float:
         """The default logit scale: ``1 / sqrt(Dh)`` as in SDPA (TUPE overrides it)."""
         return head_dim ** -0.5
+
+    def _given_scale(self, head_dim: int, scale) -> float:
+        """``forward_attn``'s ``scale``: a finite real number, or None for ``logit_scale(head_dim)``."""
+        return self.logit_scale(head_dim) if scale is None else _as_float(type(self).__name__, "scale", scale)
 
     def reset_parameters(self) -> None:
         """Re-initialise parameters and rebuild every derived buffer."""
@@ -8377,7 +8381,7 @@ class _ExplicitLogits(_AttentionEncoding):
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
         """``forward_attn`` before its final cast: float32 (float64) logits, for ``attention()``'s softmax."""
         positions_q, positions_k = self._check_qk(q, k, positions_q, positions_k)
-        scale = self.logit_scale(q.shape[-1]) if scale is None else scale
+        scale = self._given_scale(q.shape[-1], scale)
         dtype = _compute_dtype(q.dtype)
         return self.logits(q.to(dtype), k.to(dtype), positions_q, positions_k, scale)
 

@@ -10279,6 +10279,18 @@ class TestTUPE:
         want = q @ k.transpose(-1, -2) / 4.0 + tupe(5, 5)
         torch.testing.assert_close(tupe.forward_attn(q, k), want)
 
+    def test_forward_attn_scale_is_checked(self):
+        """forward_attn's scale (TUPE's goes through the shared base): a str was a raw torch error, a NaN
+        gave NaN logits."""
+        tupe = UnifiedPositionalEmbedding(16, 2, 8, relative_bias=False)
+        q, k, _ = qkv(5, 5, dh=8)
+        q, k = q[:, :2], k[:, :2]
+        with pytest.raises(TypeError, match="^UnifiedPositionalEmbedding: scale must be a real number, got str 'a'$"):
+            tupe.forward_attn(q, k, scale="a")
+        with pytest.raises(ValueError, match="^UnifiedPositionalEmbedding: scale must be a finite number, got scale=nan$"):
+            tupe.forward_attn(q, k, scale=float("nan"))
+        assert torch.equal(tupe.forward_attn(q, k, scale=2), tupe.forward_attn(q, k, scale=2.0))
+
     def test_positions_past_the_table(self):
         with pytest.raises(ValueError, match="UnifiedPositionalEmbedding: positions_k must lie in \\[0, max_len=8\\), got position 8"):
             UnifiedPositionalEmbedding(8, 2, 4)(2, 9, positions_q=torch.tensor([0, 1]))
@@ -12204,6 +12216,25 @@ class TestShaw:
             ShawPositionalEmbedding(2, 4, values=1)
         with pytest.raises(ValueError, match=f"{name}: distance_embedding must be a \\[2 M - 1, Dh\\] table"):
             ShawPositionalEmbedding.from_bert(torch.zeros(4, 8), 2)
+
+    @pytest.mark.parametrize("make", [lambda: ShawPositionalEmbedding(2, 4), lambda: TransformerXLPositionalEmbedding(2, 4),
+                                      lambda: DebertaPositionalEmbedding(8, 2, position_buckets=4,
+                                                                         max_relative_positions=8),
+                                      lambda: CoPEPositionalEmbedding(2, 4), StickBreakingPositionalEmbedding,
+                                      lambda: ReRoPEPositionalEmbedding(4, window=2)],
+                             ids=["shaw", "transformer_xl", "deberta", "cope", "stick_breaking", "rerope"])
+    def test_forward_attn_scale_is_checked(self, make):
+        """The logits kinds' forward / forward_attn scale: a str was a raw torch error, a NaN gave NaN logits."""
+        pe = make().double()
+        name = type(pe).__name__
+        q, k = torch.randn(2, 2, 3, 4, dtype=torch.float64), torch.randn(2, 2, 3, 4, dtype=torch.float64)
+        for bad, error, message in [("a", TypeError, "must be a real number, got str 'a'"),
+                                    (True, TypeError, "must be a real number, got bool True"),
+                                    (float("nan"), ValueError, "must be a finite number, got scale=nan")]:
+            for call in (pe.forward_attn, pe.forward, pe.full_precision_logits):
+                with pytest.raises(error, match=f"^{name}: scale {message}$"):
+                    call(q, k, scale=bad)
+        assert torch.equal(pe.forward_attn(q, k, scale=2), pe.forward_attn(q, k, scale=2.0))
 
     def test_numpy_ints_are_accepted(self):
         numpy = pytest.importorskip("numpy")
