@@ -9501,6 +9501,20 @@ def _check_default_head_dim(owner: str, arguments: dict) -> None:
                          f"dim // num_heads), got dim={dim} and num_heads={heads}")
 
 
+def _conv_within_documents(x: Tensor, conv: nn.Conv1d, document_ids: Tensor) -> Tensor:
+    """PaTH's causal depthwise ``conv`` of ``x`` ``[B, N, C]`` with no tap crossing a document boundary
+    (``document_ids`` ``[N]`` or ``[B, N]``): ``[B, N, C]``. Output ``n`` reads input ``n - s`` through
+    tap ``K - 1 - s`` (``F.conv1d`` left-padded), kept where both tokens share a document."""
+    taps, n = conv.weight.shape[-1], x.shape[-2]
+    out = x.new_zeros(()) if conv.bias is None else conv.bias.to(x.dtype)
+    for shift in range(min(taps, n)):
+        same = document_ids[..., shift:] == document_ids[..., :n - shift]              # [(B,) N - shift]
+        same = F.pad(same, (shift, 0)).unsqueeze(-1).to(x.dtype)                     # [(B,) N, 1]
+        shifted = F.pad(x, (0, 0, shift, 0))[..., :n, :]                               # x[n - shift]: [B, N, C]
+        out = out + shifted * conv.weight[:, 0, taps - 1 - shift].to(x.dtype) * same
+    return out
+
+
 class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     """PaTH attention: positions as accumulated data-dependent Householder transformations (Yang et al. 2025).
 
@@ -9540,6 +9554,9 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
     are the bound tokens and the queries the last ``Nq`` of them. To decode with a KV cache, bind
     every token so far and pass the raw cached keys: a step costs a pass over the cache (the
     authors' decoder instead keeps each cached key carried to the present, ``k <- H_t k``).
+    Packed sequences: with ``document_ids``, ``attention()`` restarts the short convolution at each
+    document for bound token states, as the authors' layer does per sequence (bound ``w`` and ``beta``
+    are used as given: compute them per document).
 
     Args:
         dim (int or None): token width ``D``; None: no projections (``w_rank``, ``conv_size``, ``conv_bias``
@@ -9701,11 +9718,17 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
             return self.w, self.beta
         if x is None:
             x = self.states if self.states is not None else self._unbound()
-        self._check_states(x)
+        return self._transitions(self._check_states(x))
+
+    def _transitions(self, x: Tensor, document_ids: Optional[Tensor] = None) -> tuple:
+        """``transitions`` of checked states ``x``; with ``document_ids`` ``[N]`` or ``[B, N]``, the short
+        convolution restarts at every document (as the authors' layer does per ``cu_seqlens`` sequence)."""
         x = x.to(self.bt_proj.weight.dtype)                                             # the projections' dtype
         dtype = _compute_dtype(x.dtype)
         w = self.w_proj(x)                                                              # [B, N, Hkv Dh]
-        if self.w_conv1d is not None:  # causal depthwise: left-padded, the first N outputs
+        if self.w_conv1d is not None and document_ids is not None:
+            w = F.silu(_conv_within_documents(w, self.w_conv1d, document_ids))          # [B, N, Hkv Dh]
+        elif self.w_conv1d is not None:  # causal depthwise: left-padded, the first N outputs
             conv = self.w_conv1d
             w = F.conv1d(w.transpose(-1, -2), conv.weight, conv.bias, padding=conv.weight.shape[-1] - 1,
                          groups=conv.weight.shape[0])[..., :x.shape[-2]]
@@ -9716,6 +9739,14 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
         return w, beta
 
     # -- the logits ---------------------------------------------------------------------
+
+    def _attention(self, q, k, v, positions_q, positions_k, call):
+        if call.document_ids is None or self.states is None or self.w_conv1d is None:
+            return super()._attention(q, k, v, positions_q, positions_k, call)
+        # packed documents: the transitions of the keys with the convolution restarted per document
+        w, beta = self._transitions(self.states[..., :k.shape[-2], :], call.document_ids)
+        restarted = self._bound_copy(states=self.states, w=w, beta=beta)
+        return super(PaTHPositionalEmbedding, restarted)._attention(q, k, v, positions_q, positions_k, call)
 
     def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]

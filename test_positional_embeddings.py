@@ -13129,6 +13129,25 @@ class TestPaTH:
         torch.testing.assert_close(attention(q, k, v, path(x), causal=True),
                                    path_oracle(q, k, v, want_w, want_beta)[0], rtol=1e-12, atol=1e-12)
 
+    @pytest.mark.parametrize("ids", [[0] * 5 + [1] * 7 + [2] * 4, [[0] * 9 + [1] * 7, [0, 1] + [2] * 14]],
+                             ids=["shared", "batched"])
+    def test_packed_documents_restart_the_short_convolution(self, ids):
+        """With document_ids, each document's w comes from its own tokens (the authors' layer per sequence): the
+        short convolution read the previous document's last tokens into a document's first transitions."""
+        path = PaTHPositionalEmbedding(D, H, num_kv_heads=2, conv_size=4).double()
+        x = torch.randn(B, N, D, dtype=torch.float64)
+        q, k, v = (t.double() for t in qkv())
+        ids = torch.tensor(ids)
+        got = attention(q, k, v, path(x), causal=True, document_ids=ids)
+        for row in range(B):
+            row_ids = ids[row] if ids.dim() == 2 else ids
+            for doc in row_ids.unique():
+                keep = row_ids == doc
+                w, beta = path_layer_transitions(path, x[row:row + 1, keep])                # the document alone
+                parts = (t[row:row + 1, :, keep] for t in (q, k, v))
+                want = path_oracle(*parts, w.repeat_interleave(2, 1), beta.repeat_interleave(2, 1))[0]
+                torch.testing.assert_close(got[row:row + 1, :, keep], want, rtol=1e-12, atol=1e-12)
+
     def test_state_dict_names_are_the_authors_layer(self):
         # flash-linear-attention's PaTHAttention (fla/layers/path_attn.py) names its w, beta and gate parts so
         path = PaTHPositionalEmbedding(D, H, forget_gate=True)
