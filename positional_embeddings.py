@@ -628,7 +628,7 @@ def _coordinates(owner: str, positions: Tensor, num_axes: int) -> tuple:
     if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"{owner}: positions must be an integer or float tensor, got "
                         f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
-    if num_axes == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
+    if num_axes == 1 and (positions.dim() == 1 or (positions.dim() and positions.shape[-1] != 1)):
         positions = positions.unsqueeze(-1)
     if positions.dim() < 2 or positions.shape[-1] != num_axes:
         raise ValueError(f"{owner}: positions must have shape [..., N, {num_axes}], got {tuple(positions.shape)}")
@@ -1449,6 +1449,7 @@ class _AddedInput(PositionalEmbedding):
     positions_from: str = ""
     num_prefix_tokens: int = 0
     first_position: int = 0   # the first default position (fairseq's padding_idx + 1)
+    explicit_axis: bool = False   # embed reads [..., N, A] (_coordinates): forward gives one axis its trailing 1
 
     def embed(self, positions: Tensor) -> Tensor:
         raise NotImplementedError
@@ -1472,7 +1473,10 @@ class _AddedInput(PositionalEmbedding):
                 raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
             offset = offset + self.first_position
         tokens = x[..., prefix:, :]
-        encoded = tokens + self.embed(_token_positions(self, positions, tokens, offset)).to(x.dtype)
+        positions = _token_positions(self, positions, tokens, offset)                        # [..., N(, A)]
+        if self.explicit_axis and self.num_axes == 1:  # [B, 1] would read as [N=B, A=1] in embed
+            positions = positions.unsqueeze(-1)                                                 # [..., N, 1]
+        encoded = tokens + self.embed(positions).to(x.dtype)
         return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
 
 
@@ -2023,6 +2027,7 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
         torch.Size([4096, 256])
     """
 
+    explicit_axis = True
     arguments = {"sampling": functools.partial(_check_choice, choices=("octave", "gaussian")),
                  "scale": _positive_float, "seed": functools.partial(_as_int, minimum=None)}
 
@@ -2097,6 +2102,7 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         torch.Size([2, 196, 64])
     """
 
+    explicit_axis = True
     arguments = {"fourier_dim": _even_int, "groups": _check_positive_int, "gamma": _positive_float,
                  "init": functools.partial(_check_choice, choices=("paper", "port"))}
 
@@ -2163,6 +2169,7 @@ class Time2VecPositionalEmbedding(_AddedInput):
         torch.Size([1, 5, 64])
     """
 
+    explicit_axis = True
     arguments = {"activation": functools.partial(_check_choice, choices=("sin", "cos"))}
 
     def __init__(self, dim: int, *, num_axes: int = 1, activation: Literal["sin", "cos"] = "sin") -> None:
@@ -2439,6 +2446,13 @@ class _GraphInput(_AddedInput):
     that adjacency (``graph_positions``); ``forward`` requires the positions (there is no default graph)."""
 
     positions_from = "the nodes' graph_positions(adjacency) or graph_positions(edge_index=..., num_nodes=N)"
+    explicit_axis = True
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``x + embed(positions)``, positions ``[..., N, A]`` as ``graph_positions`` gives them (also for A = 1)."""
+        if self.num_axes == 1 and isinstance(positions, Tensor) and positions.dim() >= 2 and positions.shape[-1] == 1:
+            positions = positions.squeeze(-1)   # [..., N, 1] -> [..., N]: one axis as the base's checks take it
+        return super().forward(x, positions, offset=offset)
 
     def structure(self, adjacency: Tensor) -> Tensor:
         raise NotImplementedError

@@ -3091,6 +3091,22 @@ class TestFourierFeatures:
             pe(torch.randn(1, 16), bad)
 
 
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        pe = FourierFeaturePositionalEmbedding(1, 4, scale=0.3)
+        x, times = torch.randn(3, 1, 4), torch.tensor([[0.5], [1.25], [-2.0]])
+        want = [[math.sin(math.pi * 0.3 * t), math.cos(math.pi * 0.3 * t),
+                 math.sin(2 * math.pi * 0.3 * t), math.cos(2 * math.pi * 0.3 * t)] for t in (0.5, 1.25, -2.0)]
+        got = pe(x, times)
+        assert got.shape == (3, 1, 4)
+        torch.testing.assert_close(got, x + torch.tensor(want).unsqueeze(1), rtol=1e-6, atol=1e-6)
+
+    def test_zero_dim_positions_are_a_value_error(self):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must have shape "
+                                             "\\[..., N, 1\\], got \\(\\)"):
+            FourierFeaturePositionalEmbedding(1, 4).embed(torch.tensor(1.0))
+
 # ---------------------------------------------------------------------------
 # Learnable Fourier features
 # ---------------------------------------------------------------------------
@@ -3167,6 +3183,17 @@ class TestLearnableFourier:
             LearnableFourierPositionalEmbedding(2, 8)(torch.randn(1, 5, 8))
 
 
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        torch.manual_seed(0)
+        pe = LearnableFourierPositionalEmbedding(1, 6, fourier_dim=4, hidden_dim=5)
+        x, times = torch.randn(3, 1, 6), torch.tensor([[0.5], [1.25], [-2.0]])
+        got = pe(x, times)
+        assert got.shape == (3, 1, 6)
+        want = learnable_fourier_oracle(pe, times).float().unsqueeze(1)                     # [3, 1, 6]
+        torch.testing.assert_close(got, x + want, rtol=1e-5, atol=1e-5)
+
 # ---------------------------------------------------------------------------
 # Time2Vec
 # ---------------------------------------------------------------------------
@@ -3238,6 +3265,15 @@ class TestTime2Vec:
         with pytest.raises(TypeError, match="Time2VecPositionalEmbedding: positions must be an integer or float tensor"):
             Time2VecPositionalEmbedding(4).embed(torch.tensor([True]))
 
+
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        pe = Time2VecPositionalEmbedding(5)
+        x, times = torch.randn(3, 1, 5), torch.tensor([[0.5], [1.25], [-2.0]])
+        got = pe(x, times)
+        assert got.shape == (3, 1, 5)
+        torch.testing.assert_close(got, x + time2vec_oracle(pe, times).float().unsqueeze(1), rtol=1e-6, atol=1e-6)
 
 # ---------------------------------------------------------------------------
 # Numbers: Abacus embeddings, digit places for position coupling
@@ -3637,6 +3673,20 @@ class TestGraphEncodings:
         with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
             RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
 
+
+
+    @pytest.mark.parametrize("cls", [RandomWalkPositionalEmbedding, LaplacianPositionalEmbedding])
+    def test_one_axis_takes_graph_positions_as_given(self, cls):
+        # k = 1: graph_positions gives [N, 1], which forward refused ("must have shape [N]"); [B, N, 1] too
+        pe = cls(4, 1).eval()
+        ring = torch.tensor([[0, 1, 2, 1, 2, 0], [1, 2, 0, 0, 1, 2]])
+        nodes = pe.graph_positions(edge_index=ring, num_nodes=3)                          # [3, 1]
+        assert nodes.shape == (3, 1)
+        proj = pe.proj
+        want = (nodes.double() @ proj.weight.double().T + proj.bias.double()).float()      # [3, 4]
+        x = torch.randn(2, 3, 4)
+        torch.testing.assert_close(pe(x[0], nodes), x[0] + want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pe(x, torch.stack([nodes, nodes])), x + want, rtol=1e-6, atol=1e-6)
 
 # ---------------------------------------------------------------------------
 # Heinsen: the log-space scan, streaming, packed documents, second derivatives, forward mode
