@@ -650,6 +650,9 @@ def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offs
         return positions.to(device)
     if num_axes > 1:
         raise ValueError(f"{owner}: {name} is required for {num_axes} axes, shape [..., {n}, {num_axes}], got None")
+    if not _is_compiling() and not -_LARGEST_POSITION <= offset <= _LARGEST_POSITION - max(n - 1, 0):
+        raise ValueError(f"{owner}: offset must keep the default positions offset .. offset + N - 1 in "
+                         f"[-2**62 + 1, 2**62 - 1] (as given positions), got offset={offset} with N={n}")
     return _default_positions(n, offset, device)
 
 
@@ -2039,6 +2042,9 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
         if dim % multiple:
             raise ValueError(f"{type(self).__name__}: dim must be a multiple of {multiple} for sampling={sampling!r}, "
                              f"got dim={dim!r}")
+        if not -2**63 <= seed < 2**64:   # torch.Generator.manual_seed's range
+            raise ValueError(f"{type(self).__name__}: seed must lie in [-2**63, 2**64 - 1] (a torch.Generator seed), "
+                             f"got seed={seed}")
         self.sampling, self.scale, self.seed = sampling, scale, seed
         self._init_buffers(None)
 
@@ -2112,6 +2118,13 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         if num_axes % groups or dim % groups:
             raise ValueError(f"{type(self).__name__}: groups must divide num_axes and dim, got groups={groups}, "
                              f"num_axes={num_axes}, dim={dim}")
+        try:
+            std = 1 / gamma if init == "paper" else gamma ** -2
+        except OverflowError:   # gamma ** -2 past float's range
+            std = math.inf
+        if not std < math.inf:
+            raise ValueError(f"{type(self).__name__}: gamma must leave W_r's standard deviation "
+                             f"({'1 / gamma' if init == 'paper' else 'gamma ** -2'}) finite, got gamma={gamma!r}")
         fourier_dim = dim + dim % 2 if fourier_dim is None else fourier_dim
         hidden_dim = dim if hidden_dim is None else hidden_dim
         self.num_axes, self.dim, self.groups, self.gamma, self.init = num_axes, dim, groups, gamma, init
@@ -2192,6 +2205,10 @@ class Time2VecPositionalEmbedding(_AddedInput):
         tau, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                # [..., N, A]
         dtype = torch.promote_types(dtype, self.omega.dtype)
         z = torch.matmul(tau, self.omega.to(torch.float64)) + self.phi.to(torch.float64)        # [..., N, D]
+        if not _skip_value_checks(z) and not ((z[..., 0].abs() <= torch.finfo(dtype).max).all()
+                                              and torch.isfinite(z[..., 1:]).all()):
+            raise ValueError(f"{type(self).__name__}: positions must keep omega . tau + phi finite in {dtype} (the "
+                             f"linear component), got times up to {tau.abs().max().item():.6g}")
         periodic = torch.sin(z[..., 1:]) if self.activation == "sin" else torch.cos(z[..., 1:])
         return torch.cat([z[..., :1], periodic], dim=-1).to(dtype)
 
@@ -2343,7 +2360,11 @@ class AbacusPositionalEmbedding(_AddedInput):
         if digit_offset is None:
             k = self._drawn_offset()                                                            # one k per call
         else:
-            k = torch.tensor(_as_int(owner, "digit_offset", digit_offset, minimum=0))
+            k = _as_int(owner, "digit_offset", digit_offset, minimum=0)
+            if k > self.max_len - 2:   # no digit (place >= 1) fits the table then; past int64 torch.tensor overflows
+                raise ValueError(f"{owner}: digit_offset must be at most max_len - 2 = {self.max_len - 2} (room for "
+                                 f"place 1), got digit_offset={k}")
+            k = torch.tensor(k)
         if k is None:
             return positions.long()
         rows = torch.where(positions > 0, positions + k.to(positions.device), positions).long()
@@ -3053,6 +3074,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         if tuple(state.shape) != want:
             raise ValueError(f"{type(self).__name__}: {name} must have shape {list(want)} to continue a chunk "
                              f"of shape {list(x.shape)}, got {list(state.shape)}")
+        # a log-state: -inf is an empty state, NaN and +inf have no meaning (every output would be NaN / inf)
+        if not _skip_value_checks(state) and (state.isnan() | (state == math.inf)).any():
+            raise ValueError(f"{type(self).__name__}: {name} must be a log-state (finite, or -inf for an empty "
+                             f"state), got {state[state.isnan() | (state == math.inf)][:3].tolist()}")
         return state.to(device=x.device, dtype=dtype)
 
     def _check_width(self, name: str, output: Tensor, size: int, expected: str) -> None:
