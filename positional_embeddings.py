@@ -609,6 +609,14 @@ def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
         raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
 
 
+def _check_finite_angles(owner: str, angles: Tensor) -> None:
+    """Float64 angles of Fourier features must be finite (sin / cos of an overflowed angle is NaN): the positions
+    times the largest frequency past float64's range. Skipped while tracing."""
+    if not _skip_value_checks(angles) and not torch.isfinite(angles).all():
+        raise ValueError(f"{owner}: positions times the frequencies must stay finite in float64 (cos / sin of inf is "
+                         f"NaN), got a non-finite angle; use smaller positions, scale or dim")
+
+
 def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
     """Integer positions inside a table of ``size`` rows (the range check is skipped while tracing)."""
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
@@ -2062,8 +2070,10 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
             octaves = self.dim // (2 * self.num_axes)
             bands = math.pi * self.scale * 2.0 ** torch.arange(octaves, dtype=torch.float64, device=p.device)   # [L]
             angles = p.unsqueeze(-2) * bands.unsqueeze(-1)                                      # [..., N, L, A]
+            _check_finite_angles(type(self).__name__, angles)
             return torch.stack([angles.sin(), angles.cos()], dim=-2).flatten(-3).to(dtype)      # [..., N, D]
         angles = 2 * math.pi * torch.matmul(p, self.B.to(device=p.device, dtype=torch.float64).T)   # [..., N, D/2]
+        _check_finite_angles(type(self).__name__, angles)
         return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)                        # [..., N, D]
 
 
@@ -2145,6 +2155,7 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         dtype = torch.promote_types(dtype, self.Wr.weight.dtype)
         groups = p.unflatten(-1, (self.groups, -1))                                             # [..., N, G, M]
         angles = torch.matmul(groups, self.Wr.weight.to(device=p.device, dtype=torch.float64).T)   # [..., N, G, F/2]
+        _check_finite_angles(type(self).__name__, angles)
         features = torch.cat([angles.cos(), angles.sin()], dim=-1) / math.sqrt(2 * angles.shape[-1])   # [..., N, G, F]
         return _run_mlp(self.mlp, features.to(dtype)).flatten(-2)                               # [..., N, D]
 

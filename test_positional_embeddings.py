@@ -3126,6 +3126,20 @@ class TestFourierFeatures:
         torch.testing.assert_close(edge.B, torch.randn(2, 1, generator=torch.Generator().manual_seed(2**64 - 1),
                                                        dtype=torch.float64), rtol=0, atol=0)
 
+
+    def test_overflowing_angles_are_a_value_error(self):
+        # 1025 octaves: the top band 2**1024 pi is inf in float64, so every feature was NaN (0 * inf); huge
+        # float64 positions overflowed the angle likewise
+        match = "FourierFeaturePositionalEmbedding: positions times the frequencies must stay finite in float64 \\(cos / sin of inf is NaN\\)"
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 2050).embed(torch.tensor([0.0, 0.5]))
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 8).embed(torch.tensor([1e308], dtype=torch.float64))
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 8, sampling="gaussian", scale=1e300).embed(
+                torch.tensor([1e300], dtype=torch.float64))
+        assert torch.isfinite(FourierFeaturePositionalEmbedding(1, 2046).embed(torch.tensor([0.0, 0.5]))).all()
+
 # ---------------------------------------------------------------------------
 # Learnable Fourier features
 # ---------------------------------------------------------------------------
@@ -3222,6 +3236,14 @@ class TestLearnableFourier:
         with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: gamma must leave W_r's standard "
                                              "deviation \\(1 / gamma\\) finite, got gamma=5e-324"):
             LearnableFourierPositionalEmbedding(1, 4, gamma=5e-324)
+
+
+    def test_overflowing_angles_are_a_value_error(self):
+        pe = LearnableFourierPositionalEmbedding(1, 4)
+        with torch.no_grad():
+            pe.Wr.weight.fill_(10.0)
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: positions times the frequencies must stay finite in float64 \\(cos / sin of inf is NaN\\)"):
+            pe.embed(torch.tensor([1e308], dtype=torch.float64))                       # NaN features before
 
 # ---------------------------------------------------------------------------
 # Time2Vec
