@@ -1968,6 +1968,9 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
             if self.num_axes != 1:
                 raise ValueError(f"{owner}: grid_shape is required for {self.num_axes} axes (or give it at "
                                  f"construction), got None")
+            if not _is_compiling() and x.shape[-2] <= prefix:   # grid_shape[0] = 0 would name an argument not given
+                raise ValueError(f"{owner}: x must have tokens past num_prefix_tokens={prefix} (the 1-D grid is the "
+                                 f"rest of the sequence), got shape {tuple(x.shape)}")
             grid_shape = (x.shape[-2] - prefix,)
         grid = _as_sizes(owner, "grid_shape", grid_shape, self.num_axes) if not _is_compiling() else tuple(grid_shape)
         if x.shape[-2] != prefix + math.prod(grid):

@@ -3024,6 +3024,15 @@ class TestConvolutional:
         assert full.shape == (1, *shape[-2:])
 
 
+    def test_one_axis_without_grid_tokens_names_x(self):
+        # the 1-D grid is taken from x: an empty x was blamed on grid_shape[0]=0, an argument not given
+        for prefix, n in ((0, 0), (1, 1)):
+            peg = ConvolutionalPositionalEmbedding(4, num_axes=1, num_prefix_tokens=prefix)
+            with pytest.raises(ValueError, match=f"ConvolutionalPositionalEmbedding: x must have tokens past "
+                                                 f"num_prefix_tokens={prefix} \\(the 1-D grid is the rest of the "
+                                                 f"sequence\\), got shape \\(2, {n}, 4\\)"):
+                peg(torch.randn(2, n, 4))
+
 # ---------------------------------------------------------------------------
 # Fourier features
 # ---------------------------------------------------------------------------
