@@ -609,6 +609,14 @@ def _check_finite_positions(owner: str, name: str, positions: Tensor) -> None:
         raise ValueError(f"{owner}: {name} must be finite, got {positions[~torch.isfinite(positions)][:3].tolist()}")
 
 
+def _check_finite_angles(owner: str, angles: Tensor) -> None:
+    """Float64 angles of Fourier features must be finite (sin / cos of an overflowed angle is NaN): the positions
+    times the largest frequency past float64's range. Skipped while tracing."""
+    if not _skip_value_checks(angles) and not torch.isfinite(angles).all():
+        raise ValueError(f"{owner}: positions times the frequencies must stay finite in float64 (cos / sin of inf is "
+                         f"NaN), got a non-finite angle; use smaller positions, scale or dim")
+
+
 def _check_table_range(owner: str, name: str, positions: Tensor, size: int) -> None:
     """Integer positions inside a table of ``size`` rows (the range check is skipped while tracing)."""
     if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
@@ -628,7 +636,7 @@ def _coordinates(owner: str, positions: Tensor, num_axes: int) -> tuple:
     if not isinstance(positions, Tensor) or positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"{owner}: positions must be an integer or float tensor, got "
                         f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
-    if num_axes == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
+    if num_axes == 1 and (positions.dim() == 1 or (positions.dim() and positions.shape[-1] != 1)):
         positions = positions.unsqueeze(-1)
     if positions.dim() < 2 or positions.shape[-1] != num_axes:
         raise ValueError(f"{owner}: positions must have shape [..., N, {num_axes}], got {tuple(positions.shape)}")
@@ -650,6 +658,9 @@ def _or_default(owner: str, name: str, positions: Optional[Tensor], n: int, offs
         return positions.to(device)
     if num_axes > 1:
         raise ValueError(f"{owner}: {name} is required for {num_axes} axes, shape [..., {n}, {num_axes}], got None")
+    if not _is_compiling() and not -_LARGEST_POSITION <= offset <= _LARGEST_POSITION - max(n - 1, 0):
+        raise ValueError(f"{owner}: offset must keep the default positions offset .. offset + N - 1 in "
+                         f"[-2**62 + 1, 2**62 - 1] (as given positions), got offset={offset} with N={n}")
     return _default_positions(n, offset, device)
 
 
@@ -1453,6 +1464,7 @@ class _AddedInput(PositionalEmbedding):
     positions_from: str = ""
     num_prefix_tokens: int = 0
     first_position: int = 0   # the first default position (fairseq's padding_idx + 1)
+    explicit_axis: bool = False   # embed reads [..., N, A] (_coordinates): forward gives one axis its trailing 1
 
     def embed(self, positions: Tensor) -> Tensor:
         raise NotImplementedError
@@ -1476,7 +1488,10 @@ class _AddedInput(PositionalEmbedding):
                 raise TypeError(f"{owner}: offset must be an int, got {type(offset).__name__} {offset!r}")
             offset = offset + self.first_position
         tokens = x[..., prefix:, :]
-        encoded = tokens + self.embed(_token_positions(self, positions, tokens, offset)).to(x.dtype)
+        positions = _token_positions(self, positions, tokens, offset)                        # [..., N(, A)]
+        if self.explicit_axis and self.num_axes == 1:  # [B, 1] would read as [N=B, A=1] in embed
+            positions = positions.unsqueeze(-1)                                                 # [..., N, 1]
+        encoded = tokens + self.embed(positions).to(x.dtype)
         return encoded if not prefix else torch.cat([x[..., :prefix, :], encoded], dim=-2)
 
 
@@ -1957,6 +1972,9 @@ class ConvolutionalPositionalEmbedding(PositionalEmbedding):
             if self.num_axes != 1:
                 raise ValueError(f"{owner}: grid_shape is required for {self.num_axes} axes (or give it at "
                                  f"construction), got None")
+            if not _is_compiling() and x.shape[-2] <= prefix:   # grid_shape[0] = 0 would name an argument not given
+                raise ValueError(f"{owner}: x must have tokens past num_prefix_tokens={prefix} (the 1-D grid is the "
+                                 f"rest of the sequence), got shape {tuple(x.shape)}")
             grid_shape = (x.shape[-2] - prefix,)
         grid = _as_sizes(owner, "grid_shape", grid_shape, self.num_axes) if not _is_compiling() else tuple(grid_shape)
         if x.shape[-2] != prefix + math.prod(grid):
@@ -2027,6 +2045,7 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
         torch.Size([4096, 256])
     """
 
+    explicit_axis = True
     arguments = {"sampling": functools.partial(_check_choice, choices=("octave", "gaussian")),
                  "scale": _positive_float, "seed": functools.partial(_as_int, minimum=None)}
 
@@ -2038,6 +2057,9 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
         if dim % multiple:
             raise ValueError(f"{type(self).__name__}: dim must be a multiple of {multiple} for sampling={sampling!r}, "
                              f"got dim={dim!r}")
+        if not -2**63 <= seed < 2**64:   # torch.Generator.manual_seed's range
+            raise ValueError(f"{type(self).__name__}: seed must lie in [-2**63, 2**64 - 1] (a torch.Generator seed), "
+                             f"got seed={seed}")
         self.sampling, self.scale, self.seed = sampling, scale, seed
         self._init_buffers(None)
 
@@ -2055,8 +2077,10 @@ class FourierFeaturePositionalEmbedding(_AddedInput):
             octaves = self.dim // (2 * self.num_axes)
             bands = math.pi * self.scale * 2.0 ** torch.arange(octaves, dtype=torch.float64, device=p.device)   # [L]
             angles = p.unsqueeze(-2) * bands.unsqueeze(-1)                                      # [..., N, L, A]
+            _check_finite_angles(type(self).__name__, angles)
             return torch.stack([angles.sin(), angles.cos()], dim=-2).flatten(-3).to(dtype)      # [..., N, D]
         angles = 2 * math.pi * torch.matmul(p, self.B.to(device=p.device, dtype=torch.float64).T)   # [..., N, D/2]
+        _check_finite_angles(type(self).__name__, angles)
         return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)                        # [..., N, D]
 
 
@@ -2101,6 +2125,7 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         torch.Size([2, 196, 64])
     """
 
+    explicit_axis = True
     arguments = {"fourier_dim": _even_int, "groups": _check_positive_int, "gamma": _positive_float,
                  "init": functools.partial(_check_choice, choices=("paper", "port"))}
 
@@ -2110,6 +2135,13 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         if num_axes % groups or dim % groups:
             raise ValueError(f"{type(self).__name__}: groups must divide num_axes and dim, got groups={groups}, "
                              f"num_axes={num_axes}, dim={dim}")
+        try:
+            std = 1 / gamma if init == "paper" else gamma ** -2
+        except OverflowError:   # gamma ** -2 past float's range
+            std = math.inf
+        if not std < math.inf:
+            raise ValueError(f"{type(self).__name__}: gamma must leave W_r's standard deviation "
+                             f"({'1 / gamma' if init == 'paper' else 'gamma ** -2'}) finite, got gamma={gamma!r}")
         fourier_dim = dim + dim % 2 if fourier_dim is None else fourier_dim
         hidden_dim = dim if hidden_dim is None else hidden_dim
         self.num_axes, self.dim, self.groups, self.gamma, self.init = num_axes, dim, groups, gamma, init
@@ -2130,6 +2162,7 @@ class LearnableFourierPositionalEmbedding(_AddedInput):
         dtype = torch.promote_types(dtype, self.Wr.weight.dtype)
         groups = p.unflatten(-1, (self.groups, -1))                                             # [..., N, G, M]
         angles = torch.matmul(groups, self.Wr.weight.to(device=p.device, dtype=torch.float64).T)   # [..., N, G, F/2]
+        _check_finite_angles(type(self).__name__, angles)
         features = torch.cat([angles.cos(), angles.sin()], dim=-1) / math.sqrt(2 * angles.shape[-1])   # [..., N, G, F]
         return _run_mlp(self.mlp, features.to(dtype)).flatten(-2)                               # [..., N, D]
 
@@ -2167,6 +2200,7 @@ class Time2VecPositionalEmbedding(_AddedInput):
         torch.Size([1, 5, 64])
     """
 
+    explicit_axis = True
     arguments = {"activation": functools.partial(_check_choice, choices=("sin", "cos"))}
 
     def __init__(self, dim: int, *, num_axes: int = 1, activation: Literal["sin", "cos"] = "sin") -> None:
@@ -2189,6 +2223,10 @@ class Time2VecPositionalEmbedding(_AddedInput):
         tau, dtype = _coordinates(type(self).__name__, positions, self.num_axes)                # [..., N, A]
         dtype = torch.promote_types(dtype, self.omega.dtype)
         z = torch.matmul(tau, self.omega.to(torch.float64)) + self.phi.to(torch.float64)        # [..., N, D]
+        if not _skip_value_checks(z) and not ((z[..., 0].abs() <= torch.finfo(dtype).max).all()
+                                              and torch.isfinite(z[..., 1:]).all()):
+            raise ValueError(f"{type(self).__name__}: positions must keep omega . tau + phi finite in {dtype} (the "
+                             f"linear component), got times up to {tau.abs().max().item():.6g}")
         periodic = torch.sin(z[..., 1:]) if self.activation == "sin" else torch.cos(z[..., 1:])
         return torch.cat([z[..., :1], periodic], dim=-1).to(dtype)
 
@@ -2340,7 +2378,11 @@ class AbacusPositionalEmbedding(_AddedInput):
         if digit_offset is None:
             k = self._drawn_offset()                                                            # one k per call
         else:
-            k = torch.tensor(_as_int(owner, "digit_offset", digit_offset, minimum=0))
+            k = _as_int(owner, "digit_offset", digit_offset, minimum=0)
+            if k > self.max_len - 2:   # no digit (place >= 1) fits the table then; past int64 torch.tensor overflows
+                raise ValueError(f"{owner}: digit_offset must be at most max_len - 2 = {self.max_len - 2} (room for "
+                                 f"place 1), got digit_offset={k}")
+            k = torch.tensor(k)
         if k is None:
             return positions.long()
         rows = torch.where(positions > 0, positions + k.to(positions.device), positions).long()
@@ -2443,6 +2485,13 @@ class _GraphInput(_AddedInput):
     that adjacency (``graph_positions``); ``forward`` requires the positions (there is no default graph)."""
 
     positions_from = "the nodes' graph_positions(adjacency) or graph_positions(edge_index=..., num_nodes=N)"
+    explicit_axis = True
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, *, offset: int = 0) -> Tensor:
+        """``x + embed(positions)``, positions ``[..., N, A]`` as ``graph_positions`` gives them (also for A = 1)."""
+        if self.num_axes == 1 and isinstance(positions, Tensor) and positions.dim() >= 2 and positions.shape[-1] == 1:
+            positions = positions.squeeze(-1)   # [..., N, 1] -> [..., N]: one axis as the base's checks take it
+        return super().forward(x, positions, offset=offset)
 
     def structure(self, adjacency: Tensor) -> Tensor:
         raise NotImplementedError
@@ -3043,6 +3092,10 @@ class HeinsenPositionalEmbedding(PositionalEmbedding):
         if tuple(state.shape) != want:
             raise ValueError(f"{type(self).__name__}: {name} must have shape {list(want)} to continue a chunk "
                              f"of shape {list(x.shape)}, got {list(state.shape)}")
+        # a log-state: -inf is an empty state, NaN and +inf have no meaning (every output would be NaN / inf)
+        if not _skip_value_checks(state) and (state.isnan() | (state == math.inf)).any():
+            raise ValueError(f"{type(self).__name__}: {name} must be a log-state (finite, or -inf for an empty "
+                             f"state), got {state[state.isnan() | (state == math.inf)][:3].tolist()}")
         return state.to(device=x.device, dtype=dtype)
 
     def _check_width(self, name: str, output: Tensor, size: int, expected: str) -> None:

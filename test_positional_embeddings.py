@@ -2902,6 +2902,16 @@ class TestNoPE:
             nope(torch.randn(B, N, 8), offset=1.5)
 
 
+
+    def test_offset_past_the_position_range_is_a_value_error(self):
+        # arange(offset, offset + N) overflowed int64: torch's "value cannot be converted to type int64_t"
+        with pytest.raises(ValueError, match="NoPositionalEmbedding: offset must keep the default positions offset "
+                                             "\\.\\. offset \\+ N - 1 in \\[-2\\*\\*62 \\+ 1, 2\\*\\*62 - 1\\] "
+                                             "\\(as given positions\\), got offset=9223372036854775808 with N=3"):
+            NoPositionalEmbedding()(torch.randn(2, 3, 4), offset=2**63)
+        x = torch.randn(3, 4)
+        assert NoPositionalEmbedding()(x, offset=2**62 - 3) is x                          # the last that fits
+
 # ---------------------------------------------------------------------------
 # Convolutional (PEG, wav2vec 2.0)
 # ---------------------------------------------------------------------------
@@ -3014,6 +3024,15 @@ class TestConvolutional:
         assert full.shape == (1, *shape[-2:])
 
 
+    def test_one_axis_without_grid_tokens_names_x(self):
+        # the 1-D grid is taken from x: an empty x was blamed on grid_shape[0]=0, an argument not given
+        for prefix, n in ((0, 0), (1, 1)):
+            peg = ConvolutionalPositionalEmbedding(4, num_axes=1, num_prefix_tokens=prefix)
+            with pytest.raises(ValueError, match=f"ConvolutionalPositionalEmbedding: x must have tokens past "
+                                                 f"num_prefix_tokens={prefix} \\(the 1-D grid is the rest of the "
+                                                 f"sequence\\), got shape \\(2, {n}, 4\\)"):
+                peg(torch.randn(2, n, 4))
+
 # ---------------------------------------------------------------------------
 # Fourier features
 # ---------------------------------------------------------------------------
@@ -3091,6 +3110,45 @@ class TestFourierFeatures:
             pe(torch.randn(1, 16), bad)
 
 
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        pe = FourierFeaturePositionalEmbedding(1, 4, scale=0.3)
+        x, times = torch.randn(3, 1, 4), torch.tensor([[0.5], [1.25], [-2.0]])
+        want = [[math.sin(math.pi * 0.3 * t), math.cos(math.pi * 0.3 * t),
+                 math.sin(2 * math.pi * 0.3 * t), math.cos(2 * math.pi * 0.3 * t)] for t in (0.5, 1.25, -2.0)]
+        got = pe(x, times)
+        assert got.shape == (3, 1, 4)
+        torch.testing.assert_close(got, x + torch.tensor(want).unsqueeze(1), rtol=1e-6, atol=1e-6)
+
+    def test_zero_dim_positions_are_a_value_error(self):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: positions must have shape "
+                                             "\\[..., N, 1\\], got \\(\\)"):
+            FourierFeaturePositionalEmbedding(1, 4).embed(torch.tensor(1.0))
+
+
+    def test_seed_past_the_generator_range_is_a_value_error(self):
+        with pytest.raises(ValueError, match="FourierFeaturePositionalEmbedding: seed must lie in \\[-2\\*\\*63, "
+                                             "2\\*\\*64 - 1\\] \\(a torch.Generator seed\\), got seed=" + str(2**64)):
+            FourierFeaturePositionalEmbedding(1, 4, sampling="gaussian", seed=2**64)
+        edge = FourierFeaturePositionalEmbedding(1, 4, sampling="gaussian", seed=2**64 - 1)
+        torch.testing.assert_close(edge.B, torch.randn(2, 1, generator=torch.Generator().manual_seed(2**64 - 1),
+                                                       dtype=torch.float64), rtol=0, atol=0)
+
+
+    def test_overflowing_angles_are_a_value_error(self):
+        # 1025 octaves: the top band 2**1024 pi is inf in float64, so every feature was NaN (0 * inf); huge
+        # float64 positions overflowed the angle likewise
+        match = "FourierFeaturePositionalEmbedding: positions times the frequencies must stay finite in float64 \\(cos / sin of inf is NaN\\)"
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 2050).embed(torch.tensor([0.0, 0.5]))
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 8).embed(torch.tensor([1e308], dtype=torch.float64))
+        with pytest.raises(ValueError, match=match):
+            FourierFeaturePositionalEmbedding(1, 8, sampling="gaussian", scale=1e300).embed(
+                torch.tensor([1e300], dtype=torch.float64))
+        assert torch.isfinite(FourierFeaturePositionalEmbedding(1, 2046).embed(torch.tensor([0.0, 0.5]))).all()
+
 # ---------------------------------------------------------------------------
 # Learnable Fourier features
 # ---------------------------------------------------------------------------
@@ -3167,6 +3225,35 @@ class TestLearnableFourier:
             LearnableFourierPositionalEmbedding(2, 8)(torch.randn(1, 5, 8))
 
 
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        torch.manual_seed(0)
+        pe = LearnableFourierPositionalEmbedding(1, 6, fourier_dim=4, hidden_dim=5)
+        x, times = torch.randn(3, 1, 6), torch.tensor([[0.5], [1.25], [-2.0]])
+        got = pe(x, times)
+        assert got.shape == (3, 1, 6)
+        want = learnable_fourier_oracle(pe, times).float().unsqueeze(1)                     # [3, 1, 6]
+        torch.testing.assert_close(got, x + want, rtol=1e-5, atol=1e-5)
+
+
+    def test_gamma_whose_std_overflows_is_a_value_error(self):
+        # init="port": gamma ** -2 raised Python's OverflowError in reset_parameters
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: gamma must leave W_r's standard "
+                                             "deviation \\(gamma \\*\\* -2\\) finite, got gamma=1e-200"):
+            LearnableFourierPositionalEmbedding(1, 4, gamma=1e-200, init="port")
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: gamma must leave W_r's standard "
+                                             "deviation \\(1 / gamma\\) finite, got gamma=5e-324"):
+            LearnableFourierPositionalEmbedding(1, 4, gamma=5e-324)
+
+
+    def test_overflowing_angles_are_a_value_error(self):
+        pe = LearnableFourierPositionalEmbedding(1, 4)
+        with torch.no_grad():
+            pe.Wr.weight.fill_(10.0)
+        with pytest.raises(ValueError, match="LearnableFourierPositionalEmbedding: positions times the frequencies must stay finite in float64 \\(cos / sin of inf is NaN\\)"):
+            pe.embed(torch.tensor([1e308], dtype=torch.float64))                       # NaN features before
+
 # ---------------------------------------------------------------------------
 # Time2Vec
 # ---------------------------------------------------------------------------
@@ -3238,6 +3325,29 @@ class TestTime2Vec:
         with pytest.raises(TypeError, match="Time2VecPositionalEmbedding: positions must be an integer or float tensor"):
             Time2VecPositionalEmbedding(4).embed(torch.tensor([True]))
 
+
+
+    def test_one_token_batched_positions_stay_per_row(self):
+        # [B, 1] positions of x [B, 1, D] used to reach embed as [N=B, A=1]: the output broadcast to [B, B, D]
+        pe = Time2VecPositionalEmbedding(5)
+        x, times = torch.randn(3, 1, 5), torch.tensor([[0.5], [1.25], [-2.0]])
+        got = pe(x, times)
+        assert got.shape == (3, 1, 5)
+        torch.testing.assert_close(got, x + time2vec_oracle(pe, times).float().unsqueeze(1), rtol=1e-6, atol=1e-6)
+
+
+    def test_times_overflowing_the_linear_component_are_a_value_error(self):
+        # omega_0 * tau past float32's range gave an inf feature silently (float64 times: NaN-free but inf)
+        pe = Time2VecPositionalEmbedding(4)
+        with torch.no_grad():
+            pe.omega.fill_(2.0)
+        with pytest.raises(ValueError, match="Time2VecPositionalEmbedding: positions must keep omega \\. tau \\+ phi "
+                                             "finite in torch.float32 \\(the linear component\\), got times up to 3e\\+38"):
+            pe.embed(torch.tensor([3e38, 0.0]))
+        with pytest.raises(ValueError, match="Time2VecPositionalEmbedding: positions must keep omega \\. tau \\+ phi "
+                                             "finite in torch.float64"):
+            pe.embed(torch.tensor([1e308, 0.0], dtype=torch.float64))
+        assert torch.isfinite(pe.embed(torch.tensor([1e38, 0.0]))).all()                 # 2e38 still fits float32
 
 # ---------------------------------------------------------------------------
 # Numbers: Abacus embeddings, digit places for position coupling
@@ -3370,6 +3480,17 @@ class TestAbacus:
         with pytest.raises(ValueError, match="digit_positions: count_from must be one of 'start', 'end'"):
             digit_positions(torch.tensor([1, 2]), range(10), count_from="left")
 
+
+
+    def test_digit_offset_past_the_table_is_a_value_error(self):
+        # 2**63 raised torch's "Overflow when unpacking long long"
+        abacus = AbacusPositionalEmbedding(4, range(10), max_len=16, max_k=5)
+        for k in (15, 2**63):
+            with pytest.raises(ValueError, match=f"AbacusPositionalEmbedding: digit_offset must be at most max_len - 2 "
+                                                 f"= 14 \\(room for place 1\\), got digit_offset={k}"):
+                abacus.embed(torch.tensor([1, 0]), digit_offset=k)
+        torch.testing.assert_close(abacus.embed(torch.tensor([1, 0]), digit_offset=14),
+                                   abacus.embedding.weight[[15, 0]], rtol=0, atol=0)
 
 # ---------------------------------------------------------------------------
 # Graphs: Laplacian eigenvectors, random walks
@@ -3637,6 +3758,20 @@ class TestGraphEncodings:
         with pytest.raises(ValueError, match="RandomWalkPositionalEmbedding: positions must have shape \\[3, 2\\]"):
             RandomWalkPositionalEmbedding(8, 2)(torch.randn(3, 8), torch.rand(3, 5))
 
+
+
+    @pytest.mark.parametrize("cls", [RandomWalkPositionalEmbedding, LaplacianPositionalEmbedding])
+    def test_one_axis_takes_graph_positions_as_given(self, cls):
+        # k = 1: graph_positions gives [N, 1], which forward refused ("must have shape [N]"); [B, N, 1] too
+        pe = cls(4, 1).eval()
+        ring = torch.tensor([[0, 1, 2, 1, 2, 0], [1, 2, 0, 0, 1, 2]])
+        nodes = pe.graph_positions(edge_index=ring, num_nodes=3)                          # [3, 1]
+        assert nodes.shape == (3, 1)
+        proj = pe.proj
+        want = (nodes.double() @ proj.weight.double().T + proj.bias.double()).float()      # [3, 4]
+        x = torch.randn(2, 3, 4)
+        torch.testing.assert_close(pe(x[0], nodes), x[0] + want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pe(x, torch.stack([nodes, nodes])), x + want, rtol=1e-6, atol=1e-6)
 
 # ---------------------------------------------------------------------------
 # Heinsen: the log-space scan, streaming, packed documents, second derivatives, forward mode
@@ -4152,6 +4287,22 @@ class TestHeinsen:
 # Q/K rotation kind: rotates queries and keys
 # ===========================================================================
 
+
+    def test_non_finite_state_is_a_value_error(self):
+        # a NaN or +inf log-state ran, every output NaN / inf; -inf (an empty state) stays valid
+        torch.manual_seed(0)
+        pe = HeinsenPositionalEmbedding(4, 3).double()
+        x = torch.randn(2, 5, 4, dtype=torch.float64)
+        for bad in (float("nan"), float("inf")):
+            state = torch.zeros(2, 1, 3, dtype=torch.float64)
+            state[1, 0, 2] = bad
+            with pytest.raises(ValueError, match=f"HeinsenPositionalEmbedding: state must be a log-state \\(finite, or "
+                                                 f"-inf for an empty state\\), got \\[{bad}\\]"):
+                pe(x, state=state)
+        empty = pe(x, state=torch.full((2, 1, 3), float("-inf"), dtype=torch.float64))
+        _, s = pe(x[:, :1], return_state=True)
+        torch.testing.assert_close(pe(x[:, 1:], state=s), pe(x)[:, 1:], rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(empty).all()
 
 # ---------------------------------------------------------------------------
 # Rotary (+ from_config against transformers, and the from_config census of every model type)
