@@ -8415,20 +8415,26 @@ class _ExplicitLogits(_AttentionEncoding):
         positions_q, positions_k = _call_positions(self, q, k, positions_q, positions_k, call)
         k, v = _per_query_head(q, k), _per_query_head(q, v)
         q_len, k_len = q.shape[-2], k.shape[-2]
-        logits = self.full_precision_logits(q, k, positions_q, positions_k, scale=call.scale)  # [B, H, Nq, Nk] float32
+        encoding = self._for_documents(call.document_ids, k_len)
+        logits = encoding.full_precision_logits(q, k, positions_q, positions_k, scale=call.scale)  # [B, H, Nq, Nk] f32
         mask = _merge_masks(None, call.mask(q), call.causal, q_len, k_len, logits.dtype, q.device)
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
         if call.sinks is None:
-            weights = self.attention_weights(logits)                                      # [B, H, Nq, Nk]
+            weights = encoding.attention_weights(logits)                                  # [B, H, Nq, Nk]
         else:
             column = call.sinks.to(logits.dtype).reshape(-1, 1, 1).expand(*logits.shape[:-1], 1)   # [B, H, Nq, 1]
-            weights = self.attention_weights(torch.cat([logits, column], dim=-1))[..., :k_len]
+            weights = encoding.attention_weights(torch.cat([logits, column], dim=-1))[..., :k_len]
         if call.dropout_p > 0.0:
             weights = F.dropout(weights, p=call.dropout_p)
         out = torch.matmul(weights.to(v.dtype), v)                                        # [B, H, Nq, Dv]
-        extra = self.attention_values(weights, positions_q, positions_k)                  # [B, H, Nq, Dv] or None
+        extra = encoding.attention_values(weights, positions_q, positions_k)              # [B, H, Nq, Dv] or None
         return out if extra is None else out + extra.to(out.dtype)
+
+    def _for_documents(self, document_ids: Optional[Tensor], k_len: int) -> "_ExplicitLogits":
+        """This encoding for the packed documents ``document_ids`` of an ``attention()`` call: itself, unless what
+        it binds reads across tokens (PaTH's short convolution restarts at every document)."""
+        return self
 
     def full_precision_logits(self, q: Tensor, k: Tensor, positions_q: Optional[Tensor] = None,
                               positions_k: Optional[Tensor] = None, *, scale: Optional[float] = None) -> Tensor:
@@ -9793,13 +9799,12 @@ class PaTHPositionalEmbedding(_BoundTokens, _ExplicitLogits):
 
     # -- the logits ---------------------------------------------------------------------
 
-    def _attention(self, q, k, v, positions_q, positions_k, call):
-        if call.document_ids is None or self.states is None or self.w_conv1d is None:
-            return super()._attention(q, k, v, positions_q, positions_k, call)
-        # packed documents: the transitions of the keys with the convolution restarted per document
-        w, beta = self._transitions(self.states[..., :k.shape[-2], :], call.document_ids)
-        restarted = self._bound_copy(states=self.states, w=w, beta=beta)
-        return super(PaTHPositionalEmbedding, restarted)._attention(q, k, v, positions_q, positions_k, call)
+    def _for_documents(self, document_ids, k_len):
+        if document_ids is None or self.states is None or self.w_conv1d is None:
+            return self
+        # packed documents: the keys' transitions with the convolution restarted per document
+        w, beta = self._transitions(self.states[..., :k_len, :], document_ids)
+        return self._bound_copy(states=self.states, w=w, beta=beta)
 
     def logits(self, q, k, positions_q, positions_k, scale):
         q_len, k_len = q.shape[-2], k.shape[-2]
@@ -10064,6 +10069,10 @@ class RandomizedPositionalEmbedding(PositionalEmbedding):
 
     def attention_weights(self, logits):
         return self.encoding.attention_weights(logits)
+
+    def _for_documents(self, document_ids, k_len):
+        # itself: the encodings it wraps take positions, none binds token states read across documents (PaTH's)
+        return self
 
 
 # ---------------------------------------------------------------------------
